@@ -1,0 +1,38 @@
+"""cherenkov: a search-based kernel superoptimiser.
+
+Write a computation from a dozen primitive tensor ops; e-graph rewrites derive fused
+kernel forms (flash attention from naive ``softmax(q kᵀ) v``) and their schedules; each
+candidate becomes CUDA C++, is compiled, checked and timed; the fastest correct one wins.
+This module is the public API; everything else is an implementation detail.
+"""
+
+from cherenkov.graph import (
+    PRIMITIVES,
+    Graph,
+    GraphError,
+    Tensor,
+    arange,
+    cat,
+    constant,
+    evaluate,
+    matmul,
+    nn,
+    where,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRIMITIVES",
+    "Graph",
+    "GraphError",
+    "Tensor",
+    "__version__",
+    "arange",
+    "cat",
+    "constant",
+    "evaluate",
+    "matmul",
+    "nn",
+    "where",
+]

@@ -1,0 +1,67 @@
+"""Asynchronous global→shared copies (``cp.async``, sm_80+) and the cooperative tile loader.
+
+Every copy moves 16 bytes and bypasses L1 (``.cg``). Rows past the end of a sequence are
+zero-filled through the src-size operand (0 bytes read, 16 written as zero) with the
+source address clamped to a valid row, so tails need no separate path and never feed
+garbage (possibly NaN) into the mma. Copies are grouped with ``commit_group`` and waited
+for with ``wait_group N`` (at most N groups still in flight).
+
+The tile loader needs ``THREADS``, ``HEAD_DIM``, ``CHUNKS_PER_ROW`` and ``smem_offset``.
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda.text import block
+
+
+def emit_cp_async() -> str:
+    """The three cp.async primitives."""
+    return block(
+        """
+        // Copy 16 bytes global -> shared without blocking; in_range = false writes 16 zero bytes.
+        __device__ __forceinline__ void cp_async_16(u32 smem_addr, const void* gmem, bool in_range) {
+            const int src_bytes = in_range ? 16 : 0;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"
+                         :: "r"(smem_addr), "l"(gmem), "r"(src_bytes) : "memory");
+        }
+
+        // Close the current group of cp.async copies.
+        __device__ __forceinline__ void cp_async_commit() {
+            asm volatile("cp.async.commit_group;\\n" ::: "memory");
+        }
+
+        // Wait until at most N committed groups are still in flight.
+        template <int N>
+        __device__ __forceinline__ void cp_async_wait() {
+            asm volatile("cp.async.wait_group %0;\\n" :: "n"(N) : "memory");
+        }
+        """
+    )
+
+
+def emit_tile_loader() -> str:
+    """``load_tile<ROWS, GUARD>``: the whole block copies a ``ROWS × HEAD_DIM`` tile, coalesced."""
+    return block(
+        """
+        // Copy rows [0, ROWS) of a row-major ROWS x HEAD_DIM tile into shared memory. Thread t
+        // always copies chunk t % CHUNKS_PER_ROW of rows t / CHUNKS_PER_ROW + i * ROWS_PER_PASS:
+        // consecutive threads read consecutive 16 bytes of a row (coalesced), and every address
+        // is one per-thread base plus a compile-time offset. With GUARD, rows >= valid_rows are
+        // zero-filled (reading nothing; the source is clamped to row 0).
+        template <int ROWS, bool GUARD>
+        __device__ __forceinline__ void load_tile(u32 smem_tile, const elem_t* gmem_rows, int valid_rows) {
+            constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
+            static_assert(ROWS % ROWS_PER_PASS == 0, "tile rows must split evenly over threads");
+            const int chunk = int(threadIdx.x) % CHUNKS_PER_ROW;
+            const int first_row = int(threadIdx.x) / CHUNKS_PER_ROW;
+            const elem_t* first_src = gmem_rows + first_row * HEAD_DIM + 8 * chunk;
+            #pragma unroll
+            for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
+                const int row = first_row + i * ROWS_PER_PASS;
+                const bool in_range = !GUARD || row < valid_rows;
+                const elem_t* src = in_range ? first_src + i * ROWS_PER_PASS * HEAD_DIM : gmem_rows;
+                cp_async_16(smem_tile + smem_offset(row, chunk), src, in_range);
+            }
+        }
+        """
+    )

@@ -1,0 +1,485 @@
+"""The mma.sync flash-attention kernel family (sm_80 … sm_120): one plan → one ``__global__``.
+
+``o = softmax(scale · q kᵀ [causal mask]) v`` for BHSD-contiguous q, k, v, o. One block
+computes ``BLOCK_Q`` query rows of one (batch, head); its warps own ``ROWS_PER_WARP`` rows
+each. Q is loaded once (kept as mma fragments in registers when they fit, see
+:func:`cherenkov.codegen.plan.keeps_q_in_registers`), K/V tiles stream through the cp.async
+ring of :mod:`.pipeline`; per key tile a warp computes S = Q Kᵀ (fp32), folds it into the
+online softmax (:mod:`.softmax`), re-packs the probabilities as the A operands of P·V
+without leaving registers and accumulates O in fp32. Causal blocks visit key tiles up to
+their diagonal only, and apply per-element masks only on the diagonal (and Skv-tail) tiles.
+The output is normalised, staged in the (now free) Q tile and written with 16-byte stores.
+
+Specialisation: every problem value (B, H, Hkv, Sq, Skv, D, dtype, causal, GQA group,
+scale) and every schedule value is a compile-time constant, so a kernel serves exactly one
+problem shape; tail handling compiles away when the lengths are multiples of the tiles.
+Launch: grid ``(ceil(Sq / BLOCK_Q), H, B)`` (causal: block x takes the query tile counted
+from the end, longest first), ``THREADS`` threads, ``SMEM_BYTES`` of dynamic shared memory,
+arguments ``(q, k, v, o)`` device pointers.
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda import cp_async, ldmatrix, mma, softmax, swizzle
+from cherenkov.codegen.cuda.pipeline import KvPipeline
+from cherenkov.codegen.cuda.text import (
+    block,
+    bool_literal,
+    comment_text,
+    float_literal,
+    identifier,
+    indent,
+    section,
+)
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.codegen.plan import FlashLayout, FlashTiling, KernelPlan
+from cherenkov.rewrites.plan import flash_schedule_problems
+
+LOG2E = 1.4426950408889634
+
+
+def kernel_name(plan: KernelPlan) -> str:
+    """The ``extern "C"`` name of a plan's kernel, e.g. ``flash_attention_q128_kv64_w4_s2_split_swz_x4``."""
+    return identifier(f"flash_attention_{plan.schedule.key()}")
+
+
+def softmax_scale(plan: KernelPlan) -> float:
+    """The plan's scale, ``head_dim ** -0.5`` when the problem leaves it at 0."""
+    scale = plan.problem.scale or plan.problem.head_dim**-0.5
+    if scale <= 0:
+        raise CodegenError(f"softmax scale {plan.problem.scale} must be positive (or 0 for head_dim ** -0.5)")
+    return scale
+
+
+def flash_attention_source(plan: KernelPlan) -> str:
+    """Deterministic CUDA C++ of one flash-attention plan (same plan → same bytes)."""
+    _check(plan)
+    layout = FlashLayout.from_plan(plan)
+    tiling = FlashTiling.from_plan(plan)
+    pipeline = KvPipeline(plan.schedule.stages, plan.schedule.kv_split)
+    dtype = plan.problem.dtype
+    parts = [
+        _header(plan, layout, tiling),
+        section("types", _types(dtype)),
+        section("problem and schedule constants", _constants(plan, tiling)),
+        section("shared-memory layout", _layout_constants(layout), swizzle.emit_tile_addressing(layout.swizzle),
+                swizzle.emit_shared_access()),
+        section("cp.async copies", cp_async.emit_cp_async(), cp_async.emit_tile_loader()),
+        section("ldmatrix fragments", ldmatrix.emit_ldmatrix_primitives(plan.schedule.ldmatrix_x),
+                ldmatrix.emit_fragment_loaders(plan.schedule.ldmatrix_x)),
+        section("tensor-core mma", mma.emit_mma(dtype), mma.emit_pack(dtype)),
+        section("online softmax", softmax.emit_math_helpers(), softmax.emit_online_softmax(),
+                softmax.emit_row_finish()),
+        section(f"cp.async pipeline: {plan.schedule.stages} stage(s), K/V "
+                f"{'split' if plan.schedule.kv_split else 'joint'}", pipeline.emit()),
+        section("one key tile", _q_fragments(tiling), _row_state(), _compute_scores(), _mask_scores(),
+                _pack_probabilities(), _accumulate_values(), _attend_tile()),
+        section("epilogue", _store_output()),
+        section("kernel", _kernel(plan, tiling)),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _check(plan: KernelPlan) -> None:
+    if plan.kind != "flash_attention":
+        raise CodegenError(f"plan kind {plan.kind!r} is not flash_attention")
+    p = plan.problem
+    problems = flash_schedule_problems(plan.schedule, p, plan.target)
+    if problems:
+        raise CodegenError(f"invalid flash-attention plan {plan.name}: {'; '.join(problems)}")
+    if min(p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_kv) < 1 or p.heads % p.kv_heads:
+        raise CodegenError(
+            f"attention shape B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv}: "
+            "every size must be positive and kv_heads must divide heads"
+        )
+    for name in (p.q, p.k, p.v, p.out):
+        identifier(name)
+    softmax_scale(plan)
+
+
+def _header(plan: KernelPlan, layout: FlashLayout, tiling: FlashTiling) -> str:
+    p, s = plan.problem, plan.schedule
+    names = ", ".join(identifier(n) for n in (p.q, p.k, p.v, p.out))
+    lines = [
+        f"Generated by cherenkov: flash attention, plan {identifier(plan.name)} for {identifier(plan.target.name)}.",
+        f"{identifier(p.out)} = softmax(scale * {identifier(p.q)} {identifier(p.k)}^T"
+        f"{' + causal mask' if p.causal else ''}) {identifier(p.v)}; tensors ({names}) BHSD contiguous.",
+        f"Problem: B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv} D={p.head_dim} "
+        f"{p.dtype}{' causal' if p.causal else ''} scale={softmax_scale(plan):.9g}.",
+        f"Schedule: {s.key()}: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} warps={s.warps} stages={s.stages} "
+        f"kv_split={s.kv_split} swizzle={s.swizzle} ldmatrix x{s.ldmatrix_x}; "
+        f"Q fragments in {'registers' if tiling.q_in_registers else 'shared memory'}.",
+        f"Shared memory: {layout.total_bytes} bytes, layout {layout.swizzle_pattern}.",
+        "Every problem and schedule value is a compile-time constant: this kernel serves one shape.",
+        f"Launch: grid ({tiling.q_tiles}, {p.heads}, {p.batch}), {s.threads} threads, "
+        f"{layout.total_bytes} bytes dynamic shared memory, args (q, k, v, o).",
+    ]
+    return "\n".join(f"// {comment_text(line)}" for line in lines)
+
+
+def _types(dtype: str) -> str:
+    return block(
+        f"""
+        typedef unsigned int u32;
+        typedef unsigned short elem_t;  // the bits of one {dtype} element
+        """
+    )
+
+
+def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
+    p, s = plan.problem, plan.schedule
+    scale = softmax_scale(plan)
+    return block(
+        f"""
+        constexpr int BATCH = {p.batch};
+        constexpr int HEADS = {p.heads};
+        constexpr int KV_HEADS = {p.kv_heads};
+        constexpr int GROUP = {p.group_size};  // query heads per K/V head
+        constexpr int SEQ_Q = {p.seq_q};
+        constexpr int SEQ_KV = {p.seq_kv};
+        constexpr int HEAD_DIM = {p.head_dim};
+        constexpr bool CAUSAL = {bool_literal(p.causal)};
+        constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
+
+        constexpr int BLOCK_Q = {s.block_q};
+        constexpr int BLOCK_KV = {s.block_kv};
+        constexpr int WARPS = {s.warps};
+        constexpr int THREADS = {s.threads};
+        constexpr int ROWS_PER_WARP = {s.rows_per_warp};
+        constexpr int STAGES = {s.stages};
+        constexpr int M_TILES = {tiling.m_tiles};     // m16 tiles of query rows per warp
+        constexpr int KV_NTILES = {tiling.kv_ntiles};   // n8 tiles of S per key tile
+        constexpr int KV_STEPS = {tiling.kv_steps};    // k16 steps of P*V per key tile
+        constexpr int D_NTILES = {tiling.d_ntiles};    // n8 tiles of O
+        constexpr int D_STEPS = {tiling.d_steps};     // k16 steps of Q*K^T
+        constexpr int Q_TILES = {tiling.q_tiles};
+        constexpr int KV_TILES = {tiling.kv_tiles};
+        constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;
+        constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;
+        constexpr bool NEEDS_MASK = CAUSAL || KV_TAIL;
+        """
+    )
+
+
+def _layout_constants(layout: FlashLayout) -> str:
+    return block(
+        f"""
+        // [Q tile | stage 0: K, V | stage 1: K, V | ...], rows of ROW_BYTES, {layout.swizzle_pattern}.
+        constexpr u32 ROW_BYTES = {layout.row_bytes};
+        constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks
+        constexpr u32 Q_SMEM = {layout.q_offset};
+        constexpr u32 K_SMEM = {layout.k_offset(0)};  // K tile of stage s at K_SMEM + s * STAGE_BYTES
+        constexpr u32 V_SMEM = {layout.v_offset(0)};  // V tile of stage s at V_SMEM + s * STAGE_BYTES
+        constexpr u32 STAGE_BYTES = {layout.stage_bytes};
+        constexpr u32 SMEM_BYTES = {layout.total_bytes};
+        """
+    )
+
+
+def _q_fragments(tiling: FlashTiling) -> str:
+    if tiling.q_in_registers:
+        return block(
+            """
+            // The warp's Q rows as mma A fragments, loaded once and kept in registers.
+            struct QFragments {
+                u32 frag[M_TILES][D_STEPS][4];
+
+                __device__ __forceinline__ void init(u32 q_tile, int warp_row0, int lane) {
+                    #pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {
+                        #pragma unroll
+                        for (int kk = 0; kk < D_STEPS; ++kk) {
+                            load_a(frag[m][kk], q_tile, warp_row0 + 16 * m, kk, lane);
+                        }
+                    }
+                }
+
+                __device__ __forceinline__ void get(u32 (&a)[4], int m, int kk, int) const {
+                    a[0] = frag[m][kk][0]; a[1] = frag[m][kk][1]; a[2] = frag[m][kk][2]; a[3] = frag[m][kk][3];
+                }
+            };
+            """
+        )
+    return block(
+        """
+        // The warp's Q rows, re-read from the shared Q tile as mma A fragments at every step.
+        struct QFragments {
+            u32 q_tile;
+            int warp_row0;
+
+            __device__ __forceinline__ void init(u32 tile, int row0, int) {
+                q_tile = tile;
+                warp_row0 = row0;
+            }
+
+            __device__ __forceinline__ void get(u32 (&a)[4], int m, int kk, int lane) const {
+                load_a(a, q_tile, warp_row0 + 16 * m, kk, lane);
+            }
+        };
+        """
+    )
+
+
+def _row_state() -> str:
+    return block(
+        """
+        // This thread's running softmax state: O accumulators (fp32), row max, partial row sum.
+        struct RowState {
+            float o[M_TILES][D_NTILES][4];
+            float row_max[M_TILES][2];
+            float row_sum[M_TILES][2];
+
+            __device__ __forceinline__ void init() {
+                #pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {
+                    #pragma unroll
+                    for (int d = 0; d < D_NTILES; ++d) {
+                        o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.0f;
+                    }
+                    row_max[m][0] = row_max[m][1] = neg_inf();
+                    row_sum[m][0] = row_sum[m][1] = 0.0f;
+                }
+            }
+        };
+        """
+    )
+
+
+def _compute_scores() -> str:
+    return block(
+        """
+        // S = Q K^T (raw, unscaled) for the warp's rows and the BLOCK_KV keys of `k_tile`.
+        // Each K fragment pair is loaded once and used by every m16 tile of the warp.
+        __device__ __forceinline__ void compute_scores(float (&s)[M_TILES][KV_NTILES][4], const QFragments& q,
+                                                       u32 k_tile, int lane) {
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                #pragma unroll
+                for (int n = 0; n < KV_NTILES; ++n) {
+                    s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+                }
+            }
+            #pragma unroll
+            for (int kk = 0; kk < D_STEPS; ++kk) {
+                u32 a[M_TILES][4];
+                #pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {
+                    q.get(a[m], m, kk, lane);
+                }
+                #pragma unroll
+                for (int np = 0; np < KV_NTILES / 2; ++np) {
+                    u32 b[4];
+                    load_b_k(b, k_tile, 16 * np, kk, lane);
+                    #pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {
+                        mma_16816(s[m][2 * np], a[m], b[0], b[1]);
+                        mma_16816(s[m][2 * np + 1], a[m], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        """
+    )
+
+
+def _mask_scores() -> str:
+    return block(
+        """
+        // -inf for keys past SEQ_KV and, when causal, keys after the query (key > row).
+        // Called only for the diagonal and Skv-tail tiles.
+        __device__ __forceinline__ void mask_scores(float (&s)[M_TILES][KV_NTILES][4], int row0, int key0, int lane) {
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                #pragma unroll
+                for (int n = 0; n < KV_NTILES; ++n) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = row0 + 16 * m + (lane >> 2) + 8 * (e >> 1);
+                        const int key = key0 + 8 * n + 2 * (lane & 3) + (e & 1);
+                        if ((KV_TAIL && key >= SEQ_KV) || (CAUSAL && key > row)) {
+                            s[m][n][e] = neg_inf();
+                        }
+                    }
+                }
+            }
+        }
+        """
+    )
+
+
+def _pack_probabilities() -> str:
+    return block(
+        """
+        // P as the A operands of P*V, straight from the S accumulators: n8 tiles 2kk and 2kk+1
+        // of S are the k16 step kk of P.
+        __device__ __forceinline__ void pack_probabilities(const float (&s)[M_TILES][KV_NTILES][4],
+                                                           u32 (&p)[M_TILES][KV_STEPS][4]) {
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                #pragma unroll
+                for (int kk = 0; kk < KV_STEPS; ++kk) {
+                    p[m][kk][0] = pack2(s[m][2 * kk][0], s[m][2 * kk][1]);
+                    p[m][kk][1] = pack2(s[m][2 * kk][2], s[m][2 * kk][3]);
+                    p[m][kk][2] = pack2(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+                    p[m][kk][3] = pack2(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+                }
+            }
+        }
+        """
+    )
+
+
+def _accumulate_values() -> str:
+    return block(
+        """
+        // O += P V for the BLOCK_KV keys of `v_tile`; each V fragment pair serves every m16 tile.
+        __device__ __forceinline__ void accumulate_values(float (&o)[M_TILES][D_NTILES][4],
+                                                          const u32 (&p)[M_TILES][KV_STEPS][4], u32 v_tile, int lane) {
+            #pragma unroll
+            for (int kk = 0; kk < KV_STEPS; ++kk) {
+                #pragma unroll
+                for (int dp = 0; dp < D_NTILES / 2; ++dp) {
+                    u32 b[4];
+                    load_b_v(b, v_tile, kk, 16 * dp, lane);
+                    #pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {
+                        mma_16816(o[m][2 * dp], p[m][kk], b[0], b[1]);
+                        mma_16816(o[m][2 * dp + 1], p[m][kk], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        """
+    )
+
+
+def _attend_tile() -> str:
+    return block(
+        """
+        // One main-loop step: key tile j (in pipeline stage `slot`) folded into the state.
+        // MASK: apply the causal / Skv-tail mask (diagonal and tail tiles only).
+        template <bool MASK>
+        __device__ __forceinline__ void attend_tile(RowState& state, const QFragments& q, u32 smem,
+                                                    const elem_t* k_head, const elem_t* v_head,
+                                                    int j, int slot, int n_tiles, int row0, int lane) {
+            const u32 k_tile = smem + K_SMEM + u32(slot) * STAGE_BYTES;
+            const u32 v_tile = smem + V_SMEM + u32(slot) * STAGE_BYTES;
+
+            pipeline_wait_k(smem, k_head, v_head, j, slot, n_tiles);
+            float s[M_TILES][KV_NTILES][4];
+            compute_scores(s, q, k_tile, lane);
+            if constexpr (MASK) {
+                mask_scores(s, row0, j * BLOCK_KV, lane);
+            }
+            online_softmax(s, state.o, state.row_max, state.row_sum);
+            u32 p[M_TILES][KV_STEPS][4];
+            pack_probabilities(s, p);
+
+            pipeline_wait_v(smem, k_head, v_head, j, slot, n_tiles);
+            accumulate_values(state.o, p, v_tile, lane);
+        }
+        """
+    )
+
+
+def _store_output() -> str:
+    return block(
+        """
+        // Normalise O by the row sums, stage the warp's rows (as elem_t) in its own rows of the
+        // Q tile, then copy them out with 16-byte stores; rows past SEQ_Q are not written.
+        __device__ __forceinline__ void store_output(const RowState& state, u32 q_tile, elem_t* o_block,
+                                                     int q0, int warp_row0, int lane) {
+            float inv_sum[M_TILES][2];
+            row_inverse_sums(state.row_sum, inv_sum);
+            __syncwarp();  // the warp's last reads of its Q rows are done
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                #pragma unroll
+                for (int d = 0; d < D_NTILES; ++d) {
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = warp_row0 + 16 * m + (lane >> 2) + 8 * h;
+                        const u32 packed = pack2(state.o[m][d][2 * h] * inv_sum[m][h],
+                                                 state.o[m][d][2 * h + 1] * inv_sum[m][h]);
+                        st_shared_b32(q_tile + smem_offset(row, d) + 4 * (lane & 3), packed);
+                    }
+                }
+            }
+            __syncwarp();
+            #pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP * CHUNKS_PER_ROW / 32; ++i) {
+                const int c = 32 * i + lane;
+                const int row = warp_row0 + c / CHUNKS_PER_ROW;
+                const int chunk = c % CHUNKS_PER_ROW;
+                if (!Q_TAIL || q0 + row < SEQ_Q) {
+                    const uint4 value = ld_shared_v4(q_tile + smem_offset(row, chunk));
+                    *reinterpret_cast<uint4*>(o_block + size_t(row) * HEAD_DIM + 8 * chunk) = value;
+                }
+            }
+        }
+        """
+    )
+
+
+def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
+    q_init = "q_frags.init(smem + Q_SMEM, warp_row0, lane);"
+    if tiling.q_in_registers:
+        q_init = "pipeline_wait_q();  // Q fragments are read once, into registers\n" + q_init
+    name = kernel_name(plan)
+    head = (
+        f'extern "C" __global__ void __launch_bounds__(THREADS, 1)\n'
+        f"{name}(const elem_t* __restrict__ q, const elem_t* __restrict__ k,\n"
+        f"{' ' * (len(name) + 1)}const elem_t* __restrict__ v, elem_t* __restrict__ o) {{\n"
+    )
+    body = block(
+            """
+            extern __shared__ __align__(128) unsigned char smem_raw[];
+            const u32 smem = u32(__cvta_generic_to_shared(smem_raw));
+            const int lane = int(threadIdx.x) & 31;
+            const int warp_row0 = (int(threadIdx.x) >> 5) * ROWS_PER_WARP;
+
+            // This block's query tile (causal: the longest tiles are scheduled first), head and
+            // batch; query head h reads K/V head h / GROUP.
+            const int q_tile = CAUSAL ? Q_TILES - 1 - int(blockIdx.x) : int(blockIdx.x);
+            const int head = int(blockIdx.y);
+            const int batch = int(blockIdx.z);
+            const int kv_head = head / GROUP;
+            const int q0 = q_tile * BLOCK_Q;
+            const size_t q_rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
+            const elem_t* k_head = k + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
+            const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
+
+            // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
+            // how many of them need no mask (wholly below the diagonal and inside SEQ_KV).
+            const int n_tiles = CAUSAL ? min(KV_TILES, (min(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+            const int n_unmasked = CAUSAL ? min(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
+
+            // Prologue: Q tile (first group), then the pipeline's prefetch.
+            load_tile<BLOCK_Q, Q_TAIL>(smem + Q_SMEM, q + q_rows * HEAD_DIM, SEQ_Q - q0);
+            cp_async_commit();
+            pipeline_prologue(smem, k_head, v_head, n_tiles);
+            QFragments q_frags;
+            @Q_INIT@
+            RowState state;
+            state.init();
+
+            // Main loop: unmasked tiles, then (causal diagonal, Skv tail) masked ones.
+            int slot = 0;
+            #pragma unroll 1
+            for (int j = 0; j < n_unmasked; ++j) {
+                attend_tile<false>(state, q_frags, smem, k_head, v_head, j, slot, n_tiles, q0 + warp_row0, lane);
+                slot = slot + 1 == STAGES ? 0 : slot + 1;
+            }
+            if constexpr (NEEDS_MASK) {
+                #pragma unroll 1
+                for (int j = n_unmasked; j < n_tiles; ++j) {
+                    attend_tile<true>(state, q_frags, smem, k_head, v_head, j, slot, n_tiles, q0 + warp_row0, lane);
+                    slot = slot + 1 == STAGES ? 0 : slot + 1;
+                }
+            }
+            cp_async_wait<0>();  // only empty groups remain
+
+            store_output(state, smem + Q_SMEM, o + q_rows * HEAD_DIM, q0, warp_row0, lane);
+            """
+        ).replace("@Q_INIT@", q_init)
+    return head + indent(body) + "\n}"

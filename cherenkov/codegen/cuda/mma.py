@@ -1,0 +1,47 @@
+"""Tensor-core matrix multiply-accumulate (``mma.sync.aligned.m16n8k16``) and operand packing.
+
+Fragment layout (lane ``l``, ``g = l / 4``, ``t = l % 4``): A 16×16 in four b32 registers,
+a[0] (row g, k 2t..2t+1), a[1] (row g+8, same k), a[2] (row g, k 2t+8..), a[3] (row g+8,
+k 2t+8..); B 16×8 in two, b[0] (k 2t..2t+1, col g), b[1] (k 2t+8.., col g); the fp32
+accumulator 16×8 in four floats, c[0..1] (row g, cols 2t, 2t+1), c[2..3] (row g+8, same).
+Two adjacent accumulator n8 tiles are therefore exactly one A fragment once packed to
+16-bit pairs, which is how P stays in registers between the two matmuls.
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda.text import block
+
+PTX_TYPES = {"bf16": "bf16", "fp16": "f16"}
+
+
+def emit_mma(dtype: str) -> str:
+    """``mma_16816``: d += a·b with ``dtype`` operands and fp32 accumulators."""
+    ptx = PTX_TYPES[dtype]
+    return block(
+        f"""
+        // d (16x8, fp32) += a (16x16, {dtype}, row-major) * b (16x8, {dtype}, column-major).
+        __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {{
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
+                "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n"
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        }}
+        """
+    )
+
+
+def emit_pack(dtype: str) -> str:
+    """``pack2``: two floats rounded to one b32 register of ``dtype`` (low half first)."""
+    ptx = PTX_TYPES[dtype]
+    return block(
+        f"""
+        // Round two floats to {dtype} (nearest even) and pack them, `lo` in the low 16 bits.
+        __device__ __forceinline__ u32 pack2(float lo, float hi) {{
+            u32 r;
+            asm("cvt.rn.{ptx}x2.f32 %0, %1, %2;\\n" : "=r"(r) : "f"(hi), "f"(lo));
+            return r;
+        }}
+        """
+    )

@@ -1,0 +1,167 @@
+"""The N-stage cp.async ring that streams K and V tiles through shared memory.
+
+Stage ``j % STAGES`` holds the K and V tiles of key tile ``j``. The Q tile is the first
+cp.async group. Two choreographies (the ``kv_split`` knob):
+
+* **split** — K and V tiles are separate groups, committed in the order
+  ``K0 V0 K1 V1 … K(S−1) | V(S−1) K(S) | V(S) K(S+1) | …``. Step ``j``: wait for K_j and
+  barrier (everyone also finished P·V of step j−1), start V_(j+S−1) into the stage step j−1
+  used; compute scores and softmax while it lands; wait for V_j and barrier (everyone
+  finished reading K_j), start K_(j+S) into K_j's buffer; then P·V. Both waits leave
+  ``2S−2`` groups in flight. With one stage this is the classic "load K_(j+1) during P·V,
+  V_j during QKᵀ" overlap.
+* **joint** — one group per tile. With ``S ≥ 2``: wait for tile j (``S−2`` in flight),
+  barrier, start tile ``j+S−1`` into the stage of step j−1, compute. With one stage there
+  is no overlap: barrier, load tile j, wait, barrier, compute.
+
+Tiles at or past ``n_tiles`` (the causal or sequence end) are never loaded; their groups are
+committed empty so that the wait counts stay compile-time constants.
+Needs ``load_tile``, the cp.async primitives and the layout/problem constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cherenkov.codegen.cuda.text import block
+
+_SIGNATURE = "u32 smem, const elem_t* k_head, const elem_t* v_head, int j, int slot, int n_tiles"
+
+
+@dataclass(frozen=True)
+class KvPipeline:
+    """Wait counts and device functions of one (stages, kv_split) choreography."""
+
+    stages: int
+    kv_split: bool
+
+    @property
+    def groups_after_q(self) -> int:
+        """Groups the prologue commits after Q's (in flight when Q alone must have landed)."""
+        return 2 * self.stages - 1 if self.kv_split else self.stages - 1
+
+    def emit(self) -> str:
+        """Tile issuers plus ``pipeline_prologue``, ``pipeline_wait_q``, ``pipeline_wait_k`` and
+        ``pipeline_wait_v`` (called before the scores and before P·V of each step)."""
+        return "\n\n".join([self._emit_issuers(), self._emit_prologue(), self._emit_waits()])
+
+    def _emit_issuers(self) -> str:
+        k_load = (
+            "load_tile<BLOCK_KV, KV_TAIL>(smem + K_SMEM + u32(slot) * STAGE_BYTES,\n"
+            "                             k_head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);"
+        )
+        v_load = k_load.replace("K_SMEM", "V_SMEM").replace("k_head", "v_head")
+        if self.kv_split:
+            return block(
+                f"""
+                // Start copying K tile `tile` into stage `slot` as one cp.async group (empty past n_tiles).
+                __device__ __forceinline__ void issue_k(u32 smem, const elem_t* k_head, int tile, int slot, int n_tiles) {{
+                    if (tile < n_tiles) {{
+                        {k_load.replace(chr(10), chr(10) + " " * 24)}
+                    }}
+                    cp_async_commit();
+                }}
+
+                // The same for V tile `tile`.
+                __device__ __forceinline__ void issue_v(u32 smem, const elem_t* v_head, int tile, int slot, int n_tiles) {{
+                    if (tile < n_tiles) {{
+                        {v_load.replace(chr(10), chr(10) + " " * 24)}
+                    }}
+                    cp_async_commit();
+                }}
+                """
+            )
+        return block(
+            f"""
+            // Start copying K and V tile `tile` into stage `slot` as one cp.async group (empty past n_tiles).
+            __device__ __forceinline__ void issue_kv(u32 smem, const elem_t* k_head, const elem_t* v_head,
+                                                     int tile, int slot, int n_tiles) {{
+                if (tile < n_tiles) {{
+                    {k_load.replace(chr(10), chr(10) + " " * 20)}
+                    {v_load.replace(chr(10), chr(10) + " " * 20)}
+                }}
+                cp_async_commit();
+            }}
+            """
+        )
+
+    def _emit_prologue(self) -> str:
+        s = self.stages
+        if self.kv_split:
+            issues = []
+            for t in range(s):
+                issues.append(f"issue_k(smem, k_head, {t}, {t}, n_tiles);")
+                if t < s - 1:
+                    issues.append(f"issue_v(smem, v_head, {t}, {t}, n_tiles);")
+            what = f"K tiles 0..{s - 1} and V tiles before {s - 1}"
+        else:
+            issues = [f"issue_kv(smem, k_head, v_head, {t}, {t}, n_tiles);" for t in range(s - 1)]
+            what = f"K/V tiles 0..{s - 2}" if s > 1 else "nothing (one stage loads each tile when it is due)"
+        body = "\n".join(f"    {line}" for line in issues) or "    // (no tile is prefetched)"
+        unused = "" if issues else "\n    (void)smem; (void)k_head; (void)v_head; (void)n_tiles;"
+        return (
+            f"// Prefetch before the main loop: {what}.\n"
+            "__device__ __forceinline__ void pipeline_prologue(u32 smem, const elem_t* k_head, const elem_t* v_head, int n_tiles) {\n"
+            f"{body}{unused}\n"
+            "}\n\n"
+            "// Wait until the Q tile (the first group) has landed for the whole block.\n"
+            "__device__ __forceinline__ void pipeline_wait_q() {\n"
+            f"    cp_async_wait<{self.groups_after_q}>();\n"
+            "    __syncthreads();\n"
+            "}"
+        )
+
+    def _emit_waits(self) -> str:
+        s = self.stages
+        prev_slot = "slot == 0 ? STAGES - 1 : slot - 1"
+        if self.kv_split:
+            return block(
+                f"""
+                // Before the scores of step j: K_j is in shared memory for every thread, and V_(j+S-1)
+                // starts into the stage step j-1 used (all warps are past its P*V).
+                __device__ __forceinline__ void pipeline_wait_k({_SIGNATURE}) {{
+                    cp_async_wait<{2 * s - 2}>();
+                    __syncthreads();
+                    issue_v(smem, v_head, j + {s - 1}, {prev_slot}, n_tiles);
+                }}
+
+                // Before P*V of step j: V_j has landed, and K_(j+S) starts into K_j's buffer (all warps
+                // are past their scores).
+                __device__ __forceinline__ void pipeline_wait_v({_SIGNATURE}) {{
+                    cp_async_wait<{2 * s - 2}>();
+                    __syncthreads();
+                    issue_k(smem, k_head, j + {s}, slot, n_tiles);
+                }}
+                """
+            )
+        if s == 1:
+            wait_k = block(
+                """
+                // Before the scores of step j (one stage, no overlap): all warps are done with the
+                // previous tile, then tile j is loaded and waited for.
+                __device__ __forceinline__ void pipeline_wait_k(u32 smem, const elem_t* k_head, const elem_t* v_head, int j, int slot, int n_tiles) {
+                    __syncthreads();
+                    issue_kv(smem, k_head, v_head, j, slot, n_tiles);
+                    cp_async_wait<0>();
+                    __syncthreads();
+                }
+                """
+            )
+        else:
+            wait_k = block(
+                f"""
+                // Before the scores of step j: tile j (K and V) has landed for every thread, and tile
+                // j+S-1 starts into the stage step j-1 used (all warps are past it).
+                __device__ __forceinline__ void pipeline_wait_k({_SIGNATURE}) {{
+                    cp_async_wait<{s - 2}>();
+                    __syncthreads();
+                    issue_kv(smem, k_head, v_head, j + {s - 1}, {prev_slot}, n_tiles);
+                }}
+                """
+            )
+        return wait_k + "\n\n" + block(
+            """
+            // Before P*V of step j: V_j arrived with K_j, nothing to wait for.
+            __device__ __forceinline__ void pipeline_wait_v(u32, const elem_t*, const elem_t*, int, int, int) {}
+            """
+        )

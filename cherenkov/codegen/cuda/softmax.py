@@ -1,0 +1,118 @@
+"""Online softmax in registers, one key tile at a time.
+
+A thread holds two rows per m16 tile (``g`` and ``g + 8``) and, of each row, two columns
+per n8 tile; the other columns of the row sit in the 3 other lanes of its quad. Per tile:
+
+* row max over the tile: local max, then two ``shfl.xor`` (1, 2) across the quad;
+* ``p = 2^(s·c − m·c)`` with ``c = scale·log2 e``: one FMA and one ``ex2.approx`` per score
+  (scores stay unscaled; the max is tracked unscaled, valid because ``c > 0``);
+* running state ``(m, l, O)``: ``alpha = 2^((m_old − m_new)·c)`` rescales the thread's
+  partial row sum and its O accumulators. The row sum stays a per-thread partial sum
+  (every lane of a quad applies the same alpha) and is reduced across the quad once, at
+  the end, by :func:`emit_row_finish`.
+
+A row that has seen only masked (−inf) scores keeps offset 0 so ``exp2`` gives 0, not NaN.
+Needs ``M_TILES``, ``KV_NTILES``, ``D_NTILES`` and ``SCALE_LOG2``.
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda.text import block
+
+
+def emit_math_helpers() -> str:
+    """``neg_inf``, ``fast_exp2``, ``quad_max`` and ``quad_sum``."""
+    return block(
+        """
+        __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+        // 2^x with the SFU (ex2.approx, flush-to-zero): 2^-inf = 0.
+        __device__ __forceinline__ float fast_exp2(float x) {
+            float y;
+            asm("ex2.approx.ftz.f32 %0, %1;\\n" : "=f"(y) : "f"(x));
+            return y;
+        }
+
+        // Max / sum over the 4 lanes of a quad (the lanes that share an accumulator row).
+        __device__ __forceinline__ float quad_max(float x) {
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+        }
+
+        __device__ __forceinline__ float quad_sum(float x) {
+            x += __shfl_xor_sync(0xffffffffu, x, 1);
+            return x + __shfl_xor_sync(0xffffffffu, x, 2);
+        }
+        """
+    )
+
+
+def emit_online_softmax() -> str:
+    """``online_softmax``: scores → probabilities in place, running max/sum and O rescaled."""
+    return block(
+        """
+        // Fold one tile of raw scores s into the running softmax state of this thread's rows:
+        // s becomes p = 2^((s - m_new) * SCALE_LOG2), O and the partial row sums are rescaled.
+        __device__ __forceinline__ void online_softmax(float (&s)[M_TILES][KV_NTILES][4],
+                                                       float (&o)[M_TILES][D_NTILES][4],
+                                                       float (&row_max)[M_TILES][2],
+                                                       float (&row_sum)[M_TILES][2]) {
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    // New row max: this thread's columns, then the quad.
+                    float new_max = row_max[m][h];
+                    #pragma unroll
+                    for (int n = 0; n < KV_NTILES; ++n) {
+                        new_max = fmaxf(new_max, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
+                    }
+                    new_max = quad_max(new_max);
+                    const float offset = new_max == neg_inf() ? 0.0f : new_max * SCALE_LOG2;
+                    const float alpha = fast_exp2(row_max[m][h] * SCALE_LOG2 - offset);
+                    row_max[m][h] = new_max;
+
+                    // Probabilities (one FMA + ex2 each) and this thread's share of the row sum.
+                    float tile_sum = 0.0f;
+                    #pragma unroll
+                    for (int n = 0; n < KV_NTILES; ++n) {
+                        #pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float p = fast_exp2(fmaf(s[m][n][2 * h + e], SCALE_LOG2, -offset));
+                            s[m][n][2 * h + e] = p;
+                            tile_sum += p;
+                        }
+                    }
+                    row_sum[m][h] = row_sum[m][h] * alpha + tile_sum;
+
+                    // Rescale the output rows to the new max.
+                    #pragma unroll
+                    for (int d = 0; d < D_NTILES; ++d) {
+                        o[m][d][2 * h] *= alpha;
+                        o[m][d][2 * h + 1] *= alpha;
+                    }
+                }
+            }
+        }
+        """
+    )
+
+
+def emit_row_finish() -> str:
+    """``row_inverse_sums``: quad-reduce the partial row sums and invert them."""
+    return block(
+        """
+        // 1 / (full row sum) for this thread's rows; 0 for a row that saw no key.
+        __device__ __forceinline__ void row_inverse_sums(const float (&row_sum)[M_TILES][2],
+                                                         float (&inv_sum)[M_TILES][2]) {
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float total = quad_sum(row_sum[m][h]);
+                    inv_sum[m][h] = total > 0.0f ? 1.0f / total : 0.0f;
+                }
+            }
+        }
+        """
+    )

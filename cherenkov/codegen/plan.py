@@ -1,0 +1,196 @@
+"""Codegen-side plan data: concrete layouts and tilings of a plan, and compile records.
+
+:class:`KernelPlan` (re-exported from :mod:`cherenkov.rewrites.plan`) says *what* to build.
+This module derives *how*: :class:`FlashLayout` places the Q tile and each pipeline stage's
+K and V tiles in shared memory (its total equals ``flash_smem_bytes``), :class:`FlashTiling`
+splits the block's work over warps and mma tiles. :class:`ResourceReport` and
+:class:`CompiledKernel` record what a compilation produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from cherenkov.rewrites.plan import (
+    ELEMENT_BYTES,
+    FLASH_KNOBS,
+    AttentionProblem,
+    FlashSchedule,
+    KernelPlan,
+    Target,
+    flash_register_estimate,
+    flash_schedule_problems,
+)
+
+__all__ = [
+    "KernelPlan",
+    "FlashLayout",
+    "FlashTiling",
+    "ResourceReport",
+    "CompiledKernel",
+    "valid_flash_plans",
+]
+
+
+def valid_flash_plans(problem: AttentionProblem, target: Target) -> list[KernelPlan]:
+    """Every valid flash-attention plan of a problem on a target (FLASH_KNOBS order)."""
+    schedules = (FlashSchedule(**dict(zip(FLASH_KNOBS, values))) for values in itertools.product(*FLASH_KNOBS.values()))
+    return [
+        KernelPlan("flash_attention", problem, schedule, target)
+        for schedule in schedules
+        if not flash_schedule_problems(schedule, problem, target)
+    ]
+
+CHUNK_BYTES = 16
+"""One cp.async / ldmatrix row / vector store: 16 bytes, eight 16-bit elements."""
+
+SWIZZLE_ROWS = 8
+"""The XOR swizzle permutes the 16-byte chunks of a row by ``row % 8``: 8 chunks = 128 B = all 32 banks."""
+
+Q_REGISTER_BUDGET = 208
+"""Q fragments stay in registers when the register estimate plus their registers fits this."""
+
+
+@dataclass(frozen=True)
+class FlashLayout:
+    """Shared memory of one flash-attention block, in bytes from the dynamic smem base.
+
+    ``[Q tile][stage 0: K tile, V tile][stage 1: K tile, V tile]...``. Every tile is
+    ``rows × head_dim`` elements with a row pitch of ``row_bytes`` (no padding). With
+    ``swizzle`` the 16-byte chunk ``c`` of row ``r`` sits at chunk position
+    ``c ^ (r % 8)`` of its row; without, at ``c``. The Q tile is reused to stage the
+    output for 16-byte stores once the main loop is done.
+    """
+
+    block_q: int
+    block_kv: int
+    head_dim: int
+    stages: int
+    element_bytes: int
+    swizzle: bool
+
+    @classmethod
+    def from_plan(cls, plan: KernelPlan) -> FlashLayout:
+        s, p = plan.schedule, plan.problem
+        return cls(s.block_q, s.block_kv, p.head_dim, s.stages, ELEMENT_BYTES[p.dtype], s.swizzle)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * self.element_bytes
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.row_bytes // CHUNK_BYTES
+
+    @property
+    def q_offset(self) -> int:
+        return 0
+
+    @property
+    def q_tile_bytes(self) -> int:
+        return self.block_q * self.row_bytes
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        return self.block_kv * self.row_bytes
+
+    @property
+    def kv_offset(self) -> int:
+        """Start of stage 0 (its K tile)."""
+        return self.q_offset + self.q_tile_bytes
+
+    @property
+    def stage_bytes(self) -> int:
+        return 2 * self.kv_tile_bytes
+
+    def k_offset(self, stage: int) -> int:
+        return self.kv_offset + stage * self.stage_bytes
+
+    def v_offset(self, stage: int) -> int:
+        return self.k_offset(stage) + self.kv_tile_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_offset + self.stages * self.stage_bytes
+
+    @property
+    def swizzle_pattern(self) -> str:
+        return f"chunk ^ (row % {SWIZZLE_ROWS})" if self.swizzle else "linear"
+
+    def chunk_offset(self, row: int, chunk: int) -> int:
+        """Byte offset of 16-byte chunk ``chunk`` of row ``row`` inside a tile."""
+        position = chunk ^ (row % SWIZZLE_ROWS) if self.swizzle else chunk
+        return row * self.row_bytes + position * CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class FlashTiling:
+    """How a block's work is split: warps own ``rows_per_warp`` query rows (``m_tiles`` m16
+    tiles); S is ``kv_ntiles`` n8 tiles wide, O ``d_ntiles``; QKᵀ takes ``d_steps`` k16 steps,
+    PV ``kv_steps``. Q fragments live in registers when ``q_in_registers``, else they are
+    re-read from shared memory each step."""
+
+    m_tiles: int
+    kv_ntiles: int
+    kv_steps: int
+    d_ntiles: int
+    d_steps: int
+    q_tiles: int
+    kv_tiles: int
+    q_in_registers: bool
+
+    @classmethod
+    def from_plan(cls, plan: KernelPlan) -> FlashTiling:
+        s, p = plan.schedule, plan.problem
+        m_tiles = s.rows_per_warp // 16
+        return cls(
+            m_tiles=m_tiles,
+            kv_ntiles=s.block_kv // 8,
+            kv_steps=s.block_kv // 16,
+            d_ntiles=p.head_dim // 8,
+            d_steps=p.head_dim // 16,
+            q_tiles=math.ceil(p.seq_q / s.block_q),
+            kv_tiles=math.ceil(p.seq_kv / s.block_kv),
+            q_in_registers=keeps_q_in_registers(s, p.head_dim),
+        )
+
+
+def keeps_q_in_registers(schedule: FlashSchedule, head_dim: int) -> bool:
+    """Whether a warp's Q fragments (4 registers per m16×k16 tile) fit beside O and S."""
+    q_registers = (schedule.rows_per_warp // 16) * (head_dim // 16) * 4
+    return flash_register_estimate(schedule, head_dim) + q_registers <= Q_REGISTER_BUDGET
+
+
+@dataclass(frozen=True)
+class ResourceReport:
+    """What ptxas reported for one kernel (``-Xptxas -v``), plus the launch's dynamic smem."""
+
+    registers: int
+    smem_static: int
+    smem_dynamic: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One plan compiled for one architecture: where its binary is and what it uses."""
+
+    plan: KernelPlan
+    arch: str
+    kernel_name: str
+    cubin_path: Path
+    ptx_path: Path
+    report: ResourceReport
+    compile_seconds: float
+    source_hash: str
+    compiler: str
+    cache_hit: bool = False

@@ -1,0 +1,22 @@
+"""The graph layer: primitive ops, the builder, shapes, the float64 reference evaluator."""
+
+from cherenkov.graph import nn
+from cherenkov.graph.errors import GraphError
+from cherenkov.graph.evaluate import evaluate
+from cherenkov.graph.ops import PRIMITIVES, Node
+from cherenkov.graph.tensor import Graph, Tensor, arange, cat, constant, matmul, where
+
+__all__ = [
+    "PRIMITIVES",
+    "Graph",
+    "GraphError",
+    "Node",
+    "Tensor",
+    "arange",
+    "cat",
+    "constant",
+    "evaluate",
+    "matmul",
+    "nn",
+    "where",
+]

@@ -1,0 +1,117 @@
+"""Neural-network building blocks, each composed of primitives only.
+
+``ck.nn.attention`` follows PyTorch's ``scaled_dot_product_attention``: K/V with fewer
+heads are shared by groups of query heads (GQA/MQA) and ``causal`` lets query ``i`` see
+keys ``j <= i`` (top-left aligned when the lengths differ).
+"""
+
+from __future__ import annotations
+
+import math
+
+from cherenkov.graph.errors import GraphError
+from cherenkov.graph.tensor import Tensor, arange, where
+
+# Abramowitz & Stegun 7.1.26: |erf(x) - approximation| <= 1.5e-7 for all x.
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` along ``axis``."""
+    shifted = (x - x.max(axis=axis, keepdim=True)).exp()
+    return shifted / shifted.sum(axis=axis, keepdim=True)
+
+
+def tanh(x: Tensor) -> Tensor:
+    """``1 - 2 / (exp(2x) + 1)``: saturates cleanly to ±1."""
+    return 1.0 - 2.0 / ((x * 2.0).exp() + 1.0)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return 1.0 / ((-x).exp() + 1.0)
+
+
+def erf(x: Tensor) -> Tensor:
+    """The error function to within 1.5e-7 (Abramowitz & Stegun 7.1.26, odd extension)."""
+    magnitude = x.abs()
+    t = 1.0 / (magnitude * _ERF_P + 1.0)
+    poly = t * _ERF_A[4]
+    for coefficient in reversed(_ERF_A[:4]):
+        poly = (poly + coefficient) * t
+    positive = 1.0 - poly * (-(magnitude * magnitude)).exp()
+    return where(x < 0.0, -positive, positive)
+
+
+def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
+    """GELU: the tanh approximation by default; ``approximate="none"`` uses :func:`erf`."""
+    if approximate == "tanh":
+        inner = (x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)
+        return x * 0.5 * (tanh(inner) + 1.0)
+    if approximate == "none":
+        return x * 0.5 * (erf(x * (1.0 / math.sqrt(2.0))) + 1.0)
+    raise GraphError(f"gelu: approximate={approximate!r} is not valid; use 'tanh' or 'none'")
+
+
+def silu(x: Tensor) -> Tensor:
+    """``x * sigmoid(x)``."""
+    return x * sigmoid(x)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(mean(x²) + eps) * weight`` over the last axis."""
+    normed = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()
+    return normed if weight is None else normed * weight
+
+
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis."""
+    centred = x - x.mean(axis=-1, keepdim=True)
+    normed = centred * ((centred * centred).mean(axis=-1, keepdim=True) + eps).rsqrt()
+    if weight is not None:
+        normed = normed * weight
+    return normed if bias is None else normed + bias
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weightᵀ + bias`` with ``weight`` of shape ``(out, in)`` as in ``torch.nn.Linear``."""
+    out = x @ weight.transpose(-2, -1)
+    return out if bias is None else out + bias
+
+
+def repeat_kv_heads(x: Tensor, groups: int) -> Tensor:
+    """``(..., Hkv, S, D) -> (..., Hkv·groups, S, D)``, each K/V head shared by ``groups``
+    consecutive query heads (an ``expand`` of a new axis, then a merge)."""
+    if groups == 1:
+        return x
+    *lead, heads, seq, dim = x.shape
+    grouped = x.unsqueeze(-3).expand(*lead, heads, groups, seq, dim)
+    return grouped.reshape(*lead, heads * groups, seq, dim)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
+    """``softmax(q kᵀ · scale [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``."""
+    if min(q.ndim, k.ndim, v.ndim) < 2:
+        raise GraphError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} need (..., seq, dim) shapes")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise GraphError(
+            f"attention: q {q.shape}, k {k.shape}, v {v.shape}: valid when q and k share the last axis "
+            "and k and v share the sequence axis"
+        )
+    if q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+        heads, kv_heads = q.shape[-3], k.shape[-3]
+        if heads % kv_heads or k.shape[-3] != v.shape[-3]:
+            raise GraphError(
+                f"attention: {heads} query heads cannot share {kv_heads} K/V heads (k {k.shape}, v {v.shape}); "
+                "the query head count must be a multiple of the K/V head count"
+            )
+        k, v = repeat_kv_heads(k, heads // kv_heads), repeat_kv_heads(v, heads // kv_heads)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        seq_q, seq_kv = q.shape[-2], k.shape[-2]
+        query_index = arange(seq_q, graph=q.graph).unsqueeze(-1)
+        key_index = arange(seq_kv, graph=q.graph)
+        scores = where(query_index < key_index, -math.inf, scores)
+    return softmax(scores, axis=-1) @ v

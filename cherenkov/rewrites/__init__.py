@@ -1,0 +1,1 @@
+"""E-graph rewrites: from the primitive graph to fused kernel forms and their schedules."""

@@ -1,0 +1,73 @@
+"""Lowering and algebra: exponentials, constants and products in canonical forms.
+
+The builder lowers ``exp(x)`` to ``exp2(x·log2 e)``; these rules lift it back to ``Exp``
+(the natural base the softmax identities are stated in), fold and distribute constant
+factors, and let products commute.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cherenkov.rewrites.rule import Example, Rule, Ruleset
+from cherenkov.rewrites.terms import literal, tensor
+
+LOG2E = literal(math.log2(math.e))
+LN2 = literal(math.log(2.0))
+
+x = tensor("x", "i:3", "j:4")
+y = tensor("y", "i:3", "j:4")
+
+RULES = (
+    Rule(
+        "exp2-log2e-is-exp",
+        "exp2(x·log2 e) = exp(x)",
+        lhs=f"(Exp2 (Mul x (Num {LOG2E})))",
+        rhs="(Exp x)",
+        example=Example(("Exp2", ("Mul", x, ("Num", math.log2(math.e))))),
+    ),
+    Rule(
+        "exp2-is-exp",
+        "exp2(x) = exp(x·ln 2)",
+        lhs="(Exp2 x)",
+        rhs=f"(Exp (Mul x (Num {LN2})))",
+        example=Example(("Exp2", x)),
+    ),
+    Rule(
+        "mul-commute",
+        "a·b = b·a",
+        lhs="(Mul a b)",
+        rhs="(Mul b a)",
+        example=Example(("Mul", x, y)),
+    ),
+    Rule(
+        "mul-one",
+        "x·1 = x",
+        lhs="(Mul x (Num 1.0))",
+        rhs="x",
+        example=Example(("Mul", x, ("Num", 1.0))),
+    ),
+    Rule(
+        "fold-constants",
+        "(x·a)·b = x·(a·b) for constants a, b",
+        lhs="(Mul (Mul x (Num a)) (Num b))",
+        rhs="(Mul x (Num (* a b)))",
+        example=Example(("Mul", ("Mul", x, ("Num", 0.75)), ("Num", -1.5))),
+    ),
+    Rule(
+        "distribute-constant",
+        "(a + b)·c = a·c + b·c for a constant c",
+        lhs="(Mul (Add a b) (Num c))",
+        rhs="(Add (Mul a (Num c)) (Mul b (Num c)))",
+        example=Example(("Mul", ("Add", x, y), ("Num", 0.3))),
+    ),
+    Rule(
+        "neg-through-mul",
+        "(−a)·c = −(a·c) for a constant c",
+        lhs="(Mul (Neg a) (Num c))",
+        rhs="(Neg (Mul a (Num c)))",
+        example=Example(("Mul", ("Neg", x), ("Num", 2.5))),
+    ),
+)
+
+ALGEBRA = Ruleset("algebra", __doc__.splitlines()[0], RULES)

@@ -1,0 +1,56 @@
+"""Contraction: sums of products become ``Contract`` (the matmul/einsum form).
+
+``x @ y`` arrives as ``Σ_k x[i,k]·y[k,j]``. Factors that do not depend on the summed
+axis move out of the sum (a scale on ``q``, a softmax normaliser), the remaining
+product of two ``k``-dependent factors is a contraction.
+"""
+
+from __future__ import annotations
+
+from cherenkov.rewrites.rule import Example, Rule, Ruleset
+from cherenkov.rewrites.terms import tensor
+
+a_i = tensor("a", "i:3")
+b_ik = tensor("b", "i:3", "k:5")
+c_k = tensor("c", "k:5")
+w_kj = tensor("w", "k:5", "j:2")
+
+RULES = (
+    Rule(
+        "sum-factor-out",
+        "Σ_k a·b = a·Σ_k b when a does not depend on k",
+        lhs="(Sum k n (Mul a b))",
+        rhs="(Mul a (Sum k n b))",
+        where=("(= axes-a (axes a))", "(set-not-contains axes-a k)"),
+        example=Example(("Sum", "k:5", 5, ("Mul", a_i, b_ik))),
+    ),
+    Rule(
+        "sum-rotate-product",
+        "Σ_k (a·b)·c = Σ_k b·(a·c)",
+        lhs="(Sum k n (Mul (Mul a b) c))",
+        rhs="(Sum k n (Mul b (Mul a c)))",
+        example=Example(("Sum", "k:5", 5, ("Mul", ("Mul", b_ik, a_i), c_k))),
+    ),
+    Rule(
+        "contraction",
+        "Σ_k a·b = Contract_k(a, b) when both depend on k",
+        lhs="(Sum k n (Mul a b))",
+        rhs="(Contract k n a b)",
+        where=(
+            "(= axes-a (axes a))",
+            "(set-contains axes-a k)",
+            "(= axes-b (axes b))",
+            "(set-contains axes-b k)",
+        ),
+        example=Example(("Sum", "k:5", 5, ("Mul", b_ik, w_kj))),
+    ),
+    Rule(
+        "contract-unit-scale",
+        "Contract_k(a, b) = Contract_k(a, b)·1",
+        lhs="(Contract k n a b)",
+        rhs="(Mul (Contract k n a b) (Num 1.0))",
+        example=Example(("Contract", "k:5", 5, b_ik, w_kj)),
+    ),
+)
+
+CONTRACTION = Ruleset("contraction", __doc__.splitlines()[0], RULES)

@@ -1,0 +1,139 @@
+"""The egglog language: sorts, constructors with extraction costs, and the axes analysis.
+
+Every tensor expression is written in index notation: ``Tensor("q", [Ax b, Ax h, Ax i,
+Ax d])`` is the element ``q[b,h,i,d]``; ``Sum(j, n, body)`` sums ``body`` over the axis
+named ``j`` of extent ``n``. Derived forms (``Contract``, the online-softmax fold,
+``FlashAttention``, the row kernels) are constructors whose costs make extraction prefer
+them. ``axes(e)`` is the set of axis names an e-class varies along; rules use it as a
+guard ("does not depend on ``j``"). Its merge is intersection: if any equal form is
+independent of an axis, the value is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Signature = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Constructor:
+    """One e-graph constructor: argument sorts, extraction cost, and its binders.
+
+    ``binds`` pairs the position of a String argument naming a bound axis with the
+    positions of the operands it scopes over (the axis is removed from their axes).
+    """
+
+    name: str
+    args: Signature
+    cost: int
+    binds: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def bound_over(self, operand: int) -> tuple[int, ...]:
+        """Positions of the axis-name arguments bound over one operand."""
+        return tuple(name for name, scope in self.binds if operand in scope)
+
+
+EXPR_CONSTRUCTORS: tuple[Constructor, ...] = (
+    Constructor("Tensor", ("String", "IxList"), 1),
+    Constructor("Num", ("f64",), 1),
+    Constructor("Flag", ("bool",), 1),
+    Constructor("Iota", ("Ix",), 1),
+    Constructor("Cast", ("String", "Expr"), 2),
+    *(Constructor(op, ("Expr",), 2) for op in ("Exp2", "Exp", "Log2", "Sin", "Sqrt", "Recip", "Neg")),
+    *(Constructor(op, ("Expr", "Expr"), 2) for op in ("Add", "Mul", "Mod", "Lt", "Maximum")),
+    Constructor("Where", ("Expr", "Expr", "Expr"), 2),
+    Constructor("PadAxis", ("Ix", "i64", "i64", "f64", "Expr"), 2),
+    Constructor("Sum", ("String", "i64", "Expr"), 20, binds=((0, (2,)),)),
+    Constructor("Max", ("String", "i64", "Expr"), 20, binds=((0, (2,)),)),
+    Constructor("Contract", ("String", "i64", "Expr", "Expr"), 15, binds=((0, (2, 3)),)),
+    Constructor("SoftmaxFoldL", ("String", "i64", "Expr"), 12, binds=((0, (2,)),)),
+    Constructor("SoftmaxFoldAcc", ("String", "i64", "Expr", "Expr"), 12, binds=((0, (2, 3)),)),
+    Constructor("OnlineSoftmaxContract", ("String", "i64", "Expr", "Expr"), 10, binds=((0, (2, 3)),)),
+    # key axis j (0) over q, k, v and the mask; head axis d (2) over q and k only
+    Constructor(
+        "FlashAttention",
+        ("String", "i64", "String", "i64", "Expr", "Expr", "Expr", "f64", "Mask"),
+        5,
+        binds=((0, (4, 5, 6, 8)), (2, (4, 5))),
+    ),
+    Constructor("SoftmaxRow", ("String", "i64", "Expr"), 10),
+    Constructor("RmsNormRow", ("String", "i64", "Expr", "f64"), 10),
+    Constructor("LayerNormRow", ("String", "i64", "Expr", "f64"), 10),
+)
+
+IX_CONSTRUCTORS: tuple[Constructor, ...] = (
+    Constructor("Ax", ("String",), 0),
+    Constructor("IxLit", ("i64",), 0),
+    Constructor("IxAdd", ("Ix", "i64"), 0),
+    Constructor("IxDiv", ("Ix", "i64"), 0),
+    Constructor("IxMod", ("Ix", "i64"), 0),
+    Constructor("IxLin", ("Ix", "i64", "Ix"), 0),
+)
+
+SORTS: dict[str, tuple[Constructor, ...]] = {
+    "Ix": IX_CONSTRUCTORS,
+    "IxList": (Constructor("INil", (), 0), Constructor("ICons", ("Ix", "IxList"), 0)),
+    "Mask": (Constructor("NoMask", (), 0), Constructor("CausalMask", ("Ix",), 0)),
+    "Expr": EXPR_CONSTRUCTORS,
+    "Schedule": (Constructor("FlashSchedule", ("i64", "i64", "i64", "i64", "bool", "bool", "i64"), 0),),
+    "Plan": (Constructor("Scheduled", ("Expr", "Schedule"), 0),),
+}
+
+# The axes function of each sort that has one.
+AXES_FUNCTION = {"Expr": "axes", "Ix": "ixaxes", "IxList": "listaxes", "Mask": "maskaxes"}
+
+KERNEL_CONSTRUCTORS = frozenset(
+    {"FlashAttention", "SoftmaxRow", "RmsNormRow", "LayerNormRow", "OnlineSoftmaxContract", "Contract"}
+)
+
+
+def declarations() -> str:
+    """Sort, constructor, relation and analysis-function declarations."""
+    lines = ["(sort StrSet (Set String))"]
+    for sort, constructors in SORTS.items():
+        body = " ".join(
+            f"({c.name}{''.join(' ' + a for a in c.args)} :cost {c.cost})" for c in constructors
+        )
+        lines.append(f"(datatype {sort} {body})")
+    for sort, function in AXES_FUNCTION.items():
+        lines.append(f"(function {function} ({sort}) StrSet :merge (set-intersect old new))")
+    lines.append("(relation FlashScheduleFits (i64 i64 i64 i64 i64 bool bool i64))")
+    lines.append("(ruleset analysis)")
+    return "\n".join(lines)
+
+
+def _axes_rule(sort: str, constructor: Constructor) -> str:
+    variables = [f"x{i}" for i in range(len(constructor.args))]
+    pattern = f"({constructor.name}{''.join(' ' + v for v in variables)})"
+    facts = [f"(= e {pattern})"]
+    operand_sets = []
+    for position, (var, arg) in enumerate(zip(variables, constructor.args)):
+        if arg in AXES_FUNCTION:
+            facts.append(f"(= s{var} ({AXES_FUNCTION[arg]} {var}))")
+            operand = f"s{var}"
+            for bound in constructor.bound_over(position):
+                operand = f"(set-remove {operand} {variables[bound]})"
+            operand_sets.append(operand)
+    if constructor.name == "Ax":
+        result = "(set-of x0)"
+    elif not operand_sets:
+        result = "(set-empty)"
+    else:
+        result = operand_sets[0]
+        for other in operand_sets[1:]:
+            result = f"(set-union {result} {other})"
+    name = f"axes-{constructor.name}"
+    return f'(rule ({" ".join(facts)}) ((set ({AXES_FUNCTION[sort]} e) {result})) :ruleset analysis :name "{name}")'
+
+
+def analysis_rules() -> str:
+    """One rule per constructor computing the axes its e-class varies along."""
+    return "\n".join(
+        _axes_rule(sort, c) for sort, constructors in SORTS.items() if sort in AXES_FUNCTION for c in constructors
+    )
+
+
+def prelude() -> str:
+    """Everything a derivation program starts with."""
+    return declarations() + "\n" + analysis_rules()

@@ -1,0 +1,211 @@
+"""From the primitive graph to index-notation terms (the e-graph's border).
+
+Each graph output of rank ``r`` gets axes ``i0 .. i{r-1}``; translation walks down from
+the output carrying one index term per positional axis. Views vanish: ``permute``
+reorders the index terms, ``expand`` drops the broadcast ones, ``reshape`` splits and
+merges them with ``//``, ``%`` and ``a·c + b``, ``slice`` offsets them, ``pad`` guards
+them. A reduction binds a name for the axis it removes.
+
+Every axis name carries its extent (``i2:4096``), so two axes of different lengths never
+share a name; an axis of extent 1 is indexed by the literal 0. Bound names are chosen so that the same tensor gets the same term
+wherever it is used:
+a reduction whose result is broadcast back along an axis (``x.max(-1, keepdim=True)``
+subtracted from ``x``) reuses that axis's name — lexical scoping makes this sound, and
+``softmax`` rows and norms then read ``x[i, j]`` identically inside and outside the
+reduction. Otherwise it takes the first ``r0:n, r1:n, ...`` not free in its result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cherenkov.graph import Graph
+from cherenkov.graph.ops import Node
+from cherenkov.rewrites import terms as t
+from cherenkov.rewrites.terms import Term
+
+Hint = tuple[str, int]  # an axis name dropped by an enclosing expand, and its extent
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The term of each graph output and the names of its axes (``i0:n0 .. i{r-1}:n{r-1}``).
+
+    A term is a function of its free axis names; bound axes carry their extents in
+    their binders, output axes take theirs from ``output_shapes``.
+    """
+
+    outputs: dict[str, Term]
+    output_axes: dict[str, tuple[str, ...]]
+    output_shapes: dict[str, tuple[int, ...]]
+    input_dtypes: dict[str, str]
+    input_shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def buffer_dtype(self) -> str:
+        """Dtype of intermediate buffers: that of the inputs when they agree, else fp32."""
+        dtypes = set(self.input_dtypes.values())
+        return dtypes.pop() if len(dtypes) == 1 else "fp32"
+
+    def extents(self, output: str) -> dict[str, int]:
+        """Extent of each axis name of one output."""
+        return dict(zip(self.output_axes[output], self.output_shapes[output]))
+
+
+class _Lowering:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.memo: dict[tuple, Term] = {}
+        self.reduces_below = self._reductions_below()
+
+    def _reductions_below(self) -> list[bool]:
+        flags: list[bool] = []
+        for node in self.graph.nodes:
+            flags.append(node.op in ("sum_reduce", "max_reduce") or any(flags[i] for i in node.inputs))
+        return flags
+
+    def lower(self, index: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
+        if not self.reduces_below[index]:
+            hints = ()
+        key = (index, ixs, hints)
+        if key not in self.memo:
+            self.memo[key] = self._lower(self.graph.node(index), ixs, hints)
+        return self.memo[key]
+
+    def _operand(self, node: Node, position: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
+        return self.lower(node.inputs[position], ixs, hints)
+
+    def _lower(self, node: Node, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
+        op, attrs = node.op, node.attrs
+        if op == "input":
+            return t.access(attrs[0], ixs)
+        if op == "constant":
+            value = attrs[0]
+            return ("Flag", value) if node.dtype == "bool" else ("Num", float(value))
+        if op == "iota":
+            return ("Iota", ixs[0])
+        if op == "cast":
+            return ("Cast", attrs[0], self._operand(node, 0, ixs, hints))
+        if op in ("contiguous",):
+            return self._operand(node, 0, ixs, hints)
+        if op in UNARY_TERMS:
+            return (UNARY_TERMS[op], self._operand(node, 0, ixs, hints))
+        if op in BINARY_TERMS:
+            return (BINARY_TERMS[op], *(self._operand(node, p, ixs, hints) for p in range(2)))
+        if op == "where":
+            return ("Where", *(self._operand(node, p, ixs, hints) for p in range(3)))
+        if op in ("sum_reduce", "max_reduce"):
+            return self._reduction(node, ixs, hints)
+        if op == "permute":
+            inner: list[Term] = [t.ix_lit(0)] * len(ixs)
+            for position, source in enumerate(attrs[0]):
+                inner[source] = ixs[position]
+            return self._operand(node, 0, tuple(inner), hints)
+        if op == "expand":
+            return self._expand(node, ixs, hints)
+        if op == "reshape":
+            source = self.graph.node(node.inputs[0]).shape
+            return self._operand(node, 0, reshape_indices(source, node.shape, ixs), hints)
+        if op == "slice":
+            starts = attrs[0]
+            return self._operand(node, 0, tuple(t.ix_add(ix, lo) for ix, lo in zip(ixs, starts)), hints)
+        if op == "pad":
+            return self._pad(node, ixs, hints)
+        raise AssertionError(f"no lowering for primitive {op}")  # every primitive is handled above
+
+    def _reduction(self, node: Node, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
+        axis = node.attrs[0]
+        extent = self.graph.node(node.inputs[0]).shape[axis]
+        taken = set().union(*(t.ix_names(ix) for ix in ixs)) if ixs else set()
+        name = next((h for h, size in reversed(hints) if size == extent and h not in taken), None)
+        if name is None:
+            name = next(f"r{k}:{extent}" for k in range(len(taken) + 1) if f"r{k}:{extent}" not in taken)
+        remaining = tuple(h for h in hints if h[0] != name)
+        body = self._operand(node, 0, ixs[:axis] + (t.ax(name),) + ixs[axis:], remaining)
+        return ("Sum" if node.op == "sum_reduce" else "Max", name, extent, body)
+
+    def _expand(self, node: Node, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
+        source = self.graph.node(node.inputs[0]).shape
+        lead = len(node.shape) - len(source)
+        dropped = [(ixs[p], node.shape[p]) for p in range(lead)]
+        inner = []
+        for axis, size in enumerate(source):
+            if size == 1 and node.shape[lead + axis] != 1:
+                dropped.append((ixs[lead + axis], node.shape[lead + axis]))
+                inner.append(t.ix_lit(0))
+            else:
+                inner.append(ixs[lead + axis])
+        new_hints = tuple((ix[1], size) for ix, size in dropped if ix[0] == "Ax")
+        return self._operand(node, 0, tuple(inner), hints + new_hints)
+
+    def _pad(self, node: Node, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
+        pads, value = node.attrs
+        source = self.graph.node(node.inputs[0]).shape
+        inner = tuple(t.ix_add(ix, -lo) for ix, (lo, _) in zip(ixs, pads))
+        term = self._operand(node, 0, inner, hints)
+        for ix, (lo, hi), size in zip(ixs, pads, source):
+            if lo or hi:
+                term = ("PadAxis", ix, lo, size, float(value), term)
+        return term
+
+
+UNARY_TERMS = {"exp2": "Exp2", "log2": "Log2", "sin": "Sin", "sqrt": "Sqrt", "recip": "Recip", "neg": "Neg"}
+BINARY_TERMS = {"add": "Add", "mul": "Mul", "mod": "Mod", "less_than": "Lt", "maximum": "Maximum"}
+
+
+def reshape_indices(source: tuple[int, ...], target: tuple[int, ...], ixs: tuple[Term, ...]) -> tuple[Term, ...]:
+    """Index terms of ``source`` axes given index terms of the reshaped ``target`` axes.
+
+    Axes are grouped into runs with equal element counts; within a run the target
+    indices form a linear index (``a·c + b``) that is split again with ``//`` and ``%``.
+    """
+    result: list[Term] = []
+    si = ti = 0
+    while si < len(source) or ti < len(target):
+        group_s, group_t = [si], [ti]
+        count_s = source[si] if si < len(source) else 1
+        count_t = target[ti] if ti < len(target) else 1
+        while count_s != count_t:
+            if count_s < count_t:
+                si += 1
+                group_s.append(si)
+                count_s *= source[si]
+            else:
+                ti += 1
+                group_t.append(ti)
+                count_t *= target[ti]
+        linear = t.ix_lit(0)
+        for axis in group_t:
+            if axis < len(target) and target[axis] != 1:
+                linear = t.ix_lin(linear, target[axis], ixs[axis])
+        for axis in group_s:
+            if axis >= len(source):
+                continue
+            stride = math.prod(source[a] for a in group_s if axis < a < len(source))
+            if source[axis] == 1:
+                result.append(t.ix_lit(0))
+            else:
+                result.append(t.ix_mod(t.ix_div(linear, stride), source[axis]) if stride * source[axis] != count_s
+                              else t.ix_div(linear, stride))
+        si, ti = max(group_s) + 1, max(group_t) + 1
+    return tuple(result)
+
+
+def lower(graph: Graph) -> Lowered:
+    """Translate every output of ``graph`` into an index-notation term."""
+    lowering = _Lowering(graph)
+    outputs, output_axes = {}, {}
+    for name, tensor in graph.outputs.items():
+        names = tuple(f"i{k}:{size}" for k, size in enumerate(tensor.shape))
+        ixs = tuple(t.ax(n) if t.extent(n) > 1 else t.ix_lit(0) for n in names)
+        outputs[name] = lowering.lower(tensor.id, ixs, ())
+        output_axes[name] = names
+    inputs = graph.inputs
+    return Lowered(
+        outputs=outputs,
+        output_axes=output_axes,
+        output_shapes={n: x.shape for n, x in graph.outputs.items()},
+        input_dtypes={n: x.dtype for n, x in inputs.items()},
+        input_shapes={n: x.shape for n, x in inputs.items()},
+    )

@@ -1,0 +1,53 @@
+"""Softmax and normalisation: shift invariance and cancelling the normaliser.
+
+A softmax written without the max subtraction, ``Σ_j e^{s_j} v_j / Σ_j e^{s_j}``, equals
+the shifted one: ``e^{max s}`` factors out of numerator and denominator and cancels. The
+shifted sums are the online-softmax fold's accumulator and normaliser.
+"""
+
+from __future__ import annotations
+
+from cherenkov.rewrites.rule import Example, Rule, Ruleset
+from cherenkov.rewrites.terms import tensor
+
+s = tensor("s", "i:3", "j:7")
+v = tensor("v", "j:7", "e:2")
+a = tensor("a", "i:3")
+b = tensor("b", "i:3", "e:2")
+
+RULES = (
+    Rule(
+        "positive-scale-into-max",
+        "max_j(s)·c = max_j(s·c) for a constant c > 0",
+        lhs="(Mul (Max j n s) (Num c))",
+        rhs="(Max j n (Mul s (Num c)))",
+        where=("(> c 0.0)",),
+        example=Example(("Mul", ("Max", "j:7", 7, s), ("Num", 0.6))),
+    ),
+    Rule(
+        "softmax-shift-acc",
+        "Σ_j e^{s_j}·v_j = e^{m}·Σ_j e^{s_j−m}·v_j with m = max_j s (the fold accumulator)",
+        lhs="(Sum j n (Mul (Exp s) v))",
+        rhs="(Mul (Exp (Max j n s)) (SoftmaxFoldAcc j n s v))",
+        example=Example(("Sum", "j:7", 7, ("Mul", ("Exp", s), v))),
+    ),
+    Rule(
+        "softmax-shift-l",
+        "Σ_j e^{s_j} = e^{m}·Σ_j e^{s_j−m} with m = max_j s (the fold normaliser)",
+        lhs="(Sum j n (Exp s))",
+        rhs="(Mul (Exp (Max j n s)) (SoftmaxFoldL j n s))",
+        example=Example(("Sum", "j:7", 7, ("Exp", s))),
+    ),
+    Rule(
+        "cancel-positive-factor",
+        "(e^m·a)⁻¹·(e^m·b) = a⁻¹·b",
+        lhs="(Mul (Recip (Mul (Exp m) a)) (Mul (Exp m) b))",
+        rhs="(Mul (Recip a) b)",
+        example=Example(
+            ("Mul", ("Recip", ("Mul", ("Exp", tensor("m", "i:3")), a)), ("Mul", ("Exp", tensor("m", "i:3")), b)),
+            positive=("a",),
+        ),
+    ),
+)
+
+SOFTMAX = Ruleset("softmax", __doc__.splitlines()[0], RULES)

@@ -1,0 +1,66 @@
+"""Streaming reduction: the online-softmax fold, and flash attention.
+
+With ``m = max_j s``, the pair ``(Σ_j e^{s_j−m}·v_j, Σ_j e^{s_j−m})`` is an associative
+fold over ``j`` of the state ``(m, l, acc)`` (combine: rescale both by ``e^{m_old−m_new}``
+and add), so one pass over the keys computes both sums and the normalised result. When
+the scores are themselves a scaled contraction ``c·Σ_d q·k`` (optionally causally
+masked) the streaming softmax-contraction is flash attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cherenkov.rewrites.rule import Example, Rule, Ruleset
+from cherenkov.rewrites.terms import ax, tensor
+
+s = tensor("s", "i:3", "j:7")
+v = tensor("v", "j:7", "e:2")
+q = tensor("q", "i:3", "d:4")
+k = tensor("k", "j:7", "d:4")
+shifted = ("Add", s, ("Neg", ("Max", "j:7", 7, s)))
+scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.5))
+causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores)
+
+RULES = (
+    Rule(
+        "softmax-fold-acc",
+        "Σ_j e^{s_j−max_j s}·v_j = Acc_j(s, v), the accumulator of the online-softmax fold",
+        lhs="(Sum j n (Mul (Exp (Add s (Neg (Max j n s)))) v))",
+        rhs="(SoftmaxFoldAcc j n s v)",
+        example=Example(("Sum", "j:7", 7, ("Mul", ("Exp", shifted), v))),
+    ),
+    Rule(
+        "softmax-fold-l",
+        "Σ_j e^{s_j−max_j s} = L_j(s), the normaliser of the online-softmax fold",
+        lhs="(Sum j n (Exp (Add s (Neg (Max j n s)))))",
+        rhs="(SoftmaxFoldL j n s)",
+        example=Example(("Sum", "j:7", 7, ("Exp", shifted))),
+    ),
+    Rule(
+        "online-softmax-contract",
+        "L_j(s)⁻¹·Acc_j(s, v) = Σ_j softmax_j(s)·v_j, both from one pass of the fold",
+        lhs="(Mul (Recip (SoftmaxFoldL j n s)) (SoftmaxFoldAcc j n s v))",
+        rhs="(OnlineSoftmaxContract j n s v)",
+        example=Example(("Mul", ("Recip", ("SoftmaxFoldL", "j:7", 7, s)), ("SoftmaxFoldAcc", "j:7", 7, s, v))),
+    ),
+    Rule(
+        "flash-attention",
+        "Σ_j softmax_j(c·Σ_d q·k)·v_j = FlashAttention(q, k, v, c)",
+        lhs="(OnlineSoftmaxContract j n (Mul (Contract d nd q k) (Num c)) v)",
+        rhs="(FlashAttention j n d nd q k v c (NoMask))",
+        example=Example(("OnlineSoftmaxContract", "j:7", 7, scores, v)),
+    ),
+    Rule(
+        "flash-attention-causal",
+        "Σ_j softmax_j(where(i < j, −∞, c·Σ_d q·k))·v_j = FlashAttention(q, k, v, c, causal on i)",
+        lhs=(
+            "(OnlineSoftmaxContract j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) "
+            "(Mul (Contract d nd q k) (Num c))) v)"
+        ),
+        rhs="(FlashAttention j n d nd q k v c (CausalMask iq))",
+        example=Example(("OnlineSoftmaxContract", "j:7", 7, causal, v)),
+    ),
+)
+
+STREAMING = Ruleset("streaming", __doc__.splitlines()[0], RULES)

@@ -1,0 +1,140 @@
+"""Compiling plans: every seed plan on three archs, PTX contents, spills, cache, errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cherenkov.codegen import (
+    CompiledKernel,
+    CompileError,
+    FlashLayout,
+    compile_plan,
+    compile_plans,
+    valid_flash_plans,
+)
+from cherenkov.codegen.compile import Nvcc
+from cherenkov.codegen.report import parse_ptxas_report
+from cherenkov.rewrites.plan import TARGETS, FlashSchedule, KernelPlan
+
+ARCHS = ("sm_80", "sm_90", "sm_120")
+DEFAULT_KEY = FlashSchedule().key()
+
+PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'other' for 'sm_90'
+ptxas info    : Function properties for other
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers
+ptxas info    : Compiling entry function 'flash_attention_x' for 'sm_90'
+ptxas info    : Function properties for flash_attention_x
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 254 registers, used 1 barriers, 1024 bytes smem, 384 bytes cmem[0]
+"""
+
+
+class CountingCompiler:
+    """Wraps a compiler and counts its invocations."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.calls = 0
+
+    @property
+    def version(self) -> str:
+        return self.inner.version
+
+    def compile(self, source: str, arch: str):
+        self.calls += 1
+        return self.inner.compile(source, arch)
+
+
+class FailingCompiler:
+    name = "failing"
+    version = "failing 1.0"
+
+    def compile(self, source: str, arch: str):
+        raise CompileError("refused", log="kernel.cu(1): error: nope", arch=arch)
+
+
+def test_parse_ptxas_report_reads_the_named_entry():
+    report = parse_ptxas_report(PTXAS_LOG, "flash_attention_x", smem_dynamic=4096)
+    assert (report.registers, report.smem_static, report.smem_dynamic) == (254, 1024, 4096)
+    assert (report.spill_stores, report.spill_loads, report.stack_frame, report.spill_bytes) == (0, 0, 0, 0)
+    other = parse_ptxas_report(PTXAS_LOG, "other")
+    assert (other.registers, other.spill_bytes, other.stack_frame) == (32, 8, 8)
+    with pytest.raises(CompileError):
+        parse_ptxas_report(PTXAS_LOG, "missing")
+
+
+def test_compile_plans_returns_errors_in_place(seed_problem, kernel_cache):
+    plans = valid_flash_plans(seed_problem, TARGETS["sm_90"])[:3]
+    results = compile_plans(plans, compiler=FailingCompiler(), cache_dir=kernel_cache, jobs=2)
+    assert len(results) == 3 and all(isinstance(r, CompileError) for r in results)
+    assert "error: nope" in results[0].log and plans[0].name in str(results[0])
+
+
+@pytest.fixture(scope="module")
+def seed_kernels(seed_problem, compiler, tmp_path_factory) -> dict[tuple[str, str], CompiledKernel]:
+    """Every valid seed plan compiled for sm_80, sm_90 and sm_120 (in parallel)."""
+    plans = [plan for arch in ARCHS for plan in valid_flash_plans(seed_problem, TARGETS[arch])]
+    start = time.perf_counter()
+    results = compile_plans(plans, compiler=compiler, cache_dir=tmp_path_factory.mktemp("kernels"))
+    print(f"compiled {len(plans)} plans in {time.perf_counter() - start:.1f} s")
+    failures = [str(r).splitlines()[0] for r in results if isinstance(r, CompileError)]
+    assert not failures, failures
+    return {(r.arch, r.plan.schedule.key()): r for r in results}
+
+
+@pytest.mark.slow
+def test_every_seed_plan_compiles_with_mma_cp_async_ldmatrix(seed_kernels, seed_problem):
+    for arch in ARCHS:
+        assert sum(1 for a, _ in seed_kernels if a == arch) == len(valid_flash_plans(seed_problem, TARGETS[arch]))
+    for (arch, key), kernel in seed_kernels.items():
+        ptx = kernel.ptx_path.read_text()
+        assert f".target {arch}" in ptx
+        for instruction in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
+                            "cp.async.wait_group", "ldmatrix.sync.aligned"):  # fmt: skip
+            assert instruction in ptx, (arch, key, instruction)
+        assert (".x4" in ptx) == (kernel.plan.schedule.ldmatrix_x == 4)
+        assert kernel.report.registers <= 255
+        assert kernel.report.smem_dynamic == FlashLayout.from_plan(kernel.plan).total_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_default_plan_does_not_spill(seed_kernels, arch):
+    report = seed_kernels[(arch, DEFAULT_KEY)].report
+    assert report.spill_bytes == 0 and report.stack_frame == 0, report
+
+
+def test_cache_hit_skips_the_compiler(seed_problem, compiler, kernel_cache):
+    counting = CountingCompiler(compiler)
+    plan = KernelPlan("flash_attention", seed_problem, FlashSchedule(block_q=64, block_kv=32), TARGETS["sm_90"])
+    first = compile_plan(plan, compiler=counting, cache_dir=kernel_cache)
+    second = compile_plan(plan, compiler=counting, cache_dir=kernel_cache)
+    assert counting.calls == 1
+    assert not first.cache_hit and second.cache_hit
+    assert second.cubin_path == first.cubin_path and second.report == first.report
+    assert second.source_hash == first.source_hash
+
+
+def test_tampered_cache_entry_is_recompiled(seed_problem, compiler, kernel_cache):
+    counting = CountingCompiler(compiler)
+    plan = KernelPlan("flash_attention", seed_problem, FlashSchedule(block_q=64, block_kv=32), TARGETS["sm_90"])
+    first = compile_plan(plan, compiler=counting, cache_dir=kernel_cache)
+    original = first.cubin_path.read_bytes()
+    first.cubin_path.write_bytes(original[:-16] + bytes(16))
+    again = compile_plan(plan, compiler=counting, cache_dir=kernel_cache)
+    assert counting.calls == 2 and not again.cache_hit
+    assert again.cubin_path.read_bytes() == original
+
+
+def test_compile_error_carries_the_log(compiler):
+    if not isinstance(compiler, Nvcc):
+        pytest.skip("needs nvcc")
+    with pytest.raises(CompileError) as caught:
+        compiler.compile('extern "C" __global__ void broken() { undefined_name = 1; }', "sm_90")
+    assert "undefined_name" in caught.value.log and caught.value.arch == "sm_90"

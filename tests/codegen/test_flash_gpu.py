@@ -1,0 +1,149 @@
+"""Flash-attention kernels on the GPU against PyTorch SDPA (float32): every knob value,
+causal, GQA/MQA, fp16, tails and Sq ≠ Skv. Skipped without a GPU, torch or cupy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cherenkov.codegen import CompileError, compile_plan, compile_plans, load_kernel
+from cherenkov.codegen.compile import Nvrtc
+from cherenkov.rewrites.plan import FLASH_KNOBS, TARGETS, AttentionProblem, FlashSchedule, KernelPlan
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 2e-2
+
+
+def schedule(key: str) -> FlashSchedule:
+    """``"q64 kv128 w4 s3 joint lin x2"`` → FlashSchedule."""
+    q, kv, w, s, split, layout, x = key.split()
+    return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", layout == "swz", int(x[1:]))
+
+
+def problem(b, h, hkv, sq, skv, d, **kw) -> AttentionProblem:
+    return AttentionProblem(b, h, hkv, sq, skv, d, **kw)
+
+
+SEED = problem(1, 8, 8, 4096, 8192, 128)
+CASES = [
+    (SEED, "q128 kv64 w4 s2 split swz x4"),
+    (SEED, "q64 kv128 w4 s3 joint lin x2"),
+    (SEED, "q128 kv32 w8 s1 split swz x4"),
+    (SEED, "q128 kv128 w8 s2 joint swz x2"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv64 w4 s2 split swz x4"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q64 kv32 w4 s1 joint lin x4"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv128 w4 s3 split swz x2"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv64 w8 s2 joint lin x2"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv64 w4 s2 split swz x4"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q64 kv64 w4 s3 split swz x4"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv128 w8 s2 split lin x4"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv32 w4 s1 joint swz x2"),
+    (problem(2, 32, 8, 512, 1536, 128), "q128 kv64 w4 s2 split swz x4"),
+    (problem(2, 32, 8, 512, 1536, 128), "q64 kv128 w4 s2 joint swz x4"),
+    (problem(1, 32, 8, 777, 777, 64, causal=True), "q128 kv64 w8 s3 split lin x2"),
+    (problem(1, 8, 8, 1024, 2048, 128, dtype="fp16"), "q128 kv64 w4 s2 split swz x4"),
+    (problem(1, 8, 8, 1024, 2048, 128, dtype="fp16"), "q64 kv32 w4 s2 split lin x2"),
+    (problem(2, 4, 4, 513, 1000, 64, dtype="fp16", causal=True), "q128 kv128 w4 s1 split swz x4"),
+    (problem(1, 2, 2, 1, 1, 64), "q128 kv64 w4 s2 split swz x4"),
+    (problem(1, 3, 3, 77, 1, 128, causal=True), "q128 kv64 w4 s2 split swz x4"),
+    (problem(2, 2, 2, 100, 37, 128, causal=True), "q64 kv32 w4 s3 joint swz x4"),
+    (problem(1, 2, 2, 37, 100, 64, causal=True), "q128 kv128 w8 s2 split lin x2"),
+    (problem(1, 4, 4, 300, 301, 64), "q64 kv64 w4 s1 split swz x2"),
+    (problem(3, 2, 2, 129, 255, 128, causal=True), "q128 kv32 w8 s3 split swz x4"),
+    (problem(1, 1, 1, 65, 4097, 128), "q64 kv128 w4 s3 split swz x4"),
+    (problem(1, 4, 4, 256, 256, 64, scale=0.3), "q128 kv64 w4 s2 split swz x4"),
+    (problem(1, 8, 1, 200, 333, 128, causal=True), "q64 kv64 w4 s2 joint lin x4"),
+]
+PLANS = [KernelPlan("flash_attention", p, schedule(key), TARGETS["sm_90"]) for p, key in CASES]
+
+
+def case_id(plan: KernelPlan) -> str:
+    p = plan.problem
+    return (
+        f"b{p.batch}h{p.heads}g{p.group_size}_{p.seq_q}x{p.seq_kv}_d{p.head_dim}_{p.dtype}"
+        f"{'_causal' if p.causal else ''}-{plan.schedule.key()}"
+    )
+
+
+def test_cases_cover_every_knob_value():
+    for knob, values in FLASH_KNOBS.items():
+        assert {getattr(plan.schedule, knob) for plan in PLANS} == set(values), knob
+
+
+@pytest.fixture(scope="module")
+def compiled(cuda_device, tmp_path_factory):
+    results = compile_plans(PLANS, cache_dir=tmp_path_factory.mktemp("kernels"))
+    return {plan: result for plan, result in zip(PLANS, results)}
+
+
+def reference(q, k, v, p: AttentionProblem):
+    """SDPA in float32, K/V heads repeated for GQA."""
+    import torch.nn.functional as F
+
+    k = k.float().repeat_interleave(p.group_size, dim=1)
+    v = v.float().repeat_interleave(p.group_size, dim=1)
+    return F.scaled_dot_product_attention(q.float(), k, v, is_causal=p.causal, scale=p.scale or None)
+
+
+def run_plan(kernel, p: AttentionProblem, device):
+    import torch
+
+    dtype = torch.bfloat16 if p.dtype == "bf16" else torch.float16
+    shapes = p.shapes()
+    q, k, v = (torch.randn(shapes[name], device=device, dtype=dtype) for name in (p.q, p.k, p.v))
+    out = torch.full(shapes[p.out], math.nan, device=device, dtype=dtype)
+    kernel(q, k, v, out)
+    torch.cuda.synchronize()
+    return out, reference(q, k, v, p)
+
+
+def relative_error(out, ref) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=case_id)
+def test_matches_sdpa(plan, compiled, cuda_device):
+    result = compiled[plan]
+    assert not isinstance(result, CompileError), str(result)
+    out, ref = run_plan(load_kernel(result), plan.problem, cuda_device)
+    assert not out.isnan().any(), f"{out.isnan().sum().item()} output elements unwritten or NaN"
+    assert relative_error(out, ref) <= TOLERANCE
+
+
+def test_nvrtc_build_matches(cuda_device, tmp_path):
+    """The NVRTC path (through cupy) builds a working kernel too."""
+    plan = PLANS[8]
+    kernel = compile_plan(plan, compiler=Nvrtc(), cache_dir=tmp_path)
+    assert "mma.sync.aligned.m16n8k16" in kernel.ptx_path.read_text()
+    out, ref = run_plan(load_kernel(kernel), plan.problem, cuda_device)
+    assert not out.isnan().any() and relative_error(out, ref) <= TOLERANCE
+
+
+def test_launch_on_a_side_stream(compiled, cuda_device):
+    """The kernel runs on torch's current stream, ordered with torch work on it."""
+    import torch
+
+    plan = PLANS[4]
+    kernel = load_kernel(compiled[plan])
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out, ref = run_plan(kernel, plan.problem, cuda_device)
+    assert relative_error(out, ref) <= TOLERANCE
+
+
+def test_wrong_inputs_are_refused(compiled, cuda_device):
+    import torch
+
+    from cherenkov.codegen import CodegenError
+
+    plan = PLANS[4]
+    kernel = load_kernel(compiled[plan])
+    shapes = plan.problem.shapes()
+    q = torch.randn(shapes["q"], device=cuda_device, dtype=torch.bfloat16)
+    k = torch.randn(shapes["k"], device=cuda_device, dtype=torch.bfloat16)
+    with pytest.raises(CodegenError, match="dtype"):
+        kernel(q.half(), k, k)
+    with pytest.raises(CodegenError, match="contiguous"):
+        kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k, k)

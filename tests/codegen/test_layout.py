@@ -1,0 +1,77 @@
+"""FlashLayout and FlashTiling: shared-memory placement, swizzle properties, tiling numbers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cherenkov.codegen.plan import CHUNK_BYTES, FlashLayout, FlashTiling, valid_flash_plans
+from cherenkov.rewrites.plan import TARGETS, AttentionProblem, flash_smem_bytes
+
+PROBLEMS = [
+    AttentionProblem(1, 8, 8, 4096, 8192, d, dtype=dtype, causal=causal)
+    for d, dtype, causal in itertools.product((64, 128), ("bf16", "fp16"), (False, True))
+]
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: f"d{p.head_dim}_{p.dtype}_c{int(p.causal)}")
+def test_layout_total_equals_flash_smem_bytes(problem, target):
+    plans = valid_flash_plans(problem, TARGETS[target])
+    assert plans
+    for plan in plans:
+        layout = FlashLayout.from_plan(plan)
+        assert layout.total_bytes == flash_smem_bytes(plan.schedule, problem.head_dim, problem.dtype)
+        assert layout.total_bytes <= plan.target.smem_per_block
+
+
+def test_tiles_are_contiguous_and_disjoint(seed_problem):
+    for plan in valid_flash_plans(seed_problem, TARGETS["sm_90"]):
+        layout = FlashLayout.from_plan(plan)
+        spans = [(layout.q_offset, layout.q_tile_bytes)]
+        for stage in range(layout.stages):
+            spans += [(layout.k_offset(stage), layout.kv_tile_bytes), (layout.v_offset(stage), layout.kv_tile_bytes)]
+        position = 0
+        for start, size in spans:
+            assert start == position and start % 128 == 0
+            position += size
+        assert position == layout.total_bytes
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("swizzle", [True, False])
+def test_chunk_offsets_permute_each_row(head_dim, swizzle):
+    layout = FlashLayout(128, 64, head_dim, 2, 2, swizzle)
+    for row in range(16):
+        offsets = {layout.chunk_offset(row, c) for c in range(layout.chunks_per_row)}
+        expected = {row * layout.row_bytes + c * CHUNK_BYTES for c in range(layout.chunks_per_row)}
+        assert offsets == expected
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_swizzle_spreads_an_ldmatrix_phase_over_all_banks(head_dim):
+    """8 consecutive rows, same chunk: 8 distinct 16-byte bank groups when swizzled, one when linear."""
+    swizzled = FlashLayout(128, 64, head_dim, 2, 2, True)
+    linear = FlashLayout(128, 64, head_dim, 2, 2, False)
+    for first_row, chunk in itertools.product(range(0, 64, 8), range(swizzled.chunks_per_row)):
+        rows = range(first_row, first_row + 8)
+        assert len({(swizzled.chunk_offset(r, chunk) // CHUNK_BYTES) % 8 for r in rows}) == 8
+        assert len({(linear.chunk_offset(r, chunk) // CHUNK_BYTES) % 8 for r in rows}) == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("swizzle", [True, False])
+def test_k_steps_are_xor_of_the_first_offset(head_dim, swizzle):
+    """The fragment loaders reach chunk c + 2·kk of a row by XOR-ing kk << 5 into chunk c's offset."""
+    layout = FlashLayout(128, 64, head_dim, 2, 2, swizzle)
+    for row, chunk, kk in itertools.product(range(16), (0, 1), range(head_dim // 16)):
+        assert layout.chunk_offset(row, chunk) ^ (kk << 5) == layout.chunk_offset(row, chunk + 2 * kk)
+
+
+def test_tiling_of_the_default_plan(seed_problem):
+    plan = next(p for p in valid_flash_plans(seed_problem, TARGETS["sm_90"]) if p.schedule.key() == "q128_kv64_w4_s2_split_swz_x4")
+    tiling = FlashTiling.from_plan(plan)
+    assert (tiling.m_tiles, tiling.kv_ntiles, tiling.kv_steps, tiling.d_ntiles, tiling.d_steps) == (2, 8, 4, 16, 8)
+    assert (tiling.q_tiles, tiling.kv_tiles) == (32, 128)
+    assert not tiling.q_in_registers

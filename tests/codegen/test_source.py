@@ -1,0 +1,105 @@
+"""Generated CUDA source: deterministic, every knob real, names validated, invalid plans refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from cherenkov.codegen import CodegenError, KernelPlan, cuda_source, valid_flash_plans
+from cherenkov.codegen.cuda.text import comment_text, identifier
+from cherenkov.rewrites.plan import FLASH_KNOBS, TARGETS, AttentionProblem, FlashSchedule
+
+
+def plan_of(problem: AttentionProblem, schedule: FlashSchedule = FlashSchedule(), target: str = "sm_90") -> KernelPlan:
+    return KernelPlan("flash_attention", problem, schedule, TARGETS[target])
+
+
+def test_source_is_deterministic(seed_problem):
+    for plan in valid_flash_plans(seed_problem, TARGETS["sm_120"])[::7]:
+        again = KernelPlan("flash_attention", plan.problem, plan.schedule, plan.target, trace=("some", "rules"))
+        assert cuda_source(plan) == cuda_source(again)
+
+
+def test_every_valid_plan_has_distinct_source(seed_problem):
+    sources = [cuda_source(p) for p in valid_flash_plans(seed_problem, TARGETS["sm_90"])]
+    assert len(set(sources)) == len(sources)
+
+
+@pytest.mark.parametrize("knob", list(FLASH_KNOBS))
+def test_every_knob_changes_the_kernel(knob):
+    """Each value of each knob gives a different kernel (the header comment aside)."""
+    problem = AttentionProblem(1, 8, 8, 4096, 8192, 64)
+    base = FlashSchedule(block_q=128, block_kv=64, warps=4, stages=2)
+    variants = set()
+    for value in FLASH_KNOBS[knob]:
+        schedule = dataclasses.replace(base, **{knob: value})
+        body = cuda_source(plan_of(problem, schedule)).split("// ---- types", 1)[1]
+        variants.add(body)
+    assert len(variants) == len(FLASH_KNOBS[knob])
+
+
+def test_knob_specific_code(seed_problem):
+    swz_x4 = cuda_source(plan_of(seed_problem, FlashSchedule(swizzle=True, ldmatrix_x=4)))
+    lin_x2 = cuda_source(plan_of(seed_problem, FlashSchedule(swizzle=False, ldmatrix_x=2)))
+    assert "chunk ^ (row & 7)" in swz_x4 and "chunk ^ (row & 7)" not in lin_x2
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in swz_x4
+    assert "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16" in lin_x2 and ".x4." not in lin_x2
+    fp16 = cuda_source(plan_of(dataclasses.replace(seed_problem, dtype="fp16")))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fp16
+    assert "cvt.rn.f16x2.f32" in fp16
+
+
+def test_problem_values_are_compile_time_constants():
+    problem = AttentionProblem(3, 32, 8, 1000, 3000, 64, causal=True, scale=0.25)
+    source = cuda_source(plan_of(problem))
+    for line in ("BATCH = 3;", "HEADS = 32;", "KV_HEADS = 8;", "GROUP = 4;", "SEQ_Q = 1000;", "SEQ_KV = 3000;",
+                 "HEAD_DIM = 64;", "CAUSAL = true;"):  # fmt: skip
+        assert f"constexpr int {line}" in source or f"constexpr bool {line}" in source
+    scale_log2 = float(re.search(r"SCALE_LOG2 = ([0-9.e+-]+)f;", source)[1])
+    assert scale_log2 == pytest.approx(0.25 * 1.4426950408889634, rel=1e-8)
+
+
+def test_tensor_names_only_in_comments():
+    problem = AttentionProblem(1, 2, 2, 64, 64, 64, q="query_tensor", k="key_tensor", v="value_tensor", out="result")
+    source = cuda_source(plan_of(problem))
+    for name in ("query_tensor", "key_tensor", "value_tensor", "result"):
+        lines = [line for line in source.splitlines() if name in line]
+        assert lines and all(line.lstrip().startswith("//") for line in lines)
+
+
+@pytest.mark.parametrize("bad", ["q; asm(\"trap;\")", "1q", "q k", "q*/", ""])
+def test_bad_tensor_names_are_refused(bad):
+    with pytest.raises(CodegenError):
+        cuda_source(plan_of(AttentionProblem(1, 2, 2, 64, 64, 64, q=bad)))
+
+
+def test_identifier_and_comment_helpers():
+    assert identifier("q_1") == "q_1"
+    with pytest.raises(CodegenError):
+        comment_text("ends */ here")
+    with pytest.raises(CodegenError):
+        comment_text("new\nline")
+
+
+@pytest.mark.parametrize(
+    "problem, schedule",
+    [
+        (AttentionProblem(1, 2, 2, 64, 64, 96), FlashSchedule()),  # head dim
+        (AttentionProblem(1, 2, 2, 64, 64, 64, dtype="fp32"), FlashSchedule()),  # dtype
+        (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(block_q=64, warps=8)),  # 8 rows a warp
+        (AttentionProblem(1, 6, 4, 64, 64, 64), FlashSchedule()),  # kv_heads does not divide heads
+        (AttentionProblem(1, 2, 2, 0, 64, 64), FlashSchedule()),  # empty sequence
+        (AttentionProblem(1, 2, 2, 64, 64, 64, scale=-1.0), FlashSchedule()),  # negative scale
+    ],
+)
+def test_invalid_plans_are_refused(problem, schedule):
+    with pytest.raises(CodegenError):
+        cuda_source(plan_of(problem, schedule))
+
+
+def test_other_kinds_are_refused(seed_problem):
+    plan = dataclasses.replace(plan_of(seed_problem), kind="matmul")
+    with pytest.raises(CodegenError):
+        cuda_source(plan)

@@ -1,0 +1,1 @@
+"""Tests of the graph layer: builder, shapes, reference evaluator, JSON, ``ck.nn``, examples."""
