@@ -20,10 +20,13 @@ from cherenkov.graph import (
     where,
 )
 
+from cherenkov.rewrites.derive import Derivation, derive
+
 __version__ = "0.1.0"
 
 __all__ = [
     "PRIMITIVES",
+    "Derivation",
     "Graph",
     "GraphError",
     "Tensor",
@@ -31,6 +34,7 @@ __all__ = [
     "arange",
     "cat",
     "constant",
+    "derive",
     "evaluate",
     "matmul",
     "nn",

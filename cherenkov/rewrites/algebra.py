@@ -1,8 +1,10 @@
 """Lowering and algebra: exponentials, constants and products in canonical forms.
 
 The builder lowers ``exp(x)`` to ``exp2(x·log2 e)``; these rules lift it back to ``Exp``
-(the natural base the softmax identities are stated in), fold and distribute constant
-factors, and let products commute.
+(the natural base the softmax identities are stated in), distribute constant factors,
+fold the scale of a contraction, and let products commute. Constants are folded only on
+contractions: a general ``(x·a)·b → x·(ab)`` meets e-classes that contain ``x·c`` (``0·c``
+is ``0``) and would mint new constants forever.
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ RULES = (
         example=Example(("Mul", x, ("Num", 1.0))),
     ),
     Rule(
-        "fold-constants",
-        "(x·a)·b = x·(a·b) for constants a, b",
-        lhs="(Mul (Mul x (Num a)) (Num b))",
-        rhs="(Mul x (Num (* a b)))",
-        example=Example(("Mul", ("Mul", x, ("Num", 0.75)), ("Num", -1.5))),
+        "fold-contraction-scale",
+        "(Σ_k a·b)·c₁·c₂ = (Σ_k a·b)·(c₁·c₂) for constants c₁, c₂",
+        lhs="(Mul (Mul (Contract k n a b) (Num c1)) (Num c2))",
+        rhs="(Mul (Contract k n a b) (Num (* c1 c2)))",
+        example=Example(("Mul", ("Mul", ("Contract", "j:4", 4, x, y), ("Num", 0.75)), ("Num", -1.5))),
     ),
     Rule(
         "distribute-constant",

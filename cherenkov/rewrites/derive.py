@@ -40,7 +40,7 @@ from cherenkov.rewrites.terms import Term
 log = logging.getLogger(__name__)
 
 RULESETS: tuple[Ruleset, ...] = (ALGEBRA, MASKS, CONTRACTION, SOFTMAX, STREAMING, FUSION)
-MAX_PASSES = 12
+MAX_PASSES = 24
 MAX_ENODES = 200_000
 
 # Fused-form names accepted by ``Derivation.found`` and the constructors behind them.
@@ -88,7 +88,7 @@ def program_for(lowered: Lowered) -> tuple[str, dict[str, str]]:
             lines.append(f"(let {names[current]} ({current[0]}{' ' + args if args else ''}))")
         return names[term]
 
-    roots = {output: bind(term) for output, term in lowered.outputs.items()}
+    roots = {name: bind(term) for name, term in lowered.roots.items()}
     return "\n".join(lines), roots
 
 
@@ -163,7 +163,7 @@ class Derivation:
 
     @functools.cached_property
     def extracted(self) -> dict[str, Term]:
-        """The cheapest term of each output."""
+        """The cheapest term of each root (intermediate tensors first, then outputs)."""
         result = {}
         for name, root in self.roots.items():
             best = self._run(f"(extract {root})")[-1]
@@ -183,6 +183,9 @@ class Derivation:
         """Shapes and dtypes of every tensor kernels read: inputs and intermediate buffers."""
         shapes = dict(self.lowered.input_shapes)
         dtypes = dict(self.lowered.input_dtypes)
+        for name in self.lowered.roots:
+            shapes[name] = self.lowered.shape(name)
+            dtypes[name] = self.lowered.buffer_dtype
         for kernel in self.kernels:
             shapes[kernel.output] = kernel.shape
             dtypes[kernel.output] = self.lowered.buffer_dtype

@@ -11,6 +11,7 @@ anything else feeding it is materialised first.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -41,6 +42,17 @@ KIND_OF_CORE = {
     "Sum": "reduction",
     "Max": "reduction",
 }
+
+
+# Which core a kernel keeps when an elementwise region holds several (the rest are stored).
+CORE_PRIORITY = (
+    "FlashAttention", "Contract", "LayerNormRow", "RmsNormRow", "SoftmaxRow",
+    "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "Sum", "Max",
+)  # fmt: skip
+
+
+def _core_head(core: Term) -> str:
+    return core[1][0] if core[0] == "Scheduled" else core[0]
 
 
 class KernelError(ValueError):
@@ -101,6 +113,16 @@ def _reads(term: Term) -> tuple[str, ...]:
     return tuple(sorted({s[1] for s in t.subterms(term) if s[0] == "Tensor"}))
 
 
+def _is_bhsd_read(term: Term, query: bool) -> bool:
+    """A read of a whole stored tensor by plain axes (k and v may index heads by h // G)."""
+    if term[0] != "Tensor":
+        return False
+    items = t.ix_items(term[2])
+    heads_ok = len(items) == 4 and (query or items[1][0] != "IxDiv" or items[1][1][0] == "Ax")
+    plain = all(ix[0] == "Ax" or ix == t.ix_lit(0) for i, ix in enumerate(items) if i != 1 or query)
+    return heads_ok and plain and (query or items[1][0] in ("Ax", "IxLit", "IxDiv"))
+
+
 def _axis_order(axes: frozenset[str], output_axes: tuple[str, ...]) -> tuple[str, ...]:
     """Output axes first, in output order, then the rest by name."""
     return tuple(a for a in output_axes if a in axes) + tuple(sorted(axes - set(output_axes)))
@@ -111,7 +133,7 @@ class _Partition:
         self.lowered = lowered
         self.kernels: list[FusedKernel] = []
         self.buffers: dict[Term, Term] = {}  # materialised term -> access of its buffer
-        self.taken = set(lowered.input_shapes) | set(lowered.outputs)
+        self.taken = set(lowered.input_shapes) | set(lowered.roots)
         self.output_axes: tuple[str, ...] = ()
 
     def fresh_buffer(self) -> str:
@@ -133,15 +155,17 @@ class _Partition:
         return self.buffers[key]
 
     def emit(self, term: Term, output: str, axes: tuple[str, ...]) -> None:
-        """Add the kernel(s) computing ``term`` into ``output``."""
-        cores = _cores(term)
-        for extra in cores[1:]:
-            term = _replace(term, extra, self.materialise(extra))
+        """Add the kernel(s) computing ``term`` into ``output``: the most valuable core
+        stays in this kernel, every other core is materialised by an earlier one."""
+        cores = sorted(_cores(term), key=lambda c: CORE_PRIORITY.index(_core_head(c)))
         source = cores[0] if cores else None
-        if source is not None:
-            term = _replace(term, source, self.prepare(source))
-        cores = _cores(term)
-        kind = KIND_OF_CORE[cores[0][0]] if cores else "elementwise"
+        primary = source
+        for extra in cores[1:]:
+            access = self.materialise(extra)
+            term, primary = _replace(term, extra, access), _replace(primary, extra, access)
+        if primary is not None:
+            term = _replace(term, primary, self.prepare(primary))
+        kind = KIND_OF_CORE[_core_head(primary)] if primary is not None else "elementwise"
         self.kernels.append(FusedKernel(kind, term, output, axes, _reads(term), source))
 
     def prepare(self, core: Term) -> Term:
@@ -161,19 +185,23 @@ class _Partition:
         return tuple(result)
 
     def prepare_flash(self, core: Term) -> Term:
-        """Flash attention reads stored tensors: materialise computed q, k, v in BHSD order."""
+        """Flash attention reads whole BHSD tensors: anything else feeding q, k or v
+        (a computation, a reshaped or transposed read) is materialised in BHSD order."""
         core = canonical_flash(core)
         key, _, dim, _, q, k, v = core[1:8]
-        value_axes = t.free_axes(v) - {key} - t.free_axes(q)
+        batch = (t.free_axes(q) & t.free_axes(k)) - {dim, key}
+        query = t.free_axes(q) - batch - {dim}
+        values = t.free_axes(v) - batch - {key}
+        order = functools.partial(_axis_order, output_axes=self.output_axes)
         layouts = {
-            5: _axis_order(t.free_axes(q) - {dim}, self.output_axes) + (dim,),
-            6: _axis_order(t.free_axes(k) - {key, dim}, self.output_axes) + (key, dim),
-            7: _axis_order(t.free_axes(v) - {key} - value_axes, self.output_axes) + (key, *sorted(value_axes)),
+            5: (order(frozenset(batch)) + order(frozenset(query)) + (dim,), q),
+            6: (order(frozenset(batch)) + (key, dim), k),
+            7: (order(frozenset(batch)) + (key,) + order(frozenset(values)), v),
         }
         result = list(core)
-        for position, layout in layouts.items():
-            if core[position][0] != "Tensor":
-                result[position] = self.materialise(core[position], layout)
+        for position, (layout, operand) in layouts.items():
+            if not _is_bhsd_read(operand, position == 5):
+                result[position] = self.materialise(operand, layout)
         return tuple(result)
 
 
@@ -190,8 +218,8 @@ def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKern
     """Kernels (in execution order) computing every output of an extracted graph."""
     plan = _Partition(lowered)
     for name, term in extracted.items():
-        plan.output_axes = lowered.output_axes[name]
-        plan.emit(term, name, lowered.output_axes[name])
+        plan.output_axes = lowered.root_axes[name]
+        plan.emit(term, name, lowered.root_axes[name])
     return plan.kernels
 
 

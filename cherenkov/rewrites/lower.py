@@ -30,15 +30,16 @@ Hint = tuple[str, int]  # an axis name dropped by an enclosing expand, and its e
 
 @dataclass(frozen=True)
 class Lowered:
-    """The term of each graph output and the names of its axes (``i0:n0 .. i{r-1}:n{r-1}``).
+    """The term of each root: the graph's outputs, preceded (in dependency order) by the
+    intermediate tensors the graph uses in more than one way (see :func:`lower`).
 
-    A term is a function of its free axis names; bound axes carry their extents in
-    their binders, output axes take theirs from ``output_shapes``.
+    A root's axes are named ``i0:n0 .. i{r-1}:n{r-1}``. A term is a function of its free
+    axis names; bound axes carry their extents in their binders.
     """
 
-    outputs: dict[str, Term]
-    output_axes: dict[str, tuple[str, ...]]
-    output_shapes: dict[str, tuple[int, ...]]
+    roots: dict[str, Term]
+    root_axes: dict[str, tuple[str, ...]]
+    outputs: tuple[str, ...]
     input_dtypes: dict[str, str]
     input_shapes: dict[str, tuple[int, ...]]
 
@@ -48,15 +49,27 @@ class Lowered:
         dtypes = set(self.input_dtypes.values())
         return dtypes.pop() if len(dtypes) == 1 else "fp32"
 
-    def extents(self, output: str) -> dict[str, int]:
-        """Extent of each axis name of one output."""
-        return dict(zip(self.output_axes[output], self.output_shapes[output]))
+    def shape(self, root: str) -> tuple[int, ...]:
+        return tuple(t.extent(a) for a in self.root_axes[root])
+
+
+def root_axes(shape: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(f"i{k}:{size}" for k, size in enumerate(shape))
+
+
+def root_indices(names: tuple[str, ...]) -> tuple[Term, ...]:
+    """Index terms for a root's axes: the name, or 0 for an axis of extent 1."""
+    return tuple(t.ax(n) if t.extent(n) > 1 else t.ix_lit(0) for n in names)
 
 
 class _Lowering:
-    def __init__(self, graph: Graph) -> None:
+    """One lowering pass; nodes in ``split`` are read as stored tensors of those names."""
+
+    def __init__(self, graph: Graph, split: dict[int, str]) -> None:
         self.graph = graph
+        self.split = split
         self.memo: dict[tuple, Term] = {}
+        self.uses: dict[int, set[tuple[Term, ...]]] = {}
         self.reduces_below = self._reductions_below()
 
     def _reductions_below(self) -> list[bool]:
@@ -66,12 +79,31 @@ class _Lowering:
         return flags
 
     def lower(self, index: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
+        if index in self.split:
+            return t.access(self.split[index], ixs)
+        return self.define(index, ixs, hints)
+
+    def define(self, index: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...] = ()) -> Term:
+        """The term computing node ``index`` (not a read of its stored tensor)."""
         if not self.reduces_below[index]:
             hints = ()
+        self.uses.setdefault(index, set()).add(ixs)
         key = (index, ixs, hints)
         if key not in self.memo:
             self.memo[key] = self._lower(self.graph.node(index), ixs, hints)
         return self.memo[key]
+
+    def needs_own_tensor(self) -> int | None:
+        """The last compute node used under several indexings or a reshaped one, if any:
+        it must be stored so that every use reads one tensor."""
+        for index in sorted(self.uses, reverse=True):
+            node = self.graph.node(index)
+            if node.op in STORED_OR_VIEW or index in self.split:
+                continue
+            uses = self.uses[index]
+            if len(uses) > 1 or any(ix[0] not in ("Ax", "IxLit") for ixs in uses for ix in ixs):
+                return index
+        return None
 
     def _operand(self, node: Node, position: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
         return self.lower(node.inputs[position], ixs, hints)
@@ -192,20 +224,38 @@ def reshape_indices(source: tuple[int, ...], target: tuple[int, ...], ixs: tuple
     return tuple(result)
 
 
+STORED_OR_VIEW = frozenset({"input", "constant", "iota", "permute", "expand", "reshape", "slice", "pad", "contiguous"})
+
+
 def lower(graph: Graph) -> Lowered:
-    """Translate every output of ``graph`` into an index-notation term."""
-    lowering = _Lowering(graph)
-    outputs, output_axes = {}, {}
-    for name, tensor in graph.outputs.items():
-        names = tuple(f"i{k}:{size}" for k, size in enumerate(tensor.shape))
-        ixs = tuple(t.ax(n) if t.extent(n) > 1 else t.ix_lit(0) for n in names)
-        outputs[name] = lowering.lower(tensor.id, ixs, ())
-        output_axes[name] = names
+    """Translate every output of ``graph`` into an index-notation term.
+
+    A computed tensor used under two different indexings (the output of one attention
+    layer read as q, k and v of the next) or through a reshape that splits or merges its
+    axes becomes a root of its own, read by its consumers like an input: the e-graph
+    holds each such tensor once, and kernels store it once.
+    """
+    outputs = {name: tensor.id for name, tensor in graph.outputs.items()}
+    taken = set(graph.inputs) | set(outputs)
+    split: dict[int, str] = {index: name for name, index in outputs.items()}
+    while True:
+        lowering = _Lowering(graph, split)
+        roots: dict[str, Term] = {}
+        axes: dict[str, tuple[str, ...]] = {}
+        for index, name in sorted(split.items()):
+            axes[name] = root_axes(graph.node(index).shape)
+            roots[name] = lowering.define(index, root_indices(axes[name]))
+        extra = lowering.needs_own_tensor()
+        if extra is None:
+            break
+        name = next(f"t{k}" for k in range(len(taken) + 1) if f"t{k}" not in taken)
+        taken.add(name)
+        split[extra] = name
     inputs = graph.inputs
     return Lowered(
-        outputs=outputs,
-        output_axes=output_axes,
-        output_shapes={n: x.shape for n, x in graph.outputs.items()},
+        roots=roots,
+        root_axes=axes,
+        outputs=tuple(graph.outputs),
         input_dtypes={n: x.dtype for n, x in inputs.items()},
         input_shapes={n: x.shape for n, x in inputs.items()},
     )

@@ -1,0 +1,227 @@
+"""Flash attention and the other fused forms are derived from every reasonable spelling,
+never from the wrong ones, and every derived program evaluates equal to its graph."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import cherenkov as ck
+from cherenkov.rewrites.derive import Derivation
+from cherenkov.rewrites.plan import TARGETS, flash_smem_bytes
+
+B, H, SQ, SKV, D = 2, 4, 5, 9, 64
+SCALE = D**-0.5
+
+
+def attention_graph(spell: Callable, kv_heads: int = H) -> ck.Graph:
+    g = ck.Graph("attention")
+    q = g.input("q", (B, H, SQ, D), "bf16")
+    k = g.input("k", (B, kv_heads, SKV, D), "bf16")
+    v = g.input("v", (B, kv_heads, SKV, D), "bf16")
+    g.output(spell(q, k, v), "o")
+    return g
+
+
+def normalised(p: ck.Tensor, v: ck.Tensor) -> ck.Tensor:
+    return (p / p.sum(axis=-1, keepdim=True)) @ v
+
+
+def textbook(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    return normalised((s - s.max(axis=-1, keepdim=True)).exp(), v)
+
+
+def scale_on_q(q, k, v):
+    s = (q * SCALE) @ k.transpose(-2, -1)
+    return normalised((s - s.max(axis=-1, keepdim=True)).exp(), v)
+
+
+def exp2_folded(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * (SCALE * math.log2(math.e))
+    return normalised((s - s.max(axis=-1, keepdim=True)).exp2(), v)
+
+
+def no_max(q, k, v):
+    return normalised(((q @ k.transpose(-2, -1)) * SCALE).exp(), v)
+
+
+def causal_where(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    q_idx, k_idx = ck.arange(SQ).unsqueeze(-1), ck.arange(SKV)
+    s = ck.where(k_idx <= q_idx, s, -math.inf)
+    return normalised((s - s.max(axis=-1, keepdim=True)).exp(), v)
+
+
+def causal_additive(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    q_idx, k_idx = ck.arange(SQ).unsqueeze(-1), ck.arange(SKV)
+    s = s + ck.where(q_idx < k_idx, -math.inf, 0.0)
+    return normalised((s - s.max(axis=-1, keepdim=True)).exp(), v)
+
+
+def gqa_expand(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.unsqueeze(2).expand(B, H // groups, groups, SKV, D).reshape(B, H, SKV, D) for x in (k, v))
+    return textbook(q, k, v)
+
+
+def nn_attention(q, k, v):
+    return ck.nn.attention(q, k, v)
+
+
+def times_reciprocal(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    p = (s - s.max(axis=-1, keepdim=True)).exp()
+    return (p * (1 / p.sum(axis=-1, keepdim=True))) @ v
+
+
+SPELLINGS = {
+    "textbook": (textbook, H, False),
+    "scale_on_q": (scale_on_q, H, False),
+    "exp2_folded": (exp2_folded, H, False),
+    "no_max": (no_max, H, False),
+    "causal_where": (causal_where, H, True),
+    "causal_additive": (causal_additive, H, True),
+    "gqa_expand": (gqa_expand, H // 2, False),
+    "nn_attention": (nn_attention, H, False),
+    "times_reciprocal": (times_reciprocal, H, False),
+}
+
+
+def random_inputs(g: ck.Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(t.shape) for name, t in g.inputs.items()}
+
+
+def assert_derived_program_matches(g: ck.Graph, d: Derivation) -> None:
+    inputs = random_inputs(g)
+    expected, got = ck.evaluate(g, inputs), ck.evaluate(d, inputs)
+    for name in expected:
+        error = np.linalg.norm(got[name] - expected[name]) / np.linalg.norm(expected[name])
+        assert error <= 1e-9, f"{name}: derived program differs by {error:.2e}"
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_flash_attention_is_found_in_every_spelling(spelling: str) -> None:
+    spell, kv_heads, causal = SPELLINGS[spelling]
+    g = attention_graph(spell, kv_heads)
+    d = ck.derive(g)
+    assert d.found("flash_attention")
+    assert [k.kind for k in d.kernels] == ["flash_attention"]
+    assert_derived_program_matches(g, d)
+    trace = d.trace
+    final = "flash-attention-causal" if causal else "flash-attention"
+    assert trace[-1] == final
+    for before in ("contraction", "online-softmax-contract"):
+        assert trace.index(before) < trace.index(final)
+    plans = d.plans("sm_90")
+    assert plans and all(p.problem.causal == causal and p.problem.group_size == H // kv_heads for p in plans)
+
+
+def wrong_axis(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    p = (s - s.max(axis=-2, keepdim=True)).exp()
+    return (p / p.sum(axis=-2, keepdim=True)) @ v
+
+
+def max_over_other_axis(q, k, v):
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    return normalised((s - s.max(axis=-2, keepdim=True)).exp(), v)
+
+
+def softmax_without_v(q, k, v):
+    return ck.nn.softmax((q @ k.transpose(-2, -1)) * SCALE)
+
+
+def unnormalised(q, k, v):
+    return ((q @ k.transpose(-2, -1)) * SCALE).exp() @ v
+
+
+@pytest.mark.parametrize("spell", [wrong_axis, max_over_other_axis, softmax_without_v, unnormalised])
+def test_no_flash_attention_from_wrong_spellings(spell: Callable) -> None:
+    g = attention_graph(spell)
+    d = ck.derive(g)
+    assert not d.found("flash_attention")
+    assert "flash_attention" not in {k.kind for k in d.kernels}
+    assert d.plans("sm_90") == []
+    assert_derived_program_matches(g, d)
+
+
+def test_softmax_rows_are_one_fused_kernel() -> None:
+    g = ck.Graph("softmax")
+    g.output(ck.nn.softmax(g.input("x", (6, 50))), "y")
+    d = ck.derive(g)
+    assert d.found("softmax_row") and [k.kind for k in d.kernels] == ["softmax_rows"]
+    assert_derived_program_matches(g, d)
+
+
+def test_rms_norm_then_matmul_fuses_the_weight_into_the_matmul() -> None:
+    g = ck.Graph("rms")
+    x, w, m = g.input("x", (6, 32)), g.input("w", (32,)), g.input("m", (32, 16))
+    g.output(ck.nn.rms_norm(x, w) @ m, "y")
+    d = ck.derive(g)
+    assert d.found("rms_norm_row")
+    assert [k.kind for k in d.kernels] == ["rms_norm_rows", "contraction"]
+    assert_derived_program_matches(g, d)
+
+
+def test_layer_norm_with_weight_and_bias_is_one_kernel() -> None:
+    g = ck.Graph("ln")
+    x, w, b = g.input("x", (6, 32)), g.input("w", (32,)), g.input("b", (32,))
+    g.output(ck.nn.layer_norm(x, w, b), "y")
+    d = ck.derive(g)
+    assert d.found("layer_norm_row") and [k.kind for k in d.kernels] == ["layer_norm_rows"]
+    assert_derived_program_matches(g, d)
+
+
+def test_mlp_fuses_bias_and_gelu_into_the_first_matmul_epilogue() -> None:
+    g = ck.Graph("mlp")
+    x, w1, b1, w2 = g.input("x", (6, 32)), g.input("w1", (32, 64)), g.input("b1", (64,)), g.input("w2", (64, 32))
+    g.output(ck.nn.gelu(x @ w1 + b1) @ w2, "y")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["contraction", "contraction"]
+    first, second = d.kernels
+    assert second.reads == ("b1", first.output, "w2") or set(second.reads) == {"b1", first.output, "w2"}
+    assert "Exp" in str(second.term), "the GELU is applied as the second matmul's prologue"
+    assert_derived_program_matches(g, d)
+
+
+def seed_graph() -> ck.Graph:
+    g = ck.Graph("seed")
+    q = g.input("q", (1, 8, 4096, 128), "bf16")
+    k = g.input("k", (1, 8, 8192, 128), "bf16")
+    v = g.input("v", (1, 8, 8192, 128), "bf16")
+    g.output(textbook(q, k, v), "o")
+    return g
+
+
+def test_seed_plans_fit_each_targets_budget() -> None:
+    d = ck.derive(seed_graph())
+    counts = {}
+    for name in ("sm_80", "sm_90", "sm_120"):
+        plans = d.plans(name)
+        counts[name] = len(plans)
+        assert all(
+            flash_smem_bytes(p.schedule, 128, "bf16") <= TARGETS[name].smem_per_block for p in plans
+        )
+        assert len({p.schedule for p in plans}) == len(plans)
+    assert counts["sm_120"] >= 24
+    assert counts["sm_90"] > counts["sm_120"], "sm_90's larger shared memory admits more schedules"
+    assert counts["sm_80"] != counts["sm_90"]
+
+
+def test_saturation_is_bounded_and_small() -> None:
+    d = ck.derive(seed_graph())
+    assert d.stats.saturated and d.stats.enodes < 400 and d.stats.iterations <= 10
+    g = ck.Graph("layers")
+    h = g.input("x", (1, 4, 64, 64), "bf16")
+    for _ in range(4):
+        h = ck.nn.attention(h, h, h, causal=True)
+    g.output(h, "y")
+    d = ck.derive(g)
+    assert d.stats.saturated and d.stats.enodes < 1500
+    assert [k.kind for k in d.kernels] == ["flash_attention"] * 4
