@@ -165,6 +165,9 @@ def _slice(xs: tuple[Node, ...], attrs: tuple) -> tuple[sh.Shape, str]:
 
 def _pad(xs: tuple[Node, ...], attrs: tuple) -> tuple[sh.Shape, str]:
     (x,) = xs
+    value = attrs[1]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise GraphError(f"pad: fill value {value!r} must be a number and not NaN")
     return sh.pad_shape("pad", x.shape, attrs[0]), x.dtype
 
 

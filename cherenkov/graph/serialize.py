@@ -65,6 +65,30 @@ def graph_to_json(graph: Graph) -> str:
     return json.dumps({"format": FORMAT, "version": VERSION, "name": graph.name, **_structure(graph)})
 
 
+def _load_node(graph: Graph, position: int, record: dict, mapping: list[int]) -> int:
+    """Replay one node record through the builder; returns its index in ``graph``."""
+    op = record.get("op")
+    if op not in PRIMITIVES:
+        raise GraphError(f"from_json: node {position} has unknown op {op!r}")
+    attrs = _decode(record.get("attrs", []))
+    shape, dtype = tuple(record.get("shape", ())), record.get("dtype")
+    inputs = record.get("inputs", [])
+    if not all(isinstance(i, int) and 0 <= i < position for i in inputs):
+        raise GraphError(f"from_json: node {position} ({op}) refers to inputs {inputs} that are not earlier nodes")
+    if op == "input":
+        tensor = graph.input(attrs[0], shape, dtype)
+    elif op == "constant":
+        tensor = graph.constant(attrs[0], dtype)
+    else:
+        tensor = graph._apply(op, tuple(Tensor(graph, mapping[i]) for i in inputs), attrs)
+    if tensor.shape != shape or tensor.dtype != dtype:
+        raise GraphError(
+            f"from_json: node {position} ({op}) records shape {shape} {dtype} but its operands give "
+            f"{tensor.shape} {tensor.dtype}"
+        )
+    return tensor.id
+
+
 def graph_from_json(text: str) -> Graph:
     try:
         data = json.loads(text)
@@ -77,26 +101,14 @@ def graph_from_json(text: str) -> Graph:
     graph = Graph(data.get("name", "graph"))
     mapping: list[int] = []
     for position, record in enumerate(data.get("nodes", [])):
-        op = record.get("op")
-        if op not in PRIMITIVES:
-            raise GraphError(f"from_json: node {position} has unknown op {op!r}")
-        attrs = _decode(record.get("attrs", []))
-        shape, dtype = tuple(record.get("shape", ())), record.get("dtype")
-        inputs = record.get("inputs", [])
-        if not all(isinstance(i, int) and 0 <= i < position for i in inputs):
-            raise GraphError(f"from_json: node {position} ({op}) refers to inputs {inputs} that are not earlier nodes")
-        if op == "input":
-            tensor = graph.input(attrs[0], shape, dtype)
-        elif op == "constant":
-            tensor = graph.constant(attrs[0], dtype)
-        else:
-            tensor = graph._apply(op, tuple(Tensor(graph, mapping[i]) for i in inputs), attrs)
-        if tensor.shape != shape or tensor.dtype != dtype:
-            raise GraphError(
-                f"from_json: node {position} ({op}) records shape {shape} {dtype} but its operands give "
-                f"{tensor.shape} {tensor.dtype}"
-            )
-        mapping.append(tensor.id)
+        if not isinstance(record, dict):
+            raise GraphError(f"from_json: node {position} is a {type(record).__name__}, not an object")
+        try:
+            mapping.append(_load_node(graph, position, record, mapping))
+        except GraphError:
+            raise
+        except (TypeError, ValueError, IndexError, KeyError) as error:
+            raise GraphError(f"from_json: node {position} ({record.get('op')}) is malformed: {error!r}") from None
     for name, index in data.get("inputs", {}).items():
         if index >= len(mapping) or graph.inputs.get(name) is None or graph.inputs[name].id != mapping[index]:
             raise GraphError(f"from_json: input {name!r} does not name an input node")

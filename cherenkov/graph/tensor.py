@@ -44,7 +44,7 @@ class Graph:
         self.name = name
         self._free = _free
         self._nodes: list[Node] = []
-        self._ids: dict[Node, int] = {}
+        self._ids: dict[tuple[Node, str], int] = {}
         self._inputs: dict[str, int] = {}
         self._outputs: dict[str, int] = {}
         self._examples: dict[str, np.ndarray] = {}
@@ -52,11 +52,13 @@ class Graph:
     # ---------------------------------------------------------------- construction
 
     def _add(self, node: Node) -> int:
-        existing = self._ids.get(node)
+        # repr tells -0.0 from 0.0, which compare equal as keys but are different constants
+        key = (node, repr(node.attrs))
+        existing = self._ids.get(key)
         if existing is not None:
             return existing
         self._nodes.append(node)
-        self._ids[node] = len(self._nodes) - 1
+        self._ids[key] = len(self._nodes) - 1
         return len(self._nodes) - 1
 
     def _apply(self, op: str, operands: Sequence[Tensor], attrs: tuple = ()) -> Tensor:
@@ -275,9 +277,11 @@ class Tensor:
         return self.graph._apply("expand", (self,), (sh.expand_shape(op, self.shape, shape),))
 
     def _elementwise(self, op: str, others: Sequence[object], name: str) -> Tensor:
-        operands = [self, *(self._coerce(o, name) for o in others)]
+        home = _graph_of([self, *others], name).graph
+        first = home._lift(self, name)
+        operands = [first, *(first._coerce(o, name) for o in others)]
         shape = sh.broadcast_shapes(name, *(t.shape for t in operands))
-        return self.graph._apply(op, tuple(t.broadcast_to(shape, name) for t in operands))
+        return home._apply(op, tuple(t.broadcast_to(shape, name) for t in operands))
 
     def _unary(self, op: str) -> Tensor:
         return self.graph._apply(op, (self,))
@@ -321,23 +325,35 @@ class Tensor:
     def __mod__(self, other: object) -> Tensor:
         return self._elementwise("mod", [other], "mod")
 
+    def __rmod__(self, other: object) -> Tensor:
+        return self._coerce(other, "mod")._elementwise("mod", [self], "mod")
+
     def __pow__(self, exponent: object) -> Tensor:
         if not isinstance(exponent, (int, float)) or isinstance(exponent, bool):
             raise GraphError(f"pow: exponent must be a Python int or float, got {type(exponent).__name__}")
-        if exponent == 1:
-            return self
         if exponent == 0.5:
             return self.sqrt()
         if exponent == -0.5:
             return self.rsqrt()
-        if exponent == -1:
-            return self.recip()
-        if isinstance(exponent, int) and 2 <= exponent <= 8:
-            result = self
-            for _ in range(exponent - 1):
-                result = result * self
-            return result
+        if float(exponent).is_integer() and abs(exponent) <= 64:
+            return self._integer_power(int(exponent))
         return (self.log2() * float(exponent)).exp2()
+
+    def _integer_power(self, exponent: int) -> Tensor:
+        """``x ** n`` by square-and-multiply (exact for negative bases)."""
+        if exponent == 0:
+            return self._coerce(1, "pow").broadcast_to(self.shape, "pow")
+        if exponent < 0:
+            return self._integer_power(-exponent).recip()
+        result, square = None, self
+        while exponent:
+            if exponent & 1:
+                result = square if result is None else result * square
+            exponent >>= 1
+            if exponent:
+                square = square * square
+        assert result is not None
+        return result
 
     def __matmul__(self, other: object) -> Tensor:
         return matmul(self, self._coerce(other, "matmul"))
@@ -361,7 +377,9 @@ class Tensor:
         return self._elementwise("maximum", [other], "maximum")
 
     def minimum(self, other: object) -> Tensor:
-        return -((-self).maximum(-self._coerce(other, "minimum")))
+        other = self._coerce(other, "minimum")
+        sh.broadcast_shapes("minimum", self.shape, other.shape)
+        return -((-self).maximum(-other))
 
     # ------------------------------------------------------------- unary math
 
@@ -577,6 +595,8 @@ def where(condition: object, a: object, b: object) -> Tensor:
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` with NumPy semantics: batch axes broadcast, 1-D operands promoted."""
+    anchor = _graph_of([a, b], "matmul")
+    a, b = anchor._coerce(a, "matmul"), anchor._coerce(b, "matmul")
     if a.ndim == 0 or b.ndim == 0:
         raise GraphError(f"matmul: operands of shapes {a.shape} and {b.shape}; both need at least one axis")
     a2 = a.unsqueeze(0) if a.ndim == 1 else a

@@ -72,9 +72,7 @@ def test_binary_op_broadcasts_like_numpy(rng: np.random.Generator, name: str, sh
     _check_binary(name, shapes[1], shapes[0], rng)
 
 
-@pytest.mark.parametrize(
-    "shapes", [((3, 1), (1, 4), (4,)), ((2, 1, 3), (), (5, 1)), ((1,), (2, 2), (1, 2))], ids=str
-)
+@pytest.mark.parametrize("shapes", [((3, 1), (1, 4), (4,)), ((2, 1, 3), (), (5, 1)), ((1,), (2, 2), (1, 2))], ids=str)
 def test_where_broadcasts_three_operands(rng: np.random.Generator, shapes: tuple[Shape, Shape, Shape]) -> None:
     g = ck.Graph("where")
     c, a, b = (g.input(n, s) for n, s in zip("cab", shapes))

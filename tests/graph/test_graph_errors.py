@@ -92,6 +92,15 @@ def test_input_with_more_elements_than_32_bit_indexing_addresses() -> None:
         g.input("x", (65536, 65536))
 
 
+def test_views_may_exceed_32_bit_indexing_but_outputs_may_not() -> None:
+    g = ck.Graph("g")
+    x = g.input("x", (65536, 1))
+    wide = x.expand(65536, 65536)
+    assert wide.shape == (65536, 65536)
+    with _raises("output 'out'", "(65536, 65536)", "2147483647"):
+        g.output(wide)
+
+
 def test_reshape_to_a_different_element_count() -> None:
     g = ck.Graph("g")
     x = g.input("x", (2, 3))

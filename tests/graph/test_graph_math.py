@@ -260,7 +260,7 @@ def test_arange_counts_from_zero_and_from_start() -> None:
 
 def test_free_arange_and_constant_join_the_graph_from_the_left() -> None:
     """Free tensors join the first graph they meet, whichever side of the operator they are on."""
-    g = ck.Graph("free")
+    g = ck.Graph("user")
     x = g.input("x", (4,))
     g.output(ck.arange(4) + x, "left")
     g.output(ck.constant(2.0) * x, "scaled")

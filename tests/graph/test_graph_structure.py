@@ -13,7 +13,6 @@ import pytest
 import cherenkov as ck
 
 
-
 def test_primitives_are_the_design_set() -> None:
     assert ck.PRIMITIVES == frozenset(
         {
