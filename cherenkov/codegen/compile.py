@@ -31,12 +31,11 @@ from cherenkov.codegen.report import parse_ptxas_report
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-std=c++17")
-"""Options both compilers get, besides the architecture and the ptxas report."""
-
 
 @dataclass(frozen=True)
 class CompilerOutput:
+    """What one compiler run produced: the cubin, its PTX and the log (with the ptxas report)."""
+
     cubin: bytes
     ptx: str
     log: str
@@ -46,6 +45,7 @@ class Compiler(Protocol):
     """Turns one CUDA source into a cubin for one architecture."""
 
     name: str
+    flags: tuple[str, ...]
 
     @property
     def version(self) -> str: ...
@@ -57,6 +57,7 @@ class Nvcc:
     """The nvcc driver: cubin and its PTX from one invocation."""
 
     name = "nvcc"
+    flags = ("-O3", "-std=c++17")
 
     def __init__(self, executable: str):
         self.executable = executable
@@ -71,7 +72,7 @@ class Nvcc:
             work = Path(tmp)
             (work / "kernel.cu").write_text(source)
             command = [
-                self.executable, "-cubin", f"-arch={arch}", *FLAGS, "-Xptxas", "-v",
+                self.executable, "-cubin", f"-arch={arch}", *self.flags, "-Xptxas", "-v",
                 "--keep", "--keep-dir", str(work), "-o", str(work / "kernel.cubin"), str(work / "kernel.cu"),
             ]  # fmt: skip
             result = subprocess.run(command, capture_output=True, text=True, cwd=work)
@@ -85,6 +86,7 @@ class Nvrtc:
     """NVRTC through cupy: the cubin for ``sm_XX``, then the PTX for ``compute_XX``."""
 
     name = "nvrtc"
+    flags = ("-std=c++17",)  # NVRTC optimises fully by default and has no -O3
 
     @cached_property
     def version(self) -> str:
@@ -98,14 +100,13 @@ class Nvrtc:
         ptx, _ = self._run(source, [f"--gpu-architecture={arch.replace('sm_', 'compute_')}"], arch, cubin=False)
         return CompilerOutput(cubin, ptx.decode(), report)
 
-    @staticmethod
-    def _run(source: str, options: list[str], arch: str, cubin: bool) -> tuple[bytes, str]:
+    def _run(self, source: str, options: list[str], arch: str, cubin: bool) -> tuple[bytes, str]:
         from cupy_backends.cuda.libs import nvrtc
 
         program = nvrtc.createProgram(source, "kernel.cu", [], [])
         try:
             try:
-                nvrtc.compileProgram(program, [*FLAGS, *options])
+                nvrtc.compileProgram(program, [*self.flags, *options])
             except nvrtc.NVRTCError as err:
                 raise CompileError(f"NVRTC failed for {arch}: {err}", log=nvrtc.getProgramLog(program), arch=arch)
             binary = nvrtc.getCUBIN(program) if cubin else nvrtc.getPTX(program)
@@ -133,14 +134,18 @@ def compile_plan(
     arch: str | None = None,
     compiler: Compiler | None = None,
     cache_dir: Path | str | None = None,
+    source: str | None = None,
 ) -> CompiledKernel:
-    """Compile one plan for ``arch`` (default: its target), through the on-disk cache."""
+    """Compile one plan for ``arch`` (default: its target), through the on-disk cache.
+
+    ``source`` replaces the plan's generated source (the search injects faults this way
+    in its tests); the cache key covers the source actually compiled."""
     arch = arch or plan.target.arch_flag
     compiler = compiler or find_compiler()
     cache = KernelCache(cache_dir)
-    source = flash_attention_source(plan)
+    source = flash_attention_source(plan) if source is None else source
     name = kernel_name(plan)
-    key = cache_key(source, arch, compiler.version, FLAGS)
+    key = cache_key(source, arch, compiler.version, compiler.flags)
     entry = cache.load(key)
     cache_hit = entry is not None
     if entry is None:
@@ -173,18 +178,20 @@ def compile_plans(
     jobs: int | None = None,
     compiler: Compiler | None = None,
     cache_dir: Path | str | None = None,
+    sources: list[str | None] | None = None,
 ) -> list[CompiledKernel | CompileError]:
     """Compile many plans (each for its own target) with ``jobs`` concurrent compiler
-    processes (default: one per CPU). Returns, in order, a kernel or the error per plan."""
+    processes (default: one per CPU). Returns, in order, a kernel or the error per plan.
+    ``sources`` optionally replaces plans' generated sources (None: generate)."""
     compiler = compiler or find_compiler()
     workers = jobs or os.cpu_count() or 1
 
-    def one(plan: KernelPlan) -> CompiledKernel | CompileError:
+    def one(plan: KernelPlan, source: str | None) -> CompiledKernel | CompileError:
         try:
-            return compile_plan(plan, compiler=compiler, cache_dir=cache_dir)
+            return compile_plan(plan, compiler=compiler, cache_dir=cache_dir, source=source)
         except CompileError as err:
             log.warning("%s", str(err).splitlines()[0])
             return err
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, plans))
+        return list(pool.map(one, plans, sources or [None] * len(plans)))

@@ -8,6 +8,8 @@ imported on first use only.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from cherenkov.codegen.errors import CodegenError
@@ -38,6 +40,17 @@ class FlashAttentionKernel:
             self._function = module.get_function(compiled.kernel_name)
             self._function.max_dynamic_shared_size_bytes = self.smem_bytes
         self._module = module
+        self._streams: dict[int, object] = {}
+
+    def _stream(self, handle: int):
+        """cupy's view of a torch stream (cupy 14 deprecates ExternalStream, the raw-handle bridge)."""
+        import cupy
+
+        if handle not in self._streams:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "ExternalStream is deprecated", DeprecationWarning)
+                self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device)
+        return self._streams[handle]
 
     def __call__(self, q, k, v, out=None):
         import cupy
@@ -48,8 +61,8 @@ class FlashAttentionKernel:
             out = torch.empty(p.shapes()[p.out], dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
         for role, name, tensor in (("q", p.q, q), ("k", p.k, k), ("v", p.v, v), ("out", p.out, out)):
             self._check(role, tensor, p.shapes()[name])
+        stream = self._stream(torch.cuda.current_stream(q.device).cuda_stream)
         with cupy.cuda.Device(self.device):
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream)
             args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out))
             self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=stream)
         return out

@@ -57,7 +57,8 @@ def main() -> None:
     log.info("compiled %d plans in %.1f s", len(plans), time.perf_counter() - start)
 
     device = torch.device("cuda", 0)
-    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for shape in list(problem.shapes().values())[:3])
+    shapes = problem.shapes()
+    q, k, v = (torch.randn(shapes[name], device=device, dtype=torch.bfloat16) for name in (problem.q, problem.k, problem.v))
     reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=args.causal)
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
     tflops = lambda ms: problem.flops / (ms * 1e-3) / 1e12  # noqa: E731

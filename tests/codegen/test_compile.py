@@ -40,6 +40,7 @@ class CountingCompiler:
     def __init__(self, inner):
         self.inner = inner
         self.name = inner.name
+        self.flags = inner.flags
         self.calls = 0
 
     @property
@@ -53,6 +54,7 @@ class CountingCompiler:
 
 class FailingCompiler:
     name = "failing"
+    flags = ()
     version = "failing 1.0"
 
     def compile(self, source: str, arch: str):

@@ -70,7 +70,8 @@ def test_k_steps_are_xor_of_the_first_offset(head_dim, swizzle):
 
 
 def test_tiling_of_the_default_plan(seed_problem):
-    plan = next(p for p in valid_flash_plans(seed_problem, TARGETS["sm_90"]) if p.schedule.key() == "q128_kv64_w4_s2_split_swz_x4")
+    plans = valid_flash_plans(seed_problem, TARGETS["sm_90"])
+    plan = next(p for p in plans if p.schedule.key() == "q128_kv64_w4_s2_split_swz_x4")
     tiling = FlashTiling.from_plan(plan)
     assert (tiling.m_tiles, tiling.kv_ntiles, tiling.kv_steps, tiling.d_ntiles, tiling.d_steps) == (2, 8, 4, 16, 8)
     assert (tiling.q_tiles, tiling.kv_tiles) == (32, 128)

@@ -60,7 +60,7 @@ def flash_attention_source(plan: KernelPlan) -> str:
     dtype = plan.problem.dtype
     parts = [
         _header(plan, layout, tiling),
-        section("types", _types(dtype)),
+        section("types and helpers", _types(dtype)),
         section("problem and schedule constants", _constants(plan, tiling)),
         section("shared-memory layout", _layout_constants(layout), swizzle.emit_tile_addressing(layout.swizzle),
                 swizzle.emit_shared_access()),
@@ -122,6 +122,8 @@ def _types(dtype: str) -> str:
         f"""
         typedef unsigned int u32;
         typedef unsigned short elem_t;  // the bits of one {dtype} element
+
+        __device__ __forceinline__ int imin(int a, int b) {{ return a < b ? a : b; }}
         """
     )
 
@@ -131,7 +133,6 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
     scale = softmax_scale(plan)
     return block(
         f"""
-        constexpr int BATCH = {p.batch};
         constexpr int HEADS = {p.heads};
         constexpr int KV_HEADS = {p.kv_heads};
         constexpr int GROUP = {p.group_size};  // query heads per K/V head
@@ -157,6 +158,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;
         constexpr bool NEEDS_MASK = CAUSAL || KV_TAIL;
+        static_assert(THREADS == 32 * WARPS && ROWS_PER_WARP * WARPS == BLOCK_Q, "warps split the query tile");
         """
     )
 
@@ -172,6 +174,7 @@ def _layout_constants(layout: FlashLayout) -> str:
         constexpr u32 V_SMEM = {layout.v_offset(0)};  // V tile of stage s at V_SMEM + s * STAGE_BYTES
         constexpr u32 STAGE_BYTES = {layout.stage_bytes};
         constexpr u32 SMEM_BYTES = {layout.total_bytes};
+        static_assert(V_SMEM + (STAGES - 1) * STAGE_BYTES + BLOCK_KV * ROW_BYTES == SMEM_BYTES, "layout is packed");
         """
     )
 
@@ -286,17 +289,22 @@ def _mask_scores() -> str:
     return block(
         """
         // -inf for keys past SEQ_KV and, when causal, keys after the query (key > row).
-        // Called only for the diagonal and Skv-tail tiles.
+        // Called only for the diagonal and Skv-tail tiles. Element e of n8 tile n of m16 tile m
+        // is (row0 + 16m + lane/4 + 8(e/2), key0 + 8n + 2(lane%4) + e%2): the lane's part is
+        // folded into two per-thread values, the rest are compile-time offsets.
         __device__ __forceinline__ void mask_scores(float (&s)[M_TILES][KV_NTILES][4], int row0, int key0, int lane) {
+            const int lane_key = key0 + 2 * (lane & 3);
+            const int lane_key_minus_row = lane_key - (row0 + (lane >> 2));
             #pragma unroll
             for (int m = 0; m < M_TILES; ++m) {
                 #pragma unroll
                 for (int n = 0; n < KV_NTILES; ++n) {
                     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int row = row0 + 16 * m + (lane >> 2) + 8 * (e >> 1);
-                        const int key = key0 + 8 * n + 2 * (lane & 3) + (e & 1);
-                        if ((KV_TAIL && key >= SEQ_KV) || (CAUSAL && key > row)) {
+                        const int key_offset = 8 * n + (e & 1);
+                        const bool past_end = KV_TAIL && lane_key + key_offset >= SEQ_KV;
+                        const bool future = CAUSAL && lane_key_minus_row + key_offset - 16 * m - 8 * (e >> 1) > 0;
+                        if (past_end || future) {
                             s[m][n][e] = neg_inf();
                         }
                     }
@@ -451,8 +459,8 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
 
             // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
             // how many of them need no mask (wholly below the diagonal and inside SEQ_KV).
-            const int n_tiles = CAUSAL ? min(KV_TILES, (min(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
-            const int n_unmasked = CAUSAL ? min(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
+            const int n_tiles = CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+            const int n_unmasked = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
 
             // Prologue: Q tile (first group), then the pipeline's prefetch.
             load_tile<BLOCK_Q, Q_TAIL>(smem + Q_SMEM, q + q_rows * HEAD_DIM, SEQ_Q - q0);

@@ -46,42 +46,45 @@ class KvPipeline:
         return "\n\n".join([self._emit_issuers(), self._emit_prologue(), self._emit_waits()])
 
     def _emit_issuers(self) -> str:
-        k_load = (
-            "load_tile<BLOCK_KV, KV_TAIL>(smem + K_SMEM + u32(slot) * STAGE_BYTES,\n"
-            "                             k_head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);"
+        copy = block(
+            """
+            // Copy K or V tile `tile` of one head into a stage buffer (no commit).
+            __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
+                load_tile<BLOCK_KV, KV_TAIL>(stage_tile, head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);
+            }
+            """
         )
-        v_load = k_load.replace("K_SMEM", "V_SMEM").replace("k_head", "v_head")
         if self.kv_split:
-            return block(
-                f"""
+            return copy + "\n\n" + block(
+                """
                 // Start copying K tile `tile` into stage `slot` as one cp.async group (empty past n_tiles).
-                __device__ __forceinline__ void issue_k(u32 smem, const elem_t* k_head, int tile, int slot, int n_tiles) {{
-                    if (tile < n_tiles) {{
-                        {k_load.replace(chr(10), chr(10) + " " * 24)}
-                    }}
+                __device__ __forceinline__ void issue_k(u32 smem, const elem_t* k_head, int tile, int slot, int n_tiles) {
+                    if (tile < n_tiles) {
+                        load_kv_tile(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                    }
                     cp_async_commit();
-                }}
+                }
 
                 // The same for V tile `tile`.
-                __device__ __forceinline__ void issue_v(u32 smem, const elem_t* v_head, int tile, int slot, int n_tiles) {{
-                    if (tile < n_tiles) {{
-                        {v_load.replace(chr(10), chr(10) + " " * 24)}
-                    }}
+                __device__ __forceinline__ void issue_v(u32 smem, const elem_t* v_head, int tile, int slot, int n_tiles) {
+                    if (tile < n_tiles) {
+                        load_kv_tile(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                    }
                     cp_async_commit();
-                }}
+                }
                 """
             )
-        return block(
-            f"""
+        return copy + "\n\n" + block(
+            """
             // Start copying K and V tile `tile` into stage `slot` as one cp.async group (empty past n_tiles).
             __device__ __forceinline__ void issue_kv(u32 smem, const elem_t* k_head, const elem_t* v_head,
-                                                     int tile, int slot, int n_tiles) {{
-                if (tile < n_tiles) {{
-                    {k_load.replace(chr(10), chr(10) + " " * 20)}
-                    {v_load.replace(chr(10), chr(10) + " " * 20)}
-                }}
+                                                     int tile, int slot, int n_tiles) {
+                if (tile < n_tiles) {
+                    load_kv_tile(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                    load_kv_tile(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                }
                 cp_async_commit();
-            }}
+            }
             """
         )
 
@@ -98,11 +101,11 @@ class KvPipeline:
             issues = [f"issue_kv(smem, k_head, v_head, {t}, {t}, n_tiles);" for t in range(s - 1)]
             what = f"K/V tiles 0..{s - 2}" if s > 1 else "nothing (one stage loads each tile when it is due)"
         body = "\n".join(f"    {line}" for line in issues) or "    // (no tile is prefetched)"
-        unused = "" if issues else "\n    (void)smem; (void)k_head; (void)v_head; (void)n_tiles;"
         return (
             f"// Prefetch before the main loop: {what}.\n"
-            "__device__ __forceinline__ void pipeline_prologue(u32 smem, const elem_t* k_head, const elem_t* v_head, int n_tiles) {\n"
-            f"{body}{unused}\n"
+            "__device__ __forceinline__ void pipeline_prologue(u32 smem, const elem_t* k_head, const elem_t* v_head,\n"
+            "                                                  int n_tiles) {\n"
+            f"{body}\n"
             "}\n\n"
             "// Wait until the Q tile (the first group) has landed for the whole block.\n"
             "__device__ __forceinline__ void pipeline_wait_q() {\n"
@@ -136,15 +139,15 @@ class KvPipeline:
             )
         if s == 1:
             wait_k = block(
-                """
+                f"""
                 // Before the scores of step j (one stage, no overlap): all warps are done with the
                 // previous tile, then tile j is loaded and waited for.
-                __device__ __forceinline__ void pipeline_wait_k(u32 smem, const elem_t* k_head, const elem_t* v_head, int j, int slot, int n_tiles) {
+                __device__ __forceinline__ void pipeline_wait_k({_SIGNATURE}) {{
                     __syncthreads();
                     issue_kv(smem, k_head, v_head, j, slot, n_tiles);
                     cp_async_wait<0>();
                     __syncthreads();
-                }
+                }}
                 """
             )
         else:

@@ -1,0 +1,1 @@
+"""Tests of cherenkov.codegen: layouts, generated source, compilation, and GPU runs."""
