@@ -6,6 +6,9 @@ candidate becomes CUDA C++, is compiled, checked and timed; the fastest correct 
 This module is the public API; everything else is an implementation detail.
 """
 
+__version__ = "0.1.0"
+
+from cherenkov import codegen
 from cherenkov.graph import (
     PRIMITIVES,
     Graph,
@@ -21,22 +24,24 @@ from cherenkov.graph import (
 )
 
 from cherenkov.rewrites.derive import Derivation, derive
-
-__version__ = "0.1.0"
+from cherenkov.search.optimize import OptimizeResult, optimize
 
 __all__ = [
     "PRIMITIVES",
     "Derivation",
     "Graph",
+    "OptimizeResult",
     "GraphError",
     "Tensor",
     "__version__",
     "arange",
     "cat",
+    "codegen",
     "constant",
     "derive",
     "evaluate",
     "matmul",
     "nn",
+    "optimize",
     "where",
 ]

@@ -53,7 +53,8 @@ class AttentionProblem:
 
     Layout is BHSD contiguous for q, k, v and o. ``kv_heads`` divides ``heads``; query
     head ``h`` reads K/V head ``h // (heads // kv_heads)`` (GQA/MQA). Causal follows
-    PyTorch's ``is_causal``: query ``i`` sees keys ``j <= i``. The tensor names are
+    PyTorch's ``is_causal``: query ``i`` sees keys ``j <= i``. ``scale`` 0 means
+    ``head_dim ** -0.5``; a negative scale is not supported. The tensor names are
     validated identifiers of the user's graph.
     """
 

@@ -79,11 +79,12 @@ def test_compile_plans_returns_errors_in_place(seed_problem, kernel_cache):
 
 
 @pytest.fixture(scope="module")
-def seed_kernels(seed_problem, compiler, tmp_path_factory) -> dict[tuple[str, str], CompiledKernel]:
-    """Every valid seed plan compiled for sm_80, sm_90 and sm_120 (in parallel)."""
+def seed_kernels(seed_problem, compiler) -> dict[tuple[str, str], CompiledKernel]:
+    """Every valid seed plan compiled for sm_80, sm_90 and sm_120 (in parallel), into the
+    session's kernel cache, where the search tests find them again."""
     plans = [plan for arch in ARCHS for plan in valid_flash_plans(seed_problem, TARGETS[arch])]
     start = time.perf_counter()
-    results = compile_plans(plans, compiler=compiler, cache_dir=tmp_path_factory.mktemp("kernels"))
+    results = compile_plans(plans, compiler=compiler)
     print(f"compiled {len(plans)} plans in {time.perf_counter() - start:.1f} s")
     failures = [str(r).splitlines()[0] for r in results if isinstance(r, CompileError)]
     assert not failures, failures

@@ -1,0 +1,1 @@
+"""The search: candidates, cost model, measurement workers, tuning database, reports."""

@@ -1,0 +1,309 @@
+"""Measuring candidates in worker processes that may die without taking the search down.
+
+One worker process per GPU loads a compiled kernel, runs it on fresh random inputs into
+a NaN-poisoned output, checks it against a float32 PyTorch reference, and only then
+times it with CUDA events (warm-up, L2 flushed before every sample, median of many). A
+candidate that crashes the worker (an illegal address poisons the CUDA context), hangs
+past the timeout, or is wrong is recorded with its reason; the worker is replaced and
+the search goes on. The parent never imports torch or cupy.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from cherenkov.codegen.plan import CompiledKernel
+from cherenkov.rewrites.plan import AttentionProblem
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
+SAMPLES = 30
+WARMUP = 3
+EARLY_STOP_AFTER = 5
+EARLY_STOP_FACTOR = 1.3
+STARTUP_TIMEOUT_S = 180.0
+CANDIDATE_TIMEOUT_S = 30.0
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
+
+
+@dataclass(frozen=True)
+class MeasureTask:
+    """Verify then time one compiled candidate."""
+
+    candidate: str
+    compiled: CompiledKernel
+    best_ms: float | None = None
+    samples: int = SAMPLES
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a worker found: ``status`` ok / stopped_early / wrong / crash / timeout."""
+
+    candidate: str
+    status: str
+    reason: str | None = None
+    rel_error: float | None = None
+    times_ms: tuple[float, ...] = ()
+
+
+# --------------------------------------------------------------------- in the worker
+
+
+def _inputs(problem: AttentionProblem, seed: int, device: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    generator = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
+    shapes = problem.shapes()
+    return tuple(
+        torch.randn(shapes[name], generator=generator, device=f"cuda:{device}", dtype=torch.float32).to(dtype)
+        for name in (problem.q, problem.k, problem.v)
+    )
+
+
+def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any) -> Any:
+    """softmax(q kᵀ·scale) v in float32 (memory-efficient or math backend)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), is_causal=problem.causal, scale=problem.scale,
+            enable_gqa=problem.group_size > 1,
+        )
+
+
+def _time(launch: Callable[[], Any], flush: Any, samples: int, best_ms: float | None) -> tuple[list[float], bool]:
+    """CUDA-event times of ``launch``, L2 flushed before each; stops early when clearly
+    slower than ``best_ms`` after its first samples."""
+    import torch
+
+    for _ in range(WARMUP):
+        launch()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: list[float] = []
+    for sample in range(samples):
+        flush.zero_()
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if best_ms and sample + 1 == EARLY_STOP_AFTER and min(times) > EARLY_STOP_FACTOR * best_ms:
+            return times, True
+    return times, False
+
+
+def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
+    import torch
+
+    from cherenkov.codegen.launch import load_kernel
+
+    problem = task.compiled.plan.problem
+    kernel = load_kernel(task.compiled, device)
+    q, k, v = _inputs(problem, task.seed, device)
+    out = torch.full(problem.shapes()[problem.out], float("nan"), dtype=q.dtype, device=q.device)
+    kernel(q, k, v, out)
+    torch.cuda.synchronize()
+    reference = _reference(problem, q, k, v)
+    error = float((out.float() - reference).norm() / reference.norm())
+    if not error <= TOLERANCE[problem.dtype]:  # NaN fails too
+        unwritten = int(torch.isnan(out).sum())
+        reason = f"relative error {error:.3g} > {TOLERANCE[problem.dtype]}" + (
+            f"; {unwritten} output elements NaN (unwritten or invalid)" if unwritten else ""
+        )
+        return Measurement(task.candidate, "wrong", reason, error)
+    times, stopped = _time(lambda: kernel(q, k, v, out), flush, task.samples, task.best_ms)
+    reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
+    return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
+
+
+def _references(problem: AttentionProblem, device: int, flush: Any) -> dict[str, float]:
+    """Median milliseconds of PyTorch's SDPA backends on the same problem."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _inputs(problem, 0, device)
+    result = {}
+    for name, backend in SDPA_BACKENDS.items():
+        def launch(backend=backend):
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=problem.causal, scale=problem.scale, enable_gqa=problem.group_size > 1
+                )
+        try:
+            times, _ = _time(launch, flush, SAMPLES, None)
+        except RuntimeError as error:  # a backend that does not support this problem
+            log.info("%s unavailable: %s", name, str(error).splitlines()[0])
+            continue
+        result[name] = sorted(times)[len(times) // 2]
+    return result
+
+
+def worker_main(conn: Connection, device: int) -> None:
+    """Serve measurement requests on ``conn`` until told to stop (runs in the child)."""
+    import torch
+
+    torch.cuda.set_device(device)
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    flush = torch.empty(2 * l2_bytes, dtype=torch.int8, device=f"cuda:{device}")
+    conn.send(("ready", torch.cuda.get_device_name(device)))
+    while True:
+        kind, payload = conn.recv()
+        if kind == "stop":
+            return
+        try:
+            answer = _measure(payload, device, flush) if kind == "measure" else _references(payload, device, flush)
+        except Exception as error:  # noqa: BLE001 - everything a kernel can do wrong is reported
+            message = f"{type(error).__name__}: {error}".splitlines()[0]
+            conn.send(("error", message))
+            if "CUDA" in message or isinstance(error, torch.cuda.OutOfMemoryError):
+                return  # the CUDA context may be poisoned: let the parent start a fresh worker
+            log.debug("worker error: %s", traceback.format_exc())
+            continue
+        conn.send((kind, answer))
+
+
+# --------------------------------------------------------------------- in the parent
+
+
+class _Worker:
+    """A worker process bound to one GPU."""
+
+    def __init__(self, device: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.device = device
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=worker_main, args=(child, device), daemon=True)
+        self.process.start()
+        child.close()
+        if not self.conn.poll(STARTUP_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(f"measurement worker on GPU {device} did not start in {STARTUP_TIMEOUT_S:.0f} s")
+        _, self.gpu_name = self.conn.recv()
+
+    def request(self, kind: str, payload: Any, timeout_s: float) -> tuple[str, Any]:
+        """Send one request; ("timeout", seconds) or ("crash", reason) when it goes wrong."""
+        try:
+            self.conn.send((kind, payload))
+        except (BrokenPipeError, OSError) as error:
+            return "crash", f"worker unreachable: {error}"
+        if not self.conn.poll(timeout_s):
+            self.kill()
+            return "timeout", f"no answer within {timeout_s:.0f} s (a kernel that never finishes)"
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            return "crash", f"worker process died (exit code {self.process.exitcode})"
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.alive:
+            try:
+                self.conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(10)
+        if self.alive:
+            self.kill()
+
+
+class MeasurementPool:
+    """One worker per GPU; tasks run concurrently across GPUs, one at a time per GPU."""
+
+    def __init__(self, devices: Iterable[int] = (0,), timeout_s: float = CANDIDATE_TIMEOUT_S) -> None:
+        self.devices = tuple(devices)
+        self.timeout_s = timeout_s
+        self._workers: dict[int, _Worker] = {}
+        self._lock = threading.Lock()
+        self.best_ms: float | None = None
+
+    def _worker(self, device: int) -> _Worker:
+        worker = self._workers.get(device)
+        if worker is None or not worker.alive:
+            worker = self._workers[device] = _Worker(device)
+        return worker
+
+    def gpu_name(self) -> str:
+        return self._worker(self.devices[0]).gpu_name
+
+    def measure(self, task: MeasureTask, device: int | None = None) -> Measurement:
+        """Verify and time one candidate; failures come back as a Measurement too."""
+        device = self.devices[0] if device is None else device
+        kind, answer = self._worker(device).request("measure", task, self.timeout_s)
+        if kind == "measure":
+            if answer.status == "ok":
+                median = sorted(answer.times_ms)[len(answer.times_ms) // 2]
+                with self._lock:
+                    self.best_ms = median if self.best_ms is None else min(self.best_ms, median)
+            return answer
+        status = {"timeout": "timeout", "crash": "crash"}.get(kind, "crash")
+        return Measurement(task.candidate, status, str(answer))
+
+    def measure_all(
+        self, tasks: list[MeasureTask], on_result: Callable[[Measurement], None] | None = None,
+        deadline: float | None = None,
+    ) -> dict[str, Measurement]:
+        """Measure every task (spread over the GPUs) until ``deadline`` (time.monotonic)."""
+        pending: queue.Queue[MeasureTask] = queue.Queue()
+        for task in tasks:
+            pending.put(task)
+        results: dict[str, Measurement] = {}
+
+        def drain(device: int) -> None:
+            while deadline is None or time.monotonic() < deadline:
+                try:
+                    task = pending.get_nowait()
+                except queue.Empty:
+                    return
+                with self._lock:
+                    best = self.best_ms
+                result = self.measure(MeasureTask(task.candidate, task.compiled, best, task.samples, task.seed), device)
+                with self._lock:
+                    results[task.candidate] = result
+                if on_result is not None:
+                    on_result(result)
+
+        threads = [threading.Thread(target=drain, args=(d,), daemon=True) for d in self.devices]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return results
+
+    def references(self, problem: AttentionProblem) -> dict[str, float]:
+        """Median ms of PyTorch's SDPA backends on ``problem`` (on the first GPU)."""
+        kind, answer = self._worker(self.devices[0]).request("references", problem, 10 * self.timeout_s)
+        return answer if kind == "references" else {}
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.stop()
+        self._workers.clear()
+
+    def __enter__(self) -> MeasurementPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

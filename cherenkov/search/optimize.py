@@ -1,0 +1,392 @@
+"""``ck.optimize``: from a graph to its fastest correct kernels, with a report.
+
+derive → enumerate candidates → compile (all cores) → verify and time in worker
+processes (or rank by the cost model where nothing can be measured) → rank → store in
+the tuning database → write ``report.json`` and ``report.html``. A repeated search on
+the same GPU and toolkit answers from the database without compiling; candidates the
+database already knows (including failures) are not compiled or measured again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from cherenkov.codegen import CompileError, compile_plan, compile_plans, load_kernel
+from cherenkov.codegen.plan import CompiledKernel
+from cherenkov.graph import Graph, GraphError
+from cherenkov.rewrites.derive import Derivation, derive
+from cherenkov.rewrites.plan import KernelPlan
+from cherenkov.search.cost_model import GPUS, predict_flash
+from cherenkov.search.database import CandidateKey, TuningDatabase, WinnerKey
+from cherenkov.search.environment import Capabilities, detect
+from cherenkov.search.faults import inject_fault
+from cherenkov.search.measure import MeasurementPool, MeasureTask
+from cherenkov.search.records import CandidateResult, Environment, Timing
+from cherenkov.search.report import SearchSummary, write_html, write_json
+from cherenkov.search.space import Candidate, SearchSpace, search_space
+
+log = logging.getLogger(__name__)
+
+MIN_NOISE = 0.005  # medians closer than 0.5% always tie
+Progress = Callable[..., None]
+
+
+def _no_progress(event: str, **info: Any) -> None:
+    log.debug("%s %s", event, info)
+
+
+def input_signature(graph: Graph) -> str:
+    """``name:dtype[shape];...`` of the graph's inputs: part of every database key."""
+    return ";".join(f"{n}:{t.dtype}[{','.join(map(str, t.shape))}]" for n, t in sorted(graph.inputs.items()))
+
+
+@dataclass(frozen=True)
+class BestKernel:
+    """The winning candidate of one kernel of the graph."""
+
+    kernel: str
+    result: CandidateResult
+    plan: KernelPlan
+    source: str
+
+    @property
+    def target(self) -> str:
+        return self.plan.target.name
+
+    @property
+    def time_ms(self) -> float | None:
+        return self.result.time_ms
+
+    @property
+    def tflops(self) -> float | None:
+        return self.result.tflops
+
+
+class OptimizeResult:
+    """What a search found: the winners, every candidate, the reports."""
+
+    def __init__(
+        self, graph: Graph, derivation: Derivation, summary: SearchSummary, winners: dict[str, BestKernel],
+        report_json: Path, report_html: Path, from_database: bool,
+    ) -> None:
+        self.graph = graph
+        self.derivation = derivation
+        self.summary = summary
+        self.kernels = winners
+        self.report_json = report_json
+        self.report_html = report_html
+        self.from_database = from_database
+        self._loaded: dict[str, Any] = {}
+
+    @property
+    def environment(self) -> Environment:
+        return self.summary.environment
+
+    @property
+    def candidates(self) -> list[CandidateResult]:
+        return list(self.summary.candidates)
+
+    @property
+    def best(self) -> BestKernel | None:
+        """The winner of the graph's costliest searched kernel (for attention, the only one)."""
+        if not self.kernels:
+            return None
+        return max(self.kernels.values(), key=lambda w: w.result.flops)
+
+    def dump(self, path: str | os.PathLike[str]) -> Path:
+        """Write the best kernel's CUDA source to ``path``."""
+        if self.best is None:
+            raise GraphError(f"dump: the search of {self.graph.name!r} produced no kernel")
+        target = Path(path)
+        target.write_text(self.best.source)
+        return target
+
+    def run(self, **tensors: Any) -> dict[str, Any]:
+        """Run the graph with the winning kernels: torch CUDA tensors in, ``{output: tensor}`` out."""
+        import torch
+
+        buffers = dict(tensors)
+        missing = sorted(set(self.graph.inputs) - set(buffers))
+        if missing:
+            raise GraphError(f"run: missing inputs {missing}; graph {self.graph.name!r} needs {sorted(self.graph.inputs)}")
+        for kernel in self.derivation.kernels:
+            winner = self.kernels.get(kernel.output)
+            if winner is None:
+                raise GraphError(
+                    f"run: kernel {kernel.output} ({kernel.kind}) has no generated CUDA kernel yet; "
+                    f"searched kinds: flash_attention"
+                )
+            if kernel.output not in self._loaded:
+                self._loaded[kernel.output] = load_kernel(compile_plan(winner.plan), torch.cuda.current_device())
+            problem = winner.plan.problem
+            buffers[kernel.output] = self._loaded[kernel.output](
+                buffers[problem.q], buffers[problem.k], buffers[problem.v]
+            )
+        return {name: buffers[name] for name in self.graph.outputs}
+
+
+# ------------------------------------------------------------------------------ search
+
+
+def _rank(results: list[CandidateResult]) -> CandidateResult | None:
+    """Fastest usable candidate; medians within the winner's noise tie and the smallest
+    id among them wins, so the same measurements always pick the same winner."""
+    usable = [r for r in results if r.status in ("ok", "modelled") and r.time_ms]
+    if not usable:
+        return None
+    fastest = min(usable, key=lambda r: (r.time_ms, r.id))
+    noise = MIN_NOISE
+    if fastest.timing is not None:
+        noise = max(MIN_NOISE, (fastest.timing.median_ms - fastest.timing.min_ms) / fastest.timing.median_ms)
+    tied = [r for r in usable if r.time_ms <= fastest.time_ms * (1 + noise)]
+    return min(tied, key=lambda r: r.id)
+
+
+def _peak(target: str) -> float:
+    return GPUS[target].mma_tflops
+
+
+def _base_result(candidate: Candidate, status: str, **values: Any) -> CandidateResult:
+    plan = candidate.plan
+    return CandidateResult(
+        id=candidate.id, kernel=candidate.kernel, kind=plan.kind, params=plan.params(),
+        source_hash=candidate.source_hash, status=status, flops=plan.problem.flops,
+        peak_tflops=_peak(plan.target.name), **values,
+    )  # fmt: skip
+
+
+def _compiled_values(compiled: CompiledKernel) -> dict[str, Any]:
+    report = compiled.report
+    return {
+        "registers": report.registers,
+        "smem_bytes": report.smem_static + report.smem_dynamic,
+        "spill_bytes": report.spill_bytes,
+        "compile_seconds": compiled.compile_seconds,
+        "predicted_ms": predict_flash(compiled.plan, registers=report.registers).ms,
+    }
+
+
+class _Search:
+    """One search: the state shared by its steps."""
+
+    def __init__(self, graph: Graph, caps: Capabilities, budget_s: float | None, progress: Progress,
+                 timeout_s: float, faults: Mapping[str, str]) -> None:  # fmt: skip
+        self.graph = graph
+        self.caps = caps
+        self.env = caps.environment
+        self.start = time.monotonic()
+        self.deadline = None if budget_s is None else self.start + budget_s
+        self.progress = progress
+        self.timeout_s = timeout_s
+        self.faults = faults
+        self.notes = list(caps.limitations)
+        self.references: dict[str, float] = {}
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def compile(self, candidates: list[Candidate]) -> dict[str, CompiledKernel | CompileError]:
+        """Compile in parallel, most promising first, in chunks so the budget can stop it."""
+        ordered = sorted(candidates, key=lambda c: (predict_flash(c.plan).ms, c.id))
+        chunk = 2 * (os.cpu_count() or 1)
+        compiled: dict[str, CompiledKernel | CompileError] = {}
+        for start in range(0, len(ordered), chunk):
+            if self.out_of_time():
+                break
+            group = ordered[start : start + chunk]
+            sources = {c.id: inject_fault(c.source, self.faults[c.id]) for c in group if c.id in self.faults}
+            outputs = compile_plans([c.plan for c in group], sources=[sources.get(c.id) for c in group])
+            compiled.update(zip((c.id for c in group), outputs))
+            self.progress("compiled", done=len(compiled), total=len(ordered))
+        return compiled
+
+    def evaluate(self, candidates: list[Candidate]) -> list[CandidateResult]:
+        """Compile, then verify and time (or model) every candidate not yet known."""
+        if not candidates:
+            return []
+        if self.env.toolkit == "none":
+            return [
+                _base_result(c, "modelled", predicted_ms=predict_flash(c.plan).ms,
+                             reason="not compiled: no CUDA compiler")  # fmt: skip
+                for c in candidates
+            ]
+        compiled = self.compile(candidates)
+        results: dict[str, CandidateResult] = {}
+        ready: list[tuple[Candidate, CompiledKernel]] = []
+        for candidate in candidates:
+            outcome = compiled.get(candidate.id)
+            if outcome is None:
+                results[candidate.id] = _base_result(candidate, "unmeasured", reason="time budget spent before compiling")
+            elif isinstance(outcome, CompileError):
+                reason = f"{outcome}: {(outcome.log or '').strip()[:600]}"
+                results[candidate.id] = _base_result(candidate, "compile_error", reason=reason)
+            elif self.env.measured:
+                ready.append((candidate, outcome))
+            else:
+                results[candidate.id] = _base_result(candidate, "modelled", **_compiled_values(outcome))
+        if ready:
+            results.update(self.measure(ready))
+        return [results[c.id] for c in candidates]
+
+    def measure(self, ready: list[tuple[Candidate, CompiledKernel]]) -> dict[str, CandidateResult]:
+        by_id = {c.id: (c, k) for c, k in ready}
+        ordered = sorted(ready, key=lambda ck: (_compiled_values(ck[1])["predicted_ms"], ck[0].id))
+        tasks = [MeasureTask(c.id, k, seed=i + 1) for i, (c, k) in enumerate(ordered)]
+        results: dict[str, CandidateResult] = {}
+
+        finished = 0
+
+        def done(measurement: Any) -> None:
+            nonlocal finished
+            finished += 1
+            times = sorted(measurement.times_ms)
+            median = times[len(times) // 2] if times else None
+            self.progress("measured", candidate=measurement.candidate, status=measurement.status,
+                          time_ms=median, done=finished, total=len(tasks))  # fmt: skip
+
+        with MeasurementPool(self.caps.devices, self.timeout_s) as pool:
+            measurements = pool.measure_all(tasks, done, self.deadline)
+            problems = {k.plan.problem for _, k in ready}
+            for problem in problems:
+                for name, ms in pool.references(problem).items():
+                    self.references[f"{name}:{problem.out}" if len(problems) > 1 else name] = problem.flops / (ms * 1e9)
+        for candidate_id, (candidate, compiled) in by_id.items():
+            m = measurements.get(candidate_id)
+            values = _compiled_values(compiled)
+            if m is None:
+                results[candidate_id] = _base_result(candidate, "unmeasured", reason="time budget spent", **values)
+                continue
+            timing = None
+            if m.times_ms:
+                ordered_times = sorted(m.times_ms)
+                timing = Timing(ordered_times[0], ordered_times[len(ordered_times) // 2], ordered_times[-1],
+                                len(ordered_times))  # fmt: skip
+            results[candidate_id] = _base_result(
+                candidate, m.status, reason=m.reason, rel_error=m.rel_error, timing=timing, **values
+            )
+        unmeasured = sum(1 for r in results.values() if r.status == "unmeasured")
+        if unmeasured:
+            self.notes.append(f"{unmeasured} candidates left unmeasured when the time budget ran out")
+        return results
+
+
+def _default_out(graph: Graph) -> Path:
+    return Path(platformdirs.user_cache_dir("cherenkov")) / "runs" / graph.structural_hash()[:16]
+
+
+def _winners(space_candidates: Mapping[str, tuple[Candidate, ...]], results: list[CandidateResult]) -> dict[str, BestKernel]:
+    by_id = {r.id: r for r in results}
+    winners = {}
+    for kernel, candidates in space_candidates.items():
+        best = _rank([by_id[c.id] for c in candidates if c.id in by_id])
+        if best is not None:
+            candidate = next(c for c in candidates if c.id == best.id)
+            winners[kernel] = BestKernel(kernel, best, candidate.plan, candidate.source)
+    return winners
+
+
+def _summary(graph: Graph, derivation: Derivation, search: _Search, space: SearchSpace,
+             results: list[CandidateResult], winners: dict[str, BestKernel]) -> SearchSummary:  # fmt: skip
+    notes = list(search.notes)
+    for kernel in space.ungenerated:
+        notes.append(f"kernel {kernel.output} ({kernel.kind}) has no CUDA generator yet; it was not searched")
+    return SearchSummary(
+        graph_name=graph.name,
+        graph_hash=graph.structural_hash(),
+        environment=search.env,
+        kernels=[{"name": k.output, "kind": k.kind, "shape": list(k.shape)} for k in derivation.kernels],
+        trace=derivation.trace,
+        stats={
+            "eclasses": derivation.stats.eclasses, "enodes": derivation.stats.enodes,
+            "iterations": derivation.stats.iterations, "seconds": derivation.stats.seconds,
+            "saturated": derivation.stats.saturated,
+        },  # fmt: skip
+        candidates=results,
+        winners={k: (winners[k].result.id if k in winners else None) for k in space.candidates},
+        sources={k: w.source for k, w in winners.items()},
+        references=search.references,
+        wall_seconds=time.monotonic() - search.start,
+        unmeasured=sum(1 for r in results if r.status == "unmeasured"),
+        notes=notes,
+        inputs={name: f"{t.dtype}[{','.join(map(str, t.shape))}]" for name, t in graph.inputs.items()},
+    )
+
+
+def optimize(
+    graph: Graph,
+    target: str = "auto",
+    out: str | os.PathLike[str] | None = None,
+    budget_s: float | None = None,
+    force: bool = False,
+    *,
+    database: TuningDatabase | None = None,
+    progress: Progress | None = None,
+    timeout_s: float = 30.0,
+    _faults: Mapping[str, str] | None = None,
+) -> OptimizeResult:
+    """Search for the fastest correct kernels of ``graph`` on ``target`` (``auto``: the local
+    GPU, else sm_120). ``out`` receives report.json and report.html; ``budget_s`` bounds the
+    wall time; ``force`` searches again even when the tuning database knows the answer.
+    ``_faults`` (tests only) maps candidate ids to a fault to inject into their source."""
+    if not isinstance(graph, Graph):
+        raise GraphError(f"optimize: expected a ck.Graph, got {type(graph).__name__}")
+    if budget_s is not None and not budget_s > 0:
+        raise GraphError(f"optimize: budget_s must be a positive number of seconds, got {budget_s!r}")
+    progress = progress or _no_progress
+    caps = detect(target)
+    search = _Search(graph, caps, budget_s, progress, timeout_s, _faults or {})
+    derivation = derive(graph)
+    progress("derived", stats=derivation.stats, kernels=[k.kind for k in derivation.kernels])
+    space = search_space(derivation, search.env.target)
+    out_dir = Path(out) if out is not None else _default_out(graph)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    signature = input_signature(graph)
+    owned = database is None
+    db = TuningDatabase() if owned else database
+    try:
+        winner_key = WinnerKey.from_environment(graph.structural_hash(), signature, search.env)
+        stored = None if force else db.lookup_winner(winner_key)
+        if stored is not None:
+            summary = SearchSummary.from_json(stored)
+            candidates = {c.id: c for c in space.all()}
+            winners = {
+                kernel: BestKernel(kernel, result, candidates[result.id].plan, candidates[result.id].source)
+                for kernel, result in ((k, next(r for r in summary.candidates if r.id == i))
+                                       for k, i in summary.winners.items() if i in candidates)
+            }  # fmt: skip
+            progress("answered", source="database")
+            return _finish(graph, derivation, summary, winners, out_dir, from_database=True)
+        keys = {c.id: CandidateKey.from_environment(c.source_hash, signature, search.env) for c in space.all()}
+        known = db.lookup_candidates(list(keys.values()))
+        fresh = [c for c in space.all() if keys[c.id] not in known or force or c.id in search.faults]
+        new_results = search.evaluate(fresh)
+        if not search.faults:  # injected faults (tests) must never reach the database
+            db.record_candidates((keys[r.id], r) for r in new_results if r.status != "unmeasured")
+        by_id = {r.id: r for r in new_results}
+        results = [by_id.get(c.id) or known[keys[c.id]] for c in space.all()]
+        winners = _winners(space.candidates, results)
+        summary = _summary(graph, derivation, search, space, results, winners)
+        if not search.faults and not summary.unmeasured:
+            db.record_winner(winner_key, summary.to_json())
+        return _finish(graph, derivation, summary, winners, out_dir, from_database=False)
+    finally:
+        if owned:
+            db.close()
+
+
+def _finish(graph: Graph, derivation: Derivation, summary: SearchSummary, winners: dict[str, BestKernel],
+            out_dir: Path, from_database: bool) -> OptimizeResult:  # fmt: skip
+    report_json, report_html = out_dir / "report.json", out_dir / "report.html"
+    write_json(summary, report_json)
+    write_html(summary, report_html)
+    return OptimizeResult(graph, derivation, summary, winners, report_json, report_html, from_database)
+
+

@@ -1,0 +1,42 @@
+"""The cost model ranks what cannot be measured: its terms move the right way."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cherenkov.codegen import valid_flash_plans
+from cherenkov.rewrites.plan import TARGETS, AttentionProblem, FlashSchedule, KernelPlan
+from cherenkov.search.cost_model import GPUS, predict_flash
+
+SEED = AttentionProblem(batch=1, heads=8, kv_heads=8, seq_q=4096, seq_kv=8192, head_dim=128)
+
+
+def plan(target: str = "sm_90", **knobs) -> KernelPlan:
+    return KernelPlan("flash_attention", SEED, dataclasses.replace(FlashSchedule(), **knobs), TARGETS[target])
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
+def test_predictions_stay_below_the_peak(target: str) -> None:
+    for candidate in valid_flash_plans(SEED, TARGETS[target]):
+        prediction = predict_flash(candidate)
+        assert 0 < prediction.tflops < GPUS[target].mma_tflops
+
+
+def test_swizzling_and_pipelining_help() -> None:
+    assert predict_flash(plan(swizzle=True)).ms < predict_flash(plan(swizzle=False)).ms
+    assert predict_flash(plan(stages=2)).ms < predict_flash(plan(stages=1)).ms
+    assert predict_flash(plan(ldmatrix_x=4)).ms <= predict_flash(plan(ldmatrix_x=2)).ms
+
+
+def test_more_rows_per_warp_relieve_shared_memory_on_the_h200() -> None:
+    wide = predict_flash(plan(block_q=128, warps=4))
+    narrow = predict_flash(plan(block_q=128, warps=8))
+    assert wide.smem_bound > narrow.smem_bound
+
+
+def test_causal_costs_about_half() -> None:
+    full = predict_flash(plan())
+    causal = predict_flash(KernelPlan("flash_attention", dataclasses.replace(SEED, causal=True), FlashSchedule(), TARGETS["sm_90"]))
+    assert 0.4 < causal.ms / full.ms < 0.7

@@ -1,0 +1,158 @@
+"""ck.optimize end to end: on the CPU (compile, model-rank, reports, database), and on
+the GPU (verify, time, faults recorded while the search carries on)."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+
+import numpy as np
+import pytest
+
+import cherenkov as ck
+from cherenkov.codegen import compile_plan, valid_flash_plans
+from cherenkov.rewrites.plan import TARGETS
+from cherenkov.search import optimize as optimize_module
+from cherenkov.search.database import TuningDatabase
+from cherenkov.search.report import read_json
+
+
+def seed_graph(causal: bool = False) -> ck.Graph:
+    g = ck.Graph("attention")
+    q = g.input("q", (1, 8, 4096, 128), "bf16")
+    k = g.input("k", (1, 8, 8192, 128), "bf16")
+    v = g.input("v", (1, 8, 8192, 128), "bf16")
+    s = (q @ k.transpose(-2, -1)) * 128**-0.5
+    p = (s - s.max(axis=-1, keepdim=True)).exp()
+    g.output((p / p.sum(axis=-1, keepdim=True)) @ v, "o")
+    return g
+
+
+@pytest.fixture
+def counting_compiles(monkeypatch):
+    """Counts every plan handed to the compiler by the search."""
+    calls = {"plans": 0}
+    real = optimize_module.compile_plans
+
+    def counted(plans, **options):
+        calls["plans"] += len(plans)
+        return real(plans, **options)
+
+    monkeypatch.setattr(optimize_module, "compile_plans", counted)
+    return calls
+
+
+def test_derived_plans_are_the_valid_plans_of_the_seed_problem() -> None:
+    d = ck.derive(seed_graph())
+    for name in ("sm_80", "sm_90", "sm_120"):
+        plans = d.plans(name)
+        assert {p.schedule for p in plans} == {p.schedule for p in valid_flash_plans(plans[0].problem, TARGETS[name])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["sm_120", "sm_90"])
+def test_cpu_search_compiles_ranks_reports_and_remembers(target, tmp_path, counting_compiles) -> None:
+    graph = seed_graph()
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        result = ck.optimize(graph, target=target, out=tmp_path / "run", database=db)
+        if result.environment.measured:
+            pytest.skip("a GPU of this target is present: the CPU path is not taken")
+        compiled = [c for c in result.candidates if c.status == "modelled"]
+        assert len(compiled) >= 24 and all(c.registers and c.predicted_ms for c in compiled)
+        assert counting_compiles["plans"] == len(result.candidates)
+        times = [c.time_ms for c in compiled]
+        assert result.best.result.time_ms == min(times)
+        assert result.best.target == target
+        compile_plan(result.best.plan, source=result.best.source)  # the winner's source compiles
+        report = read_json(result.report_json)
+        assert report["environment"]["measured"] is False
+        html = result.report_html.read_text()
+        assert "modelled" in html and 'id="tflops-chart"' in html
+
+        counting_compiles["plans"] = 0
+        again = ck.optimize(graph, target=target, out=tmp_path / "again", database=db)
+        assert again.from_database and counting_compiles["plans"] == 0
+        assert again.best.result.id == result.best.result.id and again.best.source == result.best.source
+
+        forced = ck.optimize(graph, target=target, out=tmp_path / "forced", database=db, force=True)
+        assert counting_compiles["plans"] == len(forced.candidates)
+
+
+def test_a_candidate_that_fails_to_compile_is_recorded_and_the_search_goes_on(tmp_path) -> None:
+    graph = seed_graph(causal=False)
+    d = ck.derive(graph)
+    broken = d.plans("sm_120")[0].name
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        result = ck.optimize(graph, target="sm_120", out=tmp_path, database=db, _faults={broken: "compile_error"})
+    record = next(c for c in result.candidates if c.id == broken)
+    assert record.status == "compile_error" and "injected fault" in record.reason
+    assert result.best is not None and result.best.result.id != broken
+
+
+def test_bad_arguments_raise_graph_errors(tmp_path) -> None:
+    with pytest.raises(ck.GraphError, match="unknown target 'sm_99'"):
+        ck.optimize(seed_graph(), target="sm_99", out=tmp_path)
+    with pytest.raises(ck.GraphError, match="budget_s"):
+        ck.optimize(seed_graph(), budget_s=-1, out=tmp_path)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+def small_graph(causal: bool) -> ck.Graph:
+    g = ck.Graph("small")
+    q = g.input("q", (2, 4, 300, 64), "bf16")
+    k = g.input("k", (2, 4, 500, 64), "bf16")
+    v = g.input("v", (2, 4, 500, 64), "bf16")
+    g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+    return g
+
+
+@pytest.fixture
+def gpu():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return torch
+
+
+@pytest.mark.gpu
+def test_gpu_search_verifies_times_and_runs(gpu, tmp_path) -> None:
+    torch = gpu
+    graph = small_graph(causal=True)
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        result = ck.optimize(graph, out=tmp_path, database=db)
+        assert result.environment.measured
+        ok = [c for c in result.candidates if c.status == "ok"]
+        assert len(ok) >= 24 and all(c.rel_error < 2e-2 and c.timing.samples >= 20 for c in ok)
+        assert result.summary.references, "SDPA backends measured in the same run"
+        inputs = {n: torch.randn(t.shape, device="cuda", dtype=torch.bfloat16) for n, t in graph.inputs.items()}
+        out = result.run(**inputs)["o"]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(inputs[n].float() for n in "qkv"), is_causal=True
+        )
+        assert float((out.float() - expected).norm() / expected.norm()) < 2e-2
+        again = ck.optimize(graph, out=tmp_path / "again", database=db)
+        assert again.from_database and again.best.result.id == result.best.result.id
+
+
+@pytest.mark.gpu
+def test_gpu_faults_are_recorded_and_the_search_returns_the_correct_best(gpu, tmp_path) -> None:
+    graph = small_graph(causal=False)
+    plans = ck.derive(graph).plans(optimize_module.detect().environment.target)
+    faults = {plans[0].name: "crash", plans[1].name: "hang", plans[2].name: "wrong", plans[3].name: "compile_error"}
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        result = ck.optimize(graph, out=tmp_path, database=db, timeout_s=20, _faults=faults, force=True)
+    status = {c.id: c for c in result.candidates}
+    assert status[plans[0].name].status == "crash"
+    assert status[plans[1].name].status == "timeout"
+    assert status[plans[2].name].status == "wrong" and "NaN" in status[plans[2].name].reason
+    assert status[plans[3].name].status == "compile_error"
+    assert result.best.result.id not in faults and result.best.result.status == "ok"
+    report = read_json(result.report_json)
+    recorded = {c["id"]: c["status"] for c in report["candidates"]}
+    assert [recorded[p.name] for p in plans[:4]] == ["crash", "timeout", "wrong", "compile_error"]
+    assert not math.isnan(result.best.tflops)
+    assert np.isfinite(result.best.time_ms)
+    assert multiprocessing.active_children() == [], "measurement workers are all stopped"
