@@ -20,7 +20,7 @@ $(VENV)/.installed-dev: pyproject.toml | $(PY)
 	@touch $@ $(VENV)/.installed-base
 
 demo: $(VENV)/.installed-base
-	$(VENV)/bin/cherenkov graph --example attention
+	$(VENV)/bin/cherenkov optimize --example attention
 
 # pytest exits with 5 when it collects no test: that is a failure, not a pass.
 test: $(VENV)/.installed-dev

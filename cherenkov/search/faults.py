@@ -13,7 +13,7 @@ import re
 
 FAULTS: dict[str, str] = {
     "crash": "if (threadIdx.x == 0) { reinterpret_cast<volatile float*>(16)[blockIdx.x] = 1.0f; }",
-    "hang": "{ volatile unsigned spin = 1u; while (spin) { } }",
+    "hang": "for (;;) { if (clock64() < 0) { break; } }",
     "wrong": "if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) { return; }",
 }
 

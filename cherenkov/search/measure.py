@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -171,7 +172,10 @@ def worker_main(conn: Connection, device: int) -> None:
             message = f"{type(error).__name__}: {error}".splitlines()[0]
             conn.send(("error", message))
             if "CUDA" in message or isinstance(error, torch.cuda.OutOfMemoryError):
-                return  # the CUDA context may be poisoned: let the parent start a fresh worker
+                # the CUDA context is poisoned: leave at once (finalisers would only fail
+                # again) and let the parent start a fresh worker
+                conn.close()
+                os._exit(70)
             log.debug("worker error: %s", traceback.format_exc())
             continue
         conn.send((kind, answer))
@@ -206,7 +210,7 @@ class _Worker:
             return "timeout", f"no answer within {timeout_s:.0f} s (a kernel that never finishes)"
         try:
             return self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             self.process.join(5)
             return "crash", f"worker process died (exit code {self.process.exitcode})"
 
@@ -279,7 +283,10 @@ class MeasurementPool:
                     return
                 with self._lock:
                     best = self.best_ms
-                result = self.measure(MeasureTask(task.candidate, task.compiled, best, task.samples, task.seed), device)
+                try:
+                    result = self.measure(replace(task, best_ms=best), device)
+                except Exception as error:  # noqa: BLE001 - a worker that cannot even start
+                    result = Measurement(task.candidate, "crash", f"measurement failed: {error}")
                 with self._lock:
                     results[task.candidate] = result
                 if on_result is not None:
