@@ -5,6 +5,7 @@ from cherenkov.graph.errors import GraphError
 from cherenkov.graph.evaluate import evaluate
 from cherenkov.graph.ops import PRIMITIVES, Node
 from cherenkov.graph.tensor import Graph, Tensor, arange, cat, constant, matmul, where
+from cherenkov.graph.torch_capture import from_torch
 
 __all__ = [
     "PRIMITIVES",
@@ -16,6 +17,7 @@ __all__ = [
     "cat",
     "constant",
     "evaluate",
+    "from_torch",
     "matmul",
     "nn",
     "where",

@@ -55,6 +55,9 @@ def _core_head(core: Term) -> str:
     return core[1][0] if core[0] == "Scheduled" else core[0]
 
 
+PAD_AXIS = ""  # a buffer axis of extent 1 that the stored term does not vary along
+
+
 class KernelError(ValueError):
     """A fused form that no kernel of this kind can run (wrong layout, unsupported size)."""
 
@@ -144,14 +147,16 @@ class _Partition:
         return f"t{n}"
 
     def materialise(self, term: Term, axes: tuple[str, ...] | None = None) -> Term:
-        """Compute ``term`` in its own kernel; return the access that reads its buffer."""
+        """Compute ``term`` in its own kernel; return the access that reads its buffer.
+
+        Axes of extent 1 (``PAD_AXIS``) pad the buffer's rank; reads index them with 0."""
         if axes is None:
             axes = _axis_order(t.free_axes(term), self.output_axes)
         key = (term, axes)
         if key not in self.buffers:
             name = self.fresh_buffer()
-            self.emit(term, name, axes)
-            self.buffers[key] = t.tensor(name, *axes)
+            self.emit(term, name, tuple(f"u{i}:1" if a == PAD_AXIS else a for i, a in enumerate(axes)))
+            self.buffers[key] = t.access(name, (t.ix_lit(0) if a == PAD_AXIS else t.ax(a) for a in axes))
         return self.buffers[key]
 
     def emit(self, term: Term, output: str, axes: tuple[str, ...]) -> None:
@@ -193,10 +198,12 @@ class _Partition:
         query = t.free_axes(q) - batch - {dim}
         values = t.free_axes(v) - batch - {key}
         order = functools.partial(_axis_order, output_axes=self.output_axes)
+        # B and H of extent 1 have no name: pad the leading axes back to BHSD rank
+        leading = (PAD_AXIS,) * max(0, 2 - len(batch)) + order(frozenset(batch))
         layouts = {
-            5: (order(frozenset(batch)) + order(frozenset(query)) + (dim,), q),
-            6: (order(frozenset(batch)) + (key, dim), k),
-            7: (order(frozenset(batch)) + (key,) + order(frozenset(values)), v),
+            5: (leading + order(frozenset(query)) + (dim,), q),
+            6: (leading + (key, dim), k),
+            7: (leading + (key,) + order(frozenset(values)), v),
         }
         result = list(core)
         for position, (layout, operand) in layouts.items():
