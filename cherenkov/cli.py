@@ -149,8 +149,9 @@ def command_optimize(args: argparse.Namespace, console: Console) -> int:
     out = args.out or Path("runs") / (args.example or Path(args.source.split(":")[0]).stem)
     progress = _SearchProgress(console)
     try:
+        cluster = "local-gpus" if args.local_gpus else args.cluster
         result = optimize(graph, target=args.target, out=out, budget_s=args.budget, force=args.force,
-                          progress=progress)  # fmt: skip
+                          progress=progress, cluster=cluster)  # fmt: skip
     finally:
         progress.close()
     env = result.environment
@@ -247,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--budget", type=float, help="wall-time budget in seconds")
     search.add_argument("--force", action="store_true", help="search again even if the tuning database knows the answer")
     search.add_argument("--top", type=int, default=10, help="rows of the final table")
+    spread = search.add_mutually_exclusive_group()
+    spread.add_argument("--cluster", help="Dask scheduler address (tcp://host:8786): compile and measure on its workers")
+    spread.add_argument("--local-gpus", action="store_true", help="start a local Dask cluster with one worker per GPU")
     search.set_defaults(handler=command_optimize)
 
     dump = commands.add_parser("dump", help="write the best kernel's CUDA source of a finished search")

@@ -1,15 +1,18 @@
 """Code generation: kernel plans to CUDA C++, compiled and launched.
 
-``cuda_source(plan)`` gives the deterministic CUDA C++ of a plan, ``compile_plan`` /
-``compile_plans`` build cubins (nvcc, or NVRTC through cupy; cached on disk) with their
-ptxas resource reports, and ``load_kernel`` wraps a compiled kernel as a callable on torch
-CUDA tensors. Importing this package loads neither cupy nor torch.
+``cuda_source(plan)`` gives the deterministic CUDA C++ of a plan — a flash-attention
+:class:`KernelPlan`, or a :class:`TermKernelPlan` of any other fused kernel (pointwise,
+row-reduction and mma GEMM families, see :mod:`cherenkov.codegen.term_plan`);
+``compile_plan`` / ``compile_plans`` build cubins (nvcc, or NVRTC through cupy; cached on
+disk) with their ptxas resource reports, and ``load_kernel`` wraps a compiled kernel as a
+callable on torch CUDA tensors. Importing this package loads neither cupy nor torch.
 """
 
-from cherenkov.codegen.compile import compile_plan, compile_plans, find_compiler
+from cherenkov.codegen.compile import compile_plan, compile_plans, find_compiler, plan_kernel_name
 from cherenkov.codegen.cuda.flash_attention import flash_attention_source, kernel_name
+from cherenkov.codegen.cuda.term_kernels import term_kernel_source
 from cherenkov.codegen.errors import CodegenError, CompileError
-from cherenkov.codegen.launch import FlashAttentionKernel, load_kernel
+from cherenkov.codegen.launch import FlashAttentionKernel, TermKernel, load_kernel
 from cherenkov.codegen.plan import (
     CompiledKernel,
     FlashLayout,
@@ -17,6 +20,13 @@ from cherenkov.codegen.plan import (
     KernelPlan,
     ResourceReport,
     valid_flash_plans,
+)
+from cherenkov.codegen.term_plan import (
+    GemmSchedule,
+    PointwiseSchedule,
+    RowSchedule,
+    TermKernelPlan,
+    term_plans,
 )
 
 __all__ = [
@@ -26,20 +36,29 @@ __all__ = [
     "FlashAttentionKernel",
     "FlashLayout",
     "FlashTiling",
+    "GemmSchedule",
     "KernelPlan",
+    "PointwiseSchedule",
     "ResourceReport",
+    "RowSchedule",
+    "TermKernel",
+    "TermKernelPlan",
     "compile_plan",
     "compile_plans",
     "cuda_source",
     "find_compiler",
     "kernel_name",
     "load_kernel",
+    "plan_kernel_name",
+    "term_plans",
     "valid_flash_plans",
 ]
 
 
-def cuda_source(plan: KernelPlan) -> str:
+def cuda_source(plan: KernelPlan | TermKernelPlan) -> str:
     """Deterministic CUDA C++ for one plan (same plan → byte-identical source)."""
+    if isinstance(plan, TermKernelPlan):
+        return term_kernel_source(plan)
     if plan.kind == "flash_attention":
         return flash_attention_source(plan)
     raise CodegenError(f"no CUDA generator for plan kind {plan.kind!r}")

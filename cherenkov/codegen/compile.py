@@ -1,5 +1,8 @@
 """Compiling generated CUDA to cubins (plus PTX for inspection), cached on disk.
 
+Plans are flash-attention :class:`KernelPlan` s or generic :class:`TermKernelPlan` s (any
+other fused kernel); both compile the same way, each through its own generator.
+
 Two compilers, one interface: :class:`Nvcc` (``nvcc -cubin -arch=sm_XX -O3 -Xptxas -v
 --keep``: the PTX is the intermediate that went into the cubin) and, where no nvcc is
 installed, :class:`Nvrtc` through cupy (one pass for the cubin, one for the PTX). No
@@ -24,10 +27,14 @@ from pathlib import Path
 from typing import Protocol
 
 from cherenkov.codegen.cache import KernelCache, cache_key, sha256_hex
+from cherenkov.codegen.cuda import term_kernels
 from cherenkov.codegen.cuda.flash_attention import flash_attention_source, kernel_name
 from cherenkov.codegen.errors import CompileError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, KernelPlan
 from cherenkov.codegen.report import parse_ptxas_report
+from cherenkov.codegen.term_plan import TermKernelPlan
+
+AnyPlan = KernelPlan | TermKernelPlan
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +135,29 @@ def find_compiler() -> Compiler:
     return Nvrtc()
 
 
+def plan_source(plan: AnyPlan) -> str:
+    """The generated CUDA source of a flash-attention or a term plan."""
+    if isinstance(plan, TermKernelPlan):
+        return term_kernels.term_kernel_source(plan)
+    return flash_attention_source(plan)
+
+
+def plan_kernel_name(plan: AnyPlan) -> str:
+    """The ``extern "C"`` name of a plan's kernel."""
+    if isinstance(plan, TermKernelPlan):
+        return term_kernels.kernel_name(plan)
+    return kernel_name(plan)
+
+
+def plan_dynamic_smem(plan: AnyPlan) -> int:
+    """Dynamic shared memory of a plan's launch (term kernels use static shared memory only)."""
+    if isinstance(plan, TermKernelPlan):
+        return 0
+    return FlashLayout.from_plan(plan).total_bytes
+
+
 def compile_plan(
-    plan: KernelPlan,
+    plan: AnyPlan,
     *,
     arch: str | None = None,
     compiler: Compiler | None = None,
@@ -143,8 +171,8 @@ def compile_plan(
     arch = arch or plan.target.arch_flag
     compiler = compiler or find_compiler()
     cache = KernelCache(cache_dir)
-    source = flash_attention_source(plan) if source is None else source
-    name = kernel_name(plan)
+    source = plan_source(plan) if source is None else source
+    name = plan_kernel_name(plan)
     key = cache_key(source, arch, compiler.version, compiler.flags)
     entry = cache.load(key)
     cache_hit = entry is not None
@@ -155,7 +183,7 @@ def compile_plan(
         except CompileError as err:
             raise CompileError(f"{plan.name} did not compile for {arch}", log=err.log, arch=arch, kernel_name=name)
         seconds = time.perf_counter() - start
-        report = parse_ptxas_report(output.log, name, FlashLayout.from_plan(plan).total_bytes)
+        report = parse_ptxas_report(output.log, name, plan_dynamic_smem(plan))
         entry = cache.store(key, output.cubin, output.ptx, name, report, seconds)
         log.debug("compiled %s for %s in %.2f s: %s", name, arch, seconds, report)
     return CompiledKernel(
@@ -173,7 +201,7 @@ def compile_plan(
 
 
 def compile_plans(
-    plans: list[KernelPlan],
+    plans: list[AnyPlan],
     *,
     jobs: int | None = None,
     compiler: Compiler | None = None,
@@ -186,7 +214,7 @@ def compile_plans(
     compiler = compiler or find_compiler()
     workers = jobs or os.cpu_count() or 1
 
-    def one(plan: KernelPlan, source: str | None) -> CompiledKernel | CompileError:
+    def one(plan: AnyPlan, source: str | None) -> CompiledKernel | CompileError:
         try:
             return compile_plan(plan, compiler=compiler, cache_dir=cache_dir, source=source)
         except CompileError as err:

@@ -26,10 +26,18 @@ RULES = (
     ),
     Rule(
         "sum-rotate-product",
-        "Σ_k (a·b)·c = Σ_k b·(a·c)",
+        "Σ_k (a·b)·c = Σ_k b·(a·c) when the tensor b does not depend on k (brings b out front)",
         lhs="(Sum k n (Mul (Mul a b) c))",
         rhs="(Sum k n (Mul b (Mul a c)))",
+        where=("(= axes-b (axes b))", "(set-not-contains axes-b k)", "(> (set-length axes-b) 0)"),
         example=Example(("Sum", "k:5", 5, ("Mul", ("Mul", b_ik, a_i), c_k))),
+    ),
+    Rule(
+        "sum-constant-out",
+        "Σ_k (a·c)·b = (Σ_k a·b)·c for a constant c",
+        lhs="(Sum k n (Mul (Mul a (Num c)) b))",
+        rhs="(Mul (Sum k n (Mul a b)) (Num c))",
+        example=Example(("Sum", "k:5", 5, ("Mul", ("Mul", b_ik, ("Num", 0.125)), c_k))),
     ),
     Rule(
         "contraction",

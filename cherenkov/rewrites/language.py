@@ -76,7 +76,11 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
     "IxList": (Constructor("INil", (), 0), Constructor("ICons", ("Ix", "IxList"), 0)),
     "Mask": (Constructor("NoMask", (), 0), Constructor("CausalMask", ("Ix",), 0)),
     "Expr": EXPR_CONSTRUCTORS,
-    "Schedule": (Constructor("FlashSchedule", ("i64", "i64", "i64", "i64", "bool", "bool", "i64"), 0),),
+    "Schedule": (
+        Constructor(
+            "FlashSchedule", ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64"), 0
+        ),
+    ),
     "Plan": (Constructor("Scheduled", ("Expr", "Schedule"), 0),),
 }
 
@@ -98,7 +102,7 @@ def declarations() -> str:
         lines.append(f"(datatype {sort} {body})")
     for sort, function in AXES_FUNCTION.items():
         lines.append(f"(function {function} ({sort}) StrSet :merge (set-intersect old new))")
-    lines.append("(relation FlashScheduleFits (i64 i64 i64 i64 i64 bool bool i64))")
+    lines.append(f"(relation FlashScheduleFits (i64 {' '.join(SORTS['Schedule'][0].args)}))")
     lines.append("(ruleset analysis)")
     return "\n".join(lines)
 

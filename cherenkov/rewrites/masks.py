@@ -41,10 +41,10 @@ RULES = (
     ),
     Rule(
         "scale-masked",
-        "where(c, −∞, s)·k = where(c, −∞, s·k) for a constant k > 0",
+        "where(c, −∞, s)·k = where(c, −∞, s·k) for a constant k > 0 and scores s that vary",
         lhs="(Mul (Where c (Num -inf) s) (Num k))",
         rhs="(Where c (Num -inf) (Mul s (Num k)))",
-        where=("(> k 0.0)",),
+        where=("(> k 0.0)", "(= axes-s (axes s))", "(> (set-length axes-s) 0)"),
         example=Example(("Mul", ("Where", condition, ("Num", -math.inf), s), ("Num", 0.25))),
     ),
 )

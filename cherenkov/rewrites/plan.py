@@ -31,6 +31,11 @@ class Target:
     family: Literal["mma_sync", "wgmma"] = "mma_sync"
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
+    smem_per_sm: int = 0  # shared memory of one SM (0: smem_per_block + 1 KB)
+
+    @property
+    def smem_per_multiprocessor(self) -> int:
+        return self.smem_per_sm or self.smem_per_block + 1024
 
     @property
     def arch_flag(self) -> str:
@@ -39,12 +44,15 @@ class Target:
 
 
 TARGETS: dict[str, Target] = {
-    "sm_80": Target("sm_80", 80, 163 * 1024),
-    "sm_86": Target("sm_86", 86, 99 * 1024, max_threads_per_sm=1536),
-    "sm_89": Target("sm_89", 89, 99 * 1024, max_threads_per_sm=1536),
-    "sm_90": Target("sm_90", 90, 227 * 1024),
-    "sm_120": Target("sm_120", 120, 99 * 1024, max_threads_per_sm=1536),
+    "sm_80": Target("sm_80", 80, 163 * 1024, smem_per_sm=164 * 1024),
+    "sm_86": Target("sm_86", 86, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024),
+    "sm_89": Target("sm_89", 89, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024),
+    "sm_90": Target("sm_90", 90, 227 * 1024, smem_per_sm=228 * 1024),
+    "sm_120": Target("sm_120", 120, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024),
 }
+
+SMEM_RESERVED_PER_BLOCK = 1024
+"""Shared memory the driver reserves per resident block (sm_80 and later)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,17 @@ class FlashSchedule:
     ``kv_split`` waits for K and V in separate cp.async groups (QKᵀ starts while V lands)
     instead of one group per stage; ``swizzle`` XOR-swizzles shared-memory rows (no bank
     conflicts for ldmatrix); ``ldmatrix_x`` loads 2 or 4 8x8 matrices per ldmatrix.
+
+    ``overlap`` issues the next key tile's ``Q Kᵀ`` before the current tile's softmax (two S
+    register tiles, one block barrier a tile, so the tensor cores work while the softmax
+    runs); ``min_blocks`` is ``__launch_bounds__``' minimum resident blocks per SM (1: no
+    register cap below 255; more caps registers at ``65536 / (min_blocks · threads)``).
+    ``pingpong`` splits the block's 8 warps into two groups whose matmul phases alternate
+    (warps ``w`` and ``w + 4`` share a scheduler partition: one issues ``P_(j-1)V_(j-1) +
+    Q K_jᵀ`` on the tensor cores while the other runs its softmax), separated by block
+    barriers; ``lazy_rescale`` keeps a stale row max while a tile raises it by at most
+    2^8 (skips the O rescale, exact after the final normalisation); ``head_major`` orders
+    the grid heads-fastest so that every head's longest causal tile runs first.
     """
 
     block_q: int = 128
@@ -111,6 +130,11 @@ class FlashSchedule:
     kv_split: bool = True
     swizzle: bool = True
     ldmatrix_x: int = 4
+    pingpong: bool = False
+    lazy_rescale: bool = False
+    head_major: bool = False
+    overlap: bool = False
+    min_blocks: int = 1
 
     @property
     def threads(self) -> int:
@@ -120,25 +144,43 @@ class FlashSchedule:
     def rows_per_warp(self) -> int:
         return self.block_q // self.warps
 
+    @property
+    def plain(self) -> bool:
+        """No knob of issue 6 (pingpong, lazy rescale, head-major grid, overlap, min_blocks) is on."""
+        return not (self.pingpong or self.lazy_rescale or self.head_major or self.overlap or self.min_blocks > 1)
+
+    @property
+    def register_cap(self) -> int:
+        """Registers a thread may use under ``__launch_bounds__(threads, min_blocks)``."""
+        return min(MAX_REGISTERS_PER_THREAD, 8 * (65536 // (self.min_blocks * self.threads) // 8))
+
     def key(self) -> str:
-        """A short stable name, e.g. ``q128_kv64_w4_s2_split_swz_x4``."""
+        """A short stable name, e.g. ``q128_kv64_w4_s2_split_swz_x4`` (``_pp``, ``_lazy``, ``_hm``,
+        ``_ov``, ``_mb3`` appended for pingpong, lazy rescale, head-major order, overlap and
+        a minimum of 3 blocks per SM)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_w{self.warps}_s{self.stages}"
             f"_{'split' if self.kv_split else 'joint'}_{'swz' if self.swizzle else 'lin'}"
-            f"_x{self.ldmatrix_x}"
+            f"_x{self.ldmatrix_x}{'_pp' if self.pingpong else ''}{'_lazy' if self.lazy_rescale else ''}"
+            f"{'_hm' if self.head_major else ''}{'_ov' if self.overlap else ''}"
+            f"{f'_mb{self.min_blocks}' if self.min_blocks > 1 else ''}"
         )
 
 
 FLASH_KNOBS: dict[str, tuple] = {
-    "block_q": (64, 128),
+    "block_q": (64, 128, 256),
     "block_kv": (32, 64, 128),
     "warps": (4, 8),
     "stages": (1, 2, 3),
     "kv_split": (True, False),
     "swizzle": (True, False),
     "ldmatrix_x": (2, 4),
+    "pingpong": (False, True),
+    "lazy_rescale": (False, True),
+    "head_major": (False, True),
+    "overlap": (False, True),
+    "min_blocks": (1, 3),
 }
-
 
 def flash_smem_bytes(schedule: FlashSchedule, head_dim: int, dtype: str) -> int:
     """Shared memory of one block: the Q tile plus ``stages`` (K tile + V tile) buffers."""
@@ -152,16 +194,53 @@ def flash_register_estimate(schedule: FlashSchedule, head_dim: int) -> int:
     """Registers a thread needs: O and S accumulators (fp32) plus addressing overhead.
 
     Each warp owns ``rows_per_warp / 16`` m16 tiles; an m16×n8 fp32 accumulator is four
-    registers a thread. P reuses S's registers, Q fragments are reloaded from shared memory.
+    registers a thread. P reuses S's registers (not in the pingpong, see below), Q fragments
+    are reloaded from shared memory unless they fit (``keeps_q_in_registers``).
     """
     m_tiles = schedule.rows_per_warp // 16
     o_acc = m_tiles * (head_dim // 8) * 4
     s_acc = m_tiles * (schedule.block_kv // 8) * 4
-    return o_acc + s_acc + 40
+    # The pingpong keeps P (packed, half of S) across the barrier into the next matmul phase,
+    # next to O and the S being accumulated (ptxas: q256/kv64 spills 356 B, q256/kv32 none).
+    p_packed = s_acc // 2 if schedule.pingpong else 0
+    # The overlap keeps the next tile's S beside the current one.
+    s_next = s_acc if schedule.overlap else 0
+    return o_acc + s_acc + p_packed + s_next + 40
 
 
 def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, target: Target) -> list[str]:
-    """Why a schedule is invalid for a problem on a target; empty when it is valid."""
+    """Why a schedule is invalid for a problem on a target; empty when it is valid.
+
+    Besides the hard limits (dtype, head dim, rows a warp, shared memory, registers) this
+    prunes combinations that can never win, so that the search (and CI, which compiles every
+    seed plan for three targets) does not spend time on them:
+
+    * the unswizzled layout and ldmatrix x2 are baselines: the first costs 8-way bank
+      conflicts on every ldmatrix, the second twice the ldmatrix instructions for the same
+      bytes (H200: 87 TFLOP/s unswizzled, x2 no better than x4), so each is kept at 2 split
+      stages only and never crossed with the issue-6 knobs;
+    * one stage with joint K/V groups loads each tile while nothing computes; the split
+      choreography of one stage overlaps K_(j+1) with P·V and V_j with QKᵀ, so it wins;
+    * a 256-row block only runs as a pingpong of two 4-warp groups: without the pingpong it
+      is two q128/w4 blocks fused by barriers, with the same residency and no overlap gain;
+    * the pingpong needs 8 warps (two per scheduler partition, one of each group) and at
+      least 2 stages (its ring buffers K_j with V_(j-1)); its pipeline has no separate K/V
+      groups, so ``kv_split`` is fixed to False there (one plan, not two identical ones).
+      Measured on the H200 it loses 8-20% to the best plain schedule on every shape (the
+      matmul half-steps of the four partitions' active warps read shared memory at once,
+      benchmarks/NOTES.md), so only its best measured forms are kept: 2 stages (3 measured
+      the same), 64-key tiles at 16 rows a warp and 32-key tiles at 32 rows (128-key tiles
+      spill: ptxas 116 B with P and S live together; 32 rows with 64 keys spill 356 B), and
+      no lazy rescale (it spills 32-56 B there);
+    * the head-major grid only for causal problems: without a mask every block costs the
+      same, and the q-major order keeps one head's K/V in L2 for all its query tiles;
+    * the overlap (two S tiles) only at 16 rows a warp: with 32 rows O alone is 128
+      registers and ptxas spills 108-248 B (measured 8-12% slower than the plain 32-row
+      schedule); it runs on the unit ring of the pingpong (joint groups, at least 2 stages);
+    * ``min_blocks`` above 1 only for 4-warp blocks, where it caps registers below 255 (else
+      it is the same kernel) and the blocks fit the SM's shared memory and threads; 8-warp
+      blocks at 2 per SM get 128 registers and spill (ptxas: 96 B).
+    """
     reasons = []
     if target.family != "mma_sync":
         reasons.append(f"{target.name} is not an mma.sync target")
@@ -171,12 +250,41 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
         reasons.append(f"head_dim {problem.head_dim} (valid: {ATTENTION_HEAD_DIMS})")
     if schedule.block_q % schedule.warps or schedule.rows_per_warp not in (16, 32):
         reasons.append(f"block_q {schedule.block_q} over {schedule.warps} warps is not 16 or 32 rows a warp")
+    if (not schedule.swizzle or schedule.ldmatrix_x == 2) and (
+        schedule.stages != 2 or not schedule.kv_split or not schedule.plain
+    ):
+        reasons.append("the unswizzled layout and ldmatrix x2 are baselines: 2 stages, split, no issue-6 knob")
+    if schedule.stages == 1 and not schedule.kv_split:
+        reasons.append("one stage with joint K/V groups overlaps no copy with compute (split does)")
+    if schedule.block_q == 256 and not schedule.pingpong:
+        reasons.append("a 256-row block needs the pingpong")
+    if schedule.pingpong and (schedule.warps != 8 or schedule.stages != 2 or schedule.kv_split
+                              or schedule.block_kv != 1024 // schedule.rows_per_warp or schedule.overlap
+                              or schedule.min_blocks > 1 or schedule.lazy_rescale):
+        reasons.append("the pingpong runs with 8 warps, 2 stages, joint groups, "
+                       "block_kv = 1024 / rows a warp (64 or 32), no other knob")
+    if schedule.head_major and not problem.causal:
+        reasons.append("the head-major grid order is for causal problems only")
+    if schedule.overlap and (schedule.pingpong or schedule.stages < 2 or schedule.kv_split
+                             or schedule.rows_per_warp != 16):
+        reasons.append("the overlap needs 16 rows a warp, at least 2 stages and joint K/V groups")
+    if schedule.min_blocks > 1 and schedule.warps != 4:
+        reasons.append("min_blocks above 1 only for 4-warp blocks (8-warp blocks get 128 registers and spill)")
     smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype)
     if smem > target.smem_per_block:
         reasons.append(f"shared memory {smem} B exceeds {target.name}'s {target.smem_per_block} B")
     regs = flash_register_estimate(schedule, problem.head_dim)
-    if regs > MAX_REGISTERS_PER_THREAD:
-        reasons.append(f"about {regs} registers a thread exceeds {MAX_REGISTERS_PER_THREAD}")
+    if regs > schedule.register_cap:
+        reasons.append(f"about {regs} registers a thread exceeds {schedule.register_cap}")
+    if schedule.min_blocks > 1:
+        if schedule.register_cap >= MAX_REGISTERS_PER_THREAD:
+            reasons.append(f"min_blocks {schedule.min_blocks} does not cap {schedule.threads}-thread blocks "
+                           "(the same kernel as min_blocks 1)")
+        resident = schedule.min_blocks * (smem + SMEM_RESERVED_PER_BLOCK)
+        if resident > target.smem_per_multiprocessor:
+            reasons.append(f"{schedule.min_blocks} blocks of {smem} B do not fit {target.name}'s shared memory")
+        if schedule.min_blocks * schedule.threads > target.max_threads_per_sm:
+            reasons.append(f"{schedule.min_blocks} blocks of {schedule.threads} threads exceed {target.name}'s threads")
     return reasons
 
 

@@ -21,7 +21,10 @@ from cherenkov.rewrites.plan import (
 from cherenkov.rewrites.rule import Rule, Ruleset
 from cherenkov.rewrites.terms import literal
 
-KNOB_ORDER = ("block_q", "block_kv", "warps", "stages", "kv_split", "swizzle", "ldmatrix_x")
+KNOB_ORDER = (
+    "block_q", "block_kv", "warps", "stages", "kv_split", "swizzle", "ldmatrix_x", "pingpong", "lazy_rescale",
+    "head_major", "overlap", "min_blocks",
+)
 _VARIABLES = " ".join(KNOB_ORDER)
 
 RULES = (
@@ -39,12 +42,19 @@ SCHEDULE = Ruleset("schedule", __doc__.splitlines()[0], RULES)
 
 
 def flash_schedules(head_dim: int, target: Target) -> list[FlashSchedule]:
-    """Every schedule of the knob space that a ``head_dim`` problem fits on ``target``."""
-    probe = AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=1, seq_kv=1, head_dim=head_dim)
+    """Every schedule of the knob space that a ``head_dim`` problem fits on ``target``.
+
+    A schedule qualifies when it fits a causal or a non-causal probe problem (some knobs,
+    such as the head-major grid order, are for causal problems only); the plans of a
+    concrete problem are filtered again with that problem (``Derivation.plans``)."""
+    probes = [
+        AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=1, seq_kv=1, head_dim=head_dim, causal=causal)
+        for causal in (False, True)
+    ]
     schedules = []
     for values in itertools.product(*(FLASH_KNOBS[k] for k in KNOB_ORDER)):
         schedule = FlashSchedule(**dict(zip(KNOB_ORDER, values)))
-        if not flash_schedule_problems(schedule, probe, target):
+        if any(not flash_schedule_problems(schedule, probe, target) for probe in probes):
             schedules.append(schedule)
     return schedules
 

@@ -17,12 +17,12 @@ b = tensor("b", "i:3", "e:2")
 
 RULES = (
     Rule(
-        "positive-scale-into-max",
-        "max_j(s)·c = max_j(s·c) for a constant c > 0",
-        lhs="(Mul (Max j n s) (Num c))",
-        rhs="(Max j n (Mul s (Num c)))",
+        "scale-shifted-scores",
+        "(s − max_j s)·c = s·c − max_j(s·c) for a constant c > 0",
+        lhs="(Mul (Add s (Neg (Max j n s))) (Num c))",
+        rhs="(Add (Mul s (Num c)) (Neg (Max j n (Mul s (Num c)))))",
         where=("(> c 0.0)",),
-        example=Example(("Mul", ("Max", "j:7", 7, s), ("Num", 0.6))),
+        example=Example(("Mul", ("Add", s, ("Neg", ("Max", "j:7", 7, s))), ("Num", 0.6))),
     ),
     Rule(
         "softmax-shift-acc",

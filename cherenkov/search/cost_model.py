@@ -10,7 +10,15 @@ derating factors, each a named term:
   shared-memory byte is ``rows_per_warp`` FLOP/B; below the SM's ratio the kernel is
   bound by ldmatrix traffic, 8x worse when rows are not swizzled (bank conflicts);
 * pipelining — a single stage exposes global-memory latency on every tile;
-* waves — a last partial wave of blocks leaves SMs idle.
+* waves — a last partial wave of blocks leaves SMs idle;
+* schedule — the issue-6 knobs, each a factor fitted to H200 measurements
+  (benchmarks/NOTES.md, sweeps of 2026-11-29): the lazy rescale saves the O rescale on most
+  tiles, the head-major order balances causal grids, the overlap hides the softmax of
+  16-row warps behind the next tile's QKᵀ, the pingpong concentrates shared-memory reads
+  into half-steps, and ``min_blocks`` caps registers below what the kernel needs.
+
+Occupancy matters less than a square root would say (H200: one 4-warp block per SM ran at
+0.85 of two, not 0.71), so the occupancy term is a fourth root of the resident warps.
 
 Its predictions are leads, not measurements: reports label them as modelled.
 """
@@ -20,7 +28,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cherenkov.rewrites.plan import ELEMENT_BYTES, KernelPlan, flash_register_estimate, flash_smem_bytes
+from cherenkov.rewrites.plan import (
+    ELEMENT_BYTES,
+    SMEM_RESERVED_PER_BLOCK,
+    KernelPlan,
+    flash_register_estimate,
+    flash_smem_bytes,
+)
 
 LAUNCH_OVERHEAD_MS = 0.005
 
@@ -57,10 +71,19 @@ GPUS: dict[str, GpuSpec] = {
     "sm_120": GpuSpec("NVIDIA GeForce RTX 5090", "sm_120", 170, 209.5, 1.79, 100 * 1024, 2.41, 1536, 24),
 }
 
-PIPELINE_EFFICIENCY = {1: 0.72, 2: 0.93, 3: 0.97}
+PIPELINE_EFFICIENCY = {1: 0.90, 2: 0.95, 3: 0.95}  # H200: s1 ran at 0.95-0.97 of s2 with 2 blocks/SM
 UNSWIZZLED_SMEM_PENALTY = 8.0
 LDMATRIX_X2_PENALTY = 1.06
-BASE_EFFICIENCY = 0.88  # what a perfectly fed mma.sync kernel reaches (issue, softmax, epilogue)
+BASE_EFFICIENCY = 0.77  # fitted: the best measured H200 schedules reach 0.77 of the model without it (issue, softmax, epilogue)
+
+# Fitted to the H200 sweeps (benchmarks/results/sweep-*-h200-2026-11-29.json): ratio of a
+# schedule with the knob to the same schedule (or the best plain one) without it.
+LAZY_RESCALE_GAIN = 1.04        # +3-6% non-causal D=128, about even causal and D=64
+HEAD_MAJOR_GAIN = 1.08          # causal only: +10% (330 -> 365 TFLOP/s, B4 H16 4k causal)
+OVERLAP_GAIN_16_ROWS = 1.15     # 16-row warps: 305 -> 353 TFLOP/s on the seed
+PINGPONG_PENALTY = 0.85         # 297-326 against 354-389 plain on the seed
+MIN_BLOCKS_PENALTY = 0.80       # 3 blocks of 4 warps at 168 registers: 230-301 against 350-389
+CAUSAL_KV32_PENALTY = 0.88      # causal, 32-key tiles: 315-322 against 360-367 with 64-key tiles (B4 H16 4k)
 
 
 @dataclass(frozen=True)
@@ -74,21 +97,43 @@ class Prediction:
     smem_bound: float
     pipeline: float
     waves: float
+    schedule: float = 1.0
 
 
 def blocks_per_sm(plan: KernelPlan, gpu: GpuSpec, registers: int | None = None) -> int:
     """Resident blocks per SM, limited by shared memory, registers and threads."""
     schedule, problem = plan.schedule, plan.problem
     smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype)
-    regs = registers or flash_register_estimate(schedule, problem.head_dim)
+    # Without a ptxas report: ptxas takes about 30% above the accumulator estimate (it uses
+    # the slack to schedule), up to the launch bounds' cap.
+    regs = registers or min(schedule.register_cap, math.ceil(1.3 * flash_register_estimate(schedule, problem.head_dim)))
     regs = 8 * math.ceil(regs / 8)
     limits = (
-        gpu.smem_per_sm // max(smem, 1),
+        gpu.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK),
         65536 // (regs * schedule.threads),
         gpu.max_threads_per_sm // schedule.threads,
         gpu.max_blocks_per_sm,
     )
     return max(1, min(limits))
+
+
+def schedule_factor(plan: KernelPlan) -> float:
+    """The product of the fitted issue-6 knob factors of a plan's schedule."""
+    schedule = plan.schedule
+    factor = 1.0
+    if schedule.lazy_rescale:
+        factor *= LAZY_RESCALE_GAIN
+    if schedule.head_major and plan.problem.causal:
+        factor *= HEAD_MAJOR_GAIN
+    if schedule.overlap and schedule.rows_per_warp == 16:
+        factor *= OVERLAP_GAIN_16_ROWS
+    if schedule.pingpong:
+        factor *= PINGPONG_PENALTY
+    if schedule.min_blocks > 1:
+        factor *= MIN_BLOCKS_PENALTY
+    if plan.problem.causal and schedule.block_kv == 32:
+        factor *= CAUSAL_KV32_PENALTY
+    return factor
 
 
 def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int | None = None) -> Prediction:
@@ -97,7 +142,7 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     schedule, problem = plan.schedule, plan.problem
     resident = blocks_per_sm(plan, gpu, registers)
     warps = resident * schedule.warps
-    occupancy = min(1.0, math.sqrt(warps / 16))
+    occupancy = min(1.0, (warps / 16) ** 0.25)
     smem_ratio = schedule.rows_per_warp / gpu.flop_per_smem_byte
     if not schedule.swizzle:
         smem_ratio /= UNSWIZZLED_SMEM_PENALTY
@@ -113,11 +158,75 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     kv_tiles = math.ceil(problem.seq_kv / schedule.block_kv)
     visited = kv_tiles if not problem.causal else min(kv_tiles, (kv_tiles + 1) / 2 + 0.5)
     padded_flops = 4.0 * blocks * schedule.block_q * visited * schedule.block_kv * problem.head_dim
-    efficiency = BASE_EFFICIENCY * occupancy * smem_bound * pipeline * waves
+    knobs = schedule_factor(plan)
+    efficiency = min(BASE_EFFICIENCY, BASE_EFFICIENCY * occupancy * smem_bound * pipeline * waves * knobs)
     compute_ms = padded_flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3
     element = ELEMENT_BYTES[problem.dtype]
     q_bytes = problem.batch * problem.heads * problem.seq_q * problem.head_dim * element
     kv_bytes = 2 * problem.batch * problem.kv_heads * problem.seq_kv * problem.head_dim * element
     memory_ms = (2 * q_bytes + kv_bytes) / (gpu.hbm_tbps * 1e12) * 1e3
     ms = max(compute_ms, memory_ms) + LAUNCH_OVERHEAD_MS
-    return Prediction(ms, problem.flops / (ms * 1e9), resident, occupancy, smem_bound, pipeline, waves)
+    return Prediction(ms, problem.flops / (ms * 1e9), resident, occupancy, smem_bound, pipeline, waves, knobs)
+
+
+# ------------------------------------------------------------------ generic term kernels
+# (issue 7: the pointwise, row-reduction and mma GEMM families of cherenkov.codegen.term_plan)
+
+SIMT_FRACTION = 0.1  # fp32 FMA throughput of the CUDA cores relative to the mma.sync peak
+MEMORY_EFFICIENCY = {"pointwise": 0.7, "pointwise_vector": 0.85, "warp": 0.8, "block": 0.75, "thread": 0.25, "mma": 0.8}
+MMA_TILE_EFFICIENCY = {64 * 64: 0.35, 128 * 64: 0.45, 128 * 128: 0.5}
+EVALUATED_OPERAND_PENALTY = 0.6  # a GEMM operand computed element by element instead of cp.async copies
+
+
+def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None) -> Prediction:
+    """A bytes/FLOPs roofline for a :class:`~cherenkov.codegen.term_plan.TermKernelPlan`.
+
+    Memory: every tensor read once and the output written once (row forms read their row
+    twice), at a schedule-dependent fraction of HBM bandwidth (one thread a row does not
+    coalesce). Compute: the mma peak for the GEMM family, derated by tile size, by operands
+    that are evaluated rather than copied and by the last wave; ``SIMT_FRACTION`` of it
+    for everything else (a pointwise contraction re-reads its operands from cache and
+    counts at a quarter of that). The larger of the two plus a launch overhead."""
+    from cherenkov.codegen.cuda.term_kernels import term_grid
+    from cherenkov.codegen.term_plan import ROW_KINDS, gemm_layout
+
+    gpu = gpu or GPUS[plan.target.name]
+    schedule = plan.schedule
+    family = plan.family
+    flops = plan.flops
+    moved = plan.bytes
+    if plan.kind in ROW_KINDS:
+        moved += sum(info.numel * ELEMENT_BYTES.get(info.dtype, 4) for info in plan.inputs)
+    (gx, gy, gz), (threads, _, _) = term_grid(plan)
+    blocks = gx * gy * gz
+    resident = max(1, min(gpu.max_threads_per_sm // threads, gpu.max_blocks_per_sm))
+    if registers:
+        resident = max(1, min(resident, 65536 // (8 * math.ceil(registers / 8) * threads)))
+    slots = gpu.sms * resident
+    waves = blocks / (math.ceil(blocks / slots) * slots)
+    occupancy = min(1.0, resident * threads / gpu.max_threads_per_sm)
+    if family == "mma":
+        layout = gemm_layout(plan.kernel, plan.tensor_map)
+        efficiency = MMA_TILE_EFFICIENCY.get(schedule.block_m * schedule.block_n, 0.4) * waves
+        efficiency *= (1.0 if layout.a_fast else EVALUATED_OPERAND_PENALTY) * (1.0 if layout.b_fast else EVALUATED_OPERAND_PENALTY)
+        compute_ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3
+        memory = MEMORY_EFFICIENCY["mma"]
+    else:
+        efficiency = max(0.05, waves * (0.25 if plan.kind == "contraction" else 1.0))
+        compute_ms = flops / (gpu.mma_tflops * SIMT_FRACTION * 1e12 * efficiency) * 1e3
+        if family == "rows":
+            memory = MEMORY_EFFICIENCY[schedule.mode]
+        else:
+            memory = MEMORY_EFFICIENCY["pointwise_vector" if schedule.vector > 1 else "pointwise"]
+    memory_ms = moved / (gpu.hbm_tbps * 1e12 * memory * max(waves, 0.5)) * 1e3
+    ms = max(compute_ms, memory_ms) + LAUNCH_OVERHEAD_MS
+    return Prediction(ms, flops / (ms * 1e9), resident, occupancy, 1.0, 1.0, waves)
+
+
+def predict_plan(plan, gpu: GpuSpec | None = None, registers: int | None = None) -> Prediction:
+    """The prediction of any plan: flash attention or a generic term kernel."""
+    from cherenkov.codegen.term_plan import TermKernelPlan
+
+    if isinstance(plan, TermKernelPlan):
+        return predict_term(plan, gpu, registers)
+    return predict_flash(plan, gpu, registers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -35,7 +36,10 @@ class Gpu:
 
 
 def visible_gpus() -> list[Gpu]:
-    """GPUs ``nvidia-smi`` lists (empty without a driver)."""
+    """GPUs ``nvidia-smi`` lists (empty without a driver), restricted to
+    ``CUDA_VISIBLE_DEVICES`` when it names device indices. ``Gpu.index`` is the
+    physical index (what ``CUDA_VISIBLE_DEVICES`` takes); CUDA numbers the visible ones
+    0, 1, ... in the same order."""
     if shutil.which("nvidia-smi") is None:
         return []
     try:
@@ -50,6 +54,10 @@ def visible_gpus() -> list[Gpu]:
     for line in listing.strip().splitlines():
         index, name, capability = (part.strip() for part in line.split(","))
         gpus.append(Gpu(int(index), name, capability))
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is not None and all(part.strip().isdigit() for part in mask.split(",") if part.strip()):
+        by_index = {g.index: g for g in gpus}
+        gpus = [by_index[int(part)] for part in mask.split(",") if part.strip() and int(part) in by_index]
     return gpus
 
 
@@ -117,5 +125,6 @@ def detect(target: str = "auto") -> Capabilities:
         cupy=cupy,
         measured=bool(measured),
     )
-    devices = tuple(g.index for g in gpus if g.compute_capability == gpus[0].compute_capability) if measured else ()
+    # CUDA ordinals of the visible GPUs that share the first one's architecture
+    devices = tuple(i for i, g in enumerate(gpus) if g.compute_capability == gpus[0].compute_capability) if measured else ()
     return Capabilities(environment, devices, tuple(limitations))

@@ -2,7 +2,12 @@
 
 One worker process per GPU loads a compiled kernel, runs it on fresh random inputs into
 a NaN-poisoned output, checks it against a float32 PyTorch reference, and only then
-times it with CUDA events (warm-up, L2 flushed before every sample, median of many). A
+times it with CUDA events (warm-up, L2 flushed before every sample, median of many).
+Flash-attention candidates are checked against PyTorch's SDPA; every other kernel (a
+:class:`~cherenkov.codegen.term_plan.TermKernelPlan`) against its own term evaluated by
+:mod:`cherenkov.search.torch_eval` on the same random inputs (one per tensor it reads) —
+in float32 for bf16/fp16 outputs (relative L2 error ≤ 2e-2), in float64 for fp32 outputs
+(≤ 1e-5, so that the reference's own rounding does not eat the margin). A
 candidate that crashes the worker (an illegal address poisons the CUDA context), hangs
 past the timeout, or is wrong is recorded with its reason; the worker is replaced and
 the search goes on. The parent never imports torch or cupy.
@@ -23,11 +28,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from cherenkov.codegen.plan import CompiledKernel
+from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.rewrites.plan import AttentionProblem
 
 log = logging.getLogger(__name__)
 
 TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
+TERM_TOLERANCE = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-5, "int32": 1e-5, "bool": 1e-5}
 SAMPLES = 30
 WARMUP = 3
 EARLY_STOP_AFTER = 5
@@ -39,13 +46,15 @@ SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION
 
 @dataclass(frozen=True)
 class MeasureTask:
-    """Verify then time one compiled candidate."""
+    """Verify then time one compiled candidate; ``group`` (the kernel it implements) scopes
+    the best time that stops clearly slower candidates early."""
 
     candidate: str
     compiled: CompiledKernel
     best_ms: float | None = None
     samples: int = SAMPLES
     seed: int = 0
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,11 +117,96 @@ def _time(launch: Callable[[], Any], flush: Any, samples: int, best_ms: float | 
     return times, False
 
 
+def term_inputs(plan: TermKernelPlan, seed: int, device: str) -> dict[str, Any]:
+    """One random tensor per tensor the kernel reads (standard normal; int32 in [-8, 8),
+    bool fair coins), of its dtype and shape, on ``device`` (e.g. ``"cuda:0"``)."""
+    import torch
+
+    from cherenkov.codegen.launch import TORCH_DTYPES
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    inputs = {}
+    for info in plan.inputs:
+        if info.dtype == "int32":
+            x = torch.randint(-8, 8, info.shape, generator=generator, device=device, dtype=torch.int32)
+        elif info.dtype == "bool":
+            x = torch.rand(info.shape, generator=generator, device=device) < 0.5
+        else:
+            x = torch.randn(info.shape, generator=generator, device=device, dtype=torch.float32)
+            x = x.to(getattr(torch, TORCH_DTYPES[info.dtype]))
+        inputs[info.name] = x
+    return inputs
+
+
+def term_error(out: Any, reference: Any) -> tuple[float, str | None]:
+    """Relative L2 error of ``out`` against ``reference`` over the reference's finite
+    elements, and why it fails regardless of the error (None if it does not): a NaN or
+    infinity where the reference is finite, or a non-finite reference value not matched."""
+    import torch
+
+    out = out.to(reference.dtype)
+    finite = torch.isfinite(reference)
+    bad = int((~torch.isfinite(out) & finite).sum())
+    if bad:
+        return float("nan"), f"{bad} output elements NaN or infinite where the reference is finite (unwritten or invalid)"
+    special = ~finite
+    matched = (torch.isnan(reference) & torch.isnan(out)) | (reference == out)
+    mismatched = int((special & ~matched).sum())
+    if mismatched:
+        return float("nan"), f"{mismatched} non-finite reference elements not matched"
+    diff = (out - reference)[finite]
+    norm = reference[finite].norm()
+    error = float(diff.norm() / norm) if float(norm) > 0 else float(diff.norm())
+    return error, None
+
+
+def verify_term(launch: Callable[[dict[str, Any], Any], Any], plan: TermKernelPlan, seed: int,
+                device: str) -> tuple[float, str | None, dict[str, Any], Any]:  # fmt: skip
+    """Run ``launch(inputs, out)`` on fresh random inputs into a poisoned output and compare
+    with the term's torch reference: ``(error, failure or None, inputs, out)``. The
+    reference runs in float32 for 16-bit outputs and in float64 otherwise."""
+    import torch
+
+    from cherenkov.codegen.launch import TORCH_DTYPES
+    from cherenkov.search.torch_eval import evaluate_term_torch
+
+    inputs = term_inputs(plan, seed, device)
+    dtype = getattr(torch, TORCH_DTYPES[plan.output.dtype])
+    poison = float("nan") if plan.output.dtype in ("bf16", "fp16", "fp32") else -12345
+    out = torch.full(plan.output.shape, poison, dtype=dtype, device=device)
+    out = launch(inputs, out)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    working = torch.float32 if plan.output.dtype in ("bf16", "fp16") else torch.float64
+    reference = evaluate_term_torch(plan.kernel.term, {n: x.to(working) for n, x in inputs.items()},
+                                    plan.kernel.axes, working)  # fmt: skip
+    error, failure = term_error(out, reference)
+    return error, failure, inputs, out
+
+
+def _measure_term(task: MeasureTask, device: int, flush: Any) -> Measurement:
+    from cherenkov.codegen.launch import load_kernel
+
+    plan = task.compiled.plan
+    kernel = load_kernel(task.compiled, device)
+    error, failure, inputs, out = verify_term(kernel.launch, plan, task.seed, f"cuda:{device}")
+    tolerance = TERM_TOLERANCE[plan.output.dtype]
+    if failure is not None or not error <= tolerance:  # NaN fails too
+        reason = failure or f"relative error {error:.3g} > {tolerance}"
+        return Measurement(task.candidate, "wrong", reason, error if error == error else None)
+    run, _ = kernel.bind(inputs, out)
+    times, stopped = _time(run, flush, task.samples, task.best_ms)
+    reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
+    return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
+
+
 def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
     import torch
 
     from cherenkov.codegen.launch import load_kernel
 
+    if isinstance(task.compiled.plan, TermKernelPlan):
+        return _measure_term(task, device, flush)
     problem = task.compiled.plan.problem
     kernel = load_kernel(task.compiled, device)
     q, k, v = _inputs(problem, task.seed, device)
@@ -241,7 +335,7 @@ class MeasurementPool:
         self.timeout_s = timeout_s
         self._workers: dict[int, _Worker] = {}
         self._lock = threading.Lock()
-        self.best_ms: float | None = None
+        self.best_ms: dict[str, float] = {}  # per task group (kernel)
 
     def _worker(self, device: int) -> _Worker:
         worker = self._workers.get(device)
@@ -260,7 +354,8 @@ class MeasurementPool:
             if answer.status == "ok":
                 median = sorted(answer.times_ms)[len(answer.times_ms) // 2]
                 with self._lock:
-                    self.best_ms = median if self.best_ms is None else min(self.best_ms, median)
+                    best = self.best_ms.get(task.group)
+                    self.best_ms[task.group] = median if best is None else min(best, median)
             return answer
         status = {"timeout": "timeout", "crash": "crash"}.get(kind, "crash")
         return Measurement(task.candidate, status, str(answer))
@@ -282,7 +377,7 @@ class MeasurementPool:
                 except queue.Empty:
                     return
                 with self._lock:
-                    best = self.best_ms
+                    best = self.best_ms.get(task.group)
                 try:
                     result = self.measure(replace(task, best_ms=best), device)
                 except Exception as error:  # noqa: BLE001 - a worker that cannot even start

@@ -21,11 +21,13 @@ import platformdirs
 
 from cherenkov.codegen import CompileError, compile_plan, compile_plans, load_kernel
 from cherenkov.codegen.plan import CompiledKernel
+from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.graph import Graph, GraphError
 from cherenkov.rewrites.derive import Derivation, derive
 from cherenkov.rewrites.plan import KernelPlan
-from cherenkov.search.cost_model import GPUS, predict_flash
+from cherenkov.search.cost_model import GPUS, predict_plan
 from cherenkov.search.database import CandidateKey, TuningDatabase, WinnerKey
+from cherenkov.search.distributed import DaskExecutor
 from cherenkov.search.environment import Capabilities, detect
 from cherenkov.search.faults import inject_fault
 from cherenkov.search.measure import MeasurementPool, MeasureTask
@@ -54,7 +56,7 @@ class BestKernel:
 
     kernel: str
     result: CandidateResult
-    plan: KernelPlan
+    plan: KernelPlan | TermKernelPlan
     source: str
 
     @property
@@ -110,26 +112,39 @@ class OptimizeResult:
         return target
 
     def run(self, **tensors: Any) -> dict[str, Any]:
-        """Run the graph with the winning kernels: torch CUDA tensors in, ``{output: tensor}`` out."""
+        """Run the graph with the winning kernels: torch CUDA tensors in, ``{output: tensor}`` out.
+
+        Every kernel of ``derivation.kernels`` runs in order on the current stream; the
+        intermediate buffers they write stay in device memory and are freed when the last
+        kernel reading them is done. Inputs must be contiguous CUDA tensors of the graph's
+        dtypes and shapes."""
         import torch
 
         buffers = dict(tensors)
         missing = sorted(set(self.graph.inputs) - set(buffers))
         if missing:
             raise GraphError(f"run: missing inputs {missing}; graph {self.graph.name!r} needs {sorted(self.graph.inputs)}")
-        for kernel in self.derivation.kernels:
+        kernels = self.derivation.kernels
+        last_use = {name: i for i, kernel in enumerate(kernels) for name in kernel.reads}
+        outputs = set(self.graph.outputs)
+        for position, kernel in enumerate(kernels):
             winner = self.kernels.get(kernel.output)
             if winner is None:
                 raise GraphError(
-                    f"run: kernel {kernel.output} ({kernel.kind}) has no generated CUDA kernel yet; "
-                    f"searched kinds: flash_attention"
+                    f"run: kernel {kernel.output} ({kernel.kind}) has no winning CUDA kernel; the search report "
+                    f"({self.report_json}) says why (no plan fits, or every candidate failed)"
                 )
             if kernel.output not in self._loaded:
                 self._loaded[kernel.output] = load_kernel(compile_plan(winner.plan), torch.cuda.current_device())
-            problem = winner.plan.problem
-            buffers[kernel.output] = self._loaded[kernel.output](
-                buffers[problem.q], buffers[problem.k], buffers[problem.v]
-            )
+            launcher = self._loaded[kernel.output]
+            if isinstance(winner.plan, TermKernelPlan):
+                buffers[kernel.output] = launcher.launch(buffers)
+            else:
+                problem = winner.plan.problem
+                buffers[kernel.output] = launcher(buffers[problem.q], buffers[problem.k], buffers[problem.v])
+            for name in kernel.reads:  # intermediate buffers nobody reads any more
+                if last_use.get(name) == position and name not in outputs and name not in self.graph.inputs:
+                    del buffers[name]
         return {name: buffers[name] for name in self.graph.outputs}
 
 
@@ -154,11 +169,15 @@ def _peak(target: str) -> float:
     return GPUS[target].mma_tflops
 
 
+def _flops(plan: KernelPlan | TermKernelPlan) -> float:
+    return plan.flops if isinstance(plan, TermKernelPlan) else plan.problem.flops
+
+
 def _base_result(candidate: Candidate, status: str, **values: Any) -> CandidateResult:
     plan = candidate.plan
     return CandidateResult(
         id=candidate.id, kernel=candidate.kernel, kind=plan.kind, params=plan.params(),
-        source_hash=candidate.source_hash, status=status, flops=plan.problem.flops,
+        source_hash=candidate.source_hash, status=status, flops=_flops(plan),
         peak_tflops=_peak(plan.target.name), **values,
     )  # fmt: skip
 
@@ -170,7 +189,7 @@ def _compiled_values(compiled: CompiledKernel) -> dict[str, Any]:
         "smem_bytes": report.smem_static + report.smem_dynamic,
         "spill_bytes": report.spill_bytes,
         "compile_seconds": compiled.compile_seconds,
-        "predicted_ms": predict_flash(compiled.plan, registers=report.registers).ms,
+        "predicted_ms": predict_plan(compiled.plan, registers=report.registers).ms,
     }
 
 
@@ -178,8 +197,9 @@ class _Search:
     """One search: the state shared by its steps."""
 
     def __init__(self, graph: Graph, caps: Capabilities, budget_s: float | None, progress: Progress,
-                 timeout_s: float, faults: Mapping[str, str]) -> None:  # fmt: skip
+                 timeout_s: float, faults: Mapping[str, str], cluster: DaskExecutor | None = None) -> None:  # fmt: skip
         self.graph = graph
+        self.cluster = cluster
         self.caps = caps
         self.env = caps.environment
         self.start = time.monotonic()
@@ -195,7 +215,7 @@ class _Search:
 
     def compile(self, candidates: list[Candidate]) -> dict[str, CompiledKernel | CompileError]:
         """Compile in parallel, most promising first, in chunks so the budget can stop it."""
-        ordered = sorted(candidates, key=lambda c: (predict_flash(c.plan).ms, c.id))
+        ordered = sorted(candidates, key=lambda c: (predict_plan(c.plan).ms, c.id))
         chunk = 2 * (os.cpu_count() or 1)
         compiled: dict[str, CompiledKernel | CompileError] = {}
         for start in range(0, len(ordered), chunk):
@@ -203,7 +223,11 @@ class _Search:
                 break
             group = ordered[start : start + chunk]
             sources = {c.id: inject_fault(c.source, self.faults[c.id]) for c in group if c.id in self.faults}
-            outputs = compile_plans([c.plan for c in group], sources=[sources.get(c.id) for c in group])
+            plans, group_sources = [c.plan for c in group], [sources.get(c.id) for c in group]
+            if self.cluster is not None:
+                outputs = self.cluster.compile(plans, group_sources)
+            else:
+                outputs = compile_plans(plans, sources=group_sources)
             compiled.update(zip((c.id for c in group), outputs))
             self.progress("compiled", done=len(compiled), total=len(ordered))
         return compiled
@@ -214,7 +238,7 @@ class _Search:
             return []
         if self.env.toolkit == "none":
             return [
-                _base_result(c, "modelled", predicted_ms=predict_flash(c.plan).ms,
+                _base_result(c, "modelled", predicted_ms=predict_plan(c.plan).ms,
                              reason="not compiled: no CUDA compiler")  # fmt: skip
                 for c in candidates
             ]
@@ -239,7 +263,7 @@ class _Search:
     def measure(self, ready: list[tuple[Candidate, CompiledKernel]]) -> dict[str, CandidateResult]:
         by_id = {c.id: (c, k) for c, k in ready}
         ordered = sorted(ready, key=lambda ck: (_compiled_values(ck[1])["predicted_ms"], ck[0].id))
-        tasks = [MeasureTask(c.id, k, seed=i + 1) for i, (c, k) in enumerate(ordered)]
+        tasks = [MeasureTask(c.id, k, seed=i + 1, group=c.kernel) for i, (c, k) in enumerate(ordered)]
         results: dict[str, CandidateResult] = {}
 
         finished = 0
@@ -252,12 +276,33 @@ class _Search:
             self.progress("measured", candidate=measurement.candidate, status=measurement.status,
                           time_ms=median, done=finished, total=len(tasks))  # fmt: skip
 
+        if self.cluster is not None:
+            measurements = self.cluster.measure(tasks, self.timeout_s)
+            for measurement in measurements.values():
+                done(measurement)
+            self.notes.append("measured on the Dask cluster's GPU workers; SDPA references not measured")
+        else:
+            measurements = self._measure_locally(tasks, done, ready)
+        self._record(by_id, measurements, results)
+        unmeasured = sum(1 for r in results.values() if r.status == "unmeasured")
+        if unmeasured:
+            self.notes.append(f"{unmeasured} candidates left unmeasured when the time budget ran out")
+        return results
+
+    def _measure_locally(self, tasks: list[MeasureTask], done: Callable[[Any], None],
+                         ready: list[tuple[Candidate, CompiledKernel]]) -> dict[str, Any]:  # fmt: skip
+        """Measure in local worker processes, then time PyTorch's SDPA backends as references."""
         with MeasurementPool(self.caps.devices, self.timeout_s) as pool:
             measurements = pool.measure_all(tasks, done, self.deadline)
-            problems = {k.plan.problem for _, k in ready}
+            problems = {k.plan.problem for _, k in ready if isinstance(k.plan, KernelPlan)}
             for problem in problems:
                 for name, ms in pool.references(problem).items():
                     self.references[f"{name}:{problem.out}" if len(problems) > 1 else name] = problem.flops / (ms * 1e9)
+        return measurements
+
+    @staticmethod
+    def _record(by_id: dict[str, tuple[Candidate, CompiledKernel]], measurements: Mapping[str, Any],
+                results: dict[str, CandidateResult]) -> None:  # fmt: skip
         for candidate_id, (candidate, compiled) in by_id.items():
             m = measurements.get(candidate_id)
             values = _compiled_values(compiled)
@@ -272,10 +317,6 @@ class _Search:
             results[candidate_id] = _base_result(
                 candidate, m.status, reason=m.reason, rel_error=m.rel_error, timing=timing, **values
             )
-        unmeasured = sum(1 for r in results.values() if r.status == "unmeasured")
-        if unmeasured:
-            self.notes.append(f"{unmeasured} candidates left unmeasured when the time budget ran out")
-        return results
 
 
 def _default_out(graph: Graph) -> Path:
@@ -330,11 +371,14 @@ def optimize(
     database: TuningDatabase | None = None,
     progress: Progress | None = None,
     timeout_s: float = 30.0,
+    cluster: Any = None,
     _faults: Mapping[str, str] | None = None,
 ) -> OptimizeResult:
     """Search for the fastest correct kernels of ``graph`` on ``target`` (``auto``: the local
     GPU, else sm_120). ``out`` receives report.json and report.html; ``budget_s`` bounds the
     wall time; ``force`` searches again even when the tuning database knows the answer.
+    ``cluster`` (a Dask scheduler address, a ``distributed.Client`` or ``"local-gpus"``)
+    compiles on the cluster's workers and measures on its GPU workers.
     ``_faults`` (tests only) maps candidate ids to a fault to inject into their source."""
     if not isinstance(graph, Graph):
         raise GraphError(f"optimize: expected a ck.Graph, got {type(graph).__name__}")
@@ -342,7 +386,8 @@ def optimize(
         raise GraphError(f"optimize: budget_s must be a positive number of seconds, got {budget_s!r}")
     progress = progress or _no_progress
     caps = detect(target)
-    search = _Search(graph, caps, budget_s, progress, timeout_s, _faults or {})
+    executor = DaskExecutor(cluster) if cluster is not None else None
+    search = _Search(graph, caps, budget_s, progress, timeout_s, _faults or {}, executor)
     derivation = derive(graph)
     progress("derived", stats=derivation.stats, kernels=[k.kind for k in derivation.kernels])
     space = search_space(derivation, search.env.target)
@@ -380,6 +425,8 @@ def optimize(
     finally:
         if owned:
             db.close()
+        if executor is not None:
+            executor.close()
 
 
 def _finish(graph: Graph, derivation: Derivation, summary: SearchSummary, winners: dict[str, BestKernel],

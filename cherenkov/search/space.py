@@ -1,8 +1,12 @@
 """The search space: every candidate implementation of every kernel of a graph.
 
 A candidate is one plan (fused form × schedule × target) for one kernel of the
-derivation's partition. Kernels whose form has no CUDA generator yet are listed as such,
-so reports say what could not be searched rather than silently skipping it.
+derivation's partition. Flash-attention kernels take the flash plans the e-graph's
+schedule rules admit; every other kernel — and a flash-attention kernel no flash plan
+fits (an unsupported head dimension or dtype) — takes the generic plans of
+:func:`cherenkov.codegen.term_plan.term_plans` (pointwise, row-reduction and mma GEMM
+families, schedules enumerated in Python). Kernels with no plan at all are listed as
+such, so reports say what could not be searched rather than silently skipping it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,17 @@ from dataclasses import dataclass, field
 
 from cherenkov.codegen import cuda_source
 from cherenkov.codegen.cache import sha256_hex
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.codegen.term_plan import TermKernelPlan, term_plans
 from cherenkov.rewrites.derive import Derivation
 from cherenkov.rewrites.kernels import FusedKernel
-from cherenkov.rewrites.plan import KernelPlan
+from cherenkov.rewrites.plan import TARGETS, KernelPlan
 
-GENERATED_KINDS = frozenset({"flash_attention"})
+GENERATED_KINDS = frozenset(
+    {"flash_attention", "elementwise", "reduction", "contraction", "softmax_rows", "rms_norm_rows", "layer_norm_rows"}
+)
+
+Plan = KernelPlan | TermKernelPlan
 
 
 @dataclass(frozen=True)
@@ -24,7 +34,7 @@ class Candidate:
     """One plan for one kernel, with its generated source."""
 
     kernel: str
-    plan: KernelPlan
+    plan: Plan
     source: str = field(repr=False)
 
     @property
@@ -49,14 +59,21 @@ class SearchSpace:
 
 
 def search_space(derivation: Derivation, target: str) -> SearchSpace:
-    """Enumerate candidates: each flash-attention kernel × each schedule its plans offer."""
-    plans_by_kernel: dict[str, list[KernelPlan]] = {}
+    """Enumerate candidates: flash-attention kernels × the schedules their plans offer,
+    every other kernel × its generic plans."""
+    plans_by_kernel: dict[str, list[Plan]] = {}
     for plan in derivation.plans(target):
         plans_by_kernel.setdefault(plan.problem.out, []).append(plan)
+    shapes, dtypes = derivation.tensor_types()
     candidates, ungenerated = {}, []
     for kernel in derivation.kernels:
         plans = plans_by_kernel.get(kernel.output, [])
-        if kernel.kind in GENERATED_KINDS and plans:
+        if kernel.kind in GENERATED_KINDS and not plans:
+            try:
+                plans = list(term_plans(kernel, shapes, dtypes, TARGETS[target], kernel.trace))
+            except CodegenError:
+                plans = []
+        if plans:
             candidates[kernel.output] = tuple(Candidate(kernel.output, p, cuda_source(p)) for p in plans)
         else:
             ungenerated.append(kernel)

@@ -17,9 +17,13 @@ TOLERANCE = 2e-2
 
 
 def schedule(key: str) -> FlashSchedule:
-    """``"q64 kv128 w4 s3 joint lin x2"`` → FlashSchedule."""
-    q, kv, w, s, split, layout, x = key.split()
-    return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", layout == "swz", int(x[1:]))
+    """``"q64 kv128 w4 s2 split lin x2"`` → FlashSchedule; optional trailing flags ``pp`` (pingpong),
+    ``lazy`` (lazy rescale), ``hm`` (head-major grid order), ``ov`` (overlap), ``mb3`` (min_blocks 3)."""
+    q, kv, w, s, split, layout, x, *flags = key.split()
+    assert set(flags) <= {"pp", "lazy", "hm", "ov", "mb3"}, flags
+    return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", layout == "swz", int(x[1:]),
+                         pingpong="pp" in flags, lazy_rescale="lazy" in flags, head_major="hm" in flags,
+                         overlap="ov" in flags, min_blocks=3 if "mb3" in flags else 1)
 
 
 def problem(b, h, hkv, sq, skv, d, **kw) -> AttentionProblem:
@@ -29,20 +33,20 @@ def problem(b, h, hkv, sq, skv, d, **kw) -> AttentionProblem:
 SEED = problem(1, 8, 8, 4096, 8192, 128)
 CASES = [
     (SEED, "q128 kv64 w4 s2 split swz x4"),
-    (SEED, "q64 kv128 w4 s3 joint lin x2"),
+    (SEED, "q64 kv128 w4 s2 split lin x2"),
     (SEED, "q128 kv32 w8 s1 split swz x4"),
-    (SEED, "q128 kv128 w8 s2 joint swz x2"),
+    (SEED, "q128 kv128 w8 s2 split swz x2"),
     (problem(2, 16, 16, 1000, 3000, 64), "q128 kv64 w4 s2 split swz x4"),
-    (problem(2, 16, 16, 1000, 3000, 64), "q64 kv32 w4 s1 joint lin x4"),
-    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv128 w4 s3 split swz x2"),
-    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv64 w8 s2 joint lin x2"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q64 kv32 w4 s2 split lin x4"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv128 w4 s2 split swz x2"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv64 w8 s2 split lin x2"),
     (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv64 w4 s2 split swz x4"),
     (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q64 kv64 w4 s3 split swz x4"),
     (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv128 w8 s2 split lin x4"),
-    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv32 w4 s1 joint swz x2"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv32 w4 s2 split swz x2"),
     (problem(2, 32, 8, 512, 1536, 128), "q128 kv64 w4 s2 split swz x4"),
     (problem(2, 32, 8, 512, 1536, 128), "q64 kv128 w4 s2 joint swz x4"),
-    (problem(1, 32, 8, 777, 777, 64, causal=True), "q128 kv64 w8 s3 split lin x2"),
+    (problem(1, 32, 8, 777, 777, 64, causal=True), "q128 kv64 w8 s2 split lin x2"),
     (problem(1, 8, 8, 1024, 2048, 128, dtype="fp16"), "q128 kv64 w4 s2 split swz x4"),
     (problem(1, 8, 8, 1024, 2048, 128, dtype="fp16"), "q64 kv32 w4 s2 split lin x2"),
     (problem(2, 4, 4, 513, 1000, 64, dtype="fp16", causal=True), "q128 kv128 w4 s1 split swz x4"),
@@ -50,11 +54,37 @@ CASES = [
     (problem(1, 3, 3, 77, 1, 128, causal=True), "q128 kv64 w4 s2 split swz x4"),
     (problem(2, 2, 2, 100, 37, 128, causal=True), "q64 kv32 w4 s3 joint swz x4"),
     (problem(1, 2, 2, 37, 100, 64, causal=True), "q128 kv128 w8 s2 split lin x2"),
-    (problem(1, 4, 4, 300, 301, 64), "q64 kv64 w4 s1 split swz x2"),
+    (problem(1, 4, 4, 300, 301, 64), "q64 kv64 w4 s2 split swz x2"),
     (problem(3, 2, 2, 129, 255, 128, causal=True), "q128 kv32 w8 s3 split swz x4"),
     (problem(1, 1, 1, 65, 4097, 128), "q64 kv128 w4 s3 split swz x4"),
     (problem(1, 4, 4, 256, 256, 64, scale=0.3), "q128 kv64 w4 s2 split swz x4"),
-    (problem(1, 8, 1, 200, 333, 128, causal=True), "q64 kv64 w4 s2 joint lin x4"),
+    (problem(1, 8, 1, 200, 333, 128, causal=True), "q64 kv64 w4 s2 split lin x4"),
+    # issue 6: pingpong warp groups, lazy rescale, head-major grid order, overlap, min_blocks
+    (SEED, "q256 kv32 w8 s2 joint swz x4 pp"),
+    (SEED, "q128 kv64 w8 s2 joint swz x4 pp"),
+    (SEED, "q128 kv64 w4 s1 split swz x4 lazy"),
+    (SEED, "q128 kv64 w4 s2 joint swz x4 lazy"),
+    (SEED, "q64 kv64 w4 s2 joint swz x4 ov"),
+    (SEED, "q128 kv32 w8 s3 joint swz x4 lazy ov"),
+    (SEED, "q64 kv32 w4 s2 split swz x4 lazy mb3"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q256 kv32 w8 s2 joint swz x4 pp"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q64 kv128 w4 s2 joint swz x4 lazy ov"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q64 kv64 w4 s1 split swz x4 mb3"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q256 kv32 w8 s2 joint swz x4 pp hm"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv64 w4 s2 split swz x4 lazy hm"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q64 kv64 w4 s3 joint swz x4 lazy ov hm"),
+    (problem(1, 32, 8, 777, 777, 64, causal=True), "q128 kv64 w8 s2 joint swz x4 pp hm"),
+    (problem(1, 32, 8, 777, 777, 64, causal=True), "q128 kv64 w8 s2 joint swz x4 lazy ov hm"),
+    (problem(1, 8, 8, 1024, 2048, 128, dtype="fp16"), "q128 kv64 w4 s2 split swz x4 lazy"),
+    (problem(2, 4, 4, 513, 1000, 64, dtype="fp16", causal=True), "q64 kv32 w4 s2 joint swz x4 lazy ov mb3 hm"),
+    (problem(1, 3, 3, 77, 1, 128, causal=True), "q256 kv32 w8 s2 joint swz x4 pp"),
+    (problem(1, 3, 3, 77, 1, 128, causal=True), "q64 kv32 w4 s2 joint swz x4 ov"),
+    (problem(2, 2, 2, 100, 37, 128, causal=True), "q128 kv64 w8 s2 joint swz x4 pp hm"),
+    (problem(1, 2, 2, 37, 100, 64, causal=True), "q128 kv32 w8 s2 joint swz x4 lazy ov"),
+    (problem(3, 2, 2, 129, 255, 128, causal=True), "q64 kv64 w4 s3 split swz x4 lazy hm"),
+    (problem(1, 1, 1, 65, 4097, 128), "q128 kv64 w8 s3 joint swz x4 lazy ov"),
+    (problem(2, 32, 8, 512, 1536, 128), "q64 kv64 w4 s2 joint swz x4 lazy ov"),
+    (problem(1, 8, 1, 200, 333, 128, causal=True), "q128 kv32 w4 s2 split swz x4 lazy hm"),
 ]
 PLANS = [KernelPlan("flash_attention", p, schedule(key), TARGETS["sm_90"]) for p, key in CASES]
 

@@ -29,15 +29,24 @@ def test_every_valid_plan_has_distinct_source(seed_problem):
 
 @pytest.mark.parametrize("knob", list(FLASH_KNOBS))
 def test_every_knob_changes_the_kernel(knob):
-    """Each value of each knob gives a different kernel (the header comment aside)."""
-    problem = AttentionProblem(1, 8, 8, 4096, 8192, 64)
-    base = FlashSchedule(block_q=128, block_kv=64, warps=4, stages=2)
-    variants = set()
-    for value in FLASH_KNOBS[knob]:
-        schedule = dataclasses.replace(base, **{knob: value})
-        body = cuda_source(plan_of(problem, schedule)).split("// ---- types", 1)[1]
-        variants.add(body)
-    assert len(variants) == len(FLASH_KNOBS[knob])
+    """Each value of each knob gives a different kernel (the header comment aside): for every
+    value there is a valid plan, pairs of valid plans that differ in this knob alone have
+    different bodies, and such pairs exist for at least two values. (Some knobs are guarded —
+    256-row blocks need the pingpong, the head-major order a causal problem — so the pairs are
+    looked up among the valid plans of a causal problem.)"""
+    problem = AttentionProblem(1, 8, 8, 4096, 8192, 64, causal=True)
+    valid = {plan.schedule: plan for plan in valid_flash_plans(problem, TARGETS["sm_90"])}
+    covered = set()
+    for schedule, plan in valid.items():
+        for value in FLASH_KNOBS[knob]:
+            other = dataclasses.replace(schedule, **{knob: value})
+            if other == schedule or other not in valid or value in covered:
+                continue
+            body = cuda_source(plan).split("// ---- types", 1)[1]
+            assert body != cuda_source(valid[other]).split("// ---- types", 1)[1], (schedule.key(), other.key())
+            covered |= {value, getattr(schedule, knob)}
+    assert len(covered) >= 2
+    assert {getattr(schedule, knob) for schedule in valid} == set(FLASH_KNOBS[knob])
 
 
 def test_knob_specific_code(seed_problem):
@@ -46,6 +55,13 @@ def test_knob_specific_code(seed_problem):
     assert "chunk ^ (row & 7)" in swz_x4 and "chunk ^ (row & 7)" not in lin_x2
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in swz_x4
     assert "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16" in lin_x2 and ".x4." not in lin_x2
+    pingpong = cuda_source(plan_of(seed_problem, FlashSchedule(256, 32, 8, 2, False, pingpong=True)))
+    assert "pipeline_open_step" in pingpong and "pipeline_open_step" not in swz_x4
+    assert "__any_sync" in cuda_source(plan_of(seed_problem, FlashSchedule(lazy_rescale=True)))
+    assert "__any_sync" not in swz_x4
+    causal = dataclasses.replace(seed_problem, causal=True)
+    assert "HEAD_MAJOR = true" in cuda_source(plan_of(causal, FlashSchedule(head_major=True)))
+    assert "HEAD_MAJOR = false" in swz_x4
     fp16 = cuda_source(plan_of(dataclasses.replace(seed_problem, dtype="fp16")))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fp16
     assert "cvt.rn.f16x2.f32" in fp16
@@ -89,6 +105,8 @@ def test_identifier_and_comment_helpers():
         (AttentionProblem(1, 2, 2, 64, 64, 96), FlashSchedule()),  # head dim
         (AttentionProblem(1, 2, 2, 64, 64, 64, dtype="fp32"), FlashSchedule()),  # dtype
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(block_q=64, warps=8)),  # 8 rows a warp
+        (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(pingpong=True)),  # pingpong with 4 warps
+        (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(head_major=True)),  # head-major, not causal
         (AttentionProblem(1, 6, 4, 64, 64, 64), FlashSchedule()),  # kv_heads does not divide heads
         (AttentionProblem(1, 2, 2, 0, 64, 64), FlashSchedule()),  # empty sequence
         (AttentionProblem(1, 2, 2, 64, 64, 64, scale=-1.0), FlashSchedule()),  # negative scale

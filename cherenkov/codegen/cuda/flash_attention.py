@@ -21,7 +21,7 @@ arguments ``(q, k, v, o)`` device pointers.
 from __future__ import annotations
 
 from cherenkov.codegen.cuda import cp_async, ldmatrix, mma, softmax, swizzle
-from cherenkov.codegen.cuda.pipeline import KvPipeline
+from cherenkov.codegen.cuda.pipeline import KvPipeline, UnitPipeline
 from cherenkov.codegen.cuda.text import (
     block,
     bool_literal,
@@ -56,7 +56,16 @@ def flash_attention_source(plan: KernelPlan) -> str:
     _check(plan)
     layout = FlashLayout.from_plan(plan)
     tiling = FlashTiling.from_plan(plan)
-    pipeline = KvPipeline(plan.schedule.stages, plan.schedule.kv_split)
+    schedule = plan.schedule
+    if schedule.pingpong or schedule.overlap:
+        pipeline = UnitPipeline(schedule.stages)
+        pipeline_title = (f"cp.async pipeline: {schedule.stages} stage(s) of units (K_j, V_(j-1)), "
+                          f"{'pingpong' if schedule.pingpong else 'overlap'}")
+        step_parts = (_unit_phases(),) + ((_overlap_steps(),) if schedule.overlap else ())
+    else:
+        pipeline = KvPipeline(schedule.stages, schedule.kv_split)
+        pipeline_title = f"cp.async pipeline: {schedule.stages} stage(s), K/V {'split' if schedule.kv_split else 'joint'}"
+        step_parts = (_attend_tile(),)
     dtype = plan.problem.dtype
     parts = [
         _header(plan, layout, tiling),
@@ -68,12 +77,11 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section("ldmatrix fragments", ldmatrix.emit_ldmatrix_primitives(plan.schedule.ldmatrix_x),
                 ldmatrix.emit_fragment_loaders(plan.schedule.ldmatrix_x)),
         section("tensor-core mma", mma.emit_mma(dtype), mma.emit_pack(dtype)),
-        section("online softmax", softmax.emit_math_helpers(), softmax.emit_online_softmax(),
+        section("online softmax", softmax.emit_math_helpers(), softmax.emit_online_softmax(schedule.lazy_rescale),
                 softmax.emit_row_finish()),
-        section(f"cp.async pipeline: {plan.schedule.stages} stage(s), K/V "
-                f"{'split' if plan.schedule.kv_split else 'joint'}", pipeline.emit()),
+        section(pipeline_title, pipeline.emit()),
         section("one key tile", _q_fragments(tiling), _row_state(), _compute_scores(), _mask_scores(),
-                _pack_probabilities(), _accumulate_values(), _attend_tile()),
+                _pack_probabilities(), _accumulate_values(), *step_parts),
         section("epilogue", _store_output()),
         section("kernel", _kernel(plan, tiling)),
     ]
@@ -107,7 +115,8 @@ def _header(plan: KernelPlan, layout: FlashLayout, tiling: FlashTiling) -> str:
         f"Problem: B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv} D={p.head_dim} "
         f"{p.dtype}{' causal' if p.causal else ''} scale={softmax_scale(plan):.9g}.",
         f"Schedule: {s.key()}: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} warps={s.warps} stages={s.stages} "
-        f"kv_split={s.kv_split} swizzle={s.swizzle} ldmatrix x{s.ldmatrix_x}; "
+        f"kv_split={s.kv_split} swizzle={s.swizzle} ldmatrix x{s.ldmatrix_x} pingpong={s.pingpong} "
+        f"lazy_rescale={s.lazy_rescale} head_major={s.head_major} overlap={s.overlap} min_blocks={s.min_blocks}; "
         f"Q fragments in {'registers' if tiling.q_in_registers else 'shared memory'}.",
         f"Shared memory: {layout.total_bytes} bytes, layout {layout.swizzle_pattern}.",
         "Every problem and schedule value is a compile-time constant: this kernel serves one shape.",
@@ -133,6 +142,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
     scale = softmax_scale(plan)
     return block(
         f"""
+        constexpr int BATCH = {p.batch};
         constexpr int HEADS = {p.heads};
         constexpr int KV_HEADS = {p.kv_heads};
         constexpr int GROUP = {p.group_size};  // query heads per K/V head
@@ -148,6 +158,8 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int THREADS = {s.threads};
         constexpr int ROWS_PER_WARP = {s.rows_per_warp};
         constexpr int STAGES = {s.stages};
+        constexpr int MIN_BLOCKS = {s.min_blocks};  // __launch_bounds__: resident blocks per SM
+        constexpr bool HEAD_MAJOR = {bool_literal(s.head_major)};  // grid order: heads fastest
         constexpr int M_TILES = {tiling.m_tiles};     // m16 tiles of query rows per warp
         constexpr int KV_NTILES = {tiling.kv_ntiles};   // n8 tiles of S per key tile
         constexpr int KV_STEPS = {tiling.kv_steps};    // k16 steps of P*V per key tile
@@ -252,16 +264,10 @@ def _compute_scores() -> str:
     return block(
         """
         // S = Q K^T (raw, unscaled) for the warp's rows and the BLOCK_KV keys of `k_tile`.
-        // Each K fragment pair is loaded once and used by every m16 tile of the warp.
+        // Each K fragment pair is loaded once and used by every m16 tile of the warp; the first
+        // k16 step starts the accumulators from zero (no separate zeroing).
         __device__ __forceinline__ void compute_scores(float (&s)[M_TILES][KV_NTILES][4], const QFragments& q,
                                                        u32 k_tile, int lane) {
-            #pragma unroll
-            for (int m = 0; m < M_TILES; ++m) {
-                #pragma unroll
-                for (int n = 0; n < KV_NTILES; ++n) {
-                    s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
-                }
-            }
             #pragma unroll
             for (int kk = 0; kk < D_STEPS; ++kk) {
                 u32 a[M_TILES][4];
@@ -275,8 +281,13 @@ def _compute_scores() -> str:
                     load_b_k(b, k_tile, 16 * np, kk, lane);
                     #pragma unroll
                     for (int m = 0; m < M_TILES; ++m) {
-                        mma_16816(s[m][2 * np], a[m], b[0], b[1]);
-                        mma_16816(s[m][2 * np + 1], a[m], b[2], b[3]);
+                        if (kk == 0) {
+                            mma_16816_zero(s[m][2 * np], a[m], b[0], b[1]);
+                            mma_16816_zero(s[m][2 * np + 1], a[m], b[2], b[3]);
+                        } else {
+                            mma_16816(s[m][2 * np], a[m], b[0], b[1]);
+                            mma_16816(s[m][2 * np + 1], a[m], b[2], b[3]);
+                        }
                     }
                 }
             }
@@ -390,6 +401,36 @@ def _attend_tile() -> str:
     )
 
 
+def _unit_phases() -> str:
+    return block(
+        """
+        // The phases of a step on the unit ring. Step u: O += P V_(u-1) with the P of the softmax
+        // of tile u - 1 (u >= 1), and S = Q K_u^T (u < n_tiles); both tiles are unit u of the ring,
+        // in stage `slot`. The softmax phase of key tile t: mask (diagonal / Skv-tail tiles),
+        // fold into the online softmax, re-pack as P.
+        __device__ __forceinline__ void values_phase(RowState& state, const u32 (&p)[M_TILES][KV_STEPS][4],
+                                                     u32 smem, int slot, int lane) {
+            accumulate_values(state.o, p, smem + V_SMEM + u32(slot) * STAGE_BYTES, lane);
+        }
+
+        __device__ __forceinline__ void scores_phase(float (&s)[M_TILES][KV_NTILES][4], const QFragments& q,
+                                                     u32 smem, int slot, int lane) {
+            compute_scores(s, q, smem + K_SMEM + u32(slot) * STAGE_BYTES, lane);
+        }
+
+        __device__ __forceinline__ void softmax_phase(RowState& state, float (&s)[M_TILES][KV_NTILES][4],
+                                                      u32 (&p)[M_TILES][KV_STEPS][4], int t, int n_unmasked,
+                                                      int row0, int lane) {
+            if (NEEDS_MASK && t >= n_unmasked) {
+                mask_scores(s, row0, t * BLOCK_KV, lane);
+            }
+            online_softmax(s, state.o, state.row_max, state.row_sum);
+            pack_probabilities(s, p);
+        }
+        """
+    )
+
+
 def _store_output() -> str:
     return block(
         """
@@ -433,61 +474,208 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
     q_init = "q_frags.init(smem + Q_SMEM, warp_row0, lane);"
     if tiling.q_in_registers:
         q_init = "pipeline_wait_q();  // Q fragments are read once, into registers\n" + q_init
+    elif plan.schedule.pingpong or plan.schedule.overlap:
+        q_init += "  // Q tile landed at step 0's barrier, before any read"
     name = kernel_name(plan)
     head = (
-        f'extern "C" __global__ void __launch_bounds__(THREADS, 1)\n'
+        f'extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)\n'
         f"{name}(const elem_t* __restrict__ q, const elem_t* __restrict__ k,\n"
         f"{' ' * (len(name) + 1)}const elem_t* __restrict__ v, elem_t* __restrict__ o) {{\n"
     )
-    body = block(
-            """
-            extern __shared__ __align__(128) unsigned char smem_raw[];
-            const u32 smem = u32(__cvta_generic_to_shared(smem_raw));
-            const int lane = int(threadIdx.x) & 31;
-            const int warp_row0 = (int(threadIdx.x) >> 5) * ROWS_PER_WARP;
+    prologue = block(
+        """
+        extern __shared__ __align__(128) unsigned char smem_raw[];
+        const u32 smem = u32(__cvta_generic_to_shared(smem_raw));
+        const int lane = int(threadIdx.x) & 31;
+        const int warp_row0 = (int(threadIdx.x) >> 5) * ROWS_PER_WARP;
 
-            // This block's query tile (causal: the longest tiles are scheduled first), head and
-            // batch; query head h reads K/V head h / GROUP.
-            const int q_tile = CAUSAL ? Q_TILES - 1 - int(blockIdx.x) : int(blockIdx.x);
-            const int head = int(blockIdx.y);
-            const int batch = int(blockIdx.z);
-            const int kv_head = head / GROUP;
-            const int q0 = q_tile * BLOCK_Q;
-            const size_t q_rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
-            const elem_t* k_head = k + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
-            const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
+        // This block's query tile, head and batch. The grid is (Q_TILES, HEADS, BATCH), issued
+        // x fastest; HEAD_MAJOR reads the linear block index heads-fastest instead, so that one
+        // query tile of every head runs before the next. Causal: query tiles are counted from
+        // the end, longest first. Query head h reads K/V head h / GROUP.
+        int tile_index, head, batch;
+        if constexpr (HEAD_MAJOR) {
+            const int linear = int(blockIdx.x) + Q_TILES * (int(blockIdx.y) + HEADS * int(blockIdx.z));
+            tile_index = linear / (HEADS * BATCH);
+            head = linear % HEADS;
+            batch = (linear / HEADS) % BATCH;
+        } else {
+            tile_index = int(blockIdx.x);
+            head = int(blockIdx.y);
+            batch = int(blockIdx.z);
+        }
+        const int q_tile = CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
+        const int kv_head = head / GROUP;
+        const int q0 = q_tile * BLOCK_Q;
+        const size_t q_rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
+        const elem_t* k_head = k + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
+        const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
 
-            // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
-            // how many of them need no mask (wholly below the diagonal and inside SEQ_KV).
-            const int n_tiles = CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
-            const int n_unmasked = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
+        // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
+        // how many of them need no mask (wholly below the diagonal and inside SEQ_KV).
+        const int n_tiles = CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+        const int n_unmasked = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
 
-            // Prologue: Q tile (first group), then the pipeline's prefetch.
-            load_tile<BLOCK_Q, Q_TAIL>(smem + Q_SMEM, q + q_rows * HEAD_DIM, SEQ_Q - q0);
-            cp_async_commit();
-            pipeline_prologue(smem, k_head, v_head, n_tiles);
-            QFragments q_frags;
-            @Q_INIT@
-            RowState state;
-            state.init();
+        // Prologue: Q tile (first group), then the pipeline's prefetch.
+        load_tile<BLOCK_Q, Q_TAIL>(smem + Q_SMEM, q + q_rows * HEAD_DIM, SEQ_Q - q0);
+        cp_async_commit();
+        pipeline_prologue(smem, k_head, v_head, n_tiles);
+        QFragments q_frags;
+        @Q_INIT@
+        RowState state;
+        state.init();
+        """
+    ).replace("@Q_INIT@", q_init)
+    if plan.schedule.pingpong:
+        main_loop = _pingpong_loop()
+    elif plan.schedule.overlap:
+        main_loop = _overlap_loop()
+    else:
+        main_loop = _plain_loop()
+    epilogue = block(
+        """
+        cp_async_wait<0>();  // only empty groups remain
 
-            // Main loop: unmasked tiles, then (causal diagonal, Skv tail) masked ones.
-            int slot = 0;
+        store_output(state, smem + Q_SMEM, o + q_rows * HEAD_DIM, q0, warp_row0, lane);
+        """
+    )
+    return head + indent(prologue + "\n\n" + main_loop + "\n" + epilogue) + "\n}"
+
+
+def _plain_loop() -> str:
+    return block(
+        """
+        // Main loop: unmasked tiles, then (causal diagonal, Skv tail) masked ones.
+        int slot = 0;
+        #pragma unroll 1
+        for (int j = 0; j < n_unmasked; ++j) {
+            attend_tile<false>(state, q_frags, smem, k_head, v_head, j, slot, n_tiles, q0 + warp_row0, lane);
+            slot = slot + 1 == STAGES ? 0 : slot + 1;
+        }
+        if constexpr (NEEDS_MASK) {
             #pragma unroll 1
-            for (int j = 0; j < n_unmasked; ++j) {
-                attend_tile<false>(state, q_frags, smem, k_head, v_head, j, slot, n_tiles, q0 + warp_row0, lane);
+            for (int j = n_unmasked; j < n_tiles; ++j) {
+                attend_tile<true>(state, q_frags, smem, k_head, v_head, j, slot, n_tiles, q0 + warp_row0, lane);
                 slot = slot + 1 == STAGES ? 0 : slot + 1;
             }
-            if constexpr (NEEDS_MASK) {
-                #pragma unroll 1
-                for (int j = n_unmasked; j < n_tiles; ++j) {
-                    attend_tile<true>(state, q_frags, smem, k_head, v_head, j, slot, n_tiles, q0 + warp_row0, lane);
-                    slot = slot + 1 == STAGES ? 0 : slot + 1;
-                }
-            }
-            cp_async_wait<0>();  // only empty groups remain
+        }
+        """
+    )
 
-            store_output(state, smem + Q_SMEM, o + q_rows * HEAD_DIM, q0, warp_row0, lane);
-            """
-        ).replace("@Q_INIT@", q_init)
-    return head + indent(body) + "\n}"
+
+def _pingpong_loop() -> str:
+    return block(
+        """
+        // Pingpong main loop: n_tiles + 1 steps of two half-steps, each opened by a block barrier
+        // (the first also waits for the step's ring unit and starts the next). Group 0 (warps
+        // 0-3) runs the matmul phase of step u in the first half and the softmax of tile u in the
+        // second; group 1 (warps 4-7, each on the scheduler partition of warp w - 4) runs the
+        // softmax of tile u - 1 in the first half and the matmul phase of step u in the second:
+        // the tensor cores of a partition always have one group's matmuls while the other group
+        // does its softmax. Step 0 has no P V, step n_tiles no Q K^T and no softmax: peeled, so
+        // that S and P are never live across the loop at the same time. (No `#pragma unroll 1` on
+        // these loops: nvcc 13 answers it by duplicating the group-1 loop body four times.)
+        const int row0 = q0 + warp_row0;
+        const int last = n_tiles % STAGES;  // the stage of unit n_tiles
+        float s[M_TILES][KV_NTILES][4];
+        u32 p[M_TILES][KV_STEPS][4];
+        if ((threadIdx.x >> 7) == 0) {
+            pipeline_open_step(smem, k_head, v_head, 0, 0, n_tiles);
+            scores_phase(s, q_frags, smem, 0, lane);
+            __syncthreads();
+            softmax_phase(state, s, p, 0, n_unmasked, row0, lane);
+            int slot = 0;
+            for (int u = 1; u < n_tiles; ++u) {
+                slot = slot + 1 == STAGES ? 0 : slot + 1;
+                pipeline_open_step(smem, k_head, v_head, u, slot, n_tiles);
+                values_phase(state, p, smem, slot, lane);
+                scores_phase(s, q_frags, smem, slot, lane);
+                __syncthreads();
+                softmax_phase(state, s, p, u, n_unmasked, row0, lane);
+            }
+            pipeline_open_step(smem, k_head, v_head, n_tiles, last, n_tiles);
+            values_phase(state, p, smem, last, lane);
+            __syncthreads();
+        } else {
+            pipeline_open_step(smem, k_head, v_head, 0, 0, n_tiles);
+            __syncthreads();
+            scores_phase(s, q_frags, smem, 0, lane);
+            int slot = 0;
+            for (int u = 1; u < n_tiles; ++u) {
+                slot = slot + 1 == STAGES ? 0 : slot + 1;
+                pipeline_open_step(smem, k_head, v_head, u, slot, n_tiles);
+                softmax_phase(state, s, p, u - 1, n_unmasked, row0, lane);
+                __syncthreads();
+                values_phase(state, p, smem, slot, lane);
+                scores_phase(s, q_frags, smem, slot, lane);
+            }
+            pipeline_open_step(smem, k_head, v_head, n_tiles, last, n_tiles);
+            softmax_phase(state, s, p, n_tiles - 1, n_unmasked, row0, lane);
+            __syncthreads();
+            values_phase(state, p, smem, last, lane);
+        }
+        """
+    )
+
+
+def _overlap_steps() -> str:
+    return block(
+        """
+        // One overlap step u (0 < u < n_tiles) in stage `slot`: S_u = Q K_u^T is issued first, into
+        // `s_next`, then the softmax of S_(u-1) (in `s_prev`) runs while those mmas execute (they
+        // are independent), then O += P V_(u-1). One block barrier a step (in open_step).
+        __device__ __forceinline__ void overlap_step(float (&s_next)[M_TILES][KV_NTILES][4],
+                                                     float (&s_prev)[M_TILES][KV_NTILES][4],
+                                                     u32 (&p)[M_TILES][KV_STEPS][4], RowState& state,
+                                                     const QFragments& q, u32 smem, const elem_t* k_head,
+                                                     const elem_t* v_head, int u, int slot, int n_tiles,
+                                                     int n_unmasked, int row0, int lane) {
+            pipeline_open_step(smem, k_head, v_head, u, slot, n_tiles);
+            scores_phase(s_next, q, smem, slot, lane);
+            softmax_phase(state, s_prev, p, u - 1, n_unmasked, row0, lane);
+            values_phase(state, p, smem, slot, lane);
+        }
+
+        // The last step (u = n_tiles): no key tile is left, only the softmax of S_(n-1) and its P V.
+        __device__ __forceinline__ void overlap_last_step(float (&s_prev)[M_TILES][KV_NTILES][4],
+                                                          u32 (&p)[M_TILES][KV_STEPS][4], RowState& state,
+                                                          u32 smem, const elem_t* k_head, const elem_t* v_head,
+                                                          int slot, int n_tiles, int n_unmasked, int row0, int lane) {
+            pipeline_open_step(smem, k_head, v_head, n_tiles, slot, n_tiles);
+            softmax_phase(state, s_prev, p, n_tiles - 1, n_unmasked, row0, lane);
+            values_phase(state, p, smem, slot, lane);
+        }
+        """
+    )
+
+
+def _overlap_loop() -> str:
+    return block(
+        """
+        // Overlap main loop: steps 0..n_tiles on the unit ring, unrolled by two so that the two S
+        // tiles swap roles without copies (sa holds S of even steps, sb of odd ones). Step 0 only
+        // issues S_0; the last step has no Q K^T.
+        const int row0 = q0 + warp_row0;
+        float sa[M_TILES][KV_NTILES][4];
+        float sb[M_TILES][KV_NTILES][4];
+        u32 p[M_TILES][KV_STEPS][4];
+        pipeline_open_step(smem, k_head, v_head, 0, 0, n_tiles);
+        scores_phase(sa, q_frags, smem, 0, lane);
+        int u = 1;
+        int slot = 0;
+        for (; u + 1 < n_tiles; u += 2) {
+            slot = slot + 1 == STAGES ? 0 : slot + 1;
+            overlap_step(sb, sa, p, state, q_frags, smem, k_head, v_head, u, slot, n_tiles, n_unmasked, row0, lane);
+            slot = slot + 1 == STAGES ? 0 : slot + 1;
+            overlap_step(sa, sb, p, state, q_frags, smem, k_head, v_head, u + 1, slot, n_tiles, n_unmasked, row0, lane);
+        }
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+        if (u < n_tiles) {  // one more full step (odd): its S goes to sb
+            overlap_step(sb, sa, p, state, q_frags, smem, k_head, v_head, u, slot, n_tiles, n_unmasked, row0, lane);
+            slot = slot + 1 == STAGES ? 0 : slot + 1;
+            overlap_last_step(sb, p, state, smem, k_head, v_head, slot, n_tiles, n_unmasked, row0, lane);
+        } else {
+            overlap_last_step(sa, p, state, smem, k_head, v_head, slot, n_tiles, n_unmasked, row0, lane);
+        }
+        """
+    )

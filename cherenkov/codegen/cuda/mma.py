@@ -28,6 +28,16 @@ def emit_mma(dtype: str) -> str:
                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
         }}
+
+        // d = a * b (the accumulator starts at zero: no zeroing instructions, and d is not live
+        // before this mma, which keeps register pressure down where mmas are interleaved).
+        __device__ __forceinline__ void mma_16816_zero(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {{
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
+                "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%10, %10, %10, %10}};\\n"
+                : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+        }}
         """
     )
 

@@ -168,3 +168,73 @@ class KvPipeline:
             __device__ __forceinline__ void pipeline_wait_v(u32, const elem_t*, const elem_t*, int, int, int) {}
             """
         )
+
+
+@dataclass(frozen=True)
+class UnitPipeline:
+    """The cp.async ring of the pingpong and overlap schedules: stage ``u % STAGES`` holds
+    *unit* ``u``, the K tile ``u`` and the V tile ``u − 1`` (one cp.async group per unit).
+
+    Both schedules run ``n_tiles + 1`` steps; step ``u`` computes ``O += P_(u−1) V_(u−1)``
+    and ``S_u = Q K_uᵀ`` — exactly unit ``u``'s two tiles — and one block barrier opens it.
+    Pingpong: group 0 runs step ``u``'s matmuls before the step's second barrier, group 1
+    after it. Overlap: ``S_u`` is issued before the softmax of ``S_(u−1)``, whose ``P`` then
+    feeds ``P V_(u−1)``. Either way every warp is done with unit ``u − 1`` once the barrier
+    opening step ``u`` is passed: there unit ``u + S − 1`` starts into its stage. Unit 0 has
+    no V tile, unit ``n_tiles`` no K tile; units past ``n_tiles`` are committed empty
+    (constant wait counts).
+    """
+
+    stages: int
+
+    @property
+    def groups_after_q(self) -> int:
+        return self.stages - 1
+
+    def emit(self) -> str:
+        s = self.stages
+        issues = "\n".join(f"    issue_unit(smem, k_head, v_head, {u}, {u}, n_tiles);" for u in range(s - 1))
+        return block(
+            """
+            // Copy K or V tile `tile` of one head into a stage buffer (no commit).
+            __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
+                load_tile<BLOCK_KV, KV_TAIL>(stage_tile, head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);
+            }
+
+            // Start copying unit u (K tile u, V tile u - 1) into stage `slot` (= u % STAGES) as one
+            // cp.async group.
+            __device__ __forceinline__ void issue_unit(u32 smem, const elem_t* k_head, const elem_t* v_head,
+                                                       int u, int slot, int n_tiles) {
+                const u32 stage = smem + u32(slot) * STAGE_BYTES;
+                if (u < n_tiles) {
+                    load_kv_tile(stage + K_SMEM, k_head, u);
+                }
+                if (u >= 1 && u <= n_tiles) {
+                    load_kv_tile(stage + V_SMEM, v_head, u - 1);
+                }
+                cp_async_commit();
+            }
+            """
+        ) + "\n\n" + (
+            f"// Prefetch before the main loop: units 0..{s - 2}.\n"
+            "__device__ __forceinline__ void pipeline_prologue(u32 smem, const elem_t* k_head, const elem_t* v_head,\n"
+            "                                                  int n_tiles) {\n"
+            f"{issues}\n"
+            "}\n\n"
+            "// Wait until the Q tile (the first group) has landed for the whole block.\n"
+            "__device__ __forceinline__ void pipeline_wait_q() {\n"
+            f"    cp_async_wait<{self.groups_after_q}>();\n"
+            "    __syncthreads();\n"
+            "}\n\n"
+        ) + block(
+            f"""
+            // Open step u (unit u in stage `slot`): unit u has landed for every thread and both groups
+            // are past phase u - 1, so unit u + STAGES - 1 starts into the stage unit u - 1 used.
+            __device__ __forceinline__ void pipeline_open_step(u32 smem, const elem_t* k_head, const elem_t* v_head,
+                                                               int u, int slot, int n_tiles) {{
+                cp_async_wait<{s - 2}>();
+                __syncthreads();
+                issue_unit(smem, k_head, v_head, u + {s - 1}, slot == 0 ? STAGES - 1 : slot - 1, n_tiles);
+            }}
+            """
+        )

@@ -47,8 +47,99 @@ def emit_math_helpers() -> str:
     )
 
 
-def emit_online_softmax() -> str:
-    """``online_softmax``: scores → probabilities in place, running max/sum and O rescaled."""
+RESCALE_THRESHOLD = 8.0
+"""Lazy rescale: the row max (in log2 units) may rise this much before O is rescaled."""
+
+
+def emit_online_softmax(lazy: bool = False) -> str:
+    """``online_softmax``: scores → probabilities in place, running max/sum and O rescaled.
+
+    ``lazy`` (the ``lazy_rescale`` knob): the running max is only moved, and O and the row
+    sums only rescaled, when some row of the warp sees its max rise by more than
+    ``RESCALE_THRESHOLD`` (log2 units) — a warp-uniform branch on one vote. Otherwise the
+    stale max stays the exponent offset: probabilities are then at most 2^8, which bf16 /
+    fp16 and the fp32 accumulators hold exactly as well, and the final division by the
+    row sum (accumulated against the same offsets) cancels the offset either way.
+    """
+    if lazy:
+        return block(
+            f"""
+            // Fold one tile of raw scores s into the running softmax state of this thread's rows,
+            // lazily: the offsets (row maxima) move only when a row's max rises by more than
+            // {RESCALE_THRESHOLD:g} in log2 units somewhere in the warp (one vote); then O and the row sums
+            // are rescaled. The exponentials are straight-line code (the offsets are selected, not
+            // branched on), so they can interleave with independent mmas; the rescale is the one
+            // warp-uniform branch, at the end.
+            __device__ __forceinline__ void online_softmax(float (&s)[M_TILES][KV_NTILES][4],
+                                                           float (&o)[M_TILES][D_NTILES][4],
+                                                           float (&row_max)[M_TILES][2],
+                                                           float (&row_sum)[M_TILES][2]) {{
+                constexpr float RESCALE_THRESHOLD = {RESCALE_THRESHOLD:.1f}f;
+                float new_max[M_TILES][2];
+                bool raise = false;
+                #pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {{
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {{
+                        float x = row_max[m][h];
+                        #pragma unroll
+                        for (int n = 0; n < KV_NTILES; ++n) {{
+                            x = fmaxf(x, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
+                        }}
+                        new_max[m][h] = quad_max(x);
+                        // -inf - (-inf) is NaN and compares false: an all-masked row never raises.
+                        raise |= (new_max[m][h] - row_max[m][h]) * SCALE_LOG2 > RESCALE_THRESHOLD;
+                    }}
+                }}
+                raise = __any_sync(0xffffffffu, raise);
+
+                // Probabilities against the selected offsets: one FMA + ex2 each.
+                float tile_sum[M_TILES][2];
+                #pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {{
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {{
+                        const float row_offset = raise ? new_max[m][h] : row_max[m][h];
+                        const float offset = row_offset == neg_inf() ? 0.0f : row_offset * SCALE_LOG2;
+                        float sum = 0.0f;
+                        #pragma unroll
+                        for (int n = 0; n < KV_NTILES; ++n) {{
+                            #pragma unroll
+                            for (int e = 0; e < 2; ++e) {{
+                                const float p = fast_exp2(fmaf(s[m][n][2 * h + e], SCALE_LOG2, -offset));
+                                s[m][n][2 * h + e] = p;
+                                sum += p;
+                            }}
+                        }}
+                        tile_sum[m][h] = sum;
+                    }}
+                }}
+                if (raise) {{
+                    // Move every row of the warp to its new max; rescale O and the partial sums.
+                    #pragma unroll
+                    for (int m = 0; m < M_TILES; ++m) {{
+                        #pragma unroll
+                        for (int h = 0; h < 2; ++h) {{
+                            const float offset = new_max[m][h] == neg_inf() ? 0.0f : new_max[m][h] * SCALE_LOG2;
+                            const float alpha = fast_exp2(row_max[m][h] * SCALE_LOG2 - offset);
+                            row_max[m][h] = new_max[m][h];
+                            row_sum[m][h] *= alpha;
+                            #pragma unroll
+                            for (int d = 0; d < D_NTILES; ++d) {{
+                                o[m][d][2 * h] *= alpha;
+                                o[m][d][2 * h + 1] *= alpha;
+                            }}
+                        }}
+                    }}
+                }}
+                #pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {{
+                    row_sum[m][0] += tile_sum[m][0];
+                    row_sum[m][1] += tile_sum[m][1];
+                }}
+            }}
+            """
+        )
     return block(
         """
         // Fold one tile of raw scores s into the running softmax state of this thread's rows:

@@ -1,0 +1,245 @@
+"""cherenkov's searched flash attention against PyTorch SDPA's backends, in one process.
+
+For each shape of issue 6 (bf16), this builds the textbook attention graph of
+``examples/attention.py`` (loaded by path), runs ``ck.optimize`` on it (a fresh search
+with a per-shape time budget, measured on the local GPU; a private tuning database so that
+nothing stale answers), checks the winner's output against SDPA in float32 (relative error
+≤ 2e-2, output poisoned with NaN first), then times the winner and SDPA's flash, cuDNN and
+memory-efficient backends on the same inputs: CUDA events, L2 flushed before every sample,
+samples of all four interleaved round-robin (so clock drift hits all alike), median of
+``--samples``. Prints a table (TFLOP/s, % of the 641 TFLOP/s mma.sync peak, ratios) and
+writes ``<out>/h200-<date>.json`` (``gpu``, ``date``, ``versions``, ``rows``).
+
+    python3 benchmarks/attention.py [--shapes seed,b4h16s4k,...] [--out DIR] [--budget S]
+
+FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (the convention of FlashAttention's and
+PyTorch's benchmarks). The budget bounds each search (compile + measure), so the winner is
+the best of the candidates the cost model ranked first and the search reached in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cherenkov as ck  # noqa: E402
+from cherenkov.codegen import compile_plan, load_kernel  # noqa: E402
+from cherenkov.search.database import TuningDatabase  # noqa: E402
+
+MMA_SYNC_PEAK = 641.0  # TFLOP/s, register-only mma.sync bf16 on the H200 (../shared/device/mma_peak.cu)
+TOLERANCE = 2e-2
+CAUSAL_BUDGET_FACTOR = 2.0  # causal problems: about twice the schedules (head-major order) and slower samples
+BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
+SHAPES = {  # name: (B, H, H_KV, SQ, SKV, D, causal)
+    "seed": (1, 8, 8, 4096, 8192, 128, False),
+    "b4h16s4k": (4, 16, 16, 4096, 4096, 128, False),
+    "b4h16s4k_causal": (4, 16, 16, 4096, 4096, 128, True),
+    "seed_d64": (1, 8, 8, 4096, 8192, 64, False),
+    "b16h16s1k": (16, 16, 16, 1024, 1024, 128, False),
+    "b1h32s16k_causal": (1, 32, 32, 16384, 16384, 128, True),
+}
+
+
+def load_example():
+    """``examples/attention.py`` as a module (it is not a package)."""
+    spec = importlib.util.spec_from_file_location("cherenkov_example_attention", ROOT / "examples" / "attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flops(b: int, h: int, sq: int, skv: int, d: int, causal: bool) -> float:
+    full = 4.0 * b * h * sq * skv * d
+    return full / 2 if causal else full
+
+
+def time_interleaved(torch, launches: dict, flush, samples: int, spin: bool = False) -> dict[str, float]:
+    """Median ms of each launch: warm-up, then ``samples`` rounds of one sample each, L2
+    flushed before every sample. ``spin`` queues a ~0.2 ms GPU spin after the flush, so the
+    host has enqueued the launch before the start event fires (host-side launch work, which
+    differs between the launchers, then stays out of the time)."""
+    for launch in launches.values():
+        for _ in range(3):
+            launch()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {name: [] for name in launches}
+    for _ in range(samples):
+        for name, launch in launches.items():
+            flush.zero_()
+            if spin:
+                torch.cuda._sleep(400_000)  # clock cycles
+            start.record()
+            launch()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def run_shape(name: str, example, torch, flush, args, db) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, h, hkv, sq, skv, d, causal = SHAPES[name]
+    graph = example.build(shape=(b, h, hkv, sq, skv, d), causal=causal)
+    budget = args.budget * (CAUSAL_BUDGET_FACTOR if causal else 1.0)
+    started = time.monotonic()
+    result = ck.optimize(graph, target="auto", out=Path(args.workdir) / name, budget_s=budget, database=db)
+    if result.best is None:  # nothing measured in time: once more (compiles are cached, measurements kept)
+        result = ck.optimize(graph, target="auto", out=Path(args.workdir) / name, budget_s=2 * budget, database=db)
+    search_s = time.monotonic() - started
+    best = result.best
+    if best is None:
+        raise RuntimeError(f"{name}: the search found no kernel ({result.summary.notes})")
+    kernel = load_kernel(compile_plan(best.plan))
+
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    q = torch.randn((b, h, sq, d), generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn((b, hkv, skv, d), generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn((b, hkv, skv, d), generator=gen, device="cuda").to(torch.bfloat16)
+    gqa = h != hkv
+
+    out = torch.full_like(q, math.nan)
+    kernel(q, k, v, out)
+    torch.cuda.synchronize()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)
+    rel_error = float((out.float() - ref).norm() / ref.norm())
+    del ref
+    if not rel_error <= TOLERANCE:
+        raise RuntimeError(f"{name}: cherenkov's output is wrong (relative error {rel_error:.3g})")
+
+    launches = {"cherenkov": lambda: kernel(q, k, v, out)}
+    for key, backend in BACKENDS.items():
+        def launch(backend=getattr(SDPBackend, backend)):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        try:
+            launch()
+            torch.cuda.synchronize()
+        except RuntimeError as error:  # a backend that does not take this problem
+            print(f"  {key} unavailable: {str(error).splitlines()[0]}")
+            continue
+        launches[key] = launch
+    ms = time_interleaved(torch, launches, flush, args.samples, args.hide_launch_gaps)
+    work = flops(b, h, sq, skv, d, causal)
+    tflops = {key: work / (t * 1e9) for key, t in ms.items()}
+    ratios = {f"cherenkov/{key}": tflops["cherenkov"] / tflops[key] for key in tflops if key != "cherenkov"}
+    measured = [c for c in result.candidates if c.timing is not None]
+    predicted_order = sorted(result.candidates, key=lambda c: (c.predicted_ms or math.inf, c.id))
+    leaders = sorted(measured, key=lambda c: c.time_ms)[:8]
+    schedule = dict(best.result.params["schedule"])
+    return {
+        "name": name,
+        "shape": {"B": b, "H": h, "H_KV": hkv, "SQ": sq, "SKV": skv, "D": d, "causal": causal, "dtype": "bf16"},
+        "tflops": tflops,
+        "ratios": ratios,
+        "percent_of_mma_sync_peak": {key: 100 * t / MMA_SYNC_PEAK for key, t in tflops.items()},
+        "ms": ms,
+        "cherenkov_plan": {**schedule, "key": best.plan.schedule.key(), "target": best.target,
+                           "registers": best.result.registers, "spill_bytes": best.result.spill_bytes},
+        "cherenkov_rel_error": rel_error,
+        "search": {"budget_s": budget, "wall_s": round(search_s, 1), "candidates": len(result.candidates),
+                   "measured": len(measured), "from_database": result.from_database,
+                   "search_tflops": best.tflops,
+                   "winner_rank_in_cost_model_order": next(
+                       (i for i, c in enumerate(predicted_order) if c.id == best.result.id), None),
+                   "leaders": [{"id": c.id, "tflops": round(c.tflops, 1), "registers": c.registers,
+                                "spill_bytes": c.spill_bytes,
+                                "predicted_tflops": round(c.flops / (c.predicted_ms * 1e9), 1) if c.predicted_ms else None}
+                               for c in leaders]},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--budget", type=float, default=35.0,
+                        help="seconds per search (compile + measure); causal shapes get twice it")
+    parser.add_argument("--hide-launch-gaps", action="store_true",
+                        help="spin the GPU ~0.2 ms before each sample's start event, so that host-side launch "
+                             "work is not timed (not used for the 2026-11-29 results)")
+    parser.add_argument("--samples", type=int, default=30)
+    args = parser.parse_args()
+    names = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; valid: {', '.join(SHAPES)}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/attention.py needs a CUDA GPU")
+    example = load_example()
+    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cherenkov-bench-") as work:
+        args.workdir = work
+        with TuningDatabase(Path(work) / "tuning.sqlite") as db:
+            for name in names:
+                started = time.monotonic()
+                try:
+                    row = run_shape(name, example, torch, flush, args, db)
+                except Exception as error:  # noqa: BLE001 - report the shape and go on
+                    rows.append({"name": name, "shape": dict(zip(("B", "H", "H_KV", "SQ", "SKV", "D", "causal"),
+                                                                 SHAPES[name]), dtype="bf16"),
+                                 "error": f"{type(error).__name__}: {error}"})
+                    print(f"{name}: FAILED {rows[-1]['error']}", flush=True)
+                    continue
+                rows.append(row)
+                t, r = row["tflops"], row["ratios"]
+                print(f"{name}: cherenkov {t['cherenkov']:.1f} TFLOP/s ({row['cherenkov_plan']['key']}, "
+                      f"search {row['search']['wall_s']} s, {row['search']['measured']} measured), "
+                      f"{', '.join(f'{k} {v:.2f}x' for k, v in r.items())} [{time.monotonic() - started:.0f} s]",
+                      flush=True)
+
+    date = datetime.date.today().isoformat()
+    cudnn = torch.backends.cudnn.version()
+    report = {
+        "gpu": torch.cuda.get_device_name(0),
+        "date": date,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cherenkov": ck.__version__,
+                     "cudnn": cudnn, "python": sys.version.split()[0]},
+        "mma_sync_peak_tflops": MMA_SYNC_PEAK,
+        "method": "CUDA events, L2 flushed before each sample, backends interleaved round-robin, "
+                  f"median of {args.samples}; cherenkov: ck.optimize fresh search, budget {args.budget} s a shape "
+                  f"({args.budget * CAUSAL_BUDGET_FACTOR:.0f} s causal), best of what the search measured in time"
+                  + ("; GPU spin before each start event" if args.hide_launch_gaps else ""),
+        "budget_s": args.budget,
+        "rows": rows,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"h200-{date}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+    header = f"{'shape':18} {'cherenkov':>10} {'%peak':>6} {'flash':>7} {'cudnn':>7} {'effic':>7} " \
+             f"{'vs flash':>9} {'vs cudnn':>9} {'vs effic':>9}  plan"
+    print("\n" + header)
+    for row in rows:
+        if "error" in row:
+            print(f"{row['name']:18} {row['error']}")
+            continue
+        t, r = row["tflops"], row["ratios"]
+        print(f"{row['name']:18} {t['cherenkov']:10.1f} {row['percent_of_mma_sync_peak']['cherenkov']:6.1f} "
+              f"{t.get('sdpa_flash', math.nan):7.1f} {t.get('sdpa_cudnn', math.nan):7.1f} "
+              f"{t.get('sdpa_efficient', math.nan):7.1f} {r.get('cherenkov/sdpa_flash', math.nan):9.2f} "
+              f"{r.get('cherenkov/sdpa_cudnn', math.nan):9.2f} {r.get('cherenkov/sdpa_efficient', math.nan):9.2f}  "
+              f"{row['cherenkov_plan']['key']}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

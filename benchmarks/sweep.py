@@ -1,0 +1,169 @@
+"""Time chosen flash-attention schedules side by side on the local GPU (a development tool).
+
+``python3 benchmarks/sweep.py --set NAME [--out DIR]`` compiles every (shape, schedule) of the
+named set with all cores, checks each kernel against SDPA in float32 (relative error ≤ 2e-2,
+output poisoned with NaN first), times it with CUDA events (L2 flushed before each sample,
+median of ``--samples``) next to SDPA's flash and cuDNN backends, and writes
+``sweep-NAME.json`` (schedule, registers, spills, TFLOP/s, error) under ``--out``. The
+search (``ck.optimize``) is not involved: this measures knobs one at a time, for NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cherenkov.codegen import CompileError, compile_plans, load_kernel  # noqa: E402
+from cherenkov.rewrites.plan import TARGETS, AttentionProblem, FlashSchedule, KernelPlan  # noqa: E402
+
+SHAPES = {
+    "seed": (1, 8, 8, 4096, 8192, 128, False),
+    "b4h16s4k": (4, 16, 16, 4096, 4096, 128, False),
+    "b4h16s4k_causal": (4, 16, 16, 4096, 4096, 128, True),
+    "seed_d64": (1, 8, 8, 4096, 8192, 64, False),
+    "b16h16s1k": (16, 16, 16, 1024, 1024, 128, False),
+    "b1h32s16k_causal": (1, 32, 32, 16384, 16384, 128, True),
+}
+
+PLAIN = ["q128 kv64 w4 s2 split", "q128 kv64 w4 s1 split", "q128 kv64 w4 s3 split", "q128 kv64 w4 s2 joint",
+         "q128 kv32 w4 s2 split", "q128 kv32 w4 s3 split", "q64 kv64 w4 s2 split", "q64 kv128 w4 s2 split",
+         "q128 kv64 w8 s2 split", "q128 kv128 w8 s2 split"]
+LAZY = ["q128 kv64 w4 s2 split lazy", "q128 kv64 w4 s1 split lazy", "q128 kv32 w4 s3 split lazy",
+        "q64 kv128 w4 s2 split lazy"]
+PINGPONG = ["q256 kv32 w8 s2 joint pp", "q256 kv32 w8 s3 joint pp", "q256 kv32 w8 s2 joint pp lazy",
+            "q128 kv64 w8 s2 joint pp", "q128 kv64 w8 s3 joint pp", "q128 kv32 w8 s2 joint pp",
+            "q128 kv32 w8 s3 joint pp", "q128 kv64 w8 s2 joint pp lazy"]
+SECOND_SEED = ["q128 kv64 w4 s2 split", "q128 kv64 w4 s2 split lazy", "q128 kv64 w4 s2 joint lazy",
+               "q64 kv64 w4 s2 joint ov", "q64 kv64 w4 s2 joint lazy ov", "q64 kv64 w4 s3 joint lazy ov",
+               "q64 kv32 w4 s2 joint lazy ov mb3", "q64 kv32 w4 s3 joint lazy ov mb3", "q128 kv64 w8 s2 joint lazy ov",
+               "q128 kv64 w8 s3 joint lazy ov", "q128 kv32 w8 s2 joint lazy ov", "q128 kv32 w4 s2 joint lazy ov",
+               "q128 kv32 w4 s3 joint lazy ov", "q64 kv32 w4 s2 split lazy mb3", "q64 kv64 w4 s1 split lazy mb3",
+               "q64 kv32 w4 s3 split lazy mb3", "q128 kv32 w8 s2 split lazy mb2", "q256 kv32 w8 s2 joint pp lazy",
+               "q128 kv32 w4 s2 split lazy", "q128 kv64 w4 s1 split lazy"]
+SECOND_CAUSAL = ["q128 kv64 w4 s2 split hm", "q128 kv64 w4 s2 split lazy hm", "q128 kv64 w4 s2 joint lazy hm",
+                 "q64 kv64 w4 s2 joint lazy ov hm", "q128 kv64 w8 s2 joint lazy ov hm", "q64 kv32 w4 s2 joint lazy ov mb3 hm",
+                 "q128 kv32 w4 s2 joint lazy ov hm", "q64 kv64 w4 s1 split lazy mb3 hm", "q128 kv32 w4 s2 split lazy hm"]
+SECOND_D64 = ["q128 kv128 w4 s2 split", "q128 kv128 w4 s2 split lazy", "q128 kv64 w4 s2 joint lazy ov",
+              "q128 kv64 w4 s3 joint lazy ov", "q64 kv128 w4 s2 joint lazy ov",
+              "q128 kv64 w4 s2 split lazy", "q64 kv64 w4 s2 split lazy mb3", "q128 kv128 w8 s2 joint lazy ov"]
+SECOND_OTHER = ["q128 kv64 w4 s2 split lazy", "q128 kv64 w4 s2 joint lazy", "q64 kv64 w4 s2 joint lazy ov",
+                "q128 kv64 w8 s2 joint lazy ov", "q64 kv32 w4 s2 joint lazy ov mb3"]
+
+SETS = {
+    "first": [("seed", k) for k in PLAIN + LAZY + PINGPONG + ["q128 kv64 w4 s2 split lin", "q128 kv64 w4 s2 split x2"]]
+    + [("b4h16s4k_causal", k) for k in ["q128 kv64 w4 s2 split", "q128 kv64 w4 s2 split hm", "q128 kv32 w4 s3 split",
+                                        "q128 kv32 w4 s3 split hm", "q64 kv64 w4 s2 split", "q128 kv64 w4 s2 split lazy hm",
+                                        "q256 kv32 w8 s2 joint pp", "q256 kv32 w8 s2 joint pp hm",
+                                        "q256 kv32 w8 s3 joint pp hm", "q128 kv64 w8 s2 joint pp hm",
+                                        "q128 kv32 w8 s2 joint pp hm"]]
+    + [("seed_d64", k) for k in ["q128 kv64 w4 s2 split", "q128 kv128 w4 s2 split", "q64 kv128 w4 s2 split",
+                                 "q128 kv64 w4 s2 split lazy", "q256 kv64 w8 s2 joint pp", "q256 kv64 w8 s3 joint pp",
+                                 "q256 kv32 w8 s2 joint pp", "q128 kv64 w8 s2 joint pp", "q256 kv64 w8 s2 joint pp lazy"]],
+    "second": [("seed", k) for k in SECOND_SEED] + [("b4h16s4k_causal", k) for k in SECOND_CAUSAL]
+    + [("seed_d64", k) for k in SECOND_D64] + [("b4h16s4k", k) for k in SECOND_OTHER]
+    + [("b16h16s1k", k) for k in SECOND_OTHER]
+    + [("b1h32s16k_causal", k + " hm") for k in SECOND_OTHER] + [("b1h32s16k_causal", "q128 kv64 w4 s2 split")],
+}
+
+
+def schedule_of(text: str) -> FlashSchedule:
+    """``"q128 kv64 w4 s2 split [lin] [x2] [pp] [lazy] [hm] [ov] [mb3]"`` → FlashSchedule (swz x4 unless said)."""
+    q, kv, w, s, split, *flags = text.split()
+    min_blocks = next((int(f[2:]) for f in flags if f.startswith("mb")), 1)
+    return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", "lin" not in flags,
+                         2 if "x2" in flags else 4, "pp" in flags, "lazy" in flags, "hm" in flags, "ov" in flags,
+                         min_blocks)
+
+
+def problem_of(shape: str) -> AttentionProblem:
+    b, h, hkv, sq, skv, d, causal = SHAPES[shape]
+    return AttentionProblem(b, h, hkv, sq, skv, d, causal=causal, scale=d**-0.5)
+
+
+def timed(torch, launch, flush, samples: int) -> float:
+    """Median ms of ``launch`` over ``samples`` CUDA-event samples, L2 flushed before each."""
+    for _ in range(3):
+        launch()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(samples):
+        flush.zero_()
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="first", choices=sorted(SETS))
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--samples", type=int, default=20)
+    args = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    entries = SETS[args.set]
+    plans = [KernelPlan("flash_attention", problem_of(shape), schedule_of(key), TARGETS["sm_90"]) for shape, key in entries]
+    start = time.time()
+    compiled = compile_plans(plans)
+    print(f"compiled {len(plans)} plans in {time.time() - start:.1f} s", flush=True)
+    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
+    rows, inputs, refs = [], {}, {}
+    for (shape, key), plan, kernel in zip(entries, plans, compiled):
+        p = plan.problem
+        if shape not in inputs:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q, k, v = (torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16)
+                       for s in (p.shapes()["q"], p.shapes()["k"], p.shapes()["v"]))
+            inputs[shape] = (q, k, v)
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=p.causal)
+            refs[shape] = {"ref": ref}
+            for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                def launch(backend=backend):
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
+                refs[shape][name] = p.flops / (timed(torch, launch, flush, args.samples) * 1e9)
+            print(f"{shape}: flash {refs[shape]['sdpa_flash']:.1f} cudnn {refs[shape]['sdpa_cudnn']:.1f} TFLOP/s", flush=True)
+        row = {"shape": shape, "schedule": plan.schedule.key()}
+        if isinstance(kernel, CompileError):
+            row["error"] = str(kernel).splitlines()[0]
+        else:
+            row.update(registers=kernel.report.registers, spill_bytes=kernel.report.spill_bytes)
+            q, k, v = inputs[shape]
+            try:
+                fn = load_kernel(kernel)
+                out = torch.full_like(q, math.nan)
+                fn(q, k, v, out)
+                torch.cuda.synchronize()
+                ref = refs[shape]["ref"]
+                row["rel_error"] = float((out.float() - ref).norm() / ref.norm())
+                if row["rel_error"] <= 2e-2:
+                    row["tflops"] = p.flops / (timed(torch, lambda: fn(q, k, v, out), flush, args.samples) * 1e9)
+            except Exception as error:  # noqa: BLE001 - report and go on
+                row["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+        rows.append(row)
+        print(f"{shape:18} {row['schedule']:40} regs {row.get('registers', '-'):>3} spill {row.get('spill_bytes', '-'):>4} "
+              f"err {row.get('rel_error', float('nan')):.2e} {row.get('tflops', 0):7.1f} TFLOP/s {row.get('error', '')}",
+              flush=True)
+    for shape in refs:
+        refs[shape].pop("ref")
+    out = Path(args.out) / f"sweep-{args.set}.json"
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "references": refs, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The pointwise kernel family: one thread per output element (or per ``vector`` of them).
+
+Thread ``i`` of the grid splits its linear output index over the kernel's axes, evaluates
+the kernel's term there (:class:`~cherenkov.codegen.cuda.term_expr.TermEmitter`: binders
+become serial loops, so this family runs any term — it is the fallback of reductions,
+contractions and flash attention) and stores the element. The vectorised variant gives
+each thread ``vector`` consecutive elements of the innermost axis: reads whose innermost
+index is that axis are loaded with one vector access, the results stored with one.
+
+Launch: grid ``ceil(numel / (block · vector))``, ``block`` threads, no shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cherenkov.codegen.cuda.term_common import (
+    decompose,
+    header,
+    indent_lines,
+    kernel_name,
+    safe_axis,
+    signature,
+    tensor_infos,
+    vector_helpers,
+)
+from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, index_type, reads, store
+from cherenkov.codegen.cuda.text import section
+from cherenkov.rewrites import terms as t
+
+
+def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    s = plan.schedule
+    blocks = max(1, math.ceil(plan.output.numel / (s.block * s.vector)))
+    return (blocks, 1, 1), (s.block, 1, 1)
+
+
+def _vector_reads(plan, inner: str) -> list:
+    """Reads that one aligned vector access can load: innermost index exactly the
+    innermost output axis, over the tensor's whole innermost extent, the axis used nowhere else."""
+    infos = tensor_infos(plan)
+    result = []
+    for read in reads(plan.kernel.term):
+        info = infos[read[1]]
+        items = t.ix_items(read[2])
+        if (
+            items
+            and items[-1] == t.ax(inner)
+            and info.shape[-1] == t.extent(inner)
+            and info.dtype in ("bf16", "fp16", "fp32")
+            and not any(inner in t.ix_names(ix) for ix in items[:-1])
+        ):
+            result.append(read)
+    return result
+
+
+def pointwise_source(plan) -> str:
+    s = plan.schedule
+    kernel = plan.kernel
+    infos = tensor_infos(plan)
+    itype = index_type(infos)
+    em = TermEmitter(infos, itype)
+    name = kernel_name(plan)
+    numel = plan.output.numel
+    vec = s.vector
+    axes = kernel.axes
+    (blocks, _, _), _ = grid(plan)
+
+    body: list[str] = [
+        f"const {itype} first = ({itype}(blockIdx.x) * {s.block} + {itype}(threadIdx.x)) * {vec};",
+        f"if (first >= {numel}) return;",
+    ]
+    em.push()
+    lines, env = decompose("first", axes, 0, "a")
+    body += lines
+    helpers: list[tuple[str, int]] = []
+    if vec == 1:
+        value = em.value(kernel.term, env)
+        top = em.pop()
+        body += ["// the element", *top, store(plan.output, "first", value)]
+    else:
+        inner = axes[-1]
+        base = env[inner]
+        # vector loads of the reads along the innermost axis (at the vector's first element)
+        loads = []
+        for read in _vector_reads(plan, inner):
+            info = infos[read[1]]
+            var = em.fresh("r")
+            helpers.append((info.dtype, vec))
+            loads.append(f"float {var}[{vec}];")
+            loads.append(f"ck_load_{info.dtype}x{vec}({info.param} + {em.offset(read, env)}, {var});")
+            em.overrides[read] = lambda _env, var=var: f"{var}[u]"
+        em.push()
+        inner_env = {**env, inner: type(base)(f"{base.expr}_u", 1, 0, t.extent(inner) - 1)}
+        value = em.value(kernel.term, inner_env)
+        per_element = em.pop()
+        top = em.pop()
+        helpers.append((plan.output.dtype, vec))
+        body += [
+            f"// {vec} consecutive elements along {safe_axis(inner)}: vector loads, then each element",
+            *loads,
+            *top,
+            f"float out[{vec}];",
+            "#pragma unroll",
+            f"for (int u = 0; u < {vec}; ++u) {{",
+            f"    const int {base.expr}_u = {base.expr} + u;",
+            *indent_lines(per_element, 1),
+            f"    out[u] = {value};",
+            "}",
+            f"ck_store_{plan.output.dtype}x{vec}({plan.output.param} + first, out);",
+        ]
+    launch = f"grid ({blocks}), {s.block} threads, no shared memory"
+    summary = (
+        f"Pointwise: one thread per {vec} consecutive output element{'s' if vec > 1 else ''} "
+        f"({numel} elements), binders as serial loops."
+    )
+    kernel_text = "\n".join([signature(plan, name, s.block) + " {", *indent_lines(body, 1), "}"])
+    parts = [
+        header(plan, summary, launch),
+        section("types and helpers", emit_prelude(), vector_helpers(helpers) if helpers else ""),
+        section("kernel", kernel_text),
+    ]
+    return "\n\n".join(parts) + "\n"

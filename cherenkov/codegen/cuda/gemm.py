@@ -1,0 +1,316 @@
+"""The tiled ``mma.sync`` GEMM family (sm_80 … sm_120) for contraction kernels.
+
+A contraction kernel computes ``epilogue(Σ_k a[m, k] · b[k, n])`` where ``a`` and ``b`` are
+elementwise terms of 16-bit tensor reads (see :class:`~cherenkov.codegen.term_plan.GemmLayout`:
+M, N and the batch flatten several axes each). One block computes a ``BM × BN`` output
+tile of one batch entry; its warps own ``WM × WN`` sub-tiles of m16n8k16 tensor-core tiles
+with fp32 accumulators. K advances ``BK`` at a time through two shared-memory stages: the
+tiles of step ``kt`` load while step ``kt - 1`` multiplies.
+
+Tiles are stored the way their operand is laid out in memory, so global reads coalesce:
+``[row][k]`` when the operand's innermost index follows k (A and B fragments then come
+from ``ldmatrix``), ``[k][row]`` when it follows the operand's rows (``ldmatrix.trans``).
+Rows are padded by 16 bytes, which makes every ldmatrix phase conflict-free. A plain read
+of the mma dtype whose innermost extent is a multiple of 8 is copied with 16-byte
+``cp.async`` (zero-filled past the end); anything else — prologues (a norm's weight, a
+bias and GELU), other layouts (reshaped or transposed reads) — is evaluated element by
+element through the term emitter and rounded to the mma dtype on the way into shared
+memory. Past the end of K every element is zero; rows past M or N are clamped and their
+results never stored. The epilogue evaluates the kernel's term around the contraction for
+each accumulator element (bias, activation, residual) and stores it.
+
+Launch: grid ``(ceil(N / BN), ceil(M / BM), BATCH)``, ``32 · warps`` threads, static
+shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cherenkov.codegen.cuda.term_common import (
+    decompose,
+    header,
+    indent_lines,
+    kernel_name,
+    output_offset,
+    safe_axis,
+    signature,
+    tensor_infos,
+)
+from cherenkov.codegen.cuda.term_expr import Binding, TermEmitter, emit_prelude, index_type, store
+from cherenkov.codegen.cuda.text import block, section
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.codegen.term_plan import GemmLayout, gemm_layout, mma_problems
+from cherenkov.rewrites import terms as t
+
+PTX = {"bf16": "bf16", "fp16": "f16"}
+PAD = 8  # elements of padding per shared-memory row (16 bytes)
+
+
+def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    layout = gemm_layout(plan.kernel, tensor_infos(plan))
+    s = plan.schedule
+    return (math.ceil(layout.n / s.block_n), math.ceil(layout.m / s.block_m), layout.batch_size), (s.threads, 1, 1)
+
+
+def _helpers(dtype: str) -> str:
+    ptx = PTX[dtype]
+    return block(f"""
+        // d (16x8, fp32) += a (16x16, {dtype}, row-major) * b (16x8, {dtype}, column-major).
+        __device__ __forceinline__ void ck_mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {{
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
+                "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n"
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        }}
+
+        // Four 8x8 b16 matrices from shared memory (row addresses from lanes 0-7, 8-15, 16-23, 24-31).
+        __device__ __forceinline__ void ck_ldsm_x4(u32 (&r)[4], const void* p) {{
+            const u32 addr = static_cast<u32>(__cvta_generic_to_shared(p));
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];\\n"
+                         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+        }}
+
+        // The same, each matrix transposed.
+        __device__ __forceinline__ void ck_ldsm_x4_t(u32 (&r)[4], const void* p) {{
+            const u32 addr = static_cast<u32>(__cvta_generic_to_shared(p));
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0, %1, %2, %3}}, [%4];\\n"
+                         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+        }}
+
+        // 16 bytes global -> shared without blocking; in_range = false writes 16 zero bytes.
+        __device__ __forceinline__ void ck_cp_async_16(void* smem, const void* gmem, bool in_range) {{
+            const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"
+                         :: "r"(addr), "l"(gmem), "r"(in_range ? 16 : 0) : "memory");
+        }}
+        __device__ __forceinline__ void ck_cp_async_commit() {{ asm volatile("cp.async.commit_group;\\n" ::: "memory"); }}
+        __device__ __forceinline__ void ck_cp_async_wait1() {{ asm volatile("cp.async.wait_group 1;\\n" ::: "memory"); }}
+        """)
+
+
+class _Operand:
+    """One operand's tile: which smem array, its layout, its rows (M or N side)."""
+
+    def __init__(self, role: str, term, rows: tuple[str, ...], kmajor: bool, fast: bool, tile_rows: str, extent: str,
+                 origin: str) -> None:  # fmt: skip
+        self.role, self.term, self.rows, self.kmajor, self.fast = role, term, rows, kmajor, fast
+        self.tile_rows, self.extent, self.origin = tile_rows, extent, origin
+        self.smem = f"s{role}"
+
+    def declaration(self) -> str:
+        shape = f"[{self.tile_rows}][BK + {PAD}]" if self.kmajor else f"[BK][{self.tile_rows} + {PAD}]"
+        order = "[row][k]" if self.kmajor else "[k][row]"
+        return f"__shared__ __align__(16) u16 {self.smem}[2]{shape};  // {self.role} tiles, {order}, 2 stages"
+
+    def element(self, stage: str, row: str, k: str) -> str:
+        return f"{self.smem}[{stage}][{row}][{k}]" if self.kmajor else f"{self.smem}[{stage}][{k}][{row}]"
+
+
+def _loader(em: TermEmitter, op: _Operand, layout: GemmLayout, batch_env: dict[str, Binding], dtype: str) -> list[str]:
+    """Statements (run with ``k0`` and ``stage`` defined) that fill one stage of a tile."""
+    rows_total = op.tile_rows
+    depth = em.push()
+    if op.fast:
+        if op.kmajor:
+            lines = [
+                f"for (int c = threadIdx.x; c < {rows_total} * (BK / 8); c += THREADS) {{",
+                "    const int row = c / (BK / 8), kk = (c % (BK / 8)) * 8;",
+            ]
+        else:
+            lines = [
+                f"for (int c = threadIdx.x; c < BK * ({rows_total} / 8); c += THREADS) {{",
+                f"    const int kk = c / ({rows_total} / 8), row = (c % ({rows_total} / 8)) * 8;",
+            ]
+        lines += [
+            f"    const int g = {op.origin} + row, k = k0 + kk;",
+            f"    const bool in_range = g < {op.extent} && k < K;",
+            "    const int gc = in_range ? g : 0, kc = in_range ? k : 0;",
+        ]
+        dec, env = decompose("gc", op.rows, depth, f"{op.role.lower()}x")
+        env = {**batch_env, **env, layout.k_axis: Binding("kc", depth, 0, layout.k - 1)}
+        offset = em.offset(op.term, env)
+        info = em.tensors[op.term[1]]
+        inner = em.pop()
+        lines += indent_lines(dec, 1) + indent_lines(inner, 1)
+        lines += [
+            f"    ck_cp_async_16(&{op.element('stage', 'row', 'kk')}, {info.param} + {offset}, in_range);",
+            "}",
+        ]
+        return lines
+    if op.kmajor:
+        lines = [
+            "#pragma unroll 4",
+            f"for (int e = threadIdx.x; e < {rows_total} * BK; e += THREADS) {{",
+            "    const int row = e / BK, kk = e % BK;",
+        ]
+    else:
+        lines = [
+            "#pragma unroll 4",
+            f"for (int e = threadIdx.x; e < {rows_total} * BK; e += THREADS) {{",
+            f"    const int kk = e / {rows_total}, row = e % {rows_total};",
+        ]
+    lines += [
+        f"    const int g = min({op.origin} + row, {op.extent} - 1), k = k0 + kk;",
+        "    const int kc = min(k, K - 1);",
+    ]
+    dec, env = decompose("g", op.rows, depth, f"{op.role.lower()}x")
+    env = {**batch_env, **env, layout.k_axis: Binding("kc", depth, 0, layout.k - 1)}
+    value = em.value(op.term, env)
+    inner = em.pop()
+    lines += indent_lines(dec, 1) + indent_lines(inner, 1)
+    lines += [f"    {op.element('stage', 'row', 'kk')} = k < K ? ck_to_{dtype}({value}) : u16(0);", "}"]
+    return lines
+
+
+def _fragments(op: _Operand, count: str, origin: str, step: int) -> list[str]:
+    """ldmatrix.x4 loads of one k16 step: A's m16 tiles, or pairs of B's n8 tiles."""
+    if op.role == "A":
+        regs, what = "a[i]", "A: m16 tile i"
+        row, k_off = (
+            (f"{origin} + 16 * i + (lane & 15)", "kk * 16 + (lane >> 4) * 8")
+            if op.kmajor
+            else (f"{origin} + 16 * i + 8 * (q & 1)", "kk * 16 + r + 8 * (q >> 1)")
+        )
+    else:
+        regs, what = "b[i]", "B: n8 tiles 2i and 2i + 1"
+        row, k_off = (
+            (f"{origin} + 16 * i + r + 8 * (q >> 1)", "kk * 16 + 8 * (q & 1)")
+            if op.kmajor
+            else (f"{origin} + 16 * i + 8 * (q >> 1)", "kk * 16 + r + 8 * (q & 1)")
+        )
+    load = "ck_ldsm_x4" if op.kmajor else "ck_ldsm_x4_t"
+    return [
+        f"// {what} ({'ldmatrix' if op.kmajor else 'ldmatrix.trans'})",
+        "#pragma unroll",
+        f"for (int i = 0; i < {count}; ++i) {{",
+        f"    {load}({regs}, &{op.element('stage', row, k_off)});",
+        "}",
+    ]
+
+
+def gemm_source(plan) -> str:
+    s = plan.schedule
+    kernel = plan.kernel
+    infos = tensor_infos(plan)
+    problems = mma_problems(kernel, infos, plan.output)
+    if problems:
+        raise CodegenError(f"kernel {kernel.output}: no mma GEMM: {'; '.join(problems)}")
+    layout = gemm_layout(kernel, infos)
+    dtype = layout.dtype
+    itype = index_type(infos)
+    em = TermEmitter(infos, itype)
+    name = kernel_name(plan)
+    (gx, gy, gz), _ = grid(plan)
+
+    a = _Operand("A", layout.a, layout.m_axes, layout.a_kmajor, layout.a_fast, "BM", "M", "m0")
+    b = _Operand("B", layout.b, layout.n_axes, layout.b_kmajor, layout.b_fast, "BN", "N", "n0")
+
+    constants = block(f"""
+        constexpr int M = {layout.m};  // rows: {', '.join(safe_axis(x) for x in layout.m_axes) or 'none'}
+        constexpr int N = {layout.n};  // columns: {', '.join(safe_axis(x) for x in layout.n_axes) or 'none'}
+        constexpr int K = {layout.k};  // contracted: {safe_axis(layout.k_axis)}
+        constexpr int BATCH = {layout.batch_size};  // {', '.join(safe_axis(x) for x in layout.batch) or 'none'}
+        constexpr int BM = {s.block_m}, BN = {s.block_n}, BK = {s.block_k};
+        constexpr int WARPS_M = {s.warps_m}, WARPS_N = {s.warps_n}, THREADS = {s.threads};
+        constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's tile
+        constexpr int MT = WM / 16, NT = WN / 8;              // its m16 and n8 mma tiles
+        constexpr int KT = (K + BK - 1) / BK;                 // k steps
+        static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "warp tiles split into m16n8k16 tiles");
+        static_assert(BATCH >= 1 && M >= 1 && N >= 1 && K >= 1, "grid (ceil(N / BN), ceil(M / BM), BATCH)");
+        """)
+
+    body: list[str] = [
+        "const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
+        "const int wm = warp / WARPS_N, wn = warp % WARPS_N;",
+        "const int q = lane >> 3, r = lane & 7;  // ldmatrix: which matrix this lane addresses, and its row",
+        "const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;",
+        a.declaration(),
+        b.declaration(),
+    ]
+    em.push()
+    batch_lines, batch_env = decompose("blockIdx.z", layout.batch, 0, "bz")
+    body += batch_lines
+    load_a = _loader(em, a, layout, batch_env, dtype)
+    load_b = _loader(em, b, layout, batch_env, dtype)
+
+    # epilogue: the kernel's term at each accumulator element, the contraction replaced by it
+    em.overrides[layout.core] = lambda _env: "acc[mi][ni][e]"
+    depth = em.push()
+    m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
+    n_lines, n_env = decompose("n", layout.n_axes, depth, "en")
+    env = {**batch_env, **m_env, **n_env}
+    value = em.value(kernel.term, env)
+    epilogue = em.pop()
+    top = em.pop()
+    body += ["// values the whole block shares (batch-only parts of the terms)", *top]
+    body += [
+        "float acc[MT][NT][4];",
+        "#pragma unroll",
+        "for (int mi = 0; mi < MT; ++mi)",
+        "    #pragma unroll",
+        "    for (int ni = 0; ni < NT; ++ni)",
+        "        #pragma unroll",
+        "        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;",
+        "",
+        "// main loop: step kt loads tile kt into stage kt & 1 while tile kt - 1 multiplies",
+        "for (int kt = 0; kt <= KT; ++kt) {",
+        "    if (kt < KT) {",
+        "        const int k0 = kt * BK, stage = kt & 1;",
+        f"        // A tile: {'16-byte cp.async copies' if a.fast else 'evaluated element by element'}",
+        *indent_lines(load_a, 2),
+        f"        // B tile: {'16-byte cp.async copies' if b.fast else 'evaluated element by element'}",
+        *indent_lines(load_b, 2),
+        "    }",
+        "    ck_cp_async_commit();",
+        "    if (kt == 0) continue;",
+        "    ck_cp_async_wait1();",
+        "    __syncthreads();",
+        "    const int stage = (kt - 1) & 1;",
+        "    #pragma unroll",
+        "    for (int kk = 0; kk < BK / 16; ++kk) {",
+        "        u32 a[MT][4], b[NT / 2][4];",
+        *indent_lines(_fragments(a, "MT", "wm * WM", 0), 2),
+        *indent_lines(_fragments(b, "NT / 2", "wn * WN", 0), 2),
+        "        #pragma unroll",
+        "        for (int mi = 0; mi < MT; ++mi)",
+        "            #pragma unroll",
+        "            for (int ni = 0; ni < NT; ++ni)",
+        "                ck_mma_16816(acc[mi][ni], a[mi], b[ni >> 1][2 * (ni & 1)], b[ni >> 1][2 * (ni & 1) + 1]);",
+        "    }",
+        "    __syncthreads();  // the stage is free for the load two steps on",
+        "}",
+        "",
+        "// epilogue: accumulator element e of tile (mi, ni) is row g (+8 for e >= 2), column 2t + (e & 1)",
+        "#pragma unroll",
+        "for (int mi = 0; mi < MT; ++mi) {",
+        "    #pragma unroll",
+        "    for (int ni = 0; ni < NT; ++ni) {",
+        "        #pragma unroll",
+        "        for (int e = 0; e < 4; ++e) {",
+        "            const int m = m0 + wm * WM + 16 * mi + (lane >> 2) + 8 * (e >> 1);",
+        "            const int n = n0 + wn * WN + 8 * ni + 2 * (lane & 3) + (e & 1);",
+        "            if (m < M && n < N) {",
+        *indent_lines(m_lines + n_lines + epilogue, 4),
+        f"                {store(plan.output, output_offset(kernel.axes, env, itype), value)}",
+        "            }",
+        "        }",
+        "    }",
+        "}",
+    ]
+    summary = (
+        f"GEMM: mma.sync m16n8k16 {dtype}, fp32 accumulators; M={layout.m} N={layout.n} K={layout.k} "
+        f"batch={layout.batch_size}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.warps_m}x{s.warps_n} warps; "
+        f"A {'[row][k]' if a.kmajor else '[k][row]'} {'cp.async' if a.fast else 'evaluated'}, "
+        f"B {'[row][k]' if b.kmajor else '[k][row]'} {'cp.async' if b.fast else 'evaluated'}."
+    )
+    launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, static shared memory"
+    kernel_text = "\n".join([signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
+    parts = [
+        header(plan, summary, launch),
+        section("types and helpers", emit_prelude(), _helpers(dtype)),
+        section("problem and tile constants", constants),
+        section("kernel", kernel_text),
+    ]
+    return "\n\n".join(parts) + "\n"

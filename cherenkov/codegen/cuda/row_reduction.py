@@ -1,0 +1,214 @@
+"""The row kernel family: softmax / RMSNorm / LayerNorm rows and reductions over one axis.
+
+A *row* is one value of the kernel's other axes; its lanes (one thread, the 32 lanes of a
+warp, or every thread of a block) stride over the row axis and fold what they read into
+one-pass statistics: online ``(max, sum of exp)`` for softmax and the softmax folds (with
+an accumulator for ``SoftmaxFoldAcc`` / ``OnlineSoftmaxContract``), a sum of squares for
+RMSNorm, Welford's ``(count, mean, M2)`` for LayerNorm, a sum or a max for plain
+reductions. Lanes combine their states with ``__shfl_xor_sync`` butterflies; warps of a
+block through shared memory (every thread then merges the warps' states in the same
+order, so all hold identical statistics). The elementwise prologue is part of what the
+row reads (the emitter evaluates the core's operand at each element); the epilogue is the
+kernel's term around the core: row forms write every element of the row in a second pass
+(re-reading the row), reductions write one element per row.
+
+Launch: grid ``ceil(rows / rows_per_block)``, ``threads`` threads, static shared memory
+only in the one-block-a-row mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cherenkov.codegen.cuda.term_common import (
+    decompose,
+    header,
+    indent_lines,
+    kernel_name,
+    output_offset,
+    safe_axis,
+    signature,
+    tensor_infos,
+)
+from cherenkov.codegen.cuda.term_expr import TermEmitter, axis_binding, emit_prelude, float_constant, index_type, store
+from cherenkov.codegen.cuda.text import section
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.codegen.term_plan import row_layout
+
+# state variables of each core, their initial values, and how states add and merge
+STATES = {
+    "SoftmaxRow": (("m", "-CK_INF"), ("l", "0.0f")),
+    "SoftmaxFoldL": (("m", "-CK_INF"), ("l", "0.0f")),
+    "SoftmaxFoldAcc": (("m", "-CK_INF"), ("l", "0.0f"), ("acc", "0.0f")),
+    "OnlineSoftmaxContract": (("m", "-CK_INF"), ("l", "0.0f"), ("acc", "0.0f")),
+    "RmsNormRow": (("ss", "0.0f"),),
+    "LayerNormRow": (("n", "0.0f"), ("mean", "0.0f"), ("m2", "0.0f")),
+    "Sum": (("s", "0.0f"),),
+    "Max": (("s", "-CK_INF"),),
+}
+
+
+def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    layout = row_layout(plan.kernel)
+    rows = math.prod(int(a.rsplit(":", 1)[1]) for a in layout.outer)
+    s = plan.schedule
+    return (max(1, math.ceil(rows / s.rows_per_block)), 1, 1), (s.threads, 1, 1)
+
+
+def _add(head: str, st: dict[str, str], values: list[str]) -> str:
+    if head in ("SoftmaxRow", "SoftmaxFoldL"):
+        return f"ck_softmax_add({st['m']}, {st['l']}, {values[0]});"
+    if head in ("SoftmaxFoldAcc", "OnlineSoftmaxContract"):
+        return f"ck_softmax_acc_add({st['m']}, {st['l']}, {st['acc']}, {values[0]}, {values[1]});"
+    if head == "RmsNormRow":
+        return f"{st['ss']} += {values[0]} * {values[0]};"
+    if head == "LayerNormRow":
+        return f"ck_welford_add({st['n']}, {st['mean']}, {st['m2']}, {values[0]});"
+    if head == "Sum":
+        return f"{st['s']} += {values[0]};"
+    return f"{st['s']} = ck_max({st['s']}, {values[0]});"
+
+
+def _merge(head: str, st: dict[str, str], other: dict[str, str]) -> str:
+    if head in ("SoftmaxRow", "SoftmaxFoldL"):
+        return f"ck_softmax_merge({st['m']}, {st['l']}, {other['m']}, {other['l']});"
+    if head in ("SoftmaxFoldAcc", "OnlineSoftmaxContract"):
+        return f"ck_softmax_acc_merge({st['m']}, {st['l']}, {st['acc']}, {other['m']}, {other['l']}, {other['acc']});"
+    if head == "LayerNormRow":
+        return f"ck_welford_merge({st['n']}, {st['mean']}, {st['m2']}, {other['n']}, {other['mean']}, {other['m2']});"
+    if head == "Max":
+        return f"{st['s']} = ck_max({st['s']}, {other['s']});"
+    key = "ss" if head == "RmsNormRow" else "s"
+    return f"{st[key]} += {other[key]};"
+
+
+def row_source(plan) -> str:
+    s = plan.schedule
+    kernel = plan.kernel
+    layout = row_layout(kernel)
+    if layout is None:
+        raise CodegenError(f"kernel {kernel.output} ({kernel.kind}) has no row form or reduction core")
+    core, head = layout.core, layout.core[0]
+    infos = tensor_infos(plan)
+    itype = index_type(infos)
+    em = TermEmitter(infos, itype)
+    name = kernel_name(plan)
+    rows = math.prod(int(a.rsplit(":", 1)[1]) for a in layout.outer)
+    lanes, n = s.lanes, layout.extent
+    (blocks, _, _), _ = grid(plan)
+    warps = s.threads // 32
+
+    body: list[str] = []
+    if s.mode == "thread":
+        body += [f"const {itype} row = {itype}(blockIdx.x) * {s.threads} + threadIdx.x;", "const int lane = 0;"]
+    elif s.mode == "warp":
+        body += [
+            f"const {itype} row = {itype}(blockIdx.x) * {warps} + (threadIdx.x >> 5);",
+            "const int lane = threadIdx.x & 31;",
+        ]
+    else:
+        body += [f"const {itype} row = blockIdx.x;", "const int lane = threadIdx.x;"]
+    if s.mode != "block":
+        body.append(f"if (row >= {rows}) return;  // whole warps leave together")
+    em.push()
+    lines, env = decompose("row", layout.outer, 0, "a")
+    body += lines
+
+    # ---- pass 1: the row's statistics
+    st = {var: em.fresh("st_") for var, _ in STATES[head]}
+    init = [f"float {st[var]} = {value};" for var, value in STATES[head]]
+    em.push()
+    inner = {**env, layout.axis: axis_binding(layout.axis, "j", 1)}
+    values = [em.value(op, inner) for op in layout.operands]
+    stats_body = em.pop()
+    stats_top = em.pop()
+    body += [*stats_top, f"// pass 1: statistics over {safe_axis(layout.axis)} ({n}), {lanes} lane(s) a row", *init]
+    body += [
+        f"for (int j = lane; j < {n}; j += {lanes}) {{",
+        *indent_lines(stats_body, 1),
+        f"    {_add(head, st, values)}",
+        "}",
+    ]
+    if lanes > 1:
+        other = {var: f"o_{var}" for var in st}
+        body += [
+            "// combine the 32 lanes' states (butterfly: every lane ends with the warp's state)",
+            "#pragma unroll",
+            "for (int offset = 16; offset > 0; offset >>= 1) {",
+            *(f"    const float o_{var} = __shfl_xor_sync(0xffffffffu, {st[var]}, offset);" for var in st),
+            f"    {_merge(head, st, other)}",
+            "}",
+        ]
+    if s.mode == "block":
+        smem = {var: f"red_{var}" for var in st}
+        other = {var: f"{smem[var]}[w]" for var in st}
+        body += [
+            "// combine the warps' states through shared memory; every thread merges them in order",
+            *(f"__shared__ float {smem[var]}[{warps}];" for var in st),
+            "if ((threadIdx.x & 31) == 0) {",
+            *(f"    {smem[var]}[threadIdx.x >> 5] = {st[var]};" for var in st),
+            "}",
+            "__syncthreads();",
+            *(f"{st[var]} = {smem[var]}[0];" for var in st),
+            f"for (int w = 1; w < {warps}; ++w) {{",
+            f"    {_merge(head, st, other)}",
+            "}",
+        ]
+    # final statistics
+    stats: tuple[str, ...]
+    if head == "SoftmaxRow":
+        stats = (st["m"], st["l"])
+    elif head == "RmsNormRow":
+        body.append(f"const float row_scale = 1.0f / sqrtf({st['ss']} / {float(n)!r}f + {float_constant(core[4])});")
+        stats = ("row_scale",)
+    elif head == "LayerNormRow":
+        body.append(f"const float row_scale = 1.0f / sqrtf({st['m2']} / {st['n']} + {float_constant(core[4])});")
+        stats = (st["mean"], "row_scale")
+    else:
+        result = {"Sum": "s", "Max": "s", "SoftmaxFoldL": "l", "SoftmaxFoldAcc": "acc"}.get(head)
+        body.append(f"const float row_result = {st[result] if result else st['acc'] + ' / ' + st['l']};")
+        stats = ("row_result",)
+
+    # ---- pass 2: the epilogue
+    em.push()
+    if layout.writes_row:
+        em.overrides[core] = lambda e: em.row_element(core, e, stats)
+        em.push()
+        inner = {**env, layout.axis: axis_binding(layout.axis, "j", 1)}
+        value = em.value(kernel.term, inner)
+        out_body = em.pop()
+        out_top = em.pop()
+        body += [
+            f"// pass 2: the row's elements through the fused epilogue, {lanes} lane(s) a row",
+            *out_top,
+            f"for (int j = lane; j < {n}; j += {lanes}) {{",
+            *indent_lines(out_body, 1),
+            f"    {store(plan.output, output_offset(kernel.axes, inner, itype), value)}",
+            "}",
+        ]
+    else:
+        em.overrides[core] = lambda e: stats[0]
+        value = em.value(kernel.term, env)
+        out_top = em.pop()
+        body += [
+            "// the row's one output element through the fused epilogue",
+            "if (lane == 0) {",
+            *indent_lines(out_top, 1),
+            f"    {store(plan.output, output_offset(kernel.axes, env, itype), value)}",
+            "}",
+        ]
+    what = {"thread": "one thread", "warp": "one warp", "block": f"one block of {s.threads} threads"}[s.mode]
+    summary = (
+        f"Rows: {head} over {safe_axis(layout.axis)} ({n}), {rows} rows, {what} a row; "
+        f"one pass for the statistics, {'a second pass writes the row' if layout.writes_row else 'one element a row'}."
+    )
+    launch = (
+        f"grid ({blocks}), {s.threads} threads, {'static shared memory' if s.mode == 'block' else 'no shared memory'}"
+    )
+    kernel_text = "\n".join([signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
+    parts = [
+        header(plan, summary, launch),
+        section("types and helpers", emit_prelude()),
+        section("kernel", kernel_text),
+    ]
+    return "\n\n".join(parts) + "\n"

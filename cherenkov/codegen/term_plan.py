@@ -1,0 +1,506 @@
+"""Plans of the generic kernel families: any fused kernel of a derivation, with a schedule.
+
+:class:`TermKernelPlan` is one :class:`~cherenkov.rewrites.kernels.FusedKernel` (its
+index-notation term over its output axes) × one schedule × one target, plus the shapes and
+dtypes of the tensors it reads and writes. Three families generate CUDA for it:
+
+* ``pointwise`` (:class:`PointwiseSchedule`): one thread per output element (or
+  ``vector`` consecutive elements of the innermost axis, with vector loads and stores);
+  every binder of the term becomes a serial loop. It runs any term: elementwise kernels,
+  and the fallback of reductions, contractions and flash attention.
+* ``rows`` (:class:`RowSchedule`): one thread, one warp or one block per row of a row form
+  (softmax / RMSNorm / LayerNorm rows) or per output element of a reduction; the row is
+  read once for its statistics (online max and sum, Welford's mean and variance, plain
+  sums), combined with warp shuffles and shared memory, then the fused epilogue writes
+  the row.
+* ``mma`` (:class:`GemmSchedule`): a tiled ``mma.sync`` bf16/fp16 GEMM with fp32
+  accumulators for a ``Contract`` whose operands read 16-bit tensors (elementwise
+  prologues are computed while loading the tiles), fused elementwise epilogue, correct
+  tails for any M, N, K.
+
+Schedules of these families are enumerated here in Python (:func:`term_plans`), not as
+e-graph alternatives: they are few, and each is valid for any problem the family accepts
+(what a family does not accept, :func:`term_plan_problems` says).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Literal
+
+from cherenkov.codegen.cuda.term_expr import DTYPE_BYTES, TensorInfo
+from cherenkov.codegen.cuda.text import identifier
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.rewrites import terms as t
+from cherenkov.rewrites.kernels import ELEMENTWISE, FusedKernel
+from cherenkov.rewrites.plan import Target
+from cherenkov.rewrites.terms import Term
+
+TERM_KINDS = (
+    "elementwise", "reduction", "contraction", "softmax_rows", "rms_norm_rows", "layer_norm_rows", "flash_attention",
+)  # fmt: skip
+ROW_KINDS = frozenset({"softmax_rows", "rms_norm_rows", "layer_norm_rows"})
+ROW_CORES = frozenset({"SoftmaxRow", "RmsNormRow", "LayerNormRow"})
+REDUCTION_CORES = frozenset({"Sum", "Max", "SoftmaxFoldL", "SoftmaxFoldAcc", "OnlineSoftmaxContract"})
+MMA_DTYPES = ("bf16", "fp16")
+MAX_GRID_YZ = 65535
+
+
+# ------------------------------------------------------------------------ schedules
+
+
+@dataclass(frozen=True)
+class PointwiseSchedule:
+    """One thread per ``vector`` consecutive output elements, ``block`` threads a block."""
+
+    family: ClassVar[str] = "pointwise"
+    block: int = 256
+    vector: int = 1
+
+    @property
+    def threads(self) -> int:
+        return self.block
+
+    def key(self) -> str:
+        return f"pw_b{self.block}_v{self.vector}"
+
+
+@dataclass(frozen=True)
+class RowSchedule:
+    """Rows per ``thread`` (one thread a row), ``warp`` (one warp a row, ``threads / 32``
+    rows a block) or ``block`` (one block of ``threads`` a row)."""
+
+    family: ClassVar[str] = "rows"
+    mode: Literal["thread", "warp", "block"] = "warp"
+    threads: int = 128
+
+    @property
+    def lanes(self) -> int:
+        """Threads sharing one row."""
+        return {"thread": 1, "warp": 32, "block": self.threads}[self.mode]
+
+    @property
+    def rows_per_block(self) -> int:
+        return {"thread": self.threads, "warp": self.threads // 32, "block": 1}[self.mode]
+
+    def key(self) -> str:
+        return f"row_{self.mode}_t{self.threads}"
+
+
+@dataclass(frozen=True)
+class GemmSchedule:
+    """A ``block_m × block_n`` output tile per block, ``warps_m × warps_n`` warps each owning
+    a ``block_m / warps_m × block_n / warps_n`` tile of m16n8k16 mma tiles; ``block_k`` of
+    K per shared-memory stage, two stages (the next tile loads while this one multiplies)."""
+
+    family: ClassVar[str] = "mma"
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 32
+    warps_m: int = 2
+    warps_n: int = 2
+
+    @property
+    def warps(self) -> int:
+        return self.warps_m * self.warps_n
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def warp_m(self) -> int:
+        return self.block_m // self.warps_m
+
+    @property
+    def warp_n(self) -> int:
+        return self.block_n // self.warps_n
+
+    def key(self) -> str:
+        return f"mma_m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.warps_m}x{self.warps_n}"
+
+
+Schedule = PointwiseSchedule | RowSchedule | GemmSchedule
+
+POINTWISE_BLOCKS = (128, 256, 512)
+ROW_SCHEDULES = (
+    RowSchedule("warp", 128),
+    RowSchedule("block", 256),
+    RowSchedule("block", 512),
+    RowSchedule("thread", 128),
+)
+GEMM_SCHEDULES = (GemmSchedule(64, 64, 32, 2, 2), GemmSchedule(128, 64, 32, 2, 2), GemmSchedule(128, 128, 32, 2, 4))
+
+
+# ------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class TermKernelPlan:
+    """One fused kernel × one schedule × one target: the unit the search measures.
+
+    ``tensors`` are the kernel's reads (by name) followed by its output, each with its
+    shape and dtype; the kernel's parameters are their device pointers in this order.
+    """
+
+    kind: str
+    kernel: FusedKernel
+    schedule: Schedule
+    target: Target
+    tensors: tuple[TensorInfo, ...]
+    trace: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def family(self) -> str:
+        return self.schedule.family
+
+    @property
+    def inputs(self) -> tuple[TensorInfo, ...]:
+        return self.tensors[:-1]
+
+    @property
+    def output(self) -> TensorInfo:
+        return self.tensors[-1]
+
+    @property
+    def tensor_map(self) -> dict[str, TensorInfo]:
+        return {info.name: info for info in self.tensors}
+
+    @property
+    def flops(self) -> float:
+        """Arithmetic of the kernel (a contraction counts ``2·K`` per output)."""
+        return float(self.output.numel) * term_flops(self.kernel.term)
+
+    @property
+    def bytes(self) -> float:
+        """Bytes the kernel must move at least: each read tensor once, the output once."""
+        return float(sum(info.numel * DTYPE_BYTES[info.dtype] for info in self.tensors))
+
+    def params(self) -> dict:
+        """Plain-JSON description (kernel, schedule, tensors, target) for reports and databases."""
+        return {
+            "kind": self.kind,
+            "family": self.family,
+            "kernel": {
+                "output": self.kernel.output,
+                "axes": list(self.kernel.axes),
+                "term": t.show(self.kernel.term)[:2000],
+                "term_sha256": hashlib.sha256(repr(self.kernel.term).encode()).hexdigest()[:16],
+            },
+            "schedule": {"family": self.family, **asdict(self.schedule)},
+            "tensors": {info.name: {"shape": list(info.shape), "dtype": info.dtype} for info in self.tensors},
+            "target": self.target.name,
+        }
+
+    @property
+    def name(self) -> str:
+        """A stable identifier: kind, schedule key and a short hash of everything."""
+        digest = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.kind}_{self.schedule.key()}_{digest}"
+
+
+def term_flops(term: Term) -> float:
+    """Arithmetic operations to compute one element of ``term`` (binders multiply their body
+    by their extent; shared subterms are counted where they occur)."""
+    memo: dict[Term, float] = {}
+
+    def count(x: Term) -> float:
+        if x in memo:
+            return memo[x]
+        head = x[0]
+        if head in ("Tensor", "Num", "Flag", "Iota") or head in ("Ax", "IxLit", "IxAdd", "IxDiv", "IxMod", "IxLin"):
+            result = 0.0
+        elif head in ("Sum", "Max"):
+            result = x[2] * (1 + count(x[3]))
+        elif head == "Contract":
+            result = x[2] * (2 + count(x[3]) + count(x[4]))
+        elif head in ("SoftmaxFoldL", "SoftmaxFoldAcc", "OnlineSoftmaxContract"):
+            result = x[2] * (6 + sum(count(a) for a in x[3:] if isinstance(a, tuple)))
+        elif head in ROW_CORES:
+            result = 2 * (5 + count(x[3]))
+        elif head == "FlashAttention":
+            result = x[2] * (x[4] * (2 + count(x[5]) + count(x[6])) + 8 + count(x[7]))
+        else:
+            result = 1 + sum(count(a) for a in x[1:] if isinstance(a, tuple))
+        memo[x] = result
+        return result
+
+    return count(term)
+
+
+# ------------------------------------------------------------------------ analysis
+
+
+def core_of(kernel: FusedKernel) -> Term | None:
+    core = kernel.core
+    if core is not None and core[0] == "Scheduled":
+        core = core[1]
+    return core
+
+
+def _ordered(axes: set[str] | frozenset[str], order: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a in order if a in axes) + tuple(sorted(set(axes) - set(order)))
+
+
+def _last_item(read: Term) -> Term | None:
+    items = t.ix_items(read[2])
+    return items[-1] if items else None
+
+
+def _reads(term: Term) -> list[Term]:
+    return [s for s in t.subterms(term) if s[0] == "Tensor"]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A row form or reduction: ``core`` over ``axis`` (``extent``), one row per value of
+    ``outer`` (the kernel's axes but the row axis); ``writes_row``: the kernel writes every
+    element of the row (row forms), else one element per row (reductions)."""
+
+    core: Term
+    axis: str
+    extent: int
+    outer: tuple[str, ...]
+    writes_row: bool
+    contiguous: bool  # some read's innermost index is the row axis itself
+
+    @property
+    def operands(self) -> tuple[Term, ...]:
+        return tuple(a for a in self.core[3:] if isinstance(a, tuple))
+
+
+def row_layout(kernel: FusedKernel) -> RowLayout | None:
+    """The row structure of a row-form or reduction kernel (None for other kernels)."""
+    core = core_of(kernel)
+    if core is None or core[0] not in ROW_CORES | REDUCTION_CORES:
+        return None
+    axis, extent = core[1], core[2]
+    if core[0] in ROW_CORES:
+        if axis not in kernel.axes:
+            return None
+        outer = tuple(a for a in kernel.axes if a != axis)
+    else:
+        outer = kernel.axes
+    operands = [a for a in core[3:] if isinstance(a, tuple)]
+    contiguous = any(_last_item(r) == t.ax(axis) for op in operands for r in _reads(op))
+    return RowLayout(core, axis, extent, outer, core[0] in ROW_CORES, contiguous)
+
+
+@dataclass(frozen=True)
+class GemmLayout:
+    """A contraction ``Σ_k a·b`` as a batched GEMM: ``a`` varies along the ``m`` axes (and
+    k), ``b`` along the ``n`` axes (and k); ``batch`` holds every other kernel axis (axes
+    both operands vary along, and axes only the epilogue uses). M, N and BATCH flatten
+    their axes row-major. ``*_kmajor``: the operand's innermost memory order follows k
+    (tiles stored ``[row][k]``), else its row axes (tiles stored ``[k][row]``); ``*_fast``:
+    the operand is a plain read that 16-byte ``cp.async`` copies can load."""
+
+    core: Term
+    k_axis: str
+    k: int
+    a: Term
+    b: Term
+    m_axes: tuple[str, ...]
+    n_axes: tuple[str, ...]
+    batch: tuple[str, ...]
+    a_kmajor: bool
+    b_kmajor: bool
+    a_fast: bool
+    b_fast: bool
+    dtype: str
+
+    @property
+    def m(self) -> int:
+        return math.prod(t.extent(a) for a in self.m_axes)
+
+    @property
+    def n(self) -> int:
+        return math.prod(t.extent(a) for a in self.n_axes)
+
+    @property
+    def batch_size(self) -> int:
+        return math.prod(t.extent(a) for a in self.batch)
+
+
+def _kmajor(operand: Term, k_axis: str, rows: tuple[str, ...]) -> bool:
+    """Whether the operand's reads move fastest along k (else along its row axes)."""
+    for read in sorted(_reads(operand), key=repr):
+        last = _last_item(read)
+        if last is None:
+            continue
+        names = t.ix_names(last)
+        if k_axis in names:
+            return True
+        if names & set(rows):
+            return False
+    return True
+
+
+def _fast(operand: Term, contiguous_axis: str | None, tensors: Mapping[str, TensorInfo], dtype: str) -> bool:
+    """A plain read whose innermost index is ``contiguous_axis`` over the tensor's whole
+    innermost extent (a multiple of 8), that axis used nowhere else: 16-byte chunks of 8
+    consecutive elements are 16-byte aligned and either wholly in range or wholly out."""
+    if operand[0] != "Tensor" or contiguous_axis is None:
+        return False
+    info = tensors[operand[1]]
+    items = t.ix_items(operand[2])
+    extent = t.extent(contiguous_axis)
+    return (
+        info.dtype == dtype
+        and bool(items)
+        and items[-1] == t.ax(contiguous_axis)
+        and info.shape[-1] == extent
+        and extent % 8 == 0
+        and not any(contiguous_axis in t.ix_names(ix) for ix in items[:-1])
+    )
+
+
+def gemm_layout(kernel: FusedKernel, tensors: Mapping[str, TensorInfo]) -> GemmLayout | None:
+    """The GEMM shape of a contraction kernel, or None when its core is not a Contract."""
+    core = core_of(kernel)
+    if core is None or core[0] != "Contract":
+        return None
+    k_axis, k = core[1], core[2]
+    a, b = core[3], core[4]
+    free_a, free_b = t.free_axes(a) - {k_axis}, t.free_axes(b) - {k_axis}
+    shared = free_a & free_b
+    batch_set = shared | (set(kernel.axes) - free_a - free_b)
+    m_set, n_set = free_a - batch_set, free_b - batch_set
+    innermost = next((x for x in reversed(kernel.axes) if t.extent(x) > 1), None)
+    if innermost in m_set:  # the output's innermost axis goes along N (coalesced stores)
+        a, b, m_set, n_set = b, a, n_set, m_set
+    m_axes, n_axes = _ordered(m_set, kernel.axes), _ordered(n_set, kernel.axes)
+    batch = _ordered(batch_set, kernel.axes)
+    read_dtypes = {tensors[r[1]].dtype for op in (a, b) for r in _reads(op)}
+    dtype = "fp16" if read_dtypes == {"fp16"} else "bf16"
+    a_kmajor, b_kmajor = _kmajor(a, k_axis, m_axes), _kmajor(b, k_axis, n_axes)
+    a_contig = k_axis if a_kmajor else (m_axes[-1] if m_axes else None)
+    b_contig = k_axis if b_kmajor else (n_axes[-1] if n_axes else None)
+    return GemmLayout(
+        core=core, k_axis=k_axis, k=k, a=a, b=b, m_axes=m_axes, n_axes=n_axes, batch=batch,
+        a_kmajor=a_kmajor, b_kmajor=b_kmajor,
+        a_fast=_fast(a, a_contig, tensors, dtype), b_fast=_fast(b, b_contig, tensors, dtype),
+        dtype=dtype,
+    )  # fmt: skip
+
+
+def mma_problems(plan_kernel: FusedKernel, tensors: Mapping[str, TensorInfo], output: TensorInfo) -> list[str]:
+    """Why the mma GEMM family cannot run a kernel; empty when it can."""
+    layout = gemm_layout(plan_kernel, tensors)
+    if layout is None:
+        return ["the kernel's core is not a contraction"]
+    reasons = []
+    if output.dtype not in MMA_DTYPES:
+        reasons.append(
+            f"output dtype {output.dtype} (the mma path rounds operands to 16 bits; fp32 needs the exact path)"
+        )
+    bad = sorted({tensors[r[1]].dtype for op in (layout.a, layout.b) for r in _reads(op)} - set(MMA_DTYPES))
+    if bad:
+        reasons.append(f"operands read {', '.join(bad)} tensors (mma operands are bf16/fp16)")
+    if layout.batch_size > MAX_GRID_YZ:
+        reasons.append(f"batch {layout.batch_size} exceeds the grid's z limit {MAX_GRID_YZ}")
+    index_heads = ("Ax", "IxLit", "IxAdd", "IxDiv", "IxMod", "IxLin", "ICons", "INil")
+    for op in (layout.a, layout.b):
+        if any(s[0] not in ELEMENTWISE and s[0] not in index_heads for s in t.subterms(op)):
+            reasons.append("an operand holds a nested reduction")
+            break
+    return reasons
+
+
+def term_plan_problems(plan: TermKernelPlan) -> list[str]:
+    """Why a plan is invalid; empty when it is valid."""
+    s, kernel = plan.schedule, plan.kernel
+    reasons = []
+    if plan.kind not in TERM_KINDS:
+        reasons.append(f"unknown kernel kind {plan.kind!r}")
+    if plan.output.shape != kernel.shape:
+        reasons.append(f"output {plan.output.name} has shape {plan.output.shape}, the kernel computes {kernel.shape}")
+    missing = sorted(set(kernel.reads) - {i.name for i in plan.inputs})
+    if missing:
+        reasons.append(f"no shape/dtype for tensors {missing}")
+    if isinstance(s, PointwiseSchedule):
+        if s.block not in (32, 64, 128, 256, 512, 1024):
+            reasons.append(f"block {s.block}")
+        if s.vector > 1:
+            inner = kernel.axes[-1] if kernel.axes else None
+            if plan.kind != "elementwise":
+                reasons.append("vectorised pointwise kernels are elementwise only")
+            elif inner is None or t.extent(inner) % s.vector:
+                reasons.append(f"innermost extent is not a multiple of vector {s.vector}")
+            elif plan.output.dtype not in ("bf16", "fp16", "fp32") or s.vector * DTYPE_BYTES[plan.output.dtype] > 16:
+                reasons.append(f"vector {s.vector} of {plan.output.dtype}")
+    elif isinstance(s, RowSchedule):
+        layout = row_layout(kernel)
+        if layout is None:
+            reasons.append("the kernel has no row form or reduction at its core")
+        if s.threads % 32 or not 32 <= s.threads <= 1024:
+            reasons.append(f"threads {s.threads} is not a multiple of 32 in [32, 1024]")
+    elif isinstance(s, GemmSchedule):
+        reasons.extend(mma_problems(kernel, plan.tensor_map, plan.output))
+        if s.block_k % 16 or s.warp_m % 16 or s.warp_n % 16 or s.block_m % s.warps_m or s.block_n % s.warps_n:
+            reasons.append(f"tile {s.key()} does not split into m16n8k16 tiles (warp tiles multiples of 16)")
+        layout = gemm_layout(kernel, plan.tensor_map)
+        if layout is not None and math.ceil(layout.m / s.block_m) > MAX_GRID_YZ:
+            reasons.append(f"M {layout.m} needs more than {MAX_GRID_YZ} row tiles")
+    else:
+        reasons.append(f"unknown schedule {type(s).__name__}")
+    return reasons
+
+
+def kernel_tensors(
+    kernel: FusedKernel, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]
+) -> tuple[TensorInfo, ...]:
+    """The kernel's reads (sorted by name) and its output, with their shapes and dtypes."""
+    missing = [n for n in (*kernel.reads, kernel.output) if n not in shapes or n not in dtypes]
+    if missing:
+        raise CodegenError(f"kernel {kernel.output}: no shape/dtype for {missing}")
+    names = sorted(kernel.reads)
+    infos = [TensorInfo(identifier(n), tuple(shapes[n]), dtypes[n]) for n in names]
+    infos.append(TensorInfo(identifier(kernel.output), tuple(kernel.shape), dtypes[kernel.output]))
+    return tuple(infos)
+
+
+def term_plans(
+    kernel: FusedKernel,
+    shapes: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, str],
+    target: Target,
+    trace: tuple[str, ...] = (),
+) -> list[TermKernelPlan]:
+    """Every generic plan of one fused kernel on a target, best guesses first.
+
+    elementwise: pointwise × block {128, 256, 512} × vector {1, 16 B} (vector where the
+    innermost extent allows); row forms: one warp a row, one block of 256 or 512 a row
+    (where the row axis is contiguous in memory), one thread a row; reductions: the same
+    where the reduced axis is contiguous, and pointwise (one thread an output); contractions:
+    the mma GEMM at three tile sizes when it applies, and pointwise (one thread an output,
+    a serial loop over k); flash attention (when no flash plan fits): pointwise."""
+    tensors = kernel_tensors(kernel, shapes, dtypes)
+    output = tensors[-1]
+    schedules: list[Schedule] = []
+    if kernel.kind == "elementwise":
+        vector = 16 // DTYPE_BYTES[output.dtype] if output.dtype in ("bf16", "fp16", "fp32") else 1
+        vectors = (1, vector) if vector > 1 and kernel.axes and t.extent(kernel.axes[-1]) % vector == 0 else (1,)
+        schedules = [PointwiseSchedule(b, v) for v in reversed(vectors) for b in POINTWISE_BLOCKS]
+    elif kernel.kind in ROW_KINDS or kernel.kind == "reduction":
+        layout = row_layout(kernel)
+        if layout is not None:
+            schedules = (
+                list(ROW_SCHEDULES) if layout.contiguous else [RowSchedule("thread", 128), RowSchedule("warp", 128)]
+            )
+        if kernel.kind == "reduction" or layout is None:
+            schedules += [PointwiseSchedule(256), PointwiseSchedule(128)]
+    elif kernel.kind == "contraction":
+        info = {i.name: i for i in tensors}
+        if not mma_problems(kernel, info, output):
+            schedules = list(GEMM_SCHEDULES) + [PointwiseSchedule(256)]
+        else:
+            schedules = [PointwiseSchedule(256), PointwiseSchedule(128)]
+    else:
+        schedules = [PointwiseSchedule(128)]
+    plans = [TermKernelPlan(kernel.kind, kernel, s, target, tensors, trace) for s in schedules]
+    return [p for p in plans if not term_plan_problems(p)]

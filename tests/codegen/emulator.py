@@ -1,0 +1,302 @@
+"""Running generated term kernels on the CPU: a test helper, not part of cherenkov.
+
+The generated source is compiled as host C++20 unchanged, except for its device helpers
+that are inline PTX (``cvt`` to/from 16-bit floats, ``mma.sync``, ``ldmatrix``,
+``cp.async``), which are replaced by host emulations. Every CUDA thread of a block is a
+``std::thread``; ``__syncthreads`` is a block barrier, and the warp collectives
+(``__shfl_xor_sync``, ``ldmatrix``, ``mma``) exchange their lanes' operands through a
+per-warp buffer between two warp barriers, so the fragment layouts, index arithmetic,
+tails, shared-memory stages and epilogues of the generated kernels run as written. Blocks
+run one after another (``__shared__`` becomes ``static``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from cherenkov.codegen import cuda_source
+from cherenkov.codegen.cuda.term_kernels import kernel_name, term_grid
+from cherenkov.graph.evaluate import round_to_dtype
+
+EMULATED = (
+    "ck_from_fp16", "ck_to_bf16", "ck_to_fp16", "ck_mma_16816", "ck_ldsm_x4", "ck_ldsm_x4_t",
+    "ck_cp_async_16", "ck_cp_async_commit", "ck_cp_async_wait1",
+)  # fmt: skip
+
+PRELUDE = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+struct ck_dim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local ck_dim3 threadIdx, blockIdx;
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(x)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+
+struct EmuWarp {
+    std::barrier<> bar{32};
+    unsigned words[32][8];
+    float floats[32][4];
+    const void* addr[32];
+};
+struct EmuBlock {
+    std::barrier<>* bar;
+    EmuWarp* warps;
+};
+thread_local EmuBlock* emu_block;
+
+static inline int emu_lane() { return int(threadIdx.x) & 31; }
+static inline EmuWarp& emu_warp() { return emu_block->warps[threadIdx.x >> 5]; }
+static inline void __syncthreads() { emu_block->bar->arrive_and_wait(); }
+static inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+static inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+static inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
+static inline float __frcp_rn(float x) { return 1.0f / x; }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+
+static inline float __shfl_xor_sync(unsigned, float v, int offset) {
+    EmuWarp& w = emu_warp();
+    const int lane = emu_lane();
+    w.floats[lane][0] = v;
+    w.bar.arrive_and_wait();
+    const float r = w.floats[lane ^ offset][0];
+    w.bar.arrive_and_wait();
+    return r;
+}
+
+typedef unsigned short emu_u16;
+static inline float ck_from_fp16(emu_u16 bits) { _Float16 h; std::memcpy(&h, &bits, 2); return float(h); }
+static inline emu_u16 ck_to_bf16(float x) {
+    unsigned b; std::memcpy(&b, &x, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return emu_u16((b >> 16) | 0x40u);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return emu_u16(b >> 16);
+}
+static inline emu_u16 ck_to_fp16(float x) { _Float16 h = _Float16(x); emu_u16 r; std::memcpy(&r, &h, 2); return r; }
+static inline float emu_operand(emu_u16 bits) {
+#if CK_EMU_MMA_FP16
+    return ck_from_fp16(bits);
+#else
+    unsigned u = unsigned(bits) << 16; float f; std::memcpy(&f, &u, 4); return f;
+#endif
+}
+static inline emu_u16 emu_half(unsigned word, int high) { return emu_u16(high ? word >> 16 : word & 0xffffu); }
+
+// m16n8k16: lane l (g = l / 4, t = l % 4) holds a[0] A[g][2t..], a[1] A[g+8][2t..], a[2] A[g][2t+8..],
+// a[3] A[g+8][2t+8..]; b0 B[2t..][g], b1 B[2t+8..][g]; d[0..1] C[g][2t, 2t+1], d[2..3] C[g+8][...].
+static inline void ck_mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    EmuWarp& w = emu_warp();
+    const int lane = emu_lane();
+    for (int i = 0; i < 4; ++i) w.words[lane][i] = a[i];
+    w.words[lane][4] = b0; w.words[lane][5] = b1;
+    w.bar.arrive_and_wait();
+    const int g = lane / 4, t = lane % 4;
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float sum = d[e];
+        for (int k = 0; k < 16; ++k) {
+            const int a_lane = (row % 8) * 4 + (k % 8) / 2, a_reg = (row >= 8) + 2 * (k >= 8);
+            const int b_lane = col * 4 + (k % 8) / 2, b_reg = 4 + (k >= 8);
+            sum += emu_operand(emu_half(w.words[a_lane][a_reg], k & 1)) * emu_operand(emu_half(w.words[b_lane][b_reg], k & 1));
+        }
+        d[e] = sum;
+    }
+    w.bar.arrive_and_wait();
+}
+
+static inline void ck_ldsm_x4(unsigned (&r)[4], const void* p) {
+    EmuWarp& w = emu_warp();
+    const int lane = emu_lane();
+    w.addr[lane] = p;
+    w.bar.arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        const emu_u16* row = static_cast<const emu_u16*>(w.addr[8 * i + lane / 4]);
+        r[i] = unsigned(row[2 * (lane % 4)]) | (unsigned(row[2 * (lane % 4) + 1]) << 16);
+    }
+    w.bar.arrive_and_wait();
+}
+
+static inline void ck_ldsm_x4_t(unsigned (&r)[4], const void* p) {
+    EmuWarp& w = emu_warp();
+    const int lane = emu_lane();
+    w.addr[lane] = p;
+    w.bar.arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        const emu_u16* r0 = static_cast<const emu_u16*>(w.addr[8 * i + 2 * (lane % 4)]);
+        const emu_u16* r1 = static_cast<const emu_u16*>(w.addr[8 * i + 2 * (lane % 4) + 1]);
+        r[i] = unsigned(r0[lane / 4]) | (unsigned(r1[lane / 4]) << 16);
+    }
+    w.bar.arrive_and_wait();
+}
+
+static inline void ck_cp_async_16(void* smem, const void* gmem, bool in_range) {
+    if (in_range) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
+}
+static inline void ck_cp_async_commit() {}
+static inline void ck_cp_async_wait1() {}
+"""
+
+
+def _strip_functions(text: str, names: tuple[str, ...]) -> str:
+    """``text`` without the top-level function definitions of ``names`` (brace matching)."""
+    out, i = [], 0
+    pattern = re.compile(r"__device__ __forceinline__ [^\n;{]*?\b(" + "|".join(names) + r")\(")
+    while True:
+        match = pattern.search(text, i)
+        if match is None:
+            out.append(text[i:])
+            return "".join(out)
+        start = text.rfind("\n", 0, match.start()) + 1
+        out.append(text[i:start])
+        depth, j = 0, text.index("{", match.end())
+        while True:
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        i = j + 1
+
+
+def host_source(plan) -> str:
+    """The plan's generated source, made host C++ with the emulated helpers."""
+    source = cuda_source(plan)
+    fp16 = "f32.f16.f16.f32" in source
+    body = _strip_functions(source, EMULATED)
+    return f"#define CK_EMU_MMA_FP16 {int(fp16)}\n" + PRELUDE + "\n" + body
+
+
+C_TYPES = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", "int32": "int", "bool": "unsigned char"}
+NP_TYPES = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": np.uint8}
+
+
+def _main(plan) -> str:
+    (gx, gy, gz), (bx, _, _) = term_grid(plan)
+    tensors = plan.tensors
+    reads = "\n".join(f"    bufs[{i}] = read_file(argv[{i + 1}]);" for i in range(len(tensors)))
+    args = ", ".join(
+        f"reinterpret_cast<{'const ' if i < len(tensors) - 1 else ''}{C_TYPES[info.dtype]}*>(bufs[{i}].data())"
+        for i, info in enumerate(tensors)
+    )
+    last = len(tensors) - 1
+    return f"""
+static std::vector<unsigned char> read_file(const char* path) {{
+    FILE* f = std::fopen(path, "rb");
+    std::fseek(f, 0, SEEK_END); long n = std::ftell(f); std::fseek(f, 0, SEEK_SET);
+    std::vector<unsigned char> data(n + 64);
+    if (n && std::fread(data.data(), 1, n, f) != size_t(n)) return {{}};
+    std::fclose(f);
+    return data;
+}}
+
+int main(int argc, char** argv) {{
+    std::vector<std::vector<unsigned char>> bufs({len(tensors)});
+{reads}
+    for (unsigned bz = 0; bz < {gz}; ++bz)
+    for (unsigned by = 0; by < {gy}; ++by)
+    for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{
+        std::barrier<> bar({bx});
+        std::vector<EmuWarp> warps({(bx + 31) // 32});
+        EmuBlock block{{&bar, warps.data()}};
+        std::vector<std::thread> threads;
+        for (unsigned tx = 0; tx < {bx}; ++tx) {{
+            threads.emplace_back([&, tx] {{
+                threadIdx.x = tx; blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
+                emu_block = &block;
+                {kernel_name(plan)}({args});
+                block.warps[tx >> 5].bar.arrive_and_drop();
+                bar.arrive_and_drop();
+            }});
+        }}
+        for (auto& t : threads) t.join();
+    }}
+    FILE* f = std::fopen(argv[{last + 2}], "wb");
+    std::fwrite(bufs[{last}].data(), 1, bufs[{last}].size() - 64, f);
+    std::fclose(f);
+    return 0;
+}}
+"""
+
+
+def to_bits(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values as the stored elements of ``dtype`` (rounded to nearest even)."""
+    values = np.asarray(values, dtype=np.float64)
+    if dtype == "bf16":
+        rounded = round_to_dtype(values, "bf16").astype(np.float32)
+        return (rounded.view(np.uint32) >> 16).astype(np.uint16)
+    if dtype == "bool":
+        return (values != 0).astype(np.uint8)
+    if dtype == "int32":
+        return np.trunc(values).astype(np.int32)
+    return values.astype(NP_TYPES[dtype])
+
+
+def from_bits(data: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        return (data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return data.astype(np.float64)
+
+
+def emulate(plan, inputs: dict[str, np.ndarray], work: Path | None = None) -> np.ndarray:
+    """Run a term plan's kernel on the CPU; ``inputs`` by name (float64, rounded to each
+    tensor's dtype here); returns the output as float64 (NaN where never written)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no g++ to emulate kernels with")
+    source = host_source(plan) + _main(plan)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    root = Path(work or tempfile.gettempdir()) / "cherenkov-emulator"
+    root.mkdir(parents=True, exist_ok=True)
+    binary = root / f"{digest}.bin"
+    if not binary.exists():
+        (root / f"{digest}.cpp").write_text(source)
+        result = subprocess.run(
+            [compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary), str(root / f"{digest}.cpp")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if result.returncode:
+            raise RuntimeError(f"host compile of {plan.name} failed:\n{result.stderr[:4000]}")
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        paths = []
+        for info in plan.inputs:
+            path = Path(tmp) / f"in_{info.name}.bin"
+            to_bits(np.broadcast_to(inputs[info.name], info.shape), info.dtype).tofile(path)
+            paths.append(str(path))
+        out = plan.output
+        poison = Path(tmp) / "out.bin"
+        np.full(out.numel * np.dtype(NP_TYPES[out.dtype]).itemsize, 0xFF, dtype=np.uint8).tofile(poison)
+        result_path = Path(tmp) / "result.bin"
+        run = subprocess.run([str(binary), *paths, str(poison), str(result_path)], capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+        if run.returncode:
+            raise RuntimeError(f"emulated {plan.name} failed (exit {run.returncode}): {run.stderr[:2000]}")
+        data = np.fromfile(result_path, dtype=NP_TYPES[out.dtype]).reshape(out.shape)
+    return from_bits(data, out.dtype)
+
+
+def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Values as the kernel sees them after storing in ``dtype``."""
+    return from_bits(to_bits(values, dtype), dtype)

@@ -1,0 +1,340 @@
+"""The generic kernel families (issue 7) on the CPU: plans for every fused-kernel kind,
+sources that compile with nvcc for sm_80 / sm_90 / sm_120, determinism, identifier safety,
+and numerics — every family's generated kernel run by the CPU emulator (``emulator.py``:
+the same source as host C++, CUDA threads as threads, warp collectives emulated) against
+the float64 reference of its fused kernel."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cherenkov as ck
+from cherenkov.codegen import (
+    CodegenError,
+    GemmSchedule,
+    PointwiseSchedule,
+    RowSchedule,
+    TermKernelPlan,
+    compile_plan,
+    compile_plans,
+    cuda_source,
+    term_plans,
+)
+from cherenkov.codegen.cuda.term_expr import TensorInfo, float_constant
+from cherenkov.codegen.term_plan import gemm_layout, kernel_tensors, term_plan_problems
+from cherenkov.rewrites.plan import TARGETS
+from cherenkov.search.cost_model import predict_term
+
+from .emulator import emulate, rounded
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ARCHS = ("sm_80", "sm_90", "sm_120")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
+
+
+# ------------------------------------------------------------------------------ graphs
+
+
+def softmax_graph(dtype="bf16", shape=(6, 100)) -> ck.Graph:
+    g = ck.Graph("softmax")
+    g.output(ck.nn.softmax(g.input("x", shape, dtype), axis=-1), "y")
+    return g
+
+
+def rms_matmul_graph(dtype="bf16") -> ck.Graph:
+    g = ck.Graph("rms_matmul")
+    x, w, proj = g.input("x", (40, 96), dtype), g.input("w", (96,), dtype), g.input("proj", (96, 72), dtype)
+    g.output(ck.nn.rms_norm(x, w) @ proj, "y")
+    return g
+
+
+def layer_norm_graph(dtype="fp32") -> ck.Graph:
+    g = ck.Graph("layer_norm")
+    x, w, b = g.input("x", (9, 130), dtype), g.input("w", (130,), dtype), g.input("b", (130,), dtype)
+    g.output(ck.nn.layer_norm(x, w, b), "y")
+    return g
+
+
+def reductions_graph() -> ck.Graph:
+    g = ck.Graph("reductions")
+    x, c = g.input("x", (7, 300), "fp32"), g.input("c", (300, 7), "fp32")
+    g.output(x.sum(axis=-1) + x.max(axis=-1), "rows")
+    g.output(c.sum(axis=0), "columns")
+    return g
+
+
+def matmul_graph(ta: bool, tb: bool, m: int, n: int, k: int, dtype="bf16") -> ck.Graph:
+    g = ck.Graph("matmul")
+    a = g.input("a", (k, m) if ta else (m, k), dtype)
+    b = g.input("b", (n, k) if tb else (k, n), dtype)
+    g.output((a.transpose(0, 1) if ta else a) @ (b.transpose(0, 1) if tb else b), "y")
+    return g
+
+
+def mlp_graph() -> ck.Graph:
+    sys.path.insert(0, str(EXAMPLES))
+    import mlp
+
+    return mlp.build((40, 32, 72))
+
+
+def transformer_graph() -> ck.Graph:
+    sys.path.insert(0, str(EXAMPLES))
+    import transformer_block
+
+    return transformer_block.build((1, 40, 2, 16, 48))
+
+
+def odd_ops_graph() -> ck.Graph:
+    """Mod, where/less-than, iota, sqrt, log2, sin, maximum, a bf16 cast, pad, slice,
+    concatenation and reshapes through a transpose: every elementwise constructor."""
+    g = ck.Graph("odd")
+    x, y = g.input("x", (6, 20), "fp32"), g.input("y", (6, 20), "fp32")
+    a = ck.where(x < y, (x % 0.7) * g.arange(20), y.abs().sqrt().log2())
+    b = a.maximum(x.sin()).cast("bf16").float() + x.pad(((0, 0), (2, 0)), value=-1.5).slice((0, 0), (6, 20))
+    joined = ck.cat([x.slice((0, 0), (6, 10)), y.slice((0, 10), (6, 20))], axis=1)
+    g.output(b.reshape(12, 10).transpose(0, 1).reshape(20, 6) + joined.reshape(20, 6), "out")
+    return g
+
+
+def hostile_names_graph() -> ck.Graph:
+    g = ck.Graph("names")
+    x = g.input("int", (4, 32), "bf16")
+    f = g.input("float", (32,), "bf16")
+    z = g.input("__global__x", (4, 32), "bf16")
+    w = g.input("return", (32, 16), "bf16")
+    g.output((ck.nn.silu(x * f) + z) @ w, "out")
+    return g
+
+
+def plans_of(graph: ck.Graph, target: str = "sm_90") -> list[tuple[object, list[TermKernelPlan]]]:
+    d = ck.derive(graph)
+    shapes, dtypes = d.tensor_types()
+    return [(k, term_plans(k, shapes, dtypes, TARGETS[target])) for k in d.kernels]
+
+
+# ------------------------------------------------------------------------------ plans
+
+
+def test_every_kind_gets_its_families() -> None:
+    ((softmax, plans),) = plans_of(softmax_graph())
+    assert softmax.kind == "softmax_rows"
+    assert {p.schedule for p in plans} == {RowSchedule("warp", 128), RowSchedule("block", 256),
+                                           RowSchedule("block", 512), RowSchedule("thread", 128)}  # fmt: skip
+    by_kind = {k.kind: ps for k, ps in plans_of(rms_matmul_graph())}
+    families = [p.family for p in by_kind["contraction"]]
+    assert families.count("mma") == 3 and families.count("pointwise") == 1
+    assert {p.family for p in by_kind["rms_norm_rows"]} == {"rows"}
+    fp32 = {k.kind: ps for k, ps in plans_of(rms_matmul_graph("fp32"))}
+    assert {p.family for p in fp32["contraction"]} == {"pointwise"}, "fp32 contractions take the exact path"
+    columns = {k.output: ps for k, ps in plans_of(reductions_graph())}
+    assert {p.family for p in columns["columns"]} == {"rows", "pointwise"}
+    assert RowSchedule("block", 256) not in {p.schedule for p in columns["columns"]}, "not contiguous"
+    elementwise = [ps for k, ps in plans_of(transformer_graph()) if k.kind == "elementwise"][0]
+    assert {p.schedule.vector for p in elementwise} == {1, 8}
+
+
+def test_flash_attention_without_a_flash_plan_falls_back_to_pointwise() -> None:
+    g = ck.Graph("attention32")
+    q, k, v = (g.input(n, (1, 2, 10, 32), "fp32") for n in "qkv")
+    g.output(ck.nn.attention(q, k, v), "o")
+    d = ck.derive(g)
+    assert d.plans("sm_90") == [], "head dim 32 in fp32 has no flash plan"
+    ((kernel, plans),) = plans_of(g)
+    assert kernel.kind == "flash_attention" and [p.family for p in plans] == ["pointwise"]
+
+
+def test_invalid_plans_are_refused() -> None:
+    ((kernel, plans),) = plans_of(softmax_graph())
+    plan = plans[0]
+    bad = TermKernelPlan(plan.kind, kernel, GemmSchedule(), plan.target, plan.tensors)
+    assert term_plan_problems(bad) and "contraction" in " ".join(term_plan_problems(bad))
+    with pytest.raises(CodegenError, match="invalid plan"):
+        cuda_source(bad)
+    vector = TermKernelPlan(plan.kind, kernel, PointwiseSchedule(256, 8), plan.target, plan.tensors)
+    with pytest.raises(CodegenError):
+        cuda_source(vector)
+
+
+def test_gemm_layouts_follow_memory_order() -> None:
+    cases = {(False, False): (True, False), (True, False): (False, False), (True, True): (False, True),
+             (False, True): (True, True)}  # fmt: skip
+    for (ta, tb), (a_kmajor, b_kmajor) in cases.items():
+        d = ck.derive(matmul_graph(ta, tb, 48, 40, 64))
+        shapes, dtypes = d.tensor_types()
+        (kernel,) = d.kernels
+        layout = gemm_layout(kernel, {i.name: i for i in kernel_tensors(kernel, shapes, dtypes)})
+        assert (layout.a_kmajor, layout.b_kmajor) == (a_kmajor, b_kmajor), (ta, tb)
+        assert layout.a_fast and layout.b_fast and (layout.m, layout.n, layout.k) == (48, 40, 64)
+
+
+# ------------------------------------------------------------------------------ source
+
+
+def test_source_is_deterministic_and_every_schedule_differs() -> None:
+    first = [p for _, ps in plans_of(transformer_graph()) for p in ps]
+    again = [p for _, ps in plans_of(transformer_graph()) for p in ps]
+    assert [p.name for p in first] == [p.name for p in again]
+    sources = [cuda_source(p) for p in first]
+    assert sources == [cuda_source(p) for p in again]
+    assert len(set(sources)) == len(sources)
+    assert len({p.name for p in first}) == len(first)
+
+
+def test_source_is_commented_and_indented() -> None:
+    for _, plans in plans_of(rms_matmul_graph()):
+        for plan in plans:
+            source = cuda_source(plan)
+            assert source.startswith("// Generated by cherenkov")
+            assert "// ---- kernel" in source and "// ---- types and helpers" in source
+            assert "\t" not in source and not any(line != line.rstrip() for line in source.splitlines())
+
+
+def test_user_names_only_appear_as_prefixed_identifiers() -> None:
+    plans = [p for _, ps in plans_of(hostile_names_graph()) for p in ps]
+    assert plans
+    for plan in plans:
+        source = cuda_source(plan)
+        for name in ("int", "float", "__global__x", "return"):
+            if name in {i.name for i in plan.tensors}:
+                assert f"t_{name}" in source
+        params = re.findall(r"\* __restrict__ (\w+)", source)
+        assert params and all(p.startswith("t_") for p in params)
+    with pytest.raises(CodegenError):
+        TensorInfo("x; }", (4,), "fp32")
+    with pytest.raises(CodegenError):
+        TensorInfo("x", (4,), "fp64")
+
+
+def test_float_constants() -> None:
+    assert float_constant(float("inf")) == "CK_INF" and float_constant(-float("inf")) == "(-CK_INF)"
+    assert float_constant(1e300) == "CK_INF" and float_constant(1e-300) == "0.0f"
+    assert float_constant(0.5) == "5.000000000e-01f" and float_constant(-2.0) == "(-2.000000000e+00f)"
+
+
+def _one_per_schedule(graphs, target: str) -> list[TermKernelPlan]:
+    chosen: dict[tuple, TermKernelPlan] = {}
+    for graph in graphs:
+        for _, plans in plans_of(graph, target):
+            for plan in plans:
+                chosen.setdefault((plan.kind, plan.schedule), plan)
+    return list(chosen.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sources_compile_without_spills(arch, compiler, kernel_cache) -> None:
+    graphs = [softmax_graph(), layer_norm_graph(), reductions_graph(), transformer_graph(), hostile_names_graph(),
+              matmul_graph(True, False, 48, 40, 64, "fp16"), odd_ops_graph()]  # fmt: skip
+    plans = _one_per_schedule(graphs, arch)
+    assert {p.family for p in plans} == {"pointwise", "rows", "mma"} and len(plans) >= 15
+    results = compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)
+    for plan, result in zip(plans, results):
+        assert not isinstance(result, Exception), f"{plan.name}: {result}"
+        assert result.report.spill_bytes == 0, (plan.name, result.report)
+        assert result.report.registers <= 255 and result.arch == arch
+
+
+def test_compile_plan_reports_static_shared_memory(compiler, kernel_cache) -> None:
+    plan = next(p for _, ps in plans_of(rms_matmul_graph()) for p in ps if isinstance(p.schedule, GemmSchedule))
+    compiled = compile_plan(plan, compiler=compiler, cache_dir=kernel_cache)
+    assert compiled.report.smem_static >= 2 * 2 * plan.schedule.block_m * 40 and compiled.report.smem_dynamic == 0
+    assert compiled.kernel_name == f"ck_contraction_{plan.schedule.key()}"
+
+
+def test_cost_model_ranks_gemm_families() -> None:
+    d = ck.derive(matmul_graph(False, False, 4096, 4096, 4096))
+    shapes, dtypes = d.tensor_types()
+    plans = term_plans(d.kernels[0], shapes, dtypes, TARGETS["sm_90"])
+    predictions = {p.schedule.key(): predict_term(p).ms for p in plans}
+    assert all(np.isfinite(v) and v > 0 for v in predictions.values())
+    assert min(predictions, key=predictions.get).startswith("mma")
+    assert predictions["pw_b256_v1"] > 5 * min(predictions.values())
+
+
+# ------------------------------------------------------------------------------ numerics
+
+
+def _check_graph(graph: ck.Graph, families: set[str] | None = None, seed: int = 0) -> int:
+    """Emulate every plan of every kernel (of ``families``) against its kernel's reference."""
+    rng = np.random.default_rng(seed)
+    d = ck.derive(graph)
+    shapes, dtypes = d.tensor_types()
+    buffers = {n: rounded(rng.standard_normal(t.shape), dtypes[n]) for n, t in graph.inputs.items()}
+    checked = 0
+    for kernel in d.kernels:
+        reference = kernel.evaluate(buffers)
+        out_dtype = dtypes[kernel.output]
+        for plan in term_plans(kernel, shapes, dtypes, TARGETS["sm_90"]):
+            if families is not None and plan.family not in families:
+                continue
+            got = emulate(plan, buffers)
+            assert not np.isnan(got).any(), f"{plan.name}: unwritten elements"
+            error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+            tolerance = 1e-5 if out_dtype == "fp32" else 1e-2
+            assert error <= tolerance, f"{plan.name}: relative error {error:.3g}"
+            checked += 1
+        buffers[kernel.output] = rounded(reference, out_dtype)
+    return checked
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "graph",
+    [softmax_graph(), softmax_graph("fp32", (5, 77)), rms_matmul_graph(), layer_norm_graph(), reductions_graph(),
+     odd_ops_graph(), hostile_names_graph()],
+    ids=["softmax_bf16", "softmax_fp32", "rms_matmul", "layer_norm", "reductions", "odd_ops", "names"],
+)  # fmt: skip
+def test_emulated_kernels_match_the_reference(graph) -> None:
+    assert _check_graph(graph) >= 4
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "transposes, m, n, k",
+    [((False, False), 40, 48, 64), ((True, False), 48, 40, 64), ((True, True), 33, 17, 19),
+     ((False, True), 70, 24, 24), ((True, False), 31, 45, 77)],
+)  # fmt: skip
+def test_emulated_gemm_layouts_and_tails(transposes, m, n, k) -> None:
+    """Every operand layout ([row][k] / [k][row], cp.async or evaluated) with tails in M, N and K."""
+    assert _check_graph(matmul_graph(*transposes, m, n, k), {"mma"}) == 3
+
+
+@needs_gxx
+def test_emulated_batched_fp16_gemm() -> None:
+    g = ck.Graph("bmm")
+    a, b = g.input("a", (3, 37, 24), "fp16"), g.input("b", (3, 50, 24), "fp16")
+    g.output(a @ b.transpose(-1, -2), "y")
+    assert _check_graph(g, {"mma"}) == 3
+
+
+@needs_gxx
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [mlp_graph, transformer_graph], ids=["mlp", "transformer_block"])
+def test_emulated_fused_graphs(build) -> None:
+    """Prologues (norm weight, bias + GELU), epilogues (residuals), head split/merge
+    reshapes, flash attention's pointwise fallback: every plan of every kernel."""
+    assert _check_graph(build()) >= 8
+
+
+@needs_gxx
+def test_verification_accepts_the_kernel_and_rejects_unwritten_outputs() -> None:
+    torch = pytest.importorskip("torch")
+    from cherenkov.search.measure import verify_term
+
+    ((kernel, plans),) = plans_of(layer_norm_graph())
+    plan = plans[0]
+
+    def emulated(inputs, out):
+        values = emulate(plan, {n: x.double().numpy() for n, x in inputs.items()})
+        return torch.tensor(values, dtype=out.dtype)
+
+    error, failure, _, _ = verify_term(emulated, plan, seed=3, device="cpu")
+    assert failure is None and error < 1e-6
+    error, failure, _, _ = verify_term(lambda inputs, out: out, plan, seed=3, device="cpu")
+    assert failure is not None and "NaN" in failure
