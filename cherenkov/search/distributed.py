@@ -59,8 +59,10 @@ def _client(cluster: Any) -> tuple[Any, bool]:
     and whether this search owns it (and must close it)."""
     try:
         from distributed import Client
-    except ImportError:
-        raise GraphError("cluster: dask.distributed is not installed; pip install 'cherenkov[distributed]'") from None
+    except ImportError as error:
+        raise GraphError(
+            f"cluster: dask.distributed cannot be imported ({error}); pip install 'cherenkov[distributed]'"
+        ) from None
     if isinstance(cluster, Client):
         return cluster, False
     if cluster == "local-gpus":

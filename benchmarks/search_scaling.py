@@ -5,7 +5,7 @@ the kernel cache, then verified and timed) on the local path and with ``--local-
 restricted to N = 1, 2, ... GPUs through ``CUDA_VISIBLE_DEVICES``, checks that every
 run picks the same winner, and writes ``benchmarks/results/distributed-<gpu>-<date>.json``.
 
-    python benchmarks/distributed.py [--gpus 1,2] [--out DIR]
+    python benchmarks/search_scaling.py [--gpus 1,2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cherenkov.search.environment import visible_gpus
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-log = logging.getLogger("benchmarks.distributed")
+log = logging.getLogger("benchmarks.search_scaling")
 
 
 def seed_graph() -> ck.Graph:
