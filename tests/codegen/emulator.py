@@ -26,7 +26,7 @@ from cherenkov.codegen.cuda.term_kernels import kernel_name, term_grid
 from cherenkov.graph.evaluate import round_to_dtype
 
 EMULATED = (
-    "ck_from_fp16", "ck_to_bf16", "ck_to_fp16", "ck_mma_16816", "ck_ldsm_x4", "ck_ldsm_x4_t",
+    "ck_from_fp16", "ck_to_bf16", "ck_to_fp16", "mma_16816", "mma_16816_zero", "ck_ldsm_x4", "ck_ldsm_x4_t",
     "ck_cp_async_16", "ck_cp_async_commit", "ck_cp_async_wait1",
 )  # fmt: skip
 
@@ -105,7 +105,7 @@ static inline emu_u16 emu_half(unsigned word, int high) { return emu_u16(high ? 
 
 // m16n8k16: lane l (g = l / 4, t = l % 4) holds a[0] A[g][2t..], a[1] A[g+8][2t..], a[2] A[g][2t+8..],
 // a[3] A[g+8][2t+8..]; b0 B[2t..][g], b1 B[2t+8..][g]; d[0..1] C[g][2t, 2t+1], d[2..3] C[g+8][...].
-static inline void ck_mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+static inline void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     EmuWarp& w = emu_warp();
     const int lane = emu_lane();
     for (int i = 0; i < 4; ++i) w.words[lane][i] = a[i];

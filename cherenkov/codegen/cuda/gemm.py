@@ -38,12 +38,12 @@ from cherenkov.codegen.cuda.term_common import (
     tensor_infos,
 )
 from cherenkov.codegen.cuda.term_expr import Binding, TermEmitter, emit_prelude, index_type, store
+from cherenkov.codegen.cuda.mma import emit_mma
 from cherenkov.codegen.cuda.text import block, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import GemmLayout, gemm_layout, mma_problems
 from cherenkov.rewrites import terms as t
 
-PTX = {"bf16": "bf16", "fp16": "f16"}
 PAD = 8  # elements of padding per shared-memory row (16 bytes)
 
 
@@ -54,17 +54,8 @@ def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 
 def _helpers(dtype: str) -> str:
-    ptx = PTX[dtype]
-    return block(f"""
-        // d (16x8, fp32) += a (16x16, {dtype}, row-major) * b (16x8, {dtype}, column-major).
-        __device__ __forceinline__ void ck_mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {{
-            asm volatile(
-                "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
-                "{{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};\\n"
-                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-        }}
-
+    """The tensor-core mma (shared with flash attention), ldmatrix and cp.async helpers."""
+    return emit_mma(dtype) + "\n" + block(f"""
         // Four 8x8 b16 matrices from shared memory (row addresses from lanes 0-7, 8-15, 16-23, 24-31).
         __device__ __forceinline__ void ck_ldsm_x4(u32 (&r)[4], const void* p) {{
             const u32 addr = static_cast<u32>(__cvta_generic_to_shared(p));
@@ -277,7 +268,7 @@ def gemm_source(plan) -> str:
         "        for (int mi = 0; mi < MT; ++mi)",
         "            #pragma unroll",
         "            for (int ni = 0; ni < NT; ++ni)",
-        "                ck_mma_16816(acc[mi][ni], a[mi], b[ni >> 1][2 * (ni & 1)], b[ni >> 1][2 * (ni & 1) + 1]);",
+        "                mma_16816(acc[mi][ni], a[mi], b[ni >> 1][2 * (ni & 1)], b[ni >> 1][2 * (ni & 1) + 1]);",
         "    }",
         "    __syncthreads();  // the stage is free for the load two steps on",
         "}",
