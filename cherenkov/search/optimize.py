@@ -319,6 +319,21 @@ class _Search:
             )
 
 
+def _stored_answer(summary: SearchSummary, space: SearchSpace) -> tuple[SearchSummary, dict[str, BestKernel]] | None:
+    """The winners a stored search names, if this search space still holds exactly the same
+    candidates (new knobs or generators make an old answer incomplete: search again)."""
+    candidates = {c.id: c for c in space.all()}
+    if {r.id for r in summary.candidates} != set(candidates):
+        return None
+    results = {r.id: r for r in summary.candidates}
+    winners = {
+        kernel: BestKernel(kernel, results[i], candidates[i].plan, candidates[i].source)
+        for kernel, i in summary.winners.items()
+        if i is not None
+    }
+    return summary, winners
+
+
 def _default_out(graph: Graph) -> Path:
     return Path(platformdirs.user_cache_dir("cherenkov")) / "runs" / graph.structural_hash()[:16]
 
@@ -399,16 +414,10 @@ def optimize(
     try:
         winner_key = WinnerKey.from_environment(graph.structural_hash(), signature, search.env)
         stored = None if force else db.lookup_winner(winner_key)
-        if stored is not None:
-            summary = SearchSummary.from_json(stored)
-            candidates = {c.id: c for c in space.all()}
-            winners = {
-                kernel: BestKernel(kernel, result, candidates[result.id].plan, candidates[result.id].source)
-                for kernel, result in ((k, next(r for r in summary.candidates if r.id == i))
-                                       for k, i in summary.winners.items() if i in candidates)
-            }  # fmt: skip
+        answer = None if stored is None else _stored_answer(SearchSummary.from_json(stored), space)
+        if answer is not None:
             progress("answered", source="database")
-            return _finish(graph, derivation, summary, winners, out_dir, from_database=True)
+            return _finish(graph, derivation, answer[0], answer[1], out_dir, from_database=True)
         keys = {c.id: CandidateKey.from_environment(c.source_hash, signature, search.env) for c in space.all()}
         known = db.lookup_candidates(list(keys.values()))
         fresh = [c for c in space.all() if keys[c.id] not in known or force or c.id in search.faults]

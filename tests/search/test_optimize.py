@@ -156,3 +156,24 @@ def test_gpu_faults_are_recorded_and_the_search_returns_the_correct_best(gpu, tm
     assert not math.isnan(result.best.tflops)
     assert np.isfinite(result.best.time_ms)
     assert multiprocessing.active_children() == [], "measurement workers are all stopped"
+
+
+def test_a_stored_answer_for_another_search_space_is_not_served(tmp_path, monkeypatch) -> None:
+    from cherenkov.search import environment
+
+    monkeypatch.setattr(environment, "toolkit", lambda: "none")
+    graph = small_graph(causal=False)
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        first = ck.optimize(graph, target="sm_90", out=tmp_path / "a", database=db)
+        real = optimize_module.search_space
+
+        def fewer(derivation, target):  # as if a knob had been removed since the first search
+            space = real(derivation, target)
+            return optimize_module.SearchSpace(
+                space.kernels, {k: group[1:] for k, group in space.candidates.items()}, space.ungenerated
+            )
+
+        monkeypatch.setattr(optimize_module, "search_space", fewer)
+        second = ck.optimize(graph, target="sm_90", out=tmp_path / "b", database=db)
+    assert first.best is not None and second.best is not None
+    assert not second.from_database and len(second.candidates) == len(first.candidates) - 1
