@@ -30,15 +30,6 @@ TOLERANCE = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-5}
 FLASH_CANDIDATES = 2
 
 
-@pytest.fixture
-def gpu():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("cupy")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    return torch
-
-
 @pytest.fixture(autouse=True)
 def few_flash_schedules(monkeypatch):
     """Keep the default flash schedule (and one more) of each flash-attention kernel."""

@@ -108,15 +108,6 @@ def small_graph(causal: bool) -> ck.Graph:
     return g
 
 
-@pytest.fixture
-def gpu():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("cupy")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    return torch
-
-
 @pytest.mark.gpu
 def test_gpu_search_verifies_times_and_runs(gpu, tmp_path) -> None:
     torch = gpu
