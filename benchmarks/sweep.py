@@ -22,14 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cherenkov.codegen import CompileError, compile_plans, load_kernel  # noqa: E402
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, FlashSchedule, KernelPlan  # noqa: E402
 
-SHAPES = {
-    "seed": (1, 8, 8, 4096, 8192, 128, False),
-    "b4h16s4k": (4, 16, 16, 4096, 4096, 128, False),
-    "b4h16s4k_causal": (4, 16, 16, 4096, 4096, 128, True),
-    "seed_d64": (1, 8, 8, 4096, 8192, 64, False),
-    "b16h16s1k": (16, 16, 16, 1024, 1024, 128, False),
-    "b1h32s16k_causal": (1, 32, 32, 16384, 16384, 128, True),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import SHAPES  # noqa: E402  (the benchmark's shape table, one definition)
+
 
 PLAIN = ["q128 kv64 w4 s2 split", "q128 kv64 w4 s1 split", "q128 kv64 w4 s3 split", "q128 kv64 w4 s2 joint",
          "q128 kv32 w4 s2 split", "q128 kv32 w4 s3 split", "q64 kv64 w4 s2 split", "q64 kv128 w4 s2 split",
