@@ -5,12 +5,15 @@ For each shape of issue 6 (bf16), this builds the textbook attention graph of
 with a per-shape time budget, measured on the local GPU; a private tuning database so that
 nothing stale answers), checks the winner's output against SDPA in float32 (relative error
 ≤ 2e-2, output poisoned with NaN first), then times the winner and SDPA's flash, cuDNN and
-memory-efficient backends on the same inputs: CUDA events, L2 flushed before every sample,
-samples of all four interleaved round-robin (so clock drift hits all alike), median of
-``--samples``. Prints a table (TFLOP/s, % of the 641 TFLOP/s mma.sync peak, ratios) and
-writes ``<out>/h200-<date>.json`` (``gpu``, ``date``, ``versions``, ``rows``).
+memory-efficient backends — and FlashAttention-4 where its wheels are installed
+(``../shared/device/fa4-wheels.sh``) — on the same inputs: CUDA events, L2 flushed before
+every sample, samples of all of them interleaved round-robin (so clock drift hits all
+alike), median of ``--samples``. Prints a table (TFLOP/s, ratios) and writes
+``<out>/h200-<date><suffix>.json`` (``gpu``, ``date``, ``versions``, ``rows``, with % of
+the 641 TFLOP/s mma.sync and 989 TFLOP/s wgmma peaks). ``--target auto`` searches both
+kernel families on a Hopper GPU (sm_90a), ``--target sm_90`` the mma.sync family only.
 
-    python3 benchmarks/attention.py [--shapes seed,b4h16s4k,...] [--out DIR] [--budget S]
+    python3 benchmarks/attention.py [--shapes seed,...] [--out DIR] [--budget S] [--target T] [--suffix S]
 
 FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (the convention of FlashAttention's and
 PyTorch's benchmarks). The budget bounds each search (compile + measure), so the winner is
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -35,8 +39,10 @@ sys.path.insert(0, str(ROOT))
 import cherenkov as ck  # noqa: E402
 from cherenkov.codegen import compile_plan, load_kernel  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
+from timing import l2_flush_buffer, time_interleaved  # noqa: E402
 
 MMA_SYNC_PEAK = 641.0  # TFLOP/s, register-only mma.sync bf16 on the H200 (../shared/device/mma_peak.cu)
+WGMMA_PEAK = 989.0  # TFLOP/s, dense bf16 wgmma on the H200 (NVIDIA's figure)
 TOLERANCE = 2e-2
 CAUSAL_BUDGET_FACTOR = 2.0  # causal problems: about twice the schedules (head-major order) and slower samples
 BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
@@ -63,28 +69,20 @@ def flops(b: int, h: int, sq: int, skv: int, d: int, causal: bool) -> float:
     return full / 2 if causal else full
 
 
-def time_interleaved(torch, launches: dict, flush, samples: int, spin: bool = False) -> dict[str, float]:
-    """Median ms of each launch: warm-up, then ``samples`` rounds of one sample each, L2
-    flushed before every sample. ``spin`` queues a ~0.2 ms GPU spin after the flush, so the
-    host has enqueued the launch before the start event fires (host-side launch work, which
-    differs between the launchers, then stays out of the time)."""
-    for launch in launches.values():
-        for _ in range(3):
-            launch()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: dict[str, list[float]] = {name: [] for name in launches}
-    for _ in range(samples):
-        for name, launch in launches.items():
-            flush.zero_()
-            if spin:
-                torch.cuda._sleep(400_000)  # clock cycles
-            start.record()
-            launch()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+def flash_attention_4():
+    """FlashAttention-4's ``flash_attn_func`` where its wheels are installed, else None."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def fa4_version() -> str | None:
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def run_shape(name: str, example, torch, flush, args, db) -> dict:
@@ -95,9 +93,9 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     graph = example.build(shape=(b, h, hkv, sq, skv, d), causal=causal)
     budget = args.budget * (CAUSAL_BUDGET_FACTOR if causal else 1.0)
     started = time.monotonic()
-    result = ck.optimize(graph, target="auto", out=Path(args.workdir) / name, budget_s=budget, database=db)
+    result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / name, budget_s=budget, database=db)
     if result.best is None:  # nothing measured in time: once more (compiles are cached, measurements kept)
-        result = ck.optimize(graph, target="auto", out=Path(args.workdir) / name, budget_s=2 * budget, database=db)
+        result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / name, budget_s=2 * budget, database=db)
     search_s = time.monotonic() - started
     best = result.best
     if best is None:
@@ -132,6 +130,10 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
             print(f"  {key} unavailable: {str(error).splitlines()[0]}")
             continue
         launches[key] = launch
+    fa4 = flash_attention_4()
+    if fa4 is not None:  # FlashAttention-4 takes B, S, H, D tensors
+        q_bshd, k_bshd, v_bshd = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        launches["fa4"] = lambda: fa4(q_bshd, k_bshd, v_bshd, causal=causal)
     ms = time_interleaved(torch, launches, flush, args.samples, args.hide_launch_gaps)
     work = flops(b, h, sq, skv, d, causal)
     tflops = {key: work / (t * 1e9) for key, t in ms.items()}
@@ -146,6 +148,7 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
         "tflops": tflops,
         "ratios": ratios,
         "percent_of_mma_sync_peak": {key: 100 * t / MMA_SYNC_PEAK for key, t in tflops.items()},
+        "percent_of_wgmma_peak": {key: 100 * t / WGMMA_PEAK for key, t in tflops.items()},
         "ms": ms,
         "cherenkov_plan": {**schedule, "key": best.plan.schedule.key(), "target": best.target,
                            "registers": best.result.registers, "spill_bytes": best.result.spill_bytes},
@@ -172,6 +175,9 @@ def main() -> None:
                         help="spin the GPU ~0.2 ms before each sample's start event, so that host-side launch "
                              "work is not timed (not used for the 2026-11-29 results)")
     parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--target", default="auto", help="search target (auto: the local GPU, sm_90a on Hopper; "
+                                                         "sm_90: the mma.sync family only)")
+    parser.add_argument("--suffix", default="", help="results file h200-<date><suffix>.json")
     args = parser.parse_args()
     names = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in names if s not in SHAPES]
@@ -183,7 +189,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     example = load_example()
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
+    flush = l2_flush_buffer(torch)
     rows = []
     with tempfile.TemporaryDirectory(prefix="cherenkov-bench-") as work:
         args.workdir = work
@@ -211,8 +217,10 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0),
         "date": date,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cherenkov": ck.__version__,
-                     "cudnn": cudnn, "python": sys.version.split()[0]},
+                     "cudnn": cudnn, "python": sys.version.split()[0], "flash_attn_4": fa4_version()},
         "mma_sync_peak_tflops": MMA_SYNC_PEAK,
+        "wgmma_peak_tflops": WGMMA_PEAK,
+        "target": args.target,
         "method": "CUDA events, L2 flushed before each sample, backends interleaved round-robin, "
                   f"median of {args.samples}; cherenkov: ck.optimize fresh search, budget {args.budget} s a shape "
                   f"({args.budget * CAUSAL_BUDGET_FACTOR:.0f} s causal), best of what the search measured in time"
@@ -222,22 +230,22 @@ def main() -> None:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"h200-{date}.json"
+    path = out_dir / f"h200-{date}{args.suffix}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
 
-    header = f"{'shape':18} {'cherenkov':>10} {'%peak':>6} {'flash':>7} {'cudnn':>7} {'effic':>7} " \
-             f"{'vs flash':>9} {'vs cudnn':>9} {'vs effic':>9}  plan"
+    header = (f"{'shape':18} {'cherenkov':>10} {'flash':>7} {'cudnn':>7} {'effic':>7} {'fa4':>7} "
+              f"{'vs flash':>9} {'vs cudnn':>9} {'vs fa4':>7}  plan")
     print("\n" + header)
     for row in rows:
         if "error" in row:
             print(f"{row['name']:18} {row['error']}")
             continue
         t, r = row["tflops"], row["ratios"]
-        print(f"{row['name']:18} {t['cherenkov']:10.1f} {row['percent_of_mma_sync_peak']['cherenkov']:6.1f} "
-              f"{t.get('sdpa_flash', math.nan):7.1f} {t.get('sdpa_cudnn', math.nan):7.1f} "
-              f"{t.get('sdpa_efficient', math.nan):7.1f} {r.get('cherenkov/sdpa_flash', math.nan):9.2f} "
-              f"{r.get('cherenkov/sdpa_cudnn', math.nan):9.2f} {r.get('cherenkov/sdpa_efficient', math.nan):9.2f}  "
-              f"{row['cherenkov_plan']['key']}")
+        print(f"{row['name']:18} {t['cherenkov']:10.1f} {t.get('sdpa_flash', math.nan):7.1f} "
+              f"{t.get('sdpa_cudnn', math.nan):7.1f} {t.get('sdpa_efficient', math.nan):7.1f} "
+              f"{t.get('fa4', math.nan):7.1f} {r.get('cherenkov/sdpa_flash', math.nan):9.2f} "
+              f"{r.get('cherenkov/sdpa_cudnn', math.nan):9.2f} {r.get('cherenkov/fa4', math.nan):7.2f}  "
+              f"{row['cherenkov_plan']['target']} {row['cherenkov_plan']['key']}")
     print(f"wrote {path}")
 
 

@@ -24,6 +24,7 @@ from cherenkov.rewrites.plan import TARGETS, AttentionProblem, FlashSchedule, Ke
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import SHAPES  # noqa: E402  (the benchmark's shape table, one definition)
+from timing import l2_flush_buffer, time_interleaved  # noqa: E402
 
 
 PLAIN = ["q128 kv64 w4 s2 split", "q128 kv64 w4 s1 split", "q128 kv64 w4 s3 split", "q128 kv64 w4 s2 joint",
@@ -81,23 +82,6 @@ def problem_of(shape: str) -> AttentionProblem:
     return AttentionProblem(b, h, hkv, sq, skv, d, causal=causal, scale=d**-0.5)
 
 
-def timed(torch, launch, flush, samples: int) -> float:
-    """Median ms of ``launch`` over ``samples`` CUDA-event samples, L2 flushed before each."""
-    for _ in range(3):
-        launch()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(samples):
-        flush.zero_()
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="first", choices=sorted(SETS))
@@ -114,7 +98,7 @@ def main() -> None:
     start = time.time()
     compiled = compile_plans(plans)
     print(f"compiled {len(plans)} plans in {time.time() - start:.1f} s", flush=True)
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
+    flush = l2_flush_buffer(torch)
     rows, inputs, refs = [], {}, {}
     for (shape, key), plan, kernel in zip(entries, plans, compiled):
         p = plan.problem
@@ -130,7 +114,7 @@ def main() -> None:
                 def launch(backend=backend):
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
-                refs[shape][name] = p.flops / (timed(torch, launch, flush, args.samples) * 1e9)
+                refs[shape][name] = p.flops / (time_interleaved(torch, {name: launch}, flush, args.samples)[name] * 1e9)
             print(f"{shape}: flash {refs[shape]['sdpa_flash']:.1f} cudnn {refs[shape]['sdpa_cudnn']:.1f} TFLOP/s", flush=True)
         row = {"shape": shape, "schedule": plan.schedule.key()}
         if isinstance(kernel, CompileError):
@@ -146,7 +130,8 @@ def main() -> None:
                 ref = refs[shape]["ref"]
                 row["rel_error"] = float((out.float() - ref).norm() / ref.norm())
                 if row["rel_error"] <= 2e-2:
-                    row["tflops"] = p.flops / (timed(torch, lambda: fn(q, k, v, out), flush, args.samples) * 1e9)
+                    ms = time_interleaved(torch, {"k": lambda: fn(q, k, v, out)}, flush, args.samples)["k"]
+                    row["tflops"] = p.flops / (ms * 1e9)
             except Exception as error:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
         rows.append(row)

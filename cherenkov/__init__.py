@@ -25,10 +25,11 @@ from cherenkov.graph import (
 )
 
 from cherenkov.rewrites.derive import Derivation, derive
-from cherenkov.search.optimize import OptimizeResult, optimize
+from cherenkov.search.optimize import CapturedRun, OptimizeResult, optimize
 
 __all__ = [
     "PRIMITIVES",
+    "CapturedRun",
     "Derivation",
     "Graph",
     "OptimizeResult",

@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     search = commands.add_parser("optimize", help="search the fastest correct kernels of a graph")
     _add_graph_source(search)
-    search.add_argument("--target", default="auto", help="auto (the local GPU, else sm_120), sm_80, sm_86, sm_89, sm_90, sm_120")
+    search.add_argument("--target", default="auto",
+                        help="auto (the local GPU: sm_90a on Hopper; else sm_120), sm_80, sm_86, sm_89, sm_90, sm_90a, sm_120")
     search.add_argument("--out", type=Path, help="directory for report.json and report.html (default runs/NAME)")
     search.add_argument("--budget", type=float, help="wall-time budget in seconds")
     search.add_argument("--force", action="store_true", help="search again even if the tuning database knows the answer")

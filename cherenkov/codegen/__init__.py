@@ -1,7 +1,8 @@
 """Code generation: kernel plans to CUDA C++, compiled and launched.
 
 ``cuda_source(plan)`` gives the deterministic CUDA C++ of a plan — a flash-attention
-:class:`KernelPlan`, or a :class:`TermKernelPlan` of any other fused kernel (pointwise,
+:class:`KernelPlan` (the ``mma.sync`` family, or the sm_90a wgmma/TMA family for a
+:class:`~cherenkov.rewrites.plan_sm90a.HopperFlashSchedule`), or a :class:`TermKernelPlan` of any other fused kernel (pointwise,
 row-reduction and mma GEMM families, see :mod:`cherenkov.codegen.term_plan`);
 ``compile_plan`` / ``compile_plans`` build cubins (nvcc, or NVRTC through cupy; cached on
 disk) with their ptxas resource reports, and ``load_kernel`` wraps a compiled kernel as a
@@ -9,10 +10,10 @@ callable on torch CUDA tensors. Importing this package loads neither cupy nor to
 """
 
 from cherenkov.codegen.compile import compile_plan, compile_plans, find_compiler, plan_kernel_name
-from cherenkov.codegen.cuda.flash_attention import flash_attention_source, kernel_name
-from cherenkov.codegen.cuda.term_kernels import term_kernel_source
+from cherenkov.codegen.compile import plan_source as cuda_source
+from cherenkov.codegen.cuda.flash_attention import kernel_name
 from cherenkov.codegen.errors import CodegenError, CompileError
-from cherenkov.codegen.launch import FlashAttentionKernel, TermKernel, load_kernel
+from cherenkov.codegen.launch import FlashAttentionKernel, HopperFlashKernel, TermKernel, load_kernel
 from cherenkov.codegen.plan import (
     CompiledKernel,
     FlashLayout,
@@ -36,6 +37,7 @@ __all__ = [
     "FlashAttentionKernel",
     "FlashLayout",
     "FlashTiling",
+    "HopperFlashKernel",
     "GemmSchedule",
     "KernelPlan",
     "PointwiseSchedule",
@@ -53,12 +55,3 @@ __all__ = [
     "term_plans",
     "valid_flash_plans",
 ]
-
-
-def cuda_source(plan: KernelPlan | TermKernelPlan) -> str:
-    """Deterministic CUDA C++ for one plan (same plan → byte-identical source)."""
-    if isinstance(plan, TermKernelPlan):
-        return term_kernel_source(plan)
-    if plan.kind == "flash_attention":
-        return flash_attention_source(plan)
-    raise CodegenError(f"no CUDA generator for plan kind {plan.kind!r}")

@@ -29,10 +29,13 @@ from typing import Protocol
 from cherenkov.codegen.cache import KernelCache, cache_key, sha256_hex
 from cherenkov.codegen.cuda import term_kernels
 from cherenkov.codegen.cuda.flash_attention import flash_attention_source, kernel_name
+from cherenkov.codegen.cuda.flash_attention_sm90a import emit_flash_attention_sm90a
+from cherenkov.codegen.cuda.flash_attention_sm90a import kernel_name as hopper_kernel_name
 from cherenkov.codegen.errors import CompileError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, KernelPlan
 from cherenkov.codegen.report import parse_ptxas_report
 from cherenkov.codegen.term_plan import TermKernelPlan
+from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 AnyPlan = KernelPlan | TermKernelPlan
 
@@ -135,10 +138,16 @@ def find_compiler() -> Compiler:
     return Nvrtc()
 
 
+def _is_hopper(plan: AnyPlan) -> bool:
+    return isinstance(plan, KernelPlan) and isinstance(plan.schedule, HopperFlashSchedule)
+
+
 def plan_source(plan: AnyPlan) -> str:
-    """The generated CUDA source of a flash-attention or a term plan."""
+    """The generated CUDA source of a flash-attention (``mma.sync`` or sm_90a) or a term plan."""
     if isinstance(plan, TermKernelPlan):
         return term_kernels.term_kernel_source(plan)
+    if _is_hopper(plan):
+        return emit_flash_attention_sm90a(plan.problem, plan.schedule)
     return flash_attention_source(plan)
 
 
@@ -146,13 +155,17 @@ def plan_kernel_name(plan: AnyPlan) -> str:
     """The ``extern "C"`` name of a plan's kernel."""
     if isinstance(plan, TermKernelPlan):
         return term_kernels.kernel_name(plan)
+    if _is_hopper(plan):
+        return hopper_kernel_name(plan.schedule)
     return kernel_name(plan)
 
 
 def plan_dynamic_smem(plan: AnyPlan) -> int:
-    """Dynamic shared memory of a plan's launch (term kernels use static shared memory only)."""
+    """Dynamic shared memory of a plan's launch."""
     if isinstance(plan, TermKernelPlan):
-        return 0
+        return term_kernels.term_dynamic_smem(plan)
+    if _is_hopper(plan):
+        return plan.schedule.smem_bytes(plan.problem.head_dim, plan.problem.dtype)
     return FlashLayout.from_plan(plan).total_bytes
 
 

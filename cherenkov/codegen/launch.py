@@ -3,20 +3,24 @@ without copies.
 
 The cubin is loaded with ``cupy.RawModule(path=...)``; tensors are passed by
 ``data_ptr()`` and the kernel is launched on torch's current stream (wrapped as a cupy
-``ExternalStream``), so it orders with the surrounding torch work. cupy and torch are
-imported on first use only.
+``ExternalStream``), so it orders with the surrounding torch work. The sm_90a family
+takes TMA tensor maps by value and is launched through ``cuLaunchKernel``
+(:mod:`cherenkov.codegen.tensor_map`). cupy and torch are imported on first use only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Mapping
 
 import numpy as np
 
+from cherenkov.codegen import tensor_map
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, FlashTiling
 
+MAX_CACHED_TENSOR_MAPS = 64  # tensor-map triples a Hopper kernel keeps (keyed by data pointers)
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool"}
 
 
@@ -71,7 +75,6 @@ class FlashAttentionKernel:
         return self._streams[handle]
 
     def __call__(self, q, k, v, out=None):
-        import cupy
         import torch
 
         p = self.problem
@@ -79,11 +82,16 @@ class FlashAttentionKernel:
             out = torch.empty(p.shapes()[p.out], dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
         for role, name, tensor in (("q", p.q, q), ("k", p.k, k), ("v", p.v, v), ("out", p.out, out)):
             self._check(role, tensor, p.shapes()[name])
-        stream = self._stream(torch.cuda.current_stream(q.device).cuda_stream)
+        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream)
+        return out
+
+    def _launch(self, q, k, v, out, stream: int) -> None:
+        """Launch on checked tensors, on the raw CUDA stream handle ``stream``."""
+        import cupy
+
         with cupy.cuda.Device(self.device):
             args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out))
-            self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=stream)
-        return out
+            self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=self._stream(stream))
 
     def _check(self, role: str, tensor, shape: tuple[int, ...]) -> None:
         import torch
@@ -118,15 +126,18 @@ class TermKernel(_StreamCache):
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
 
-        from cherenkov.codegen.cuda.term_kernels import term_grid
+        from cherenkov.codegen.cuda.term_kernels import term_dynamic_smem, term_grid
 
         self.compiled = compiled
         self.plan = compiled.plan
         self.device = device
         self.grid, self.block = term_grid(self.plan)
+        self.smem_bytes = term_dynamic_smem(self.plan)
         with cupy.cuda.Device(device):
             module = cupy.RawModule(path=str(compiled.cubin_path))
             self._function = module.get_function(compiled.kernel_name)
+            if self.smem_bytes > 48 * 1024:
+                self._function.max_dynamic_shared_size_bytes = self.smem_bytes
         self._module = module
 
     @property
@@ -157,23 +168,39 @@ class TermKernel(_StreamCache):
         missing = [name for name in self.inputs if name not in tensors]
         if missing:
             raise CodegenError(f"{self.compiled.kernel_name}: missing tensors {missing}; it reads {list(self.inputs)}")
-        device = torch.device("cuda", self.device)
+        expected = self._expected()
         if out is None:
-            dtype = getattr(torch, TORCH_DTYPES[plan.output.dtype])
-            out = torch.empty(plan.output.shape, dtype=dtype, device=device)
+            _, shape, dtype = expected[-1]
+            out = torch.empty(shape, dtype=dtype, device=self._torch_device)
         args = []
-        for info in (*plan.inputs, plan.output):
-            tensor = out if info is plan.output else tensors[info.name]
-            _check_tensor(self.compiled.kernel_name, info.name, tensor, info.shape, info.dtype, self.device)
+        for (name, shape, dtype), info in zip(expected, (*plan.inputs, plan.output), strict=True):
+            tensor = out if info is plan.output else tensors[name]
+            if not (
+                isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.shape == shape
+                and tensor.device == self._torch_device and tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
+            ):  # fmt: skip
+                _check_tensor(self.compiled.kernel_name, info.name, tensor, info.shape, info.dtype, self.device)
             args.append(np.uint64(tensor.data_ptr()))
-        stream = self._stream(torch.cuda.current_stream(device).cuda_stream)
+        stream = self._stream(torch.cuda.current_stream(self._torch_device).cuda_stream)
         args = tuple(args)
 
         def run() -> None:
             with cupy.cuda.Device(self.device):
-                self._function(self.grid, self.block, args, stream=stream)
+                self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=stream)
 
         return run, out
+
+    def _expected(self) -> list[tuple[str, object, object]]:
+        """(name, torch.Size, torch dtype) of each parameter tensor, built once."""
+        import torch
+
+        if not hasattr(self, "_expected_tensors"):
+            self._torch_device = torch.device("cuda", self.device)
+            self._expected_tensors = [
+                (info.name, torch.Size(info.shape), getattr(torch, TORCH_DTYPES[info.dtype]))
+                for info in (*self.plan.inputs, self.plan.output)
+            ]
+        return self._expected_tensors
 
 
 def _check_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_name: str, device: int) -> None:
@@ -197,12 +224,62 @@ def _check_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_
         raise CodegenError(f"{role} for {kernel}: {', '.join(problems)}")
 
 
+class HopperFlashKernel(FlashAttentionKernel):
+    """``kernel(q, k, v, out=None) -> out`` for a compiled sm_90a flash-attention plan.
+
+    Same contract as :class:`FlashAttentionKernel`; the kernel reads q, k and v through TMA
+    tensor maps (encoded per data pointers and cached), passed by value with the output
+    pointer through ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`)."""
+
+    def __init__(self, compiled: CompiledKernel, device: int = 0):
+        import cupy
+
+        self.compiled = compiled
+        self.problem = p = compiled.plan.problem
+        self.schedule = s = compiled.plan.schedule
+        self.device = device
+        self.smem_bytes = s.smem_bytes(p.head_dim, p.dtype)
+        self.grid = (p.seq_q // s.block_q, p.heads, p.batch)
+        self.block = (s.threads, 1, 1)
+        with cupy.cuda.Device(device):
+            self._module = cupy.RawModule(path=str(compiled.cubin_path))
+            self._raw_kernel = self._module.get_function(compiled.kernel_name)
+            self._function = self._raw_kernel.kernel.ptr  # the CUfunction handle on this device
+        tensor_map.set_max_dynamic_smem(self._function, self.smem_bytes)
+        self._maps: dict[tuple[int, int, int], tuple[tensor_map.TensorMap, ...]] = {}
+
+    def _tensor_maps(self, q, k, v) -> tuple[tensor_map.TensorMap, ...]:
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in self._maps:
+            if len(self._maps) >= MAX_CACHED_TENSOR_MAPS:
+                self._maps.clear()
+            p, s = self.problem, self.schedule
+            self._maps[key] = (
+                tensor_map.bhsd_tensor_map(key[0], tuple(q.shape), p.dtype, s.block_q),
+                tensor_map.bhsd_tensor_map(key[1], tuple(k.shape), p.dtype, s.block_kv),
+                tensor_map.bhsd_tensor_map(key[2], tuple(v.shape), p.dtype, s.block_kv),
+            )
+        return self._maps[key]
+
+    def _launch(self, q, k, v, out, stream: int) -> None:
+        import torch
+
+        maps = self._tensor_maps(q, k, v)
+        with torch.cuda.device(self.device):
+            tensor_map.launch(self._function, self.grid, self.block, self.smem_bytes, stream,
+                              (*maps, ctypes.c_uint64(out.data_ptr())))  # fmt: skip
+
+
 def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKernel | TermKernel:
     """Load a compiled kernel onto CUDA device ``device`` and return it as a callable:
-    a :class:`FlashAttentionKernel` (``kernel(q, k, v)``) for a flash-attention plan, a
-    :class:`TermKernel` (``kernel(**tensors)``) for a term plan."""
+    a :class:`FlashAttentionKernel` (``kernel(q, k, v)``) for a flash-attention plan (a
+    :class:`HopperFlashKernel` for the sm_90a family), a :class:`TermKernel`
+    (``kernel(**tensors)``) for a term plan."""
     from cherenkov.codegen.term_plan import TermKernelPlan
+    from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
     if isinstance(compiled.plan, TermKernelPlan):
         return TermKernel(compiled, device)
+    if isinstance(compiled.plan.schedule, HopperFlashSchedule):
+        return HopperFlashKernel(compiled, device)
     return FlashAttentionKernel(compiled, device)

@@ -32,6 +32,7 @@ from cherenkov.rewrites.lower import Lowered, lower
 from cherenkov.rewrites.masks import MASKS
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, Target, flash_schedule_problems
 from cherenkov.rewrites.rule import Ruleset
+from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
 from cherenkov.rewrites.schedule import SCHEDULE, schedule_facts, schedule_from_term
 from cherenkov.rewrites.softmax import SOFTMAX
 from cherenkov.rewrites.streaming import STREAMING
@@ -261,7 +262,8 @@ class Derivation:
             problem = dataclasses.replace(problem, out=kernel.output)
             for form, schedule_term in ((row[1], row[2]) for row in rows):
                 schedule = schedule_from_term(schedule_term)
-                if form == kernel.source and not flash_schedule_problems(schedule, problem, target):
+                fits = hopper_schedule_problems if isinstance(schedule, HopperFlashSchedule) else flash_schedule_problems
+                if form == kernel.source and not fits(schedule, problem, target):
                     plans.append(KernelPlan("flash_attention", problem, schedule, target, kernel.trace))
         return sorted(set(plans), key=lambda p: p.name)
 

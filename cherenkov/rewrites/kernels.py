@@ -184,8 +184,12 @@ class _Partition:
         result = list(core)
         for position in operands:
             operand = core[position]
-            for nested in _cores(operand):
-                operand = _replace(operand, nested, self.materialise(nested))
+            nested = _cores(operand)
+            if head == "Contract" and _stored_whole(operand, nested):
+                result[position] = self.materialise(operand)
+                continue
+            for inner in nested:
+                operand = _replace(operand, inner, self.materialise(inner))
             result[position] = operand
         return tuple(result)
 
@@ -210,6 +214,18 @@ class _Partition:
             if not _is_bhsd_read(operand, position == 5):
                 result[position] = self.materialise(operand, layout)
         return tuple(result)
+
+
+def _stored_whole(operand: Term, nested: list[Term]) -> bool:
+    """Whether a contraction operand that holds other cores is better stored whole.
+
+    A contraction re-reads each operand element once per output tile, so elementwise work
+    around a stored core (a bias and GELU, a norm's weight) runs once in the producer's
+    epilogue instead of once per tile in this kernel's prologue — as long as storing the
+    whole operand writes no more than storing the cores would (no broadcast axes added)."""
+    if not nested or operand in nested:
+        return False
+    return t.free_axes(operand) == frozenset().union(*(t.free_axes(core) for core in nested))
 
 
 def _replace(term: Term, old: Term, new: Term) -> Term:

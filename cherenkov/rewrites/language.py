@@ -80,6 +80,7 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
         Constructor(
             "FlashSchedule", ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64"), 0
         ),
+        Constructor("HopperSchedule", ("i64", "i64", "i64", "bool"), 0),
     ),
     "Plan": (Constructor("Scheduled", ("Expr", "Schedule"), 0),),
 }
@@ -102,7 +103,8 @@ def declarations() -> str:
         lines.append(f"(datatype {sort} {body})")
     for sort, function in AXES_FUNCTION.items():
         lines.append(f"(function {function} ({sort}) StrSet :merge (set-intersect old new))")
-    lines.append(f"(relation FlashScheduleFits (i64 {' '.join(SORTS['Schedule'][0].args)}))")
+    for schedule in SORTS["Schedule"]:
+        lines.append(f"(relation {schedule.name}Fits (i64 {' '.join(schedule.args)}))")
     lines.append("(ruleset analysis)")
     return "\n".join(lines)
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ATTENTION_DTYPES = ("bf16", "fp16")
@@ -23,7 +26,10 @@ MAX_REGISTERS_PER_THREAD = 255
 
 @dataclass(frozen=True)
 class Target:
-    """A CUDA compilation target and the per-block budgets its schedules must respect."""
+    """A CUDA compilation target and the per-block budgets its schedules must respect.
+
+    ``family`` is its newest tensor-core instruction family: every target runs the
+    ``mma.sync`` kernels, a ``wgmma`` target (``sm_90a``) the Hopper kernels as well."""
 
     name: str
     compute_capability: int
@@ -48,6 +54,8 @@ TARGETS: dict[str, Target] = {
     "sm_86": Target("sm_86", 86, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024),
     "sm_89": Target("sm_89", 89, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024),
     "sm_90": Target("sm_90", 90, 227 * 1024, smem_per_sm=228 * 1024),
+    # Hopper with its architecture-specific features (wgmma, TMA, setmaxnreg): both families
+    "sm_90a": Target("sm_90a", 90, 227 * 1024, family="wgmma", smem_per_sm=228 * 1024),
     "sm_120": Target("sm_120", 120, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024),
 }
 
@@ -242,8 +250,6 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
       blocks at 2 per SM get 128 registers and spill (ptxas: 96 B).
     """
     reasons = []
-    if target.family != "mma_sync":
-        reasons.append(f"{target.name} is not an mma.sync target")
     if problem.dtype not in ATTENTION_DTYPES:
         reasons.append(f"dtype {problem.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
     if problem.head_dim not in ATTENTION_HEAD_DIMS:
@@ -294,7 +300,7 @@ class KernelPlan:
 
     kind: Literal["flash_attention"]
     problem: AttentionProblem
-    schedule: FlashSchedule
+    schedule: FlashSchedule | HopperFlashSchedule
     target: Target
     trace: tuple[str, ...] = field(default=(), compare=False)
 

@@ -1,9 +1,13 @@
 """Schedules: one alternative per valid schedule of each fused kernel form.
 
 A flash-attention e-node gains a ``Scheduled(form, FlashSchedule(...))`` plan for every
-schedule the target can hold. The guard is the relation ``FlashScheduleFits``, filled per
-target from :func:`cherenkov.rewrites.plan.flash_schedule_problems` (shared-memory and
-register budgets), so the e-graph and the code generator share one resource model.
+``mma.sync`` schedule the target can hold, and on a wgmma target (``sm_90a``) also a
+``Scheduled(form, HopperSchedule(...))`` plan for every Hopper schedule. The guards are the
+relations ``FlashScheduleFits`` and ``HopperScheduleFits``, filled per target from
+:func:`cherenkov.rewrites.plan.flash_schedule_problems` and
+:func:`cherenkov.rewrites.plan_sm90a.hopper_schedule_problems` (shared-memory and register
+budgets, the target's instruction family), so the e-graph and the code generators share
+one resource model.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from cherenkov.rewrites.plan import (
     Target,
     flash_schedule_problems,
 )
+from cherenkov.rewrites.plan_sm90a import HOPPER_SCHEDULES, HopperFlashSchedule, hopper_schedule_problems
 from cherenkov.rewrites.rule import Rule, Ruleset
 from cherenkov.rewrites.terms import literal
 
@@ -26,6 +31,8 @@ KNOB_ORDER = (
     "head_major", "overlap", "min_blocks",
 )
 _VARIABLES = " ".join(KNOB_ORDER)
+HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong")
+_HOPPER_VARIABLES = " ".join(HOPPER_KNOB_ORDER)
 
 RULES = (
     Rule(
@@ -34,6 +41,14 @@ RULES = (
         lhs="(FlashAttention j n d nd q k v c m)",
         where=(f"(FlashScheduleFits nd {_VARIABLES})",),
         rhs=f"(Scheduled __lhs (FlashSchedule {_VARIABLES}))",
+        union=False,
+    ),
+    Rule(
+        "hopper-flash-schedule",
+        "FlashAttention(...) runs under Hopper schedule η (wgmma, TMA, warp roles) when η fits the target",
+        lhs="(FlashAttention j n d nd q k v c m)",
+        where=(f"(HopperScheduleFits nd {_HOPPER_VARIABLES})",),
+        rhs=f"(Scheduled __lhs (HopperSchedule {_HOPPER_VARIABLES}))",
         union=False,
     ),
 )
@@ -59,16 +74,35 @@ def flash_schedules(head_dim: int, target: Target) -> list[FlashSchedule]:
     return schedules
 
 
+def hopper_schedules(head_dim: int, target: Target) -> list[HopperFlashSchedule]:
+    """The Hopper schedules a ``head_dim`` problem fits on ``target`` (none off wgmma targets).
+
+    As for :func:`flash_schedules`, a probe problem (sequence lengths a multiple of every
+    tile) decides; the plans of a concrete problem are filtered again with it."""
+    probes = [
+        AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=64 * 3 * 176, seq_kv=64 * 3 * 176, head_dim=head_dim,
+                         causal=causal)
+        for causal in (False, True)
+    ]  # fmt: skip
+    return [s for s in HOPPER_SCHEDULES if any(not hopper_schedule_problems(s, probe, target) for probe in probes)]
+
+
 def schedule_facts(target: Target) -> str:
-    """``FlashScheduleFits`` facts for every supported head dimension on ``target``."""
+    """``FlashScheduleFits`` and ``HopperScheduleFits`` facts for every supported head
+    dimension on ``target``."""
     lines = []
     for head_dim in ATTENTION_HEAD_DIMS:
         for schedule in flash_schedules(head_dim, target):
             values = " ".join(literal(getattr(schedule, knob)) for knob in KNOB_ORDER)
             lines.append(f"(FlashScheduleFits {head_dim} {values})")
+        for hopper in hopper_schedules(head_dim, target):
+            values = " ".join(literal(getattr(hopper, knob)) for knob in HOPPER_KNOB_ORDER)
+            lines.append(f"(HopperScheduleFits {head_dim} {values})")
     return "\n".join(lines)
 
 
-def schedule_from_term(term: tuple) -> FlashSchedule:
-    """The :class:`FlashSchedule` of a ``FlashSchedule(...)`` term."""
+def schedule_from_term(term: tuple) -> FlashSchedule | HopperFlashSchedule:
+    """The schedule of a ``FlashSchedule(...)`` or ``HopperSchedule(...)`` term."""
+    if term[0] == "HopperSchedule":
+        return HopperFlashSchedule(**dict(zip(HOPPER_KNOB_ORDER, term[1:])))
     return FlashSchedule(**dict(zip(KNOB_ORDER, term[1:])))

@@ -35,6 +35,7 @@ from cherenkov.rewrites.plan import (
     flash_register_estimate,
     flash_smem_bytes,
 )
+from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 LAUNCH_OVERHEAD_MS = 0.005
 
@@ -53,6 +54,7 @@ class GpuSpec:
     max_threads_per_sm: int = 2048
     max_blocks_per_sm: int = 32
     smem_bytes_per_clock: int = 128
+    wgmma_tflops: float = 0.0  # dense wgmma bf16 peak (Hopper), 0 where there is no wgmma
 
     @property
     def flop_per_smem_byte(self) -> float:
@@ -68,6 +70,7 @@ GPUS: dict[str, GpuSpec] = {
     "sm_86": GpuSpec("NVIDIA GeForce RTX 3090", "sm_86", 82, 71.0, 0.94, 100 * 1024, 1.70, 1536, 16),
     "sm_89": GpuSpec("NVIDIA GeForce RTX 4090", "sm_89", 128, 165.2, 1.01, 100 * 1024, 2.52, 1536, 24),
     "sm_90": GpuSpec("NVIDIA H200", "sm_90", 132, 641.0, 4.8, 228 * 1024, 1.98),
+    "sm_90a": GpuSpec("NVIDIA H200", "sm_90a", 132, 641.0, 4.8, 228 * 1024, 1.98, wgmma_tflops=989.0),
     "sm_120": GpuSpec("NVIDIA GeForce RTX 5090", "sm_120", 170, 209.5, 1.79, 100 * 1024, 2.41, 1536, 24),
 }
 
@@ -136,8 +139,36 @@ def schedule_factor(plan: KernelPlan) -> float:
     return factor
 
 
+# The sm_90a family (wgmma, TMA, warp roles), fitted to its first H200 measurements
+# (helper runs of 2026-11-29): the default schedule reaches 0.63 of the wgmma peak on the
+# seed shape, 3 stages beat 2 by 1.3x, and head dim 64 runs at 0.6 of head dim 128.
+HOPPER_BASE_EFFICIENCY = 0.63
+HOPPER_STAGE_FACTOR = {2: 0.77, 3: 1.0, 4: 1.0}
+HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
+HOPPER_NO_PINGPONG_FACTOR = 0.95
+HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0}
+
+
+def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Prediction:
+    """Predicted run time of an sm_90a flash-attention plan: one block per SM (its
+    shared-memory ring fills the SM), the fitted family efficiency times the wave fill."""
+    gpu = gpu or GPUS[plan.target.name]
+    schedule, problem = plan.schedule, plan.problem
+    blocks = problem.batch * problem.heads * math.ceil(problem.seq_q / schedule.block_q)
+    waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
+    pipeline = HOPPER_STAGE_FACTOR.get(schedule.stages, 1.0)
+    knobs = HOPPER_CONSUMER_FACTOR.get(schedule.consumer_warpgroups, 0.5) * HOPPER_HEAD_DIM_FACTOR[problem.head_dim]
+    if not schedule.pingpong:
+        knobs *= HOPPER_NO_PINGPONG_FACTOR
+    efficiency = HOPPER_BASE_EFFICIENCY * pipeline * knobs * waves
+    ms = problem.flops / (gpu.wgmma_tflops * 1e12 * efficiency) * 1e3 + LAUNCH_OVERHEAD_MS
+    return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, pipeline, waves, knobs)
+
+
 def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int | None = None) -> Prediction:
     """Predicted run time of a flash-attention plan (FLOPs as ``AttentionProblem.flops``)."""
+    if isinstance(plan.schedule, HopperFlashSchedule):
+        return predict_hopper_flash(plan, gpu)
     gpu = gpu or GPUS[plan.target.name]
     schedule, problem = plan.schedule, plan.problem
     resident = blocks_per_sm(plan, gpu, registers)
@@ -174,7 +205,12 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
 
 SIMT_FRACTION = 0.1  # fp32 FMA throughput of the CUDA cores relative to the mma.sync peak
 MEMORY_EFFICIENCY = {"pointwise": 0.7, "pointwise_vector": 0.85, "warp": 0.8, "block": 0.75, "thread": 0.25, "mma": 0.8}
-MMA_TILE_EFFICIENCY = {64 * 64: 0.35, 128 * 64: 0.45, 128 * 128: 0.5}
+MMA_TILE_EFFICIENCY = {64 * 64: 0.35, 128 * 64: 0.45, 128 * 128: 0.5, 128 * 256: 0.55}
+MMA_PIPELINE_EFFICIENCY = {2: 0.8, 3: 1.0, 4: 1.0}  # a 2-stage ring leaves load latency partly exposed
+# Fraction of the wgmma peak the sm_90a GEMM tiles reached at bf16 4096³ on the H200
+# (benchmarks/results/gemm-sm90a-h200-2026-11-29.json): (block_m, block_n, warpgroups, stages).
+WGMMA_TILE_EFFICIENCY = {(128, 256, 2, 4): 0.47, (256, 128, 2, 4): 0.45, (128, 128, 2, 5): 0.45,
+                         (128, 128, 2, 3): 0.42, (128, 128, 1, 4): 0.38}  # fmt: skip
 EVALUATED_OPERAND_PENALTY = 0.6  # a GEMM operand computed element by element instead of cp.async copies
 
 
@@ -188,7 +224,7 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     for everything else (a pointwise contraction re-reads its operands from cache and
     counts at a quarter of that). The larger of the two plus a launch overhead."""
     from cherenkov.codegen.cuda.term_kernels import term_grid
-    from cherenkov.codegen.term_plan import ROW_KINDS, gemm_layout
+    from cherenkov.codegen.term_plan import ROW_KINDS, gemm_layout, gemm_smem_bytes, wgmma_smem_bytes
 
     gpu = gpu or GPUS[plan.target.name]
     schedule = plan.schedule
@@ -202,14 +238,23 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     resident = max(1, min(gpu.max_threads_per_sm // threads, gpu.max_blocks_per_sm))
     if registers:
         resident = max(1, min(resident, 65536 // (8 * math.ceil(registers / 8) * threads)))
+    if family in ("mma", "wgmma"):
+        smem = gemm_smem_bytes(schedule) if family == "mma" else wgmma_smem_bytes(schedule)
+        resident = max(1, min(resident, gpu.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK)))
     slots = gpu.sms * resident
     waves = blocks / (math.ceil(blocks / slots) * slots)
     occupancy = min(1.0, resident * threads / gpu.max_threads_per_sm)
     if family == "mma":
         layout = gemm_layout(plan.kernel, plan.tensor_map)
         efficiency = MMA_TILE_EFFICIENCY.get(schedule.block_m * schedule.block_n, 0.4) * waves
+        efficiency *= MMA_PIPELINE_EFFICIENCY.get(schedule.stages, 1.0)
         efficiency *= (1.0 if layout.a_fast else EVALUATED_OPERAND_PENALTY) * (1.0 if layout.b_fast else EVALUATED_OPERAND_PENALTY)
         compute_ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3
+        memory = MEMORY_EFFICIENCY["mma"]
+    elif family == "wgmma":
+        tile = (schedule.block_m, schedule.block_n, schedule.consumer_warpgroups, schedule.stages)
+        efficiency = WGMMA_TILE_EFFICIENCY.get(tile, 0.35) * waves
+        compute_ms = flops / (gpu.wgmma_tflops * 1e12 * efficiency) * 1e3
         memory = MEMORY_EFFICIENCY["mma"]
     else:
         efficiency = max(0.05, waves * (0.25 if plan.kind == "contraction" else 1.0))

@@ -24,7 +24,7 @@ from cherenkov.search.records import Environment
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "sm_120"
-_TARGET_OF_CAPABILITY = {"8.0": "sm_80", "8.6": "sm_86", "8.7": "sm_86", "8.9": "sm_89", "9.0": "sm_90",
+_TARGET_OF_CAPABILITY = {"8.0": "sm_80", "8.6": "sm_86", "8.7": "sm_86", "8.9": "sm_89", "9.0": "sm_90a",
                          "12.0": "sm_120", "12.1": "sm_120"}  # fmt: skip
 
 

@@ -9,6 +9,7 @@ database already knows (including failures) are not compiled or measured again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -24,7 +25,9 @@ from cherenkov.codegen.plan import CompiledKernel
 from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.graph import Graph, GraphError
 from cherenkov.rewrites.derive import Derivation, derive
+from cherenkov.rewrites.kernels import FusedKernel
 from cherenkov.rewrites.plan import KernelPlan
+from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 from cherenkov.search.cost_model import GPUS, predict_plan
 from cherenkov.search.database import CandidateKey, TuningDatabase, WinnerKey
 from cherenkov.search.distributed import DaskExecutor
@@ -86,7 +89,7 @@ class OptimizeResult:
         self.report_json = report_json
         self.report_html = report_html
         self.from_database = from_database
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[int, list[tuple[FusedKernel, Any, Any]]] = {}
 
     @property
     def environment(self) -> Environment:
@@ -117,35 +120,88 @@ class OptimizeResult:
         Every kernel of ``derivation.kernels`` runs in order on the current stream; the
         intermediate buffers they write stay in device memory and are freed when the last
         kernel reading them is done. Inputs must be contiguous CUDA tensors of the graph's
-        dtypes and shapes."""
+        dtypes and shapes. Each call checks the tensors and launches every kernel from
+        Python; for repeated calls on the same buffers, :meth:`capture` removes that host work."""
         import torch
 
         buffers = dict(tensors)
         missing = sorted(set(self.graph.inputs) - set(buffers))
         if missing:
             raise GraphError(f"run: missing inputs {missing}; graph {self.graph.name!r} needs {sorted(self.graph.inputs)}")
-        kernels = self.derivation.kernels
-        last_use = {name: i for i, kernel in enumerate(kernels) for name in kernel.reads}
-        outputs = set(self.graph.outputs)
-        for position, kernel in enumerate(kernels):
+        for position, (kernel, launcher, problem) in enumerate(self._launchers(torch.cuda.current_device())):
+            if problem is None:
+                buffers[kernel.output] = launcher.launch(buffers)
+            else:
+                buffers[kernel.output] = launcher(buffers[problem.q], buffers[problem.k], buffers[problem.v])
+            for name in self._dead_after[position]:
+                del buffers[name]
+        return {name: buffers[name] for name in self.graph.outputs}
+
+    def capture(self, **tensors: Any) -> CapturedRun:
+        """Record :meth:`run` on these tensors as one CUDA graph and return it as a callable.
+
+        ``captured()`` replays every kernel with no Python work per kernel and returns the
+        same output tensors each time; to run on new data, copy it into the captured input
+        tensors (``x.copy_(new_x)``) — they must stay alive and in place."""
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # load the kernels and warm the allocator outside the capture
+            self.run(**tensors)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = self.run(**tensors)
+        return CapturedRun(graph, outputs, dict(tensors))
+
+    def _launchers(self, device: int) -> list[tuple[FusedKernel, Any, Any]]:
+        """(kernel, loaded launcher, attention problem or None) for each kernel in order,
+        loaded onto ``device`` on first use."""
+        cached = self._loaded.get(device)
+        if cached is not None:
+            return cached
+        launchers = []
+        for kernel in self.derivation.kernels:
             winner = self.kernels.get(kernel.output)
             if winner is None:
                 raise GraphError(
                     f"run: kernel {kernel.output} ({kernel.kind}) has no winning CUDA kernel; the search report "
                     f"({self.report_json}) says why (no plan fits, or every candidate failed)"
                 )
-            if kernel.output not in self._loaded:
-                self._loaded[kernel.output] = load_kernel(compile_plan(winner.plan), torch.cuda.current_device())
-            launcher = self._loaded[kernel.output]
-            if isinstance(winner.plan, TermKernelPlan):
-                buffers[kernel.output] = launcher.launch(buffers)
-            else:
-                problem = winner.plan.problem
-                buffers[kernel.output] = launcher(buffers[problem.q], buffers[problem.k], buffers[problem.v])
-            for name in kernel.reads:  # intermediate buffers nobody reads any more
-                if last_use.get(name) == position and name not in outputs and name not in self.graph.inputs:
-                    del buffers[name]
-        return {name: buffers[name] for name in self.graph.outputs}
+            launcher = load_kernel(compile_plan(winner.plan), device)
+            problem = None if isinstance(winner.plan, TermKernelPlan) else winner.plan.problem
+            launchers.append((kernel, launcher, problem))
+        self._loaded[device] = launchers
+        return launchers
+
+    @functools.cached_property
+    def _dead_after(self) -> list[list[str]]:
+        """For each kernel position, the intermediate buffers no later kernel reads."""
+        kernels = self.derivation.kernels
+        last_use = {name: i for i, kernel in enumerate(kernels) for name in kernel.reads}
+        keep = set(self.graph.outputs) | set(self.graph.inputs)
+        return [
+            sorted({name for name in kernel.reads if last_use[name] == position and name not in keep})
+            for position, kernel in enumerate(kernels)
+        ]
+
+
+class CapturedRun:
+    """The graph's kernels recorded as one CUDA graph on fixed tensors (:meth:`OptimizeResult.capture`).
+
+    Calling it replays the graph on the current stream and returns ``{output: tensor}``
+    (the same tensors every call). ``inputs`` are the captured input tensors: copy new
+    data into them to run on it."""
+
+    def __init__(self, graph: Any, outputs: dict[str, Any], inputs: dict[str, Any]) -> None:
+        self._graph = graph
+        self.outputs = outputs
+        self.inputs = inputs
+
+    def __call__(self) -> dict[str, Any]:
+        self._graph.replay()
+        return self.outputs
 
 
 # ------------------------------------------------------------------------------ search
@@ -165,8 +221,11 @@ def _rank(results: list[CandidateResult]) -> CandidateResult | None:
     return min(tied, key=lambda r: r.id)
 
 
-def _peak(target: str) -> float:
-    return GPUS[target].mma_tflops
+def _peak(plan: KernelPlan | TermKernelPlan) -> float:
+    """The peak a plan's instruction family can reach on its target's reference GPU."""
+    gpu = GPUS[plan.target.name]
+    hopper = isinstance(plan, KernelPlan) and isinstance(plan.schedule, HopperFlashSchedule)
+    return gpu.wgmma_tflops if hopper else gpu.mma_tflops
 
 
 def _flops(plan: KernelPlan | TermKernelPlan) -> float:
@@ -178,7 +237,7 @@ def _base_result(candidate: Candidate, status: str, **values: Any) -> CandidateR
     return CandidateResult(
         id=candidate.id, kernel=candidate.kernel, kind=plan.kind, params=plan.params(),
         source_hash=candidate.source_hash, status=status, flops=_flops(plan),
-        peak_tflops=_peak(plan.target.name), **values,
+        peak_tflops=_peak(plan), **values,
     )  # fmt: skip
 
 

@@ -7,7 +7,8 @@ that are inline PTX (``cvt`` to/from 16-bit floats, ``mma.sync``, ``ldmatrix``,
 (``__shfl_xor_sync``, ``ldmatrix``, ``mma``) exchange their lanes' operands through a
 per-warp buffer between two warp barriers, so the fragment layouts, index arithmetic,
 tails, shared-memory stages and epilogues of the generated kernels run as written. Blocks
-run one after another (``__shared__`` becomes ``static``).
+run one after another (``__shared__`` becomes ``static``, and so does the dynamic
+shared memory, sized for the plan).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from cherenkov.codegen import cuda_source
-from cherenkov.codegen.cuda.term_kernels import kernel_name, term_grid
+from cherenkov.codegen.cuda.term_kernels import kernel_name, term_dynamic_smem, term_grid
 from cherenkov.graph.evaluate import round_to_dtype
 
 EMULATED = (
     "ck_from_fp16", "ck_to_bf16", "ck_to_fp16", "mma_16816", "mma_16816_zero", "ck_ldsm_x4", "ck_ldsm_x4_t",
-    "ck_cp_async_16", "ck_cp_async_commit", "ck_cp_async_wait1",
+    "ck_cp_async_16", "ck_cp_async_commit", "ck_cp_async_wait_oldest",
 )  # fmt: skip
 
 PRELUDE = r"""
@@ -153,8 +154,9 @@ static inline void ck_ldsm_x4_t(unsigned (&r)[4], const void* p) {
 static inline void ck_cp_async_16(void* smem, const void* gmem, bool in_range) {
     if (in_range) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
 }
+static inline float __fdividef(float a, float b) { return a / b; }
 static inline void ck_cp_async_commit() {}
-static inline void ck_cp_async_wait1() {}
+static inline void ck_cp_async_wait_oldest() {}
 """
 
 
@@ -185,7 +187,10 @@ def host_source(plan) -> str:
     """The plan's generated source, made host C++ with the emulated helpers."""
     source = cuda_source(plan)
     fp16 = "f32.f16.f16.f32" in source
-    body = _strip_functions(source, EMULATED)
+    body = _strip_functions(source, EMULATED).replace(
+        "extern __shared__ __align__(16) unsigned char ck_smem[];",
+        f"alignas(16) static unsigned char ck_smem[{max(term_dynamic_smem(plan), 16)}];",
+    )
     return f"#define CK_EMU_MMA_FP16 {int(fp16)}\n" + PRELUDE + "\n" + body
 
 

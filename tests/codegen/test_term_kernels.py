@@ -27,7 +27,15 @@ from cherenkov.codegen import (
     term_plans,
 )
 from cherenkov.codegen.cuda.term_expr import TensorInfo, float_constant
-from cherenkov.codegen.term_plan import gemm_layout, kernel_tensors, term_plan_problems
+from cherenkov.codegen.cuda.term_kernels import term_dynamic_smem
+from cherenkov.codegen.term_plan import (
+    GEMM_SCHEDULES,
+    ROW_SCHEDULES,
+    gemm_layout,
+    gemm_smem_bytes,
+    kernel_tensors,
+    term_plan_problems,
+)
 from cherenkov.rewrites.plan import TARGETS
 from cherenkov.search.cost_model import predict_term
 
@@ -125,11 +133,19 @@ def plans_of(graph: ck.Graph, target: str = "sm_90") -> list[tuple[object, list[
 def test_every_kind_gets_its_families() -> None:
     ((softmax, plans),) = plans_of(softmax_graph())
     assert softmax.kind == "softmax_rows"
-    assert {p.schedule for p in plans} == {RowSchedule("warp", 128), RowSchedule("block", 256),
-                                           RowSchedule("block", 512), RowSchedule("thread", 128)}  # fmt: skip
+    uncached = {RowSchedule("warp", 128), RowSchedule("block", 256), RowSchedule("block", 512), RowSchedule("thread", 128)}
+    assert {p.schedule for p in plans} == uncached | {s for s in ROW_SCHEDULES if s.cached}, "rows of 100 fit"
+    ((_, long_rows),) = plans_of(softmax_graph(shape=(6, 4096)))
+    cached = {p.schedule for p in long_rows if p.schedule.cached}
+    assert cached == {RowSchedule("block", 256, True), RowSchedule("block", 512, True), RowSchedule("block", 1024, True)}
+    assert all("kept in registers" in cuda_source(p) for p in long_rows if p.schedule.cached)
     by_kind = {k.kind: ps for k, ps in plans_of(rms_matmul_graph())}
     families = [p.family for p in by_kind["contraction"]]
-    assert families.count("mma") == 3 and families.count("pointwise") == 1
+    assert families.count("mma") == len(GEMM_SCHEDULES) and families.count("pointwise") == 1
+    small = {k.kind: ps for k, ps in plans_of(rms_matmul_graph(), "sm_120")}["contraction"]
+    fitting = {p.schedule for p in small if p.family == "mma"}
+    assert fitting == {s for s in GEMM_SCHEDULES if gemm_smem_bytes(s) <= TARGETS["sm_120"].smem_per_block}
+    assert len(fitting) < len(GEMM_SCHEDULES), "sm_120's 99 KB leaves out the deepest rings"
     assert {p.family for p in by_kind["rms_norm_rows"]} == {"rows"}
     fp32 = {k.kind: ps for k, ps in plans_of(rms_matmul_graph("fp32"))}
     assert {p.family for p in fp32["contraction"]} == {"pointwise"}, "fp32 contractions take the exact path"
@@ -240,11 +256,16 @@ def test_sources_compile_without_spills(arch, compiler, kernel_cache) -> None:
         assert result.report.registers <= 255 and result.arch == arch
 
 
-def test_compile_plan_reports_static_shared_memory(compiler, kernel_cache) -> None:
-    plan = next(p for _, ps in plans_of(rms_matmul_graph()) for p in ps if isinstance(p.schedule, GemmSchedule))
-    compiled = compile_plan(plan, compiler=compiler, cache_dir=kernel_cache)
-    assert compiled.report.smem_static >= 2 * 2 * plan.schedule.block_m * 40 and compiled.report.smem_dynamic == 0
-    assert compiled.kernel_name == f"ck_contraction_{plan.schedule.key()}"
+def test_gemm_tiles_live_in_dynamic_shared_memory(compiler, kernel_cache) -> None:
+    plans = [p for _, ps in plans_of(rms_matmul_graph()) for p in ps if isinstance(p.schedule, GemmSchedule)]
+    for plan in (plans[0], plans[-1]):
+        compiled = compile_plan(plan, compiler=compiler, cache_dir=kernel_cache)
+        assert compiled.report.smem_static == 0 and "extern __shared__" in cuda_source(plan)
+        assert term_dynamic_smem(plan) == gemm_smem_bytes(plan.schedule) > 0
+        assert compiled.kernel_name == f"ck_contraction_{plan.schedule.key()}"
+    norm = next(p for _, ps in plans_of(rms_matmul_graph()) for p in ps if p.schedule == RowSchedule("block", 256))
+    compiled = compile_plan(norm, compiler=compiler, cache_dir=kernel_cache)
+    assert compiled.report.smem_static > 0 and term_dynamic_smem(norm) == 0, "block reductions: static partials"
 
 
 def test_cost_model_ranks_gemm_families() -> None:
@@ -302,7 +323,7 @@ def test_emulated_kernels_match_the_reference(graph) -> None:
 )  # fmt: skip
 def test_emulated_gemm_layouts_and_tails(transposes, m, n, k) -> None:
     """Every operand layout ([row][k] / [k][row], cp.async or evaluated) with tails in M, N and K."""
-    assert _check_graph(matmul_graph(*transposes, m, n, k), {"mma"}) == 3
+    assert _check_graph(matmul_graph(*transposes, m, n, k), {"mma"}) == len(GEMM_SCHEDULES)
 
 
 @needs_gxx
@@ -310,7 +331,7 @@ def test_emulated_batched_fp16_gemm() -> None:
     g = ck.Graph("bmm")
     a, b = g.input("a", (3, 37, 24), "fp16"), g.input("b", (3, 50, 24), "fp16")
     g.output(a @ b.transpose(-1, -2), "y")
-    assert _check_graph(g, {"mma"}) == 3
+    assert _check_graph(g, {"mma"}) == len(GEMM_SCHEDULES)
 
 
 @needs_gxx

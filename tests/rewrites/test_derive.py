@@ -12,6 +12,7 @@ import pytest
 import cherenkov as ck
 from cherenkov.rewrites.derive import Derivation
 from cherenkov.rewrites.plan import TARGETS, flash_smem_bytes
+from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
 
 B, H, SQ, SKV, D = 2, 4, 5, 9, 64
 SCALE = D**-0.5
@@ -159,13 +160,15 @@ def test_softmax_rows_are_one_fused_kernel() -> None:
     assert_derived_program_matches(g, d)
 
 
-def test_rms_norm_then_matmul_fuses_the_weight_into_the_matmul() -> None:
+def test_rms_norm_then_matmul_applies_the_weight_in_the_norm_kernel() -> None:
     g = ck.Graph("rms")
     x, w, m = g.input("x", (6, 32)), g.input("w", (32,)), g.input("m", (32, 16))
     g.output(ck.nn.rms_norm(x, w) @ m, "y")
     d = ck.derive(g)
     assert d.found("rms_norm_row")
     assert [k.kind for k in d.kernels] == ["rms_norm_rows", "contraction"]
+    norm, matmul = d.kernels
+    assert set(norm.reads) == {"x", "w"} and set(matmul.reads) == {norm.output, "m"}, "the weight: norm epilogue"
     assert_derived_program_matches(g, d)
 
 
@@ -185,8 +188,8 @@ def test_mlp_fuses_bias_and_gelu_into_the_first_matmul_epilogue() -> None:
     d = ck.derive(g)
     assert [k.kind for k in d.kernels] == ["contraction", "contraction"]
     first, second = d.kernels
-    assert second.reads == ("b1", first.output, "w2") or set(second.reads) == {"b1", first.output, "w2"}
-    assert "Exp" in str(second.term), "the GELU is applied as the second matmul's prologue"
+    assert set(first.reads) == {"x", "w1", "b1"} and "Exp" in str(first.term), "bias and GELU: first epilogue"
+    assert set(second.reads) == {first.output, "w2"} and "Exp" not in str(second.term)
     assert_derived_program_matches(g, d)
 
 
@@ -225,3 +228,20 @@ def test_saturation_is_bounded_and_small() -> None:
     d = ck.derive(g)
     assert d.stats.saturated and d.stats.enodes < 1500
     assert [k.kind for k in d.kernels] == ["flash_attention"] * 4
+
+
+def test_hopper_schedules_are_alternatives_on_sm90a_only() -> None:
+    d = ck.derive(seed_graph())
+    sm90a = TARGETS["sm_90a"]
+    plans = d.plans(sm90a)
+    hopper = [p for p in plans if isinstance(p.schedule, HopperFlashSchedule)]
+    assert HopperFlashSchedule() in {p.schedule for p in hopper}
+    assert all(not hopper_schedule_problems(p.schedule, p.problem, sm90a) for p in hopper)
+    assert len(plans) == len(d.plans("sm_90")) + len(hopper), "sm_90a offers both kernel families"
+    for name in ("sm_80", "sm_90", "sm_120"):
+        assert not any(isinstance(p.schedule, HopperFlashSchedule) for p in d.plans(name))
+    g = ck.Graph("tail")
+    q, k, v = (g.input(n, (1, 2, 1000, 128), "bf16") for n in "qkv")
+    g.output(textbook(q, k, v), "o")
+    tail_plans = ck.derive(g).plans(sm90a)
+    assert tail_plans and not any(isinstance(p.schedule, HopperFlashSchedule) for p in tail_plans), "no tails yet"

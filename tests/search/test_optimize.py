@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cherenkov as ck
+from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 from cherenkov.codegen import compile_plan, valid_flash_plans
 from cherenkov.rewrites.plan import TARGETS
 from cherenkov.search import optimize as optimize_module
@@ -50,7 +51,7 @@ def test_derived_plans_are_the_valid_plans_of_the_seed_problem() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["sm_120", "sm_90"])
+@pytest.mark.parametrize("target", ["sm_120", "sm_90", "sm_90a"])
 def test_cpu_search_compiles_ranks_reports_and_remembers(target, tmp_path, counting_compiles) -> None:
     graph = seed_graph()
     with TuningDatabase(tmp_path / "tuning.sqlite") as db:
@@ -63,6 +64,8 @@ def test_cpu_search_compiles_ranks_reports_and_remembers(target, tmp_path, count
         times = [c.time_ms for c in compiled]
         assert result.best.result.time_ms == min(times)
         assert result.best.target == target
+        hopper = isinstance(result.best.plan.schedule, HopperFlashSchedule)
+        assert hopper == (target == "sm_90a"), "on sm_90a the model ranks the wgmma family first"
         compile_plan(result.best.plan, source=result.best.source)  # the winner's source compiles
         report = read_json(result.report_json)
         assert report["environment"]["measured"] is False

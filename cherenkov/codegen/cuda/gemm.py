@@ -4,8 +4,7 @@ A contraction kernel computes ``epilogue(Σ_k a[m, k] · b[k, n])`` where ``a`` 
 elementwise terms of 16-bit tensor reads (see :class:`~cherenkov.codegen.term_plan.GemmLayout`:
 M, N and the batch flatten several axes each). One block computes a ``BM × BN`` output
 tile of one batch entry; its warps own ``WM × WN`` sub-tiles of m16n8k16 tensor-core tiles
-with fp32 accumulators. K advances ``BK`` at a time through two shared-memory stages: the
-tiles of step ``kt`` load while step ``kt - 1`` multiplies.
+with fp32 accumulators. K advances ``BK`` at a time.
 
 Tiles are stored the way their operand is laid out in memory, so global reads coalesce:
 ``[row][k]`` when the operand's innermost index follows k (A and B fragments then come
@@ -16,11 +15,13 @@ of the mma dtype whose innermost extent is a multiple of 8 is copied with 16-byt
 bias and GELU), other layouts (reshaped or transposed reads) — is evaluated element by
 element through the term emitter and rounded to the mma dtype on the way into shared
 memory. Past the end of K every element is zero; rows past M or N are clamped and their
-results never stored. The epilogue evaluates the kernel's term around the contraction for
+results never stored. The tiles live in a ring of ``stages`` buffers in dynamic shared
+memory: while step ``kt`` multiplies, the tiles of steps up to ``kt + stages - 1`` load,
+and one block barrier a step both publishes the landed tile and frees the oldest buffer. The epilogue evaluates the kernel's term around the contraction for
 each accumulator element (bias, activation, residual) and stores it.
 
-Launch: grid ``(ceil(N / BN), ceil(M / BM), BATCH)``, ``32 · warps`` threads, static
-shared memory.
+Launch: grid ``(ceil(N / BN), ceil(M / BM), BATCH)``, ``32 · warps`` threads,
+:func:`~cherenkov.codegen.term_plan.gemm_smem_bytes` of dynamic shared memory.
 """
 
 from __future__ import annotations
@@ -41,11 +42,7 @@ from cherenkov.codegen.cuda.term_expr import Binding, TermEmitter, emit_prelude,
 from cherenkov.codegen.cuda.mma import emit_mma
 from cherenkov.codegen.cuda.text import block, section
 from cherenkov.codegen.errors import CodegenError
-from cherenkov.codegen.term_plan import GemmLayout, gemm_layout, mma_problems
-from cherenkov.rewrites import terms as t
-
-PAD = 8  # elements of padding per shared-memory row (16 bytes)
-
+from cherenkov.codegen.term_plan import GEMM_SMEM_PAD, GemmLayout, gemm_layout, gemm_smem_bytes, mma_problems
 
 def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     layout = gemm_layout(plan.kernel, tensor_infos(plan))
@@ -53,23 +50,34 @@ def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return (math.ceil(layout.n / s.block_n), math.ceil(layout.m / s.block_m), layout.batch_size), (s.threads, 1, 1)
 
 
-def _helpers(dtype: str) -> str:
+def dynamic_smem(plan) -> int:
+    """Bytes of dynamic shared memory a GEMM plan's launch needs."""
+    return gemm_smem_bytes(plan.schedule)
+
+
+def _helpers(dtype: str, stages: int) -> str:
     """The tensor-core mma (shared with flash attention), ldmatrix and cp.async helpers."""
-    return emit_mma(dtype) + "\n" + block(f"""
+    return emit_mma(dtype) + "\n" + block("""
         // Four 8x8 b16 matrices from shared memory (row addresses from lanes 0-7, 8-15, 16-23, 24-31).
-        __device__ __forceinline__ void ck_ldsm_x4(u32 (&r)[4], const void* p) {{
+        __device__ __forceinline__ void ck_ldsm_x4(u32 (&r)[4], const void* p) {
             const u32 addr = static_cast<u32>(__cvta_generic_to_shared(p));
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];\\n"
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
                          : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-        }}
+        }
 
         // The same, each matrix transposed.
-        __device__ __forceinline__ void ck_ldsm_x4_t(u32 (&r)[4], const void* p) {{
+        __device__ __forceinline__ void ck_ldsm_x4_t(u32 (&r)[4], const void* p) {
             const u32 addr = static_cast<u32>(__cvta_generic_to_shared(p));
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0, %1, %2, %3}}, [%4];\\n"
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
                          : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-        }}
+        }
+        """) + "\n" + cp_async_helpers(stages - 2, "the oldest tile has landed")
 
+
+def cp_async_helpers(pending: int, meaning: str) -> str:
+    """``ck_cp_async_16`` (zero-filling), ``ck_cp_async_commit`` and ``ck_cp_async_wait_oldest``
+    (wait until at most ``pending`` of this thread's copy groups are in flight: ``meaning``)."""
+    return block(f"""
         // 16 bytes global -> shared without blocking; in_range = false writes 16 zero bytes.
         __device__ __forceinline__ void ck_cp_async_16(void* smem, const void* gmem, bool in_range) {{
             const u32 addr = static_cast<u32>(__cvta_generic_to_shared(smem));
@@ -77,11 +85,14 @@ def _helpers(dtype: str) -> str:
                          :: "r"(addr), "l"(gmem), "r"(in_range ? 16 : 0) : "memory");
         }}
         __device__ __forceinline__ void ck_cp_async_commit() {{ asm volatile("cp.async.commit_group;\\n" ::: "memory"); }}
-        __device__ __forceinline__ void ck_cp_async_wait1() {{ asm volatile("cp.async.wait_group 1;\\n" ::: "memory"); }}
+        // Wait until at most {pending} of this thread's copy groups are in flight: {meaning}.
+        __device__ __forceinline__ void ck_cp_async_wait_oldest() {{
+            asm volatile("cp.async.wait_group {pending};\\n" ::: "memory");
+        }}
         """)
 
 
-class _Operand:
+class TileOperand:
     """One operand's tile: which smem array, its layout, its rows (M or N side)."""
 
     def __init__(self, role: str, term, rows: tuple[str, ...], kmajor: bool, fast: bool, tile_rows: str, extent: str,
@@ -90,46 +101,58 @@ class _Operand:
         self.tile_rows, self.extent, self.origin = tile_rows, extent, origin
         self.smem = f"s{role}"
 
-    def declaration(self) -> str:
-        shape = f"[{self.tile_rows}][BK + {PAD}]" if self.kmajor else f"[BK][{self.tile_rows} + {PAD}]"
+    def declaration(self, offset: str) -> str:
+        """``s{role}[stage][..][..]``: this operand's ring of tiles at byte ``offset`` of the
+        dynamic shared memory."""
+        shape = f"[{self.tile_rows}][BK + PAD]" if self.kmajor else f"[BK][{self.tile_rows} + PAD]"
         order = "[row][k]" if self.kmajor else "[k][row]"
-        return f"__shared__ __align__(16) u16 {self.smem}[2]{shape};  // {self.role} tiles, {order}, 2 stages"
+        return f"u16 (*{self.smem}){shape} = reinterpret_cast<u16 (*){shape}>(ck_smem + {offset});  // {order}"
 
     def element(self, stage: str, row: str, k: str) -> str:
         return f"{self.smem}[{stage}][{row}][{k}]" if self.kmajor else f"{self.smem}[{stage}][{k}][{row}]"
 
 
-def _loader(em: TermEmitter, op: _Operand, layout: GemmLayout, batch_env: dict[str, Binding], dtype: str) -> list[str]:
-    """Statements (run with ``k0`` and ``stage`` defined) that fill one stage of a tile."""
+def copy_tile(em: TermEmitter, op: TileOperand, layout: GemmLayout, batch_env: dict[str, Binding],
+              destination: str) -> list[str]:  # fmt: skip
+    """Statements (run with ``k0`` defined) that copy one ``BK``-deep tile of a fast operand
+    with 16-byte ``cp.async``: chunk ``c`` of 8 elements is ``(row, kk)``, 8 consecutive k
+    of one row when the operand is K-major, 8 consecutive rows of one k otherwise (so
+    consecutive threads read consecutive 16 bytes); ``destination`` is the shared-memory
+    pointer of that chunk (an expression of ``row`` and ``kk``). Chunks past M/N or K are
+    zero-filled, their source clamped to element 0."""
     rows_total = op.tile_rows
     depth = em.push()
+    chunks = f"{rows_total} * BK / 8"
+    lines = [
+        "#pragma unroll",
+        f"for (int i = 0; i < ({chunks} + THREADS - 1) / THREADS; ++i) {{  // a constant trip count: unrolled",
+        "    const int c = threadIdx.x + i * THREADS;",
+        f"    if (({chunks}) % THREADS != 0 && c >= {chunks}) break;",
+        (
+            "    const int row = c / (BK / 8), kk = (c % (BK / 8)) * 8;"
+            if op.kmajor
+            else f"    const int kk = c / ({rows_total} / 8), row = (c % ({rows_total} / 8)) * 8;"
+        ),
+        f"    const int g = {op.origin} + row, k = k0 + kk;",
+        f"    const bool in_range = g < {op.extent} && k < K;",
+        "    const int gc = in_range ? g : 0, kc = in_range ? k : 0;",
+    ]
+    dec, env = decompose("gc", op.rows, depth, f"{op.role.lower()}x")
+    env = {**batch_env, **env, layout.k_axis: Binding("kc", depth, 0, layout.k - 1)}
+    offset = em.offset(op.term, env)
+    info = em.tensors[op.term[1]]
+    inner = em.pop()
+    lines += indent_lines(dec, 1) + indent_lines(inner, 1)
+    lines += [f"    ck_cp_async_16({destination}, {info.param} + {offset}, in_range);", "}"]
+    return lines
+
+
+def _loader(em: TermEmitter, op: TileOperand, layout: GemmLayout, batch_env: dict[str, Binding], dtype: str) -> list[str]:
+    """Statements (run with ``k0`` and ``stage`` defined) that fill one stage of a tile."""
     if op.fast:
-        if op.kmajor:
-            lines = [
-                f"for (int c = threadIdx.x; c < {rows_total} * (BK / 8); c += THREADS) {{",
-                "    const int row = c / (BK / 8), kk = (c % (BK / 8)) * 8;",
-            ]
-        else:
-            lines = [
-                f"for (int c = threadIdx.x; c < BK * ({rows_total} / 8); c += THREADS) {{",
-                f"    const int kk = c / ({rows_total} / 8), row = (c % ({rows_total} / 8)) * 8;",
-            ]
-        lines += [
-            f"    const int g = {op.origin} + row, k = k0 + kk;",
-            f"    const bool in_range = g < {op.extent} && k < K;",
-            "    const int gc = in_range ? g : 0, kc = in_range ? k : 0;",
-        ]
-        dec, env = decompose("gc", op.rows, depth, f"{op.role.lower()}x")
-        env = {**batch_env, **env, layout.k_axis: Binding("kc", depth, 0, layout.k - 1)}
-        offset = em.offset(op.term, env)
-        info = em.tensors[op.term[1]]
-        inner = em.pop()
-        lines += indent_lines(dec, 1) + indent_lines(inner, 1)
-        lines += [
-            f"    ck_cp_async_16(&{op.element('stage', 'row', 'kk')}, {info.param} + {offset}, in_range);",
-            "}",
-        ]
-        return lines
+        return copy_tile(em, op, layout, batch_env, f"&{op.element('stage', 'row', 'kk')}")
+    rows_total = op.tile_rows
+    depth = em.push()
     if op.kmajor:
         lines = [
             "#pragma unroll 4",
@@ -155,7 +178,7 @@ def _loader(em: TermEmitter, op: _Operand, layout: GemmLayout, batch_env: dict[s
     return lines
 
 
-def _fragments(op: _Operand, count: str, origin: str, step: int) -> list[str]:
+def _fragments(op: TileOperand, count: str, origin: str, step: int) -> list[str]:
     """ldmatrix.x4 loads of one k16 step: A's m16 tiles, or pairs of B's n8 tiles."""
     if op.role == "A":
         regs, what = "a[i]", "A: m16 tile i"
@@ -181,6 +204,21 @@ def _fragments(op: _Operand, count: str, origin: str, step: int) -> list[str]:
     ]
 
 
+def epilogue_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
+                   accumulator: str) -> list[str]:  # fmt: skip
+    """Statements (run with an in-range output row ``m`` and column ``n`` defined) that
+    evaluate the kernel's term at that element — its contraction replaced by the fp32
+    ``accumulator`` expression (bias, activation, residual around it) — and store it."""
+    em.overrides[layout.core] = lambda _env: accumulator
+    depth = em.push()
+    m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
+    n_lines, n_env = decompose("n", layout.n_axes, depth, "en")
+    env = {**batch_env, **m_env, **n_env}
+    value = em.value(plan.kernel.term, env)
+    lines = [*m_lines, *n_lines, *em.pop()]
+    return [*lines, store(plan.output, output_offset(plan.kernel.axes, env, em.index_type), value)]
+
+
 def gemm_source(plan) -> str:
     s = plan.schedule
     kernel = plan.kernel
@@ -195,15 +233,16 @@ def gemm_source(plan) -> str:
     name = kernel_name(plan)
     (gx, gy, gz), _ = grid(plan)
 
-    a = _Operand("A", layout.a, layout.m_axes, layout.a_kmajor, layout.a_fast, "BM", "M", "m0")
-    b = _Operand("B", layout.b, layout.n_axes, layout.b_kmajor, layout.b_fast, "BN", "N", "n0")
+    a = TileOperand("A", layout.a, layout.m_axes, layout.a_kmajor, layout.a_fast, "BM", "M", "m0")
+    b = TileOperand("B", layout.b, layout.n_axes, layout.b_kmajor, layout.b_fast, "BN", "N", "n0")
 
     constants = block(f"""
         constexpr int M = {layout.m};  // rows: {', '.join(safe_axis(x) for x in layout.m_axes) or 'none'}
         constexpr int N = {layout.n};  // columns: {', '.join(safe_axis(x) for x in layout.n_axes) or 'none'}
         constexpr int K = {layout.k};  // contracted: {safe_axis(layout.k_axis)}
         constexpr int BATCH = {layout.batch_size};  // {', '.join(safe_axis(x) for x in layout.batch) or 'none'}
-        constexpr int BM = {s.block_m}, BN = {s.block_n}, BK = {s.block_k};
+        constexpr int BM = {s.block_m}, BN = {s.block_n}, BK = {s.block_k}, STAGES = {s.stages};
+        constexpr int PAD = {GEMM_SMEM_PAD};  // elements a tile row is padded by (16 bytes: conflict-free ldmatrix)
         constexpr int WARPS_M = {s.warps_m}, WARPS_N = {s.warps_n}, THREADS = {s.threads};
         constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's tile
         constexpr int MT = WM / 16, NT = WN / 8;              // its m16 and n8 mma tiles
@@ -217,8 +256,10 @@ def gemm_source(plan) -> str:
         "const int wm = warp / WARPS_N, wn = warp % WARPS_N;",
         "const int q = lane >> 3, r = lane & 7;  // ldmatrix: which matrix this lane addresses, and its row",
         "const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;",
-        a.declaration(),
-        b.declaration(),
+        f"// shared memory: a ring of STAGES A tiles, then STAGES B tiles ({gemm_smem_bytes(s)} bytes)",
+        "extern __shared__ __align__(16) unsigned char ck_smem[];",
+        a.declaration("0"),
+        b.declaration(f"STAGES * sizeof({a.smem}[0])"),
     ]
     em.push()
     batch_lines, batch_env = decompose("blockIdx.z", layout.batch, 0, "bz")
@@ -226,14 +267,7 @@ def gemm_source(plan) -> str:
     load_a = _loader(em, a, layout, batch_env, dtype)
     load_b = _loader(em, b, layout, batch_env, dtype)
 
-    # epilogue: the kernel's term at each accumulator element, the contraction replaced by it
-    em.overrides[layout.core] = lambda _env: "acc[mi][ni][e]"
-    depth = em.push()
-    m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
-    n_lines, n_env = decompose("n", layout.n_axes, depth, "en")
-    env = {**batch_env, **m_env, **n_env}
-    value = em.value(kernel.term, env)
-    epilogue = em.pop()
+    epilogue = epilogue_store(em, plan, layout, batch_env, "acc[mi][ni][e]")
     top = em.pop()
     body += ["// values the whole block shares (batch-only parts of the terms)", *top]
     body += [
@@ -245,20 +279,26 @@ def gemm_source(plan) -> str:
         "        #pragma unroll",
         "        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;",
         "",
-        "// main loop: step kt loads tile kt into stage kt & 1 while tile kt - 1 multiplies",
-        "for (int kt = 0; kt <= KT; ++kt) {",
-        "    if (kt < KT) {",
-        "        const int k0 = kt * BK, stage = kt & 1;",
+        "// start loading k step `next` into ring buffer next % STAGES (one copy group, empty past K)",
+        "auto load_tiles = [&](int next) {",
+        "    if (next < KT) {",
+        "        const int k0 = next * BK, stage = next % STAGES;",
         f"        // A tile: {'16-byte cp.async copies' if a.fast else 'evaluated element by element'}",
         *indent_lines(load_a, 2),
         f"        // B tile: {'16-byte cp.async copies' if b.fast else 'evaluated element by element'}",
         *indent_lines(load_b, 2),
         "    }",
         "    ck_cp_async_commit();",
-        "    if (kt == 0) continue;",
-        "    ck_cp_async_wait1();",
-        "    __syncthreads();",
-        "    const int stage = (kt - 1) & 1;",
+        "};",
+        "#pragma unroll",
+        "for (int next = 0; next < STAGES - 1; ++next) load_tiles(next);",
+        "",
+        "// main loop: step kt multiplies buffer kt % STAGES while the next STAGES - 1 steps load",
+        "for (int kt = 0; kt < KT; ++kt) {",
+        "    ck_cp_async_wait_oldest();",
+        "    __syncthreads();  // step kt's tiles are visible; nobody reads buffer (kt - 1) % STAGES any more",
+        "    load_tiles(kt + STAGES - 1);",
+        "    const int stage = kt % STAGES;",
         "    #pragma unroll",
         "    for (int kk = 0; kk < BK / 16; ++kk) {",
         "        u32 a[MT][4], b[NT / 2][4];",
@@ -270,7 +310,6 @@ def gemm_source(plan) -> str:
         "            for (int ni = 0; ni < NT; ++ni)",
         "                mma_16816(acc[mi][ni], a[mi], b[ni >> 1][2 * (ni & 1)], b[ni >> 1][2 * (ni & 1) + 1]);",
         "    }",
-        "    __syncthreads();  // the stage is free for the load two steps on",
         "}",
         "",
         "// epilogue: accumulator element e of tile (mi, ni) is row g (+8 for e >= 2), column 2t + (e & 1)",
@@ -283,8 +322,7 @@ def gemm_source(plan) -> str:
         "            const int m = m0 + wm * WM + 16 * mi + (lane >> 2) + 8 * (e >> 1);",
         "            const int n = n0 + wn * WN + 8 * ni + 2 * (lane & 3) + (e & 1);",
         "            if (m < M && n < N) {",
-        *indent_lines(m_lines + n_lines + epilogue, 4),
-        f"                {store(plan.output, output_offset(kernel.axes, env, itype), value)}",
+        *indent_lines(epilogue, 4),
         "            }",
         "        }",
         "    }",
@@ -292,15 +330,16 @@ def gemm_source(plan) -> str:
     ]
     summary = (
         f"GEMM: mma.sync m16n8k16 {dtype}, fp32 accumulators; M={layout.m} N={layout.n} K={layout.k} "
-        f"batch={layout.batch_size}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.warps_m}x{s.warps_n} warps; "
+        f"batch={layout.batch_size}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.warps_m}x{s.warps_n} warps, "
+        f"{s.stages} stages; "
         f"A {'[row][k]' if a.kmajor else '[k][row]'} {'cp.async' if a.fast else 'evaluated'}, "
         f"B {'[row][k]' if b.kmajor else '[k][row]'} {'cp.async' if b.fast else 'evaluated'}."
     )
-    launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, static shared memory"
+    launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, {gemm_smem_bytes(s)} bytes of dynamic shared memory"
     kernel_text = "\n".join([signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
     parts = [
         header(plan, summary, launch),
-        section("types and helpers", emit_prelude(), _helpers(dtype)),
+        section("types and helpers", emit_prelude(), _helpers(dtype, s.stages)),
         section("problem and tile constants", constants),
         section("kernel", kernel_text),
     ]

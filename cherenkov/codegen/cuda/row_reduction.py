@@ -10,7 +10,8 @@ block through shared memory (every thread then merges the warps' states in the s
 order, so all hold identical statistics). The elementwise prologue is part of what the
 row reads (the emitter evaluates the core's operand at each element); the epilogue is the
 kernel's term around the core: row forms write every element of the row in a second pass
-(re-reading the row), reductions write one element per row.
+(re-reading the row, or — ``cached`` schedules — from the values each lane kept in
+registers during the first), reductions write one element per row.
 
 Launch: grid ``ceil(rows / rows_per_block)``, ``threads`` threads, static shared memory
 only in the one-block-a-row mode.
@@ -82,6 +83,20 @@ def _merge(head: str, st: dict[str, str], other: dict[str, str]) -> str:
     return f"{st[key]} += {other[key]};"
 
 
+def _cached_loop(items: int, lanes: int, n: int, statements: list[str]) -> list[str]:
+    """A fully unrolled loop over this lane's ``items`` values of the row (``u``: which one,
+    ``j``: its index), so that ``row_values[u]`` stays in registers."""
+    guarded = items * lanes != n
+    inner = indent_lines(statements, 2 if guarded else 1)
+    return [
+        "#pragma unroll",
+        f"for (int u = 0; u < {items}; ++u) {{",
+        f"    const int j = lane + u * {lanes};",
+        *([f"    if (j < {n}) {{", *inner, "    }"] if guarded else inner),
+        "}",
+    ]
+
+
 def row_source(plan) -> str:
     s = plan.schedule
     kernel = plan.kernel
@@ -95,6 +110,7 @@ def row_source(plan) -> str:
     name = kernel_name(plan)
     rows = math.prod(int(a.rsplit(":", 1)[1]) for a in layout.outer)
     lanes, n = s.lanes, layout.extent
+    items = math.ceil(n / lanes)  # row values a lane handles
     (blocks, _, _), _ = grid(plan)
     warps = s.threads // 32
 
@@ -123,12 +139,21 @@ def row_source(plan) -> str:
     stats_body = em.pop()
     stats_top = em.pop()
     body += [*stats_top, f"// pass 1: statistics over {safe_axis(layout.axis)} ({n}), {lanes} lane(s) a row", *init]
-    body += [
-        f"for (int j = lane; j < {n}; j += {lanes}) {{",
-        *indent_lines(stats_body, 1),
-        f"    {_add(head, st, values)}",
-        "}",
-    ]
+    if s.cached:
+        body += [
+            f"float row_values[{items}];  // this lane's values of the row, kept in registers for pass 2",
+            *_cached_loop(
+                items, lanes, n, [*stats_body, f"row_values[u] = {values[0]};", _add(head, st, ["row_values[u]"])]
+            ),
+        ]
+    else:
+        body += [
+            "#pragma unroll 4",
+            f"for (int j = lane; j < {n}; j += {lanes}) {{",
+            *indent_lines(stats_body, 1),
+            f"    {_add(head, st, values)}",
+            "}",
+        ]
     if lanes > 1:
         other = {var: f"o_{var}" for var in st}
         body += [
@@ -173,19 +198,23 @@ def row_source(plan) -> str:
     em.push()
     if layout.writes_row:
         em.overrides[core] = lambda e: em.row_element(core, e, stats)
+        if s.cached:  # the core's operand at element j is this lane's kept value
+            em.overrides[layout.operands[0]] = lambda e: "row_values[u]"
         em.push()
         inner = {**env, layout.axis: axis_binding(layout.axis, "j", 1)}
         value = em.value(kernel.term, inner)
         out_body = em.pop()
         out_top = em.pop()
+        write = [*out_body, store(plan.output, output_offset(kernel.axes, inner, itype), value)]
         body += [
-            f"// pass 2: the row's elements through the fused epilogue, {lanes} lane(s) a row",
+            f"// pass 2: the row's elements through the fused epilogue, {lanes} lane(s) a row"
+            + (" (from the kept values)" if s.cached else ""),
             *out_top,
-            f"for (int j = lane; j < {n}; j += {lanes}) {{",
-            *indent_lines(out_body, 1),
-            f"    {store(plan.output, output_offset(kernel.axes, inner, itype), value)}",
-            "}",
         ]
+        if s.cached:
+            body += _cached_loop(items, lanes, n, write)
+        else:
+            body += ["#pragma unroll 4", f"for (int j = lane; j < {n}; j += {lanes}) {{", *indent_lines(write, 1), "}"]
     else:
         em.overrides[core] = lambda e: stats[0]
         value = em.value(kernel.term, env)
@@ -198,9 +227,12 @@ def row_source(plan) -> str:
             "}",
         ]
     what = {"thread": "one thread", "warp": "one warp", "block": f"one block of {s.threads} threads"}[s.mode]
+    second = "one element a row"
+    if layout.writes_row:
+        second = f"a second pass writes the row{f' from {items} values a lane kept in registers' if s.cached else ''}"
     summary = (
         f"Rows: {head} over {safe_axis(layout.axis)} ({n}), {rows} rows, {what} a row; "
-        f"one pass for the statistics, {'a second pass writes the row' if layout.writes_row else 'one element a row'}."
+        f"one pass for the statistics, {second}."
     )
     launch = (
         f"grid ({blocks}), {s.threads} threads, {'static shared memory' if s.mode == 'block' else 'no shared memory'}"

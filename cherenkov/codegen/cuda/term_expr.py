@@ -224,7 +224,7 @@ def emit_prelude() -> str:
         __device__ __forceinline__ void ck_welford_add(float& n, float& mean, float& m2, float x) {
             n += 1.0f;
             const float delta = x - mean;
-            mean += delta / n;
+            mean += __fdividef(delta, n);  // 2 ulp, without the full-precision division's cost
             m2 += delta * (x - mean);
         }
         __device__ __forceinline__ void ck_welford_merge(float& n, float& mean, float& m2, float n2, float mean2, float m22) {

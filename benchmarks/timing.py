@@ -1,0 +1,44 @@
+"""The CUDA-event timer the benchmark scripts share.
+
+Samples of all launchers are interleaved round-robin (clock drift and thermal state hit
+all alike), L2 is flushed before every sample, and the median is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+WARMUP = 3
+SPIN_CYCLES = 400_000  # ~0.2 ms of GPU spin (torch.cuda._sleep) before a start event
+
+
+def l2_flush_buffer(torch: Any) -> Any:
+    """A buffer twice the L2 size: zeroing it evicts everything a kernel left in L2."""
+    return torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
+
+
+def time_interleaved(
+    torch: Any, launches: dict[str, Callable[[], Any]], flush: Any, samples: int, spin: bool = False
+) -> dict[str, float]:
+    """Median ms of each launch: warm-up, then ``samples`` rounds of one sample each, L2
+    flushed before every sample. ``spin`` queues a ~0.2 ms GPU spin after the flush, so the
+    host has enqueued the launch before the start event fires: host-side launch work,
+    which differs between launchers, then stays out of the time (device time only)."""
+    for launch in launches.values():
+        for _ in range(WARMUP):
+            launch()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {name: [] for name in launches}
+    for _ in range(samples):
+        for name, launch in launches.items():
+            flush.zero_()
+            if spin:
+                torch.cuda._sleep(SPIN_CYCLES)
+            start.record()
+            launch()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}

@@ -1,0 +1,497 @@
+"""The Hopper (sm_90a) flash-attention kernel family: TMA, wgmma, warp specialisation.
+
+``o = softmax(scale · q kᵀ [causal mask]) v`` for BHSD-contiguous q, k, v, o (bf16 or
+fp16, head dim 64 or 128, GQA). One block computes ``BLOCK_Q = 64 · CONSUMERS`` query
+rows of one (batch, head); its warpgroups have fixed roles:
+
+* warpgroup 0, the producer, lowers its registers (``setmaxnreg``) and one thread issues
+  every TMA copy: Q once (one ``64 × BLOCK_Q`` box per 64 columns of the head dim), then
+  for each key tile its K and V boxes into stage ``j % STAGES`` of the ring, after
+  waiting on that stage's "empty" mbarrier; K and V complete on separate "full"
+  mbarriers, so ``Q Kᵀ`` starts while V still lands.
+* warpgroups 1..CONSUMERS raise their registers and own 64 query rows each. Per key tile
+  j they issue ``S_j = Q K_jᵀ`` (wgmma, both operands from shared memory, K-major) and
+  ``O += P_(j-1) V_(j-1)`` (wgmma, P from registers, V MN-major), wait for ``S_j`` only,
+  run the online softmax on the accumulator registers while ``P V`` still runs, then wait
+  for it, hand stage ``j - 1`` back to the producer, rescale O and pack ``P_j`` to 16-bit
+  A fragments. With ``pingpong`` the two consumers' matmul issues alternate through named
+  barriers, so one warpgroup's softmax overlaps the other's matmuls.
+
+Shared memory: ``[Q | K stage 0..STAGES-1 | V stage 0..STAGES-1 | mbarriers]``, every tile
+1024-byte aligned and stored as 128-byte-swizzled boxes of 64 columns by the TMA
+(``CU_TENSOR_MAP_SWIZZLE_128B``), the layout the wgmma descriptors of :mod:`.wgmma`
+describe. Causal blocks visit key tiles up to their diagonal and mask only where a tile
+crosses a consumer's diagonal; the grid runs the longest causal blocks first.
+
+Launch: grid ``(SEQ_Q / BLOCK_Q, H, B)``, ``128 · (1 + CONSUMERS)`` threads,
+``schedule.smem_bytes(D, dtype)`` bytes of dynamic shared memory, arguments
+``(q_map, k_map, v_map, o)``: three TensorMaps of 3-D views ``(D, S, B·H)`` with
+``64 × rows × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and v; see
+:func:`cherenkov.codegen.tensor_map.bhsd_tensor_map`) and the output pointer. Every
+problem and schedule value is a compile-time constant; this version requires
+``SEQ_Q % BLOCK_Q == 0`` and ``SEQ_KV % BLOCK_KV == 0``.
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda import mma, softmax, tma, wgmma
+from cherenkov.codegen.cuda.text import block, bool_literal, comment_text, float_literal, identifier, section
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.rewrites.plan import AttentionProblem
+from cherenkov.rewrites.plan_sm90a import (
+    ROWS_PER_CONSUMER,
+    SWIZZLE_ALIGN,
+    TMA_BOX_COLUMNS,
+    HopperFlashSchedule,
+    hopper_schedule_problems,
+)
+
+LOG2E = 1.4426950408889634
+SWIZZLE_ROW_BYTES = 128  # one row of a 128-byte-swizzled box
+
+
+def kernel_name(schedule: HopperFlashSchedule) -> str:
+    """The ``extern "C"`` name, e.g. ``flash_attention_sm90a_q128_kv128_s2_c2_pp``."""
+    return identifier(f"flash_attention_sm90a_{schedule.key()}")
+
+
+def softmax_scale(problem: AttentionProblem) -> float:
+    """The problem's scale, ``head_dim ** -0.5`` when it is left at 0."""
+    scale = problem.scale or problem.head_dim**-0.5
+    if scale <= 0:
+        raise CodegenError(f"softmax scale {problem.scale} must be positive (or 0 for head_dim ** -0.5)")
+    return scale
+
+
+def check(problem: AttentionProblem, schedule: HopperFlashSchedule) -> None:
+    """CodegenError naming every reason the pair cannot be emitted."""
+    p = problem
+    if min(p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_kv) < 1:
+        raise CodegenError(f"attention shape B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv}: "
+                           "every size must be positive")
+    problems = hopper_schedule_problems(schedule, problem)
+    if problems:
+        raise CodegenError(f"invalid sm_90a flash-attention schedule {schedule.key()}: {'; '.join(problems)}")
+    for name in (p.q, p.k, p.v, p.out):
+        identifier(name)
+    softmax_scale(problem)
+
+
+def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
+    """Deterministic CUDA C++ of one problem × schedule (same inputs → same bytes)."""
+    check(problem, schedule)
+    dtype, s = problem.dtype, schedule
+    kv_wgmma = (s.block_kv, dtype, False, False)  # S = Q K^T: A, B K-major in shared memory
+    o_wgmma = (problem.head_dim, dtype, True, True)  # O += P V: A registers, B MN-major
+    parts = [
+        _header(problem, schedule),
+        section("types and helpers", _types(dtype)),
+        section("problem and schedule constants", _constants(problem, schedule)),
+        section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype))),
+        section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(3),
+                tma.emit_fence_proxy_async()),
+        section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
+        section("wgmma", wgmma.emit_descriptor(), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
+                wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(dtype)),
+        section("online softmax", softmax.emit_math_helpers(), _softmax()),
+        section("producer warpgroup", _producer()),
+        section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma), _pingpong(s.pingpong), _consumer()),
+        section("kernel", _kernel(schedule)),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
+    p, s = problem, schedule
+    lines = [
+        f"Generated by cherenkov: flash attention for sm_90a (wgmma, TMA), schedule {s.key()}.",
+        f"{identifier(p.out)} = softmax(scale * {identifier(p.q)} {identifier(p.k)}^T"
+        f"{' + causal mask' if p.causal else ''}) {identifier(p.v)}; tensors BHSD contiguous.",
+        f"Problem: B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv} D={p.head_dim} "
+        f"{p.dtype}{' causal' if p.causal else ''} scale={softmax_scale(p):.9g}.",
+        f"Schedule: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} stages={s.stages} "
+        f"consumer warpgroups={s.consumer_warpgroups} pingpong={s.pingpong} "
+        f"registers (producer, consumer)={s.register_split}.",
+        f"Launch: grid ({p.seq_q // s.block_q}, {p.heads}, {p.batch}), {s.threads} threads, "
+        f"{s.smem_bytes(p.head_dim, p.dtype)} bytes dynamic shared memory, args (q_map, k_map, v_map, o).",
+    ]
+    return "\n".join(f"// {comment_text(line)}" for line in lines)
+
+
+def _types(dtype: str) -> str:
+    return block(
+        f"""
+        typedef unsigned int u32;
+        typedef unsigned short elem_t;  // the bits of one {dtype} element
+        """
+    )
+
+
+def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
+    p, s = problem, schedule
+    scale = softmax_scale(p)
+    split = s.register_split
+    regs = f"constexpr int PRODUCER_REGS = {split[0]};\n        constexpr int CONSUMER_REGS = {split[1]};" if split else (
+        "// one consumer warpgroup: 256 threads get 255 registers, no reallocation")
+    return block(
+        f"""
+        constexpr int HEADS = {p.heads};
+        constexpr int KV_HEADS = {p.kv_heads};
+        constexpr int GROUP = {p.group_size};  // query heads per K/V head
+        constexpr int SEQ_Q = {p.seq_q};
+        constexpr int SEQ_KV = {p.seq_kv};
+        constexpr int HEAD_DIM = {p.head_dim};
+        constexpr bool CAUSAL = {bool_literal(p.causal)};
+        constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
+
+        constexpr int CONSUMERS = {s.consumer_warpgroups};  // consumer warpgroups of 64 query rows
+        constexpr int BLOCK_Q = {s.block_q};
+        constexpr int BLOCK_KV = {s.block_kv};
+        constexpr int STAGES = {s.stages};
+        constexpr int THREADS = {s.threads};
+        constexpr bool PINGPONG = {bool_literal(s.pingpong)};
+        {regs}
+        constexpr int Q_TILES = SEQ_Q / BLOCK_Q;
+        constexpr int KV_TILES = SEQ_KV / BLOCK_KV;
+        constexpr int D_BOXES = HEAD_DIM / {TMA_BOX_COLUMNS};  // 64-column (128-byte) TMA boxes across the head dim
+        constexpr int S_REGS = BLOCK_KV / 2;  // fp32 accumulators of S a thread
+        constexpr int O_REGS = HEAD_DIM / 2;  // fp32 accumulators of O a thread
+        constexpr int P_REGS = BLOCK_KV / 4;  // packed 16-bit pairs of P a thread
+        static_assert(BLOCK_Q == {ROWS_PER_CONSUMER} * CONSUMERS && THREADS == 128 * (CONSUMERS + 1), "warp roles");
+        static_assert(SEQ_Q % BLOCK_Q == 0 && SEQ_KV % BLOCK_KV == 0, "no tails in this version");
+        """
+    )
+
+
+def _layout_constants(smem_bytes: int) -> str:
+    return block(
+        f"""
+        // [Q | K stage 0..STAGES-1 | V stage 0..STAGES-1 | mbarriers], offsets from a {SWIZZLE_ALIGN}-byte
+        // aligned base. A tile is D_BOXES boxes of (rows x 64 columns), {SWIZZLE_ROW_BYTES}-byte swizzled rows.
+        constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};
+        constexpr u32 Q_BOX_BYTES = BLOCK_Q * ROW_BYTES;
+        constexpr u32 KV_BOX_BYTES = BLOCK_KV * ROW_BYTES;
+        constexpr u32 Q_TILE_BYTES = D_BOXES * Q_BOX_BYTES;
+        constexpr u32 KV_TILE_BYTES = D_BOXES * KV_BOX_BYTES;
+        constexpr u32 Q_SMEM = 0;
+        constexpr u32 K_SMEM = Q_SMEM + Q_TILE_BYTES;
+        constexpr u32 V_SMEM = K_SMEM + STAGES * KV_TILE_BYTES;
+        constexpr u32 BAR_SMEM = V_SMEM + STAGES * KV_TILE_BYTES;
+        constexpr u32 Q_FULL = BAR_SMEM;                  // Q landed
+        constexpr u32 K_FULL = BAR_SMEM + 8;              // + 8 * stage: K tile landed
+        constexpr u32 V_FULL = K_FULL + 8 * STAGES;       // + 8 * stage: V tile landed
+        constexpr u32 KV_EMPTY = V_FULL + 8 * STAGES;     // + 8 * stage: every consumer warp is done with it
+        constexpr u32 SMEM_BYTES = KV_EMPTY + 8 * STAGES + {SWIZZLE_ALIGN};  // + slack to align the base
+        static_assert(SMEM_BYTES == {smem_bytes}, "the schedule's shared-memory estimate is the layout");
+        static_assert(KV_BOX_BYTES % {SWIZZLE_ALIGN} == 0 && Q_BOX_BYTES % {SWIZZLE_ALIGN} == 0, "swizzle atoms aligned");
+        """
+    )
+
+
+def _softmax() -> str:
+    return block(
+        """
+        // The running softmax state of this thread's two rows (g and g + 8 of its warp's 16).
+        struct RowState {
+            float max[2];  // raw (unscaled) running row max
+            float sum[2];  // this thread's partial row sum; the quad's partials are added at the end
+        };
+
+        // Causal mask of one key tile: scores of keys after the query become -inf.
+        __device__ __forceinline__ void mask_causal(float (&s)[S_REGS], int row0, int kv0, int t) {
+            #pragma unroll
+            for (int c = 0; c < BLOCK_KV / 8; ++c) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + (e >> 1) * 8;
+                    const int col = kv0 + 8 * c + 2 * t + (e & 1);
+                    if (col > row) s[4 * c + e] = neg_inf();
+                }
+            }
+        }
+
+        // Scores -> unnormalised probabilities in place; returns each row's rescale factor for O.
+        // p = 2^(s * c - m * c) with c = scale * log2(e): one FMA and one ex2 a score. A row that
+        // has seen only masked scores keeps offset 0, so exp2(-inf) gives 0, not NaN.
+        __device__ __forceinline__ void online_softmax(float (&s)[S_REGS], RowState& st, float (&alpha)[2]) {
+            float row_max[2] = {st.max[0], st.max[1]};
+            #pragma unroll
+            for (int c = 0; c < BLOCK_KV / 8; ++c) {
+                row_max[0] = fmaxf(row_max[0], fmaxf(s[4 * c + 0], s[4 * c + 1]));
+                row_max[1] = fmaxf(row_max[1], fmaxf(s[4 * c + 2], s[4 * c + 3]));
+            }
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                row_max[r] = quad_max(row_max[r]);
+                const float offset = row_max[r] == neg_inf() ? 0.0f : row_max[r] * SCALE_LOG2;
+                alpha[r] = fast_exp2(st.max[r] * SCALE_LOG2 - offset);
+                st.max[r] = row_max[r];
+                float sum = 0.0f;
+                #pragma unroll
+                for (int c = 0; c < BLOCK_KV / 8; ++c) {
+                    s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], SCALE_LOG2, -offset));
+                    s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], SCALE_LOG2, -offset));
+                    sum += s[4 * c + 2 * r] + s[4 * c + 2 * r + 1];
+                }
+                st.sum[r] = st.sum[r] * alpha[r] + sum;
+            }
+        }
+
+        __device__ __forceinline__ void rescale_output(float (&o)[O_REGS], const float (&alpha)[2]) {
+            #pragma unroll
+            for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i >> 1) & 1];
+        }
+
+        // P as wgmma A fragments: accumulator pairs (2i, 2i + 1) packed in order, 4 registers a k16 step.
+        __device__ __forceinline__ void pack_probabilities(const float (&s)[S_REGS], u32 (&p)[P_REGS]) {
+            #pragma unroll
+            for (int i = 0; i < P_REGS; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
+        }
+        """
+    )
+
+
+def _producer() -> str:
+    return block(
+        """
+        // One thread issues every copy: Q once, then K_j and V_j into stage j % STAGES once every
+        // consumer warp has released that stage (its previous use).
+        __device__ __forceinline__ void produce(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
+                                                u32 smem, int q0, int q_head, int kv_head, int kv_tiles) {
+            tma_prefetch_map(q_map);
+            tma_prefetch_map(k_map);
+            tma_prefetch_map(v_map);
+            mbar_arrive_expect_tx(smem + Q_FULL, Q_TILE_BYTES);
+            #pragma unroll
+            for (int b = 0; b < D_BOXES; ++b)
+                tma_load_3d(smem + Q_SMEM + b * Q_BOX_BYTES, q_map, smem + Q_FULL, 64 * b, q0, q_head);
+            int stage = 0;
+            u32 phase = 0;
+            for (int j = 0; j < kv_tiles; ++j) {
+                mbar_wait(smem + KV_EMPTY + 8 * stage, phase ^ 1);
+                const u32 k_bar = smem + K_FULL + 8 * stage, v_bar = smem + V_FULL + 8 * stage;
+                mbar_arrive_expect_tx(k_bar, KV_TILE_BYTES);
+                #pragma unroll
+                for (int b = 0; b < D_BOXES; ++b)
+                    tma_load_3d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar,
+                                64 * b, j * BLOCK_KV, kv_head);
+                mbar_arrive_expect_tx(v_bar, KV_TILE_BYTES);
+                #pragma unroll
+                for (int b = 0; b < D_BOXES; ++b)
+                    tma_load_3d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar,
+                                64 * b, j * BLOCK_KV, kv_head);
+                if (++stage == STAGES) {
+                    stage = 0;
+                    phase ^= 1;
+                }
+            }
+        }
+        """
+    )
+
+
+def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple) -> str:
+    qk = wgmma.wgmma_name(*kv_wgmma)
+    pv = wgmma.wgmma_name(*o_wgmma)
+    return block(
+        f"""
+        // S = Q K^T for this warpgroup's 64 rows: HEAD_DIM / 16 k-steps. A k16 step is 32 bytes of
+        // each 128-byte swizzled row; every fourth step moves to the next 64-column box.
+        __device__ __forceinline__ void issue_scores(float (&s)[S_REGS], unsigned long long q_desc,
+                                                     unsigned long long k_desc) {{
+            #pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {{
+                const u32 q_step = (kk / 4) * Q_BOX_BYTES + (kk % 4) * 32;
+                const u32 k_step = (kk / 4) * KV_BOX_BYTES + (kk % 4) * 32;
+                {qk}(s, q_desc + (q_step >> 4), k_desc + (k_step >> 4), kk > 0);
+            }}
+        }}
+
+        // O += P V: BLOCK_KV / 16 k-steps of 16 V rows (2048 bytes); N = HEAD_DIM spans D_BOXES
+        // boxes, KV_BOX_BYTES apart (the descriptor's LBO).
+        __device__ __forceinline__ void issue_values(float (&o)[O_REGS], const u32 (&p)[P_REGS],
+                                                     unsigned long long v_desc) {{
+            #pragma unroll
+            for (int kk = 0; kk < BLOCK_KV / 16; ++kk)
+                {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+                    v_desc + ((kk * 16 * ROW_BYTES) >> 4), 1);
+        }}
+        """
+    )
+
+
+def _pingpong(enabled: bool) -> str:
+    if not enabled:
+        return block(
+            """
+            // No pingpong: the consumers issue their matmuls independently.
+            __device__ __forceinline__ void matmul_turn_begin(int) {}
+            __device__ __forceinline__ void matmul_turn_end(int, bool) {}
+            """
+        )
+    return block(
+        """
+        // Pingpong of the two consumers (named barriers 1 and 2, 256 threads each): consumer c
+        // waits on barrier 1 + c before issuing its matmuls and lets the other go after. Consumer 1
+        // opens consumer 0's first turn and gives no turn after its last one, so every arrival is
+        // matched by a wait.
+        __device__ __forceinline__ void matmul_turn_begin(int consumer) {
+            named_barrier_sync(1 + consumer, 256);
+        }
+
+        __device__ __forceinline__ void matmul_turn_end(int consumer, bool last) {
+            if (!(consumer == 1 && last)) named_barrier_arrive(2 - consumer, 256);
+        }
+        """
+    )
+
+
+def _consumer() -> str:
+    return block(
+        """
+        // One consumer warpgroup: 64 query rows, all key tiles. Tile j's scores are issued together
+        // with the previous tile's P V; the softmax of S_j runs while P_(j-1) V_(j-1) is in flight.
+        __device__ __forceinline__ void consume(u32 smem, elem_t* __restrict__ o, int consumer, int q0, int q_head,
+                                                int kv_tiles) {
+            const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+            const int g = lane / 4, t = lane % 4;
+            const int row0 = q0 + consumer * 64 + warp * 16 + g;  // this thread's first row (second: + 8)
+            const int first_row = q0 + consumer * 64;             // the warpgroup's first row
+            const unsigned long long q_desc = make_smem_desc(smem + Q_SMEM + consumer * 64 * ROW_BYTES, 16, 1024);
+            const unsigned long long k_desc = make_smem_desc(smem + K_SMEM, 16, 1024);
+            const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, KV_BOX_BYTES, 1024);
+
+            float s[S_REGS];
+            float o_acc[O_REGS];
+            u32 p[P_REGS];
+            float alpha[2];
+            RowState st = {{neg_inf(), neg_inf()}, {0.0f, 0.0f}};
+            #pragma unroll
+            for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.0f;
+
+            if (PINGPONG && consumer == 1) named_barrier_arrive(1, 256);  // consumer 0 goes first
+            mbar_wait(smem + Q_FULL, 0);
+
+            // Tile 0: scores only.
+            mbar_wait(smem + K_FULL, 0);
+            matmul_turn_begin(consumer);
+            wgmma_fence();
+            issue_scores(s, q_desc, k_desc);
+            wgmma_commit();
+            matmul_turn_end(consumer, false);
+            wgmma_wait<0>();
+            fence_operands(s);
+            if (CAUSAL && BLOCK_KV - 1 > first_row) mask_causal(s, row0, 0, t);
+            online_softmax(s, st, alpha);
+            pack_probabilities(s, p);
+
+            int prev = 0;  // the stage of tile j - 1
+            u32 prev_phase = 0;
+            int stage = 1;  // STAGES >= 2
+            u32 phase = 0;
+            for (int j = 1; j < kv_tiles; ++j) {
+                const int kv0 = j * BLOCK_KV;
+                mbar_wait(smem + K_FULL + 8 * stage, phase);
+                matmul_turn_begin(consumer);
+                fence_operands(o_acc);
+                fence_operands(p);
+                wgmma_fence();
+                issue_scores(s, q_desc, k_desc + ((stage * KV_TILE_BYTES) >> 4));
+                wgmma_commit();
+                mbar_wait(smem + V_FULL + 8 * prev, prev_phase);
+                wgmma_fence();
+                issue_values(o_acc, p, v_desc + ((prev * KV_TILE_BYTES) >> 4));
+                wgmma_commit();
+                matmul_turn_end(consumer, false);
+                wgmma_wait<1>();  // S_j is ready, P_(j-1) V_(j-1) may still run
+                fence_operands(s);
+                if (CAUSAL && kv0 + BLOCK_KV - 1 > first_row) mask_causal(s, row0, kv0, t);
+                online_softmax(s, st, alpha);
+                wgmma_wait<0>();
+                fence_operands(o_acc);
+                fence_operands(p);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(smem + KV_EMPTY + 8 * prev);
+                rescale_output(o_acc, alpha);
+                pack_probabilities(s, p);
+                prev = stage;
+                prev_phase = phase;
+                if (++stage == STAGES) {
+                    stage = 0;
+                    phase ^= 1;
+                }
+            }
+
+            // The last tile's P V.
+            mbar_wait(smem + V_FULL + 8 * prev, prev_phase);
+            matmul_turn_begin(consumer);
+            fence_operands(o_acc);
+            fence_operands(p);
+            wgmma_fence();
+            issue_values(o_acc, p, v_desc + ((prev * KV_TILE_BYTES) >> 4));
+            wgmma_commit();
+            matmul_turn_end(consumer, true);
+            wgmma_wait<0>();
+            fence_operands(o_acc);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem + KV_EMPTY + 8 * prev);
+
+            // Normalise by the row sums and store: each thread writes 2 values a row per 8 columns.
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float inv = 1.0f / quad_sum(st.sum[r]);
+                u32* out_row = reinterpret_cast<u32*>(o + ((size_t)q_head * SEQ_Q + row0 + 8 * r) * HEAD_DIM);
+                #pragma unroll
+                for (int c = 0; c < HEAD_DIM / 8; ++c)
+                    out_row[4 * c + t] = pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv);
+            }
+        }
+        """
+    )
+
+
+def _kernel(schedule: HopperFlashSchedule) -> str:
+    name = kernel_name(schedule)
+    if schedule.register_split:
+        producer_regs, consumer_regs = "reg_dealloc<PRODUCER_REGS>();", "reg_alloc<CONSUMER_REGS>();"
+    else:
+        producer_regs = consumer_regs = "// (one consumer: no register reallocation)"
+    return block(
+        f"""
+        extern "C" __global__ void __launch_bounds__(THREADS, 1)
+        {name}(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                const __grid_constant__ TensorMap v_map, elem_t* __restrict__ o) {{
+            extern __shared__ unsigned char smem_raw[];
+            const u32 smem = (smem_u32(smem_raw) + {SWIZZLE_ALIGN - 1}u) & ~{SWIZZLE_ALIGN - 1}u;
+            const int q_tile = CAUSAL ? Q_TILES - 1 - (int)blockIdx.x : (int)blockIdx.x;  // causal: longest first
+            const int head = blockIdx.y, batch = blockIdx.z;
+            const int q_head = batch * HEADS + head;             // index of the (batch, head) slab of q and o
+            const int kv_head = batch * KV_HEADS + head / GROUP;  // GQA: query heads share K/V heads
+            const int q0 = q_tile * BLOCK_Q;
+            // Causal: keys up to the block's last row (top-left aligned, key j <= query i).
+            const int kv_tiles = CAUSAL ? min(KV_TILES, (q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+
+            if (threadIdx.x == 0) {{
+                mbar_init(smem + Q_FULL, 1);
+                #pragma unroll
+                for (int s = 0; s < STAGES; ++s) {{
+                    mbar_init(smem + K_FULL + 8 * s, 1);
+                    mbar_init(smem + V_FULL + 8 * s, 1);
+                    mbar_init(smem + KV_EMPTY + 8 * s, 4 * CONSUMERS);  // one arrival per consumer warp
+                }}
+                fence_barrier_init();
+                fence_proxy_async();
+            }}
+            __syncthreads();
+
+            const int warpgroup = threadIdx.x / 128;
+            if (warpgroup == 0) {{
+                {producer_regs}
+                if (threadIdx.x == 0) produce(&q_map, &k_map, &v_map, smem, q0, q_head, kv_head, kv_tiles);
+            }} else {{
+                {consumer_regs}
+                consume(smem, o, warpgroup - 1, q0, q_head, kv_tiles);
+            }}
+        }}
+        """
+    )

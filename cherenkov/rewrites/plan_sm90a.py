@@ -1,0 +1,148 @@
+"""Schedules of the Hopper (sm_90a) flash-attention kernel family: wgmma, TMA, warp roles.
+
+A block has one producer warpgroup, whose first thread issues the TMA copies (Q once, then
+K/V tiles into a ``stages``-deep shared-memory ring), and ``consumer_warpgroups``
+consumer warpgroups of 64 query rows each, so ``block_q = 64 · consumer_warpgroups``. A
+consumer computes ``S = Q Kᵀ`` with wgmma (both operands in shared memory), the online
+softmax on the accumulator registers, and ``O += P V`` with wgmma (P from registers).
+``pingpong`` (two consumers only) alternates the two consumers' matmul phases with named
+barriers, so one warpgroup's softmax runs while the other's matmuls occupy the tensor
+cores. The code generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
+
+This module holds only the schedule, its resource estimates and its validity rules; it
+lives beside :mod:`cherenkov.rewrites.plan` (the ``mma.sync`` family) and reuses its
+:class:`AttentionProblem`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cherenkov.rewrites.plan import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS, ELEMENT_BYTES, TARGETS, AttentionProblem, Target
+
+SM90A = TARGETS["sm_90a"]
+"""The Hopper target with its architecture-specific features (wgmma, setmaxnreg)."""
+
+WARPGROUP_THREADS = 128
+ROWS_PER_CONSUMER = 64  # one wgmma m64 tile of query rows per consumer warpgroup
+TMA_BOX_COLUMNS = 64  # 64 16-bit elements = 128 bytes, the width of the 128-byte swizzle
+SWIZZLE_ALIGN = 1024  # one 128-byte-swizzle atom: 8 rows of 128 bytes
+MBARRIER_BYTES = 8
+
+# setmaxnreg budgets (producer, consumer) by number of consumer warpgroups: the block's
+# register file is 64K, and each warpgroup's share must be a multiple of 8.
+REGISTER_SPLIT = {2: (40, 232), 3: (32, 160)}
+
+
+@dataclass(frozen=True)
+class HopperFlashSchedule:
+    """Schedule knobs of the sm_90a flash-attention kernel.
+
+    ``block_kv`` keys per main-loop step (the N of ``S = Q Kᵀ``, a multiple of 16 up to
+    256); ``stages`` K/V tile buffers in the TMA ring (a consumer holds two at once: tile
+    j's K and tile j-1's V, so 2 stages leave the copy engine no slack; measured on the
+    H200, seed shape, 3 stages reach 626 TFLOP/s against 472 with 2);
+    ``consumer_warpgroups`` (1–3) of 64 query rows each; ``pingpong`` alternates two
+    consumers' matmul phases.
+    """
+
+    block_kv: int = 128
+    stages: int = 3
+    consumer_warpgroups: int = 2
+    pingpong: bool = True
+
+    @property
+    def block_q(self) -> int:
+        return ROWS_PER_CONSUMER * self.consumer_warpgroups
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP_THREADS * (1 + self.consumer_warpgroups)
+
+    @property
+    def register_split(self) -> tuple[int, int] | None:
+        """(producer, consumer) registers a thread after ``setmaxnreg``; None: no reallocation
+        (one consumer: the block's 256 threads already get 255 registers)."""
+        return REGISTER_SPLIT.get(self.consumer_warpgroups)
+
+    @property
+    def consumer_registers(self) -> int:
+        split = self.register_split
+        return split[1] if split else 255
+
+    def smem_bytes(self, head_dim: int, dtype: str = "bf16") -> int:
+        """Dynamic shared memory of one block: Q tile, ``stages`` × (K tile + V tile), the
+        mbarriers (Q full; K full, V full and K/V empty per stage) and 1 KB to align the
+        tiles to the 128-byte swizzle atom."""
+        elem = ELEMENT_BYTES[dtype]
+        tiles = self.block_q * head_dim * elem + self.stages * 2 * self.block_kv * head_dim * elem
+        barriers = MBARRIER_BYTES * (1 + 3 * self.stages)
+        return tiles + barriers + SWIZZLE_ALIGN
+
+    def register_estimate(self, head_dim: int) -> int:
+        """Registers a consumer thread needs: O and S accumulators (fp32, half a column each
+        per thread of the m64 tile), packed P (16-bit pairs) and 32 for the rest (ptxas,
+        nvcc 13.0: D128/kv176 fits 232 and D64/kv128 fits 160 without spills)."""
+        return head_dim // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
+
+    def key(self) -> str:
+        """A short stable name, e.g. ``q128_kv128_s2_c2_pp``."""
+        return (
+            f"q{self.block_q}_kv{self.block_kv}_s{self.stages}_c{self.consumer_warpgroups}"
+            f"{'_pp' if self.pingpong else ''}"
+        )
+
+    @property
+    def name(self) -> str:
+        return f"sm90a_{self.key()}"
+
+
+HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
+    HopperFlashSchedule(128, 3, 2, True),
+    HopperFlashSchedule(128, 2, 2, True),
+    HopperFlashSchedule(128, 2, 2, False),
+    HopperFlashSchedule(176, 2, 2, True),
+    HopperFlashSchedule(128, 2, 1, False),
+    HopperFlashSchedule(128, 2, 3, False),
+)
+"""The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`)."""
+
+
+def hopper_schedule_problems(
+    schedule: HopperFlashSchedule, problem: AttentionProblem, target: Target = SM90A
+) -> list[str]:
+    """Why a schedule cannot run a problem on a target; empty when it can.
+
+    This first version needs the sequence lengths to be multiples of the tiles (the TMA
+    boxes would zero-fill past the end, but the tails are not masked yet)."""
+    reasons = []
+    s, p = schedule, problem
+    if target.family != "wgmma":
+        reasons.append(f"{target.name} has no wgmma (the sm_90a family needs sm_90a)")
+    if p.dtype not in ATTENTION_DTYPES:
+        reasons.append(f"dtype {p.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
+    if p.head_dim not in ATTENTION_HEAD_DIMS:
+        reasons.append(f"head_dim {p.head_dim} (valid: {ATTENTION_HEAD_DIMS})")
+    if s.consumer_warpgroups not in (1, 2, 3):
+        reasons.append(f"{s.consumer_warpgroups} consumer warpgroups (valid: 1, 2, 3)")
+    if s.pingpong and s.consumer_warpgroups != 2:
+        reasons.append("the pingpong alternates exactly two consumer warpgroups")
+    if not (16 <= s.block_kv <= 256 and s.block_kv % 16 == 0):
+        reasons.append(f"block_kv {s.block_kv} is not a multiple of 16 in 16..256 (the N of one wgmma)")
+    if s.stages < 2:
+        reasons.append(f"{s.stages} stage(s): the consumers hold two K/V stages at once, so the ring needs 2 or more")
+    if p.seq_q % s.block_q or p.seq_kv % s.block_kv:
+        reasons.append(
+            f"Sq={p.seq_q} and Skv={p.seq_kv} must be multiples of block_q={s.block_q} and block_kv={s.block_kv} "
+            "(tails are not handled yet)"
+        )
+    if p.heads % p.kv_heads:
+        reasons.append(f"kv_heads {p.kv_heads} does not divide heads {p.heads}")
+    if p.head_dim in ATTENTION_HEAD_DIMS and p.dtype in ELEMENT_BYTES:
+        smem = s.smem_bytes(p.head_dim, p.dtype)
+        if smem > target.smem_per_block:
+            reasons.append(f"shared memory {smem} B exceeds {target.name}'s {target.smem_per_block} B")
+        regs = s.register_estimate(p.head_dim)
+        if regs > s.consumer_registers:
+            reasons.append(f"about {regs} registers a consumer thread exceeds its {s.consumer_registers}")
+    return reasons

@@ -1,0 +1,235 @@
+"""The sm_90a ``wgmma`` GEMM family of contraction kernels: which plans are offered (CPU),
+every schedule compiled for sm_90a with no spills, HGMMA in its SASS and no local memory
+(CPU, nvcc), and every schedule against torch's float32 matmul on random inputs (GPU):
+tails in M, N and K, A and B in both memory orders, a fused bias + GELU epilogue and a
+batched fp16 matmul."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import cherenkov as ck
+from cherenkov.codegen import compile_plans, cuda_source, load_kernel, term_plans
+from cherenkov.codegen.cuda.term_kernels import term_dynamic_smem
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.codegen.report import parse_ptxas_report
+from cherenkov.codegen.term_plan import (
+    WGMMA_GEMM_SCHEDULES,
+    TermKernelPlan,
+    WgmmaGemmSchedule,
+    gemm_layout,
+    term_plan_problems,
+    wgmma_smem_bytes,
+)
+from cherenkov.rewrites.plan import TARGETS
+
+SM90A = TARGETS["sm_90a"]
+TOLERANCE = 2e-2
+
+
+# ------------------------------------------------------------------------------ graphs
+
+
+def matmul_graph(ta: bool, tb: bool, m: int, n: int, k: int, dtype: str = "bf16") -> ck.Graph:
+    """``y = a @ b`` with ``a`` stored ``(k, m)`` when ``ta`` and ``b`` stored ``(n, k)`` when ``tb``."""
+    g = ck.Graph("matmul")
+    a = g.input("a", (k, m) if ta else (m, k), dtype)
+    b = g.input("b", (n, k) if tb else (k, n), dtype)
+    g.output((a.transpose(0, 1) if ta else a) @ (b.transpose(0, 1) if tb else b), "y")
+    return g
+
+
+def bias_gelu_graph(m: int = 200, n: int = 328, k: int = 136) -> ck.Graph:
+    g = ck.Graph("bias_gelu")
+    a, b, bias = g.input("a", (m, k), "bf16"), g.input("b", (k, n), "bf16"), g.input("bias", (n,), "bf16")
+    g.output(ck.nn.gelu(a @ b + bias), "y")
+    return g
+
+
+def batched_graph(batch: int = 3, m: int = 200, n: int = 328, k: int = 136) -> ck.Graph:
+    g = ck.Graph("bmm")
+    g.output(g.input("a", (batch, m, k), "fp16") @ g.input("b", (batch, k, n), "fp16"), "y")
+    return g
+
+
+def prologue_graph() -> ck.Graph:
+    """A contraction whose A operand is evaluated (a scale and SiLU prologue)."""
+    g = ck.Graph("prologue")
+    x, w, proj = g.input("x", (40, 96), "bf16"), g.input("w", (96,), "bf16"), g.input("proj", (96, 72), "bf16")
+    g.output(ck.nn.silu(x * w) @ proj, "y")
+    return g
+
+
+GRAPHS = {
+    "nn_4096": lambda: matmul_graph(False, False, 4096, 4096, 4096),
+    **{f"{'t' if ta else 'n'}{'t' if tb else 'n'}_tails": (lambda ta=ta, tb=tb: matmul_graph(ta, tb, 200, 328, 136))
+       for ta in (False, True) for tb in (False, True)},
+    "bias_gelu": bias_gelu_graph,
+    "bmm_fp16": batched_graph,
+}  # fmt: skip
+
+
+def contraction_plans(graph: ck.Graph, target=SM90A) -> list[TermKernelPlan]:
+    d = ck.derive(graph)
+    shapes, dtypes = d.tensor_types()
+    (kernel,) = [k for k in d.kernels if k.kind == "contraction"]
+    return term_plans(kernel, shapes, dtypes, target)
+
+
+def wgmma_plans(graph: ck.Graph) -> list[TermKernelPlan]:
+    return [p for p in contraction_plans(graph) if p.family == "wgmma"]
+
+
+# ------------------------------------------------------------------------------ plans
+
+
+def test_every_schedule_is_offered_first_on_sm90a() -> None:
+    for name, build in GRAPHS.items():
+        plans = contraction_plans(build())
+        assert [p.schedule for p in plans[: len(WGMMA_GEMM_SCHEDULES)]] == list(WGMMA_GEMM_SCHEDULES), name
+        assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}, name
+
+
+def test_not_offered_for_other_targets() -> None:
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        assert not [p for p in contraction_plans(GRAPHS["nn_tails"](), TARGETS[arch]) if p.family == "wgmma"]
+    plan = wgmma_plans(GRAPHS["nn_tails"]())[0]
+    wrong = TermKernelPlan(plan.kind, plan.kernel, plan.schedule, TARGETS["sm_90"], plan.tensors)
+    assert any("sm_90a" in reason for reason in term_plan_problems(wrong))
+    with pytest.raises(CodegenError, match="sm_90a"):
+        cuda_source(wrong)
+
+
+def test_not_offered_for_evaluated_operands() -> None:
+    plans = contraction_plans(prologue_graph())
+    assert plans and not [p for p in plans if p.family == "wgmma"]
+    assert [p for p in plans if p.family == "mma"], "the mma.sync family still runs the prologue"
+    mma = next(p for p in plans if p.family == "mma")
+    forced = TermKernelPlan(mma.kind, mma.kernel, WGMMA_GEMM_SCHEDULES[0], SM90A, mma.tensors)
+    assert any("evaluated" in reason for reason in term_plan_problems(forced))
+
+
+@pytest.mark.parametrize(
+    "schedule, reason",
+    [
+        (WgmmaGemmSchedule(block_k=32), "block_k"),
+        (WgmmaGemmSchedule(256, 256, 64, 2, 3), "accumulators"),
+        (WgmmaGemmSchedule(128, 256, 64, 2, 5), "shared memory"),
+        (WgmmaGemmSchedule(128, 96, 64, 2, 4), "block_n"),
+        (WgmmaGemmSchedule(192, 128, 64, 1, 4), "m64"),
+        (WgmmaGemmSchedule(128, 128, 64, 2, 2), "stages"),
+    ],
+)
+def test_invalid_schedules_say_why(schedule, reason) -> None:
+    plan = wgmma_plans(GRAPHS["nn_tails"]())[0]
+    bad = TermKernelPlan(plan.kind, plan.kernel, schedule, SM90A, plan.tensors)
+    assert any(reason in p for p in term_plan_problems(bad)), term_plan_problems(bad)
+
+
+def test_schedules_and_shared_memory() -> None:
+    default = WgmmaGemmSchedule()
+    assert default.threads == 256 and default.accumulators == 128 and default.key() == "wgmma_m128_n256_k64_wg2_s4"
+    assert wgmma_smem_bytes(default) == 4 * (128 + 256) * 64 * 2 + 1024
+    for plan in wgmma_plans(GRAPHS["nn_tails"]()):
+        assert term_dynamic_smem(plan) == wgmma_smem_bytes(plan.schedule) <= SM90A.smem_per_block
+
+
+def test_source_is_deterministic_and_follows_the_layouts() -> None:
+    for name, build in GRAPHS.items():
+        plans = wgmma_plans(build())
+        sources = [cuda_source(p) for p in plans]
+        assert sources == [cuda_source(p) for p in wgmma_plans(build())], name
+        assert len(set(sources)) == len(sources), name
+        layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
+        suffix = ("_ta" if not layout.a_kmajor else "") + ("_tb" if not layout.b_kmajor else "")
+        assert f"k16_ss_{layout.dtype}{suffix}(acc[mi]" in sources[0], name
+        for line in sources[0].splitlines():
+            assert line == line.rstrip() and "\t" not in line
+
+
+def test_layouts_cover_both_memory_orders() -> None:
+    orders = set()
+    for ta in (False, True):
+        for tb in (False, True):
+            plan = wgmma_plans(matmul_graph(ta, tb, 200, 328, 136))[0]
+            layout = gemm_layout(plan.kernel, plan.tensor_map)
+            assert layout.a_fast and layout.b_fast
+            orders.add((layout.a_kmajor, layout.b_kmajor))
+    assert orders == {(True, True), (True, False), (False, True), (False, False)}
+
+
+# ------------------------------------------------------------------------------ nvcc and SASS
+
+
+@pytest.mark.parametrize("graph", list(GRAPHS))
+def test_every_schedule_compiles_without_spills_to_hgmma(nvcc, sass, graph, tmp_path) -> None:
+    for plan in wgmma_plans(GRAPHS[graph]()):
+        output = nvcc.compile(cuda_source(plan), SM90A.arch_flag)
+        report = parse_ptxas_report(output.log, f"ck_contraction_{plan.schedule.key()}", term_dynamic_smem(plan))
+        assert report.spill_bytes == 0 and report.stack_frame == 0, (plan.name, report)
+        assert "serialized" not in output.log, (plan.name, output.log)  # ptxas: wgmma pipeline broken
+        if sass is None:
+            continue
+        cubin = tmp_path / f"{plan.schedule.key()}.cubin"
+        cubin.write_bytes(output.cubin)
+        code = sass(cubin)
+        layout = gemm_layout(plan.kernel, plan.tensor_map)
+        shape = (
+            f"HGMMA.64x{plan.schedule.block_n}x16.F32{'.BF16' if layout.dtype == 'bf16' else ' '}"  # fp16: no suffix
+        )
+        assert shape in code, plan.name
+        assert (".tnspA" in code) != layout.a_kmajor and (".tnspB" in code) != layout.b_kmajor, plan.name
+        assert " LDL" not in code and " STL" not in code, plan.name
+    if sass is None:
+        pytest.skip("cuobjdump is not installed: compiled and ptxas-checked only")
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+def _matmul_reference(ta: bool, tb: bool):
+    def reference(torch, x: dict):
+        a, b = x["a"].float(), x["b"].float()
+        return (a.T if ta else a) @ (b.T if tb else b)
+
+    return reference
+
+
+# graph, and its float32 torch reference (inputs by name -> output)
+GPU_CASES = {
+    "nn_1024x1536x2048": (lambda: matmul_graph(False, False, 1024, 1536, 2048), _matmul_reference(False, False)),
+    **{name: (GRAPHS[name], _matmul_reference(name[0] == "t", name[1] == "t"))
+       for name in ("nn_tails", "nt_tails", "tn_tails", "tt_tails")},
+    "bias_gelu": (bias_gelu_graph, lambda torch, x: torch.nn.functional.gelu(
+        x["a"].float() @ x["b"].float() + x["bias"].float(), approximate="tanh")),
+    "bmm_fp16": (batched_graph, lambda torch, x: x["a"].float() @ x["b"].float()),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_every_schedule_matches_torch(gpu, case, tmp_path) -> None:
+    torch = gpu
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a kernels need a Hopper GPU")
+    build, reference_of = GPU_CASES[case]
+    graph = build()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    inputs = {
+        name: torch.randn(t.shape, generator=generator, device="cuda").to(dtypes[t.dtype])
+        for name, t in graph.inputs.items()
+    }
+    reference = reference_of(torch, inputs)
+    plans = wgmma_plans(graph)
+    assert len(plans) == len(WGMMA_GEMM_SCHEDULES)
+    for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
+        assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
+        kernel = load_kernel(compiled)
+        out = torch.full(plan.output.shape, math.nan, device="cuda", dtype=dtypes[plan.output.dtype])
+        kernel.launch(inputs, out)
+        torch.cuda.synchronize()
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        assert error <= TOLERANCE, f"{plan.name}: relative L2 error {error:.3g}"  # NaN fails too

@@ -1,0 +1,200 @@
+"""The sm_90a flash-attention family: descriptors, schedules, source, nvcc/ptxas/SASS checks
+(CPU), and the kernel against PyTorch SDPA on random inputs (GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cherenkov.codegen.cuda import tma, wgmma
+from cherenkov.codegen.cuda.flash_attention_sm90a import emit_flash_attention_sm90a, kernel_name
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.codegen import HopperFlashKernel, compile_plan, cuda_source, load_kernel
+from cherenkov.codegen.tensor_map import encode_tiled
+from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan
+from cherenkov.rewrites.plan_sm90a import HOPPER_SCHEDULES, HopperFlashSchedule, hopper_schedule_problems
+
+TOLERANCE = 2e-2
+DEFAULT = HopperFlashSchedule()
+SEED = AttentionProblem(1, 8, 8, 4096, 8192, 128)
+
+# A problem each offered schedule is valid for (tiles of 176 keys and 192 query rows need
+# lengths that are multiples of them; three consumers fit head dim 64 only).
+COMPILE_PROBLEMS = [
+    AttentionProblem(1, 8, 8, 4224, 2816, 128),
+    AttentionProblem(1, 8, 8, 4224, 2816, 64, causal=True),
+    AttentionProblem(2, 8, 2, 768, 1536, 64, dtype="fp16"),
+    AttentionProblem(1, 4, 4, 2048, 2048, 128, causal=True, dtype="fp16"),
+]
+
+
+def hopper_plan(problem: AttentionProblem, schedule: HopperFlashSchedule) -> KernelPlan:
+    return KernelPlan("flash_attention", problem, schedule, TARGETS["sm_90a"])
+
+
+def _variants() -> list[tuple[AttentionProblem, HopperFlashSchedule]]:
+    pairs = []
+    for schedule in HOPPER_SCHEDULES:
+        valid = [p for p in COMPILE_PROBLEMS if not hopper_schedule_problems(schedule, p)]
+        assert valid, f"no test problem for {schedule.key()}"
+        pairs += [(p, schedule) for p in valid]
+    return pairs
+
+
+# ---- descriptors and primitives ---------------------------------------------------------
+
+
+def test_descriptor_k_major_tile_matches_hand_encoding():
+    # a K-major tile at shared address 0x2400: start 0x240, LBO 16 -> 1, SBO 1024 -> 64, 128B swizzle
+    desc = wgmma.smem_descriptor(0x2400, 16, 1024)
+    assert desc == 0x240 | 1 << 16 | 64 << 32 | 1 << 62
+    assert desc == 0x4000_0040_0001_0240
+    # one k16 step (32 bytes) further along the swizzled rows: start field + 2
+    assert wgmma.smem_descriptor(0x2400 + 32, 16, 1024) == desc + 2
+
+
+def test_descriptor_mn_major_tile_matches_hand_encoding():
+    # V tile: 64-column boxes of 128 rows (16 KiB apart, LBO), groups of 8 rows 1024 apart (SBO)
+    desc = wgmma.smem_descriptor(0x10000, 128 * 128, 1024)
+    assert desc == (0x10000 >> 4) | (16384 >> 4) << 16 | (1024 >> 4) << 32 | 1 << 62
+    assert desc == 0x4000_0040_0400_1000
+    assert wgmma.smem_descriptor(0, 0, 0, swizzle="none") == 0
+    assert wgmma.smem_descriptor(0x400, 16, 1024, swizzle="32B", base_offset=5) >> 49 == 5 | 3 << 13
+
+
+@pytest.mark.parametrize("bad", [dict(address=8), dict(lbo=1 << 18), dict(swizzle="256B"), dict(base_offset=8)])
+def test_descriptor_rejects_invalid_fields(bad):
+    args = dict(address=0x400, lbo=16, sbo=1024) | bad
+    with pytest.raises(CodegenError):
+        wgmma.smem_descriptor(**args)
+
+
+def test_wgmma_wrappers_name_their_operands():
+    ss = wgmma.emit_wgmma(128, "bf16", False, False)
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ss and "p, 1, 1, 0, 0;" in ss
+    assert ss.count('"+f"(d[') == 64
+    rs = wgmma.emit_wgmma(64, "fp16", True, True)
+    assert "m64n64k16.f32.f16.f16" in rs and "{%32,%33,%34,%35}, %36, p, 1, 1, 1;" in rs
+    with pytest.raises(CodegenError):
+        wgmma.emit_wgmma(12, "bf16", False, False)
+    assert "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes" in tma.emit_tma_load(3)
+    with pytest.raises(CodegenError):
+        tma.emit_tma_load(6)
+
+
+def test_tensor_map_arguments_are_checked_before_the_driver():
+    with pytest.raises(CodegenError, match="dtype"):
+        encode_tiled(0, "fp32", (64, 64), (128,), (64, 64))
+    with pytest.raises(CodegenError, match="128 bytes"):
+        encode_tiled(0, "bf16", (128, 64), (256,), (128, 64))
+    with pytest.raises(CodegenError, match="aligned"):
+        encode_tiled(8, "bf16", (64, 64), (128,), (64, 64))
+
+
+# ---- schedules and source ---------------------------------------------------------------
+
+
+def test_schedule_resources_and_names():
+    assert DEFAULT.block_q == 128 and DEFAULT.threads == 384 and DEFAULT.register_split == (40, 232)
+    # Q 128x128 + 3 stages x (K + V) 128x128, bf16; 10 mbarriers; 1 KiB alignment slack
+    assert DEFAULT.smem_bytes(128) == 32768 + 6 * 32768 + 10 * 8 + 1024
+    assert DEFAULT.key() == "q128_kv128_s3_c2_pp" and kernel_name(DEFAULT) == "flash_attention_sm90a_q128_kv128_s3_c2_pp"
+    assert not hopper_schedule_problems(DEFAULT, SEED)
+
+
+@pytest.mark.parametrize(
+    "schedule, problem, reason",
+    [
+        (HopperFlashSchedule(consumer_warpgroups=1, pingpong=True), SEED, "pingpong"),
+        (HopperFlashSchedule(block_kv=120), SEED, "multiple of 16"),
+        (HopperFlashSchedule(stages=1), SEED, "stage"),
+        (DEFAULT, AttentionProblem(1, 8, 8, 1000, 8192, 128), "tails"),
+        (HopperFlashSchedule(block_kv=256), SEED, "shared memory"),
+        (HopperFlashSchedule(consumer_warpgroups=3, pingpong=False), AttentionProblem(1, 8, 8, 768, 1024, 128),
+         "registers"),
+        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 96), "head_dim"),
+    ],
+)
+def test_invalid_schedules_say_why(schedule, problem, reason):
+    problems = hopper_schedule_problems(schedule, problem)
+    assert any(reason in p for p in problems), problems
+    with pytest.raises(CodegenError, match="invalid sm_90a"):
+        emit_flash_attention_sm90a(problem, schedule)
+
+
+def test_source_is_deterministic_and_specialised():
+    a = emit_flash_attention_sm90a(SEED, DEFAULT)
+    assert a == emit_flash_attention_sm90a(SEED, DEFAULT)
+    assert a != emit_flash_attention_sm90a(SEED, HopperFlashSchedule(pingpong=False))
+    assert "constexpr int SEQ_KV = 8192;" in a and "reg_alloc<CONSUMER_REGS>" in a
+    assert "wgmma_m64n128k16_rs_bf16_tb" in a and "wgmma_m64n128k16_ss_bf16" in a
+    for line in a.splitlines():
+        assert line == line.rstrip() and "\t" not in line
+
+
+# ---- nvcc for sm_90a: every variant compiles; the default spills nothing; SASS ------------
+
+
+@pytest.mark.parametrize("problem, schedule", _variants(), ids=lambda x: getattr(x, "key", lambda: "")() or None)
+def test_every_schedule_compiles_for_sm90a(nvcc, problem, schedule, tmp_path):
+    plan = hopper_plan(problem, schedule)
+    compiled = compile_plan(plan, compiler=nvcc, cache_dir=tmp_path)
+    assert compiled.arch == "sm_90a" and compiled.kernel_name == kernel_name(schedule)
+    assert cuda_source(plan) == emit_flash_attention_sm90a(problem, schedule)
+    assert compiled.cubin_path.stat().st_size > 0
+    assert compiled.report.spill_bytes == 0, compiled.report
+
+
+def test_default_schedule_sass_has_wgmma_and_tma_and_no_local_memory(nvcc, sass, tmp_path):
+    compiled = compile_plan(hopper_plan(SEED, DEFAULT), compiler=nvcc, cache_dir=tmp_path)
+    assert compiled.report.spill_bytes == 0 and compiled.report.stack_frame == 0
+    if sass is None:
+        pytest.skip("cuobjdump is not installed")
+    code = sass(compiled.cubin_path)
+    assert "HGMMA.64x128x16.F32.BF16" in code and ".tnspB" in code  # S = Q K^T and O += P V (V MN-major)
+    assert "UTMALDG" in code
+    assert "USETMAXREG" in code
+    assert " LDL" not in code and " STL" not in code
+
+
+# ---- GPU: against PyTorch SDPA (float32 reference) ------------------------------------------
+
+GPU_CASES = [
+    (SEED, DEFAULT),
+    (AttentionProblem(1, 4, 4, 2048, 2048, 128, causal=True), DEFAULT),
+    (AttentionProblem(2, 8, 2, 1024, 2048, 128), HopperFlashSchedule(128, 2, 2, True)),
+    (AttentionProblem(1, 8, 8, 2048, 4096, 64), DEFAULT),
+    (AttentionProblem(1, 8, 2, 1024, 1024, 64, causal=True, dtype="fp16"), HopperFlashSchedule(pingpong=False)),
+    (AttentionProblem(1, 4, 4, 1024, 2048, 128, dtype="fp16"), HopperFlashSchedule(128, 2, 2, False)),
+    (AttentionProblem(1, 4, 4, 1024, 2048, 128, causal=True), HopperFlashSchedule(128, 2, 1, False)),
+    (AttentionProblem(1, 4, 4, 1536, 1536, 64, causal=True), HopperFlashSchedule(128, 2, 3, False)),
+]
+
+
+def _reference(torch, p: AttentionProblem, q, k, v):
+    group = p.heads // p.kv_heads
+    k32 = k.float().repeat_interleave(group, dim=1)
+    v32 = v.float().repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k32, v32, is_causal=p.causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem, schedule", GPU_CASES, ids=lambda x: getattr(x, "key", lambda: "")() or None)
+def test_kernel_matches_sdpa(gpu, problem, schedule, tmp_path):
+    torch = gpu
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a kernels need a Hopper GPU")
+    kernel = load_kernel(compile_plan(hopper_plan(problem, schedule), cache_dir=tmp_path))
+    assert isinstance(kernel, HopperFlashKernel)
+    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
+    torch.manual_seed(0)
+    shapes = problem.shapes()
+    q, k, v = (torch.randn(shapes[name], device="cuda", dtype=dtype) for name in (problem.q, problem.k, problem.v))
+    out = torch.full(shapes[problem.out], math.nan, device="cuda", dtype=dtype)
+    kernel(q, k, v, out)
+    torch.cuda.synchronize()
+    ref = _reference(torch, problem, q, k, v)
+    assert not torch.isnan(out).any()
+    error = ((out.float() - ref).norm() / ref.norm()).item()
+    assert error <= TOLERANCE, f"relative L2 error {error:.3g}"
