@@ -1,16 +1,24 @@
-"""Float64 reference semantics of index-notation terms, fused forms included.
+"""Reference semantics of index-notation terms, fused forms included, on NumPy or torch.
 
-Every value is a NumPy array with one dimension per axis name of the term (size 1 where
-it does not vary), so broadcasting does the index bookkeeping. Fused forms evaluate the
-way their kernels compute, not by their definition: the online-softmax fold and flash
-attention stream over the key axis in blocks, combining partial ``(m, l, acc)`` states;
-LayerNorm rows combine Welford partial statistics. Comparing these against the naive
-graph checks each rewrite's identity numerically.
+Every value is an array with one dimension per axis name of the term (size 1 where it does
+not vary), so broadcasting does the index bookkeeping. ``Contract`` goes through einsum
+over the dimensions each operand varies along, so a matmul never materialises its
+``M·N·K`` products; the other binders reduce a broadcast body. Fused forms evaluate the way
+their kernels compute: the online-softmax fold and flash attention stream over the key
+axis in blocks of ``fold_block`` keys, combining partial ``(m, l, acc)`` states; LayerNorm
+rows merge Welford partial statistics.
+
+One evaluator serves two uses through an :class:`Arrays` backend: :func:`evaluate_term`
+is the float64 NumPy ground truth, streaming in blocks of 3 keys so that tests cross many
+block boundaries (comparing rewritten forms against the naive graph checks each rewrite's
+identity); :mod:`cherenkov.search.torch_eval` runs it with torch on the GPU in one block
+(the forms' definitions), as the reference measured kernels are checked against.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -18,69 +26,174 @@ from cherenkov.graph.evaluate import round_to_dtype
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.terms import Term
 
-FOLD_BLOCK = 3  # keys per streaming step: small, so tests cross many block boundaries
+FOLD_BLOCK = 3  # keys per streaming step of the NumPy reference
+LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # einsum subscripts, one per axis name
 
 Env = frozenset  # of (axis name, extent) pairs
 
 
-def softmax_fold(s: np.ndarray, v: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The online-softmax fold over ``axis``: returns ``(m, l, acc)`` with
-    ``m = max s``, ``l = Σ e^{s−m}``, ``acc = Σ e^{s−m}·v``, combined block by block."""
-    shape = np.broadcast_shapes(s.shape, v.shape)
-    s, v = np.broadcast_to(s, shape), np.broadcast_to(v, shape)
-    reduced = list(shape)
-    reduced[axis] = 1
-    m = np.full(reduced, -np.inf)
-    l = np.zeros(reduced)
-    acc = np.zeros(reduced)
-    for start in range(0, shape[axis], FOLD_BLOCK):
-        block = [slice(None)] * len(shape)
-        block[axis] = slice(start, start + FOLD_BLOCK)
-        s_block, v_block = s[tuple(block)], v[tuple(block)]
-        m_new = np.maximum(m, s_block.max(axis=axis, keepdims=True))
-        live = np.isfinite(m_new)
-        rescale = np.where(live, np.exp(np.where(live, m - m_new, 0.0)), 0.0)
-        p = np.where(live, np.exp(s_block - np.where(live, m_new, 0.0)), 0.0)
-        l = l * rescale + p.sum(axis=axis, keepdims=True)
-        acc = acc * rescale + (p * v_block).sum(axis=axis, keepdims=True)
+class Arrays:
+    """What differs between array libraries. Everything else the evaluator calls on ``xp``
+    by a name NumPy and torch share (exp, exp2, log2, sin, sqrt, maximum, where,
+    remainder, clip, isfinite, einsum)."""
+
+    xp: Any
+
+    def full(self, shape: tuple[int, ...], value: float) -> Any:
+        """An array of the working float dtype."""
+        raise NotImplementedError
+
+    def full_index(self, shape: tuple[int, ...], value: int) -> Any:
+        raise NotImplementedError
+
+    def arange(self, n: int) -> Any:
+        raise NotImplementedError
+
+    def to_float(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        """``x`` rounded to a graph dtype and back to the working float dtype."""
+        raise NotImplementedError
+
+    def reduce(self, x: Any, dim: int, how: str) -> Any:
+        """``sum`` or ``max`` over ``dim``, keeping it (size 1)."""
+        raise NotImplementedError
+
+    def expand(self, x: Any, shape: list[int]) -> Any:
+        raise NotImplementedError
+
+    def arrange(self, x: Any, shape: list[int], order: list[int], final: list[int]) -> Any:
+        """``x`` broadcast to ``shape``, its dimensions permuted to ``order``, reshaped to ``final``."""
+        raise NotImplementedError
+
+
+class NumpyArrays(Arrays):
+    """NumPy in float64."""
+
+    xp = np
+
+    def full(self, shape: tuple[int, ...], value: float) -> Any:
+        return np.full(shape, value, dtype=np.float64)
+
+    def full_index(self, shape: tuple[int, ...], value: int) -> Any:
+        return np.full(shape, value, dtype=np.int64)
+
+    def arange(self, n: int) -> Any:
+        return np.arange(n)
+
+    def to_float(self, x: Any) -> Any:
+        return np.asarray(x, dtype=np.float64)
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        return round_to_dtype(np.asarray(x, dtype=np.float64), dtype)
+
+    def reduce(self, x: Any, dim: int, how: str) -> Any:
+        return (np.max if how == "max" else np.sum)(x, axis=dim, keepdims=True)
+
+    def expand(self, x: Any, shape: list[int]) -> Any:
+        return np.broadcast_to(x, shape)
+
+    def arrange(self, x: Any, shape: list[int], order: list[int], final: list[int]) -> Any:
+        return np.transpose(np.broadcast_to(x, shape), order).reshape(final)
+
+
+def softmax_fold(
+    arrays: Arrays, s: Any, v: Any | None, dim: int, block: int | None
+) -> tuple[Any, Any, Any | None]:
+    """The online-softmax fold over ``dim``: ``(m, l, acc)`` with ``m = max s``,
+    ``l = Σ e^{s−m}`` (0 where ``m`` is −∞) and ``acc = Σ e^{s−m}·v`` (None without ``v``),
+    combined ``block`` keys at a time (None: all at once)."""
+    xp = arrays.xp
+    n = s.shape[dim]
+    step = block or n
+    reduced = list(s.shape)
+    reduced[dim] = 1
+    m, l = arrays.full(tuple(reduced), -np.inf), arrays.full(tuple(reduced), 0.0)
+    acc = None
+    for start in range(0, n, step):
+        window = [slice(None)] * len(s.shape)
+        window[dim] = slice(start, start + step)
+        s_block = s[tuple(window)]
+        m_new = xp.maximum(m, arrays.reduce(s_block, dim, "max"))
+        live = xp.isfinite(m_new)
+        rescale = xp.where(live, xp.exp(xp.where(live, m - m_new, 0.0)), 0.0)
+        p = xp.where(live, xp.exp(s_block - xp.where(live, m_new, 0.0)), 0.0)
+        l = l * rescale + arrays.reduce(p, dim, "sum")
+        if v is not None:
+            v_block = v if v.shape[dim] == 1 else v[tuple(window)]
+            part = contract(arrays, p, v_block, dim, p.shape[dim])
+            acc = part if acc is None else acc * rescale + part
         m = m_new
     return m, l, acc
 
 
-def welford(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and (biased) variance over ``axis``, merging block statistics (Chan et al.)."""
+def welford(arrays: Arrays, x: Any, dim: int, block: int | None) -> tuple[Any, Any]:
+    """Mean and (biased) variance over ``dim``, merging the statistics of ``block``-wide
+    slices (Chan et al.; None: one slice)."""
+    n = x.shape[dim]
+    step = block or n
     count, mean, m2 = 0, 0.0, 0.0
-    for start in range(0, x.shape[axis], FOLD_BLOCK):
-        block = np.take(x, range(start, min(start + FOLD_BLOCK, x.shape[axis])), axis=axis)
-        n_b = block.shape[axis]
-        mean_b = block.mean(axis=axis, keepdims=True)
-        m2_b = ((block - mean_b) ** 2).sum(axis=axis, keepdims=True)
+    for start in range(0, n, step):
+        window = [slice(None)] * len(x.shape)
+        window[dim] = slice(start, start + step)
+        part = x[tuple(window)]
+        n_b = part.shape[dim]
+        mean_b = arrays.reduce(part, dim, "sum") / n_b
+        m2_b = arrays.reduce((part - mean_b) ** 2, dim, "sum")
         delta = mean_b - mean
         total = count + n_b
-        mean = mean + delta * n_b / total
-        m2 = m2 + m2_b + delta**2 * count * n_b / total
+        mean = mean + delta * (n_b / total)
+        m2 = m2 + m2_b + delta**2 * (count * n_b / total)
         count = total
     return mean, m2 / count
 
 
-class _Evaluator:
-    def __init__(self, inputs: Mapping[str, np.ndarray], names: list[str]) -> None:
+def contract(arrays: Arrays, a: Any, b: Any, dim: int, extent: int) -> Any:
+    """``Σ_dim a·b`` without materialising the broadcast product (einsum over the
+    dimensions each operand varies along)."""
+    if a.shape[dim] == 1 and b.shape[dim] == 1:
+        return a * b * extent
+    a_dims = [i for i, size in enumerate(a.shape) if size > 1]
+    b_dims = [i for i, size in enumerate(b.shape) if size > 1]
+    out_dims = sorted((set(a_dims) | set(b_dims)) - {dim})
+    spec = (
+        "".join(LETTERS[i] for i in a_dims) + ","
+        + "".join(LETTERS[i] for i in b_dims) + "->"
+        + "".join(LETTERS[i] for i in out_dims)
+    )  # fmt: skip
+    result = arrays.xp.einsum(spec, a.reshape([a.shape[i] for i in a_dims]), b.reshape([b.shape[i] for i in b_dims]))
+    shape = [1] * len(a.shape)
+    for i in out_dims:
+        shape[i] = max(a.shape[i], b.shape[i])
+    return result.reshape(shape)
+
+
+class TermEvaluator:
+    """Values of the subterms of one term, memoised by (subterm, bound extents)."""
+
+    def __init__(self, arrays: Arrays, inputs: Mapping[str, Any], names: list[str], fold_block: int | None) -> None:
+        if len(names) > len(LETTERS):
+            raise ValueError(f"a term with {len(names)} axis names is over the evaluator's {len(LETTERS)}")
+        self.arrays = arrays
+        self.xp = arrays.xp
         self.inputs = inputs
         self.position = {name: i for i, name in enumerate(names)}
         self.rank = len(names)
-        self.memo: dict[tuple[Term, Env], np.ndarray] = {}
+        self.fold_block = fold_block
+        self.memo: dict[tuple[Term, Env], Any] = {}
 
-    def scalar(self, value: object) -> np.ndarray:
-        return np.full((1,) * self.rank, value)
+    def scalar(self, value: float) -> Any:
+        return self.arrays.full((1,) * self.rank, float(value))
 
-    def index(self, ix: Term, env: dict[str, int]) -> np.ndarray:
+    def index(self, ix: Term, env: Mapping[str, int]) -> Any:
         head = ix[0]
         if head == "Ax":
             shape = [1] * self.rank
             shape[self.position[ix[1]]] = env[ix[1]]
-            return np.arange(env[ix[1]]).reshape(shape)
+            return self.arrays.arange(env[ix[1]]).reshape(shape)
         if head == "IxLit":
-            return self.scalar(ix[1])
+            return self.arrays.full_index((1,) * self.rank, ix[1])
         if head == "IxAdd":
             return self.index(ix[1], env) + ix[2]
         if head == "IxDiv":
@@ -91,18 +204,19 @@ class _Evaluator:
             return self.index(ix[1], env) * ix[2] + self.index(ix[3], env)
         raise ValueError(f"not an index term: {ix}")
 
-    def along(self, value: np.ndarray, axis: str, extent: int) -> np.ndarray:
+    def along(self, value: Any, axis: str, extent: int) -> Any:
         shape = list(value.shape)
         shape[self.position[axis]] = extent
-        return np.broadcast_to(value, shape)
+        return self.arrays.expand(value, shape)
 
-    def value(self, term: Term, env: dict[str, int]) -> np.ndarray:
+    def value(self, term: Term, env: Mapping[str, int]) -> Any:
         key = (term, Env(env.items()))
         if key not in self.memo:
             self.memo[key] = self._value(term, env)
         return self.memo[key]
 
-    def _value(self, term: Term, env: dict[str, int]) -> np.ndarray:
+    def _value(self, term: Term, env: Mapping[str, int]) -> Any:
+        xp, arrays = self.xp, self.arrays
         head, args = term[0], term[1:]
         v = self.value
         match head:
@@ -111,24 +225,26 @@ class _Evaluator:
                 items = t.ix_items(args[1])
                 if len(items) != array.ndim:
                     raise ValueError(f"{args[0]} has {array.ndim} axes but is indexed with {len(items)}")
-                index = tuple(np.clip(self.index(ix, env), 0, size - 1) for ix, size in zip(items, array.shape))
-                return array[index] if index else np.full((1,) * self.rank, array)
+                if not items:
+                    return arrays.to_float(array).reshape((1,) * self.rank)
+                index = tuple(xp.clip(self.index(ix, env), 0, size - 1) for ix, size in zip(items, array.shape))
+                return arrays.to_float(array[index])
             case "Num" | "Flag":
                 return self.scalar(args[0])
             case "Iota":
-                return self.index(args[0], env).astype(np.float64)
+                return arrays.to_float(self.index(args[0], env))
             case "Cast":
-                return round_to_dtype(np.asarray(v(args[1], env), dtype=np.float64), args[0])
+                return arrays.cast(v(args[1], env), args[0])
             case "Exp2":
-                return np.exp2(v(args[0], env))
+                return xp.exp2(v(args[0], env))
             case "Exp":
-                return np.exp(v(args[0], env))
+                return xp.exp(v(args[0], env))
             case "Log2":
-                return np.log2(v(args[0], env))
+                return xp.log2(v(args[0], env))
             case "Sin":
-                return np.sin(v(args[0], env))
+                return xp.sin(v(args[0], env))
             case "Sqrt":
-                return np.sqrt(v(args[0], env))
+                return xp.sqrt(v(args[0], env))
             case "Recip":
                 return 1.0 / v(args[0], env)
             case "Neg":
@@ -138,62 +254,63 @@ class _Evaluator:
             case "Mul":
                 return v(args[0], env) * v(args[1], env)
             case "Mod":
-                return np.mod(v(args[0], env), v(args[1], env))
+                return xp.remainder(v(args[0], env), v(args[1], env))
             case "Lt":
-                return v(args[0], env) < v(args[1], env)
+                return arrays.to_float(v(args[0], env) < v(args[1], env))
             case "Maximum":
-                return np.maximum(v(args[0], env), v(args[1], env))
+                return xp.maximum(v(args[0], env), v(args[1], env))
             case "Where":
-                return np.where(v(args[0], env), v(args[1], env), v(args[2], env))
+                return xp.where(v(args[0], env) != 0, v(args[1], env), v(args[2], env))
             case "PadAxis":
                 ix, lo, size, fill, body = args
                 position = self.index(ix, env)
-                return np.where((position >= lo) & (position < lo + size), v(body, env), fill)
-            case "Sum" | "Max" | "Contract":
+                return xp.where((position >= lo) & (position < lo + size), v(body, env), self.scalar(fill))
+            case "Sum" | "Max":
+                axis, extent = args[0], args[1]
+                body = self.along(v(args[2], {**env, axis: extent}), axis, extent)
+                return arrays.reduce(body, self.position[axis], head.lower())
+            case "Contract":
                 axis, extent = args[0], args[1]
                 inner = {**env, axis: extent}
-                body = v(args[2], inner) if head != "Contract" else v(args[2], inner) * v(args[3], inner)
-                body = self.along(body, axis, extent)
-                reduce = np.max if head == "Max" else np.sum
-                return reduce(body, axis=self.position[axis], keepdims=True)
+                return contract(arrays, v(args[2], inner), v(args[3], inner), self.position[axis], extent)
             case "SoftmaxFoldL" | "SoftmaxFoldAcc" | "OnlineSoftmaxContract":
                 axis, extent = args[0], args[1]
                 inner = {**env, axis: extent}
                 scores = self.along(v(args[2], inner), axis, extent)
-                values = v(args[3], inner) if head != "SoftmaxFoldL" else self.scalar(1.0)
-                _, l, acc = softmax_fold(scores, values, self.position[axis])
-                return {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head, acc / l)
+                values = v(args[3], inner) if head != "SoftmaxFoldL" else None
+                _, l, acc = softmax_fold(arrays, scores, values, self.position[axis], self.fold_block)
+                return {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head, acc / l if acc is not None else l)
             case "FlashAttention":
                 return self._flash(args, env)
             case "SoftmaxRow":
                 axis, extent, scores = args
                 s = self.along(v(scores, {**env, axis: extent}), axis, extent)
-                m, l, _ = softmax_fold(s, self.scalar(1.0), self.position[axis])
-                return np.exp(s - m) / l
+                m, l, _ = softmax_fold(arrays, s, None, self.position[axis], self.fold_block)
+                return xp.exp(s - m) / l
             case "RmsNormRow":
                 axis, extent, x, eps = args
                 xv = self.along(v(x, {**env, axis: extent}), axis, extent)
-                return xv / np.sqrt((xv * xv).mean(axis=self.position[axis], keepdims=True) + eps)
+                return xv / xp.sqrt(arrays.reduce(xv * xv, self.position[axis], "sum") / extent + eps)
             case "LayerNormRow":
                 axis, extent, x, eps = args
                 xv = self.along(v(x, {**env, axis: extent}), axis, extent)
-                mean, variance = welford(xv, self.position[axis])
-                return (xv - mean) / np.sqrt(variance + eps)
+                mean, variance = welford(arrays, xv, self.position[axis], self.fold_block)
+                return (xv - mean) / xp.sqrt(variance + eps)
             case "Scheduled":
                 return v(args[0], env)
         raise ValueError(f"no reference semantics for {head}")
 
-    def _flash(self, args: tuple, env: dict[str, int]) -> np.ndarray:
+    def _flash(self, args: tuple, env: Mapping[str, int]) -> Any:
         key, n_keys, dim, n_dim, q, k, v, scale, mask = args
         over_keys = {**env, key: n_keys}
         over_both = {**over_keys, dim: n_dim}
-        product = self.along(self.value(q, over_both) * self.value(k, over_both), dim, n_dim)
-        scores = self.along(scale * product.sum(axis=self.position[dim], keepdims=True), key, n_keys)
+        product = contract(self.arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
+        scores = self.along(scale * product, key, n_keys)
         if mask[0] == "CausalMask":
             query_index = self.index(mask[1], over_keys)
             key_index = self.index(t.ax(key), over_keys)
-            scores = np.where(query_index < key_index, -np.inf, scores)
-        _, l, acc = softmax_fold(scores, self.value(v, over_keys), self.position[key])
+            scores = self.xp.where(query_index < key_index, self.scalar(-np.inf), scores)
+        _, l, acc = softmax_fold(self.arrays, scores, self.value(v, over_keys), self.position[key], self.fold_block)
         return acc / l
 
 
@@ -208,19 +325,30 @@ def axis_names(term: Term) -> set[str]:
     return names
 
 
-def evaluate_term(
-    term: Term, inputs: Mapping[str, np.ndarray], axes: tuple[str, ...], extents: Mapping[str, int]
-) -> np.ndarray:
-    """The value of ``term`` as an array over ``axes`` (in that order), in float64."""
+def evaluate_with(
+    arrays: Arrays, term: Term, inputs: Mapping[str, Any], axes: tuple[str, ...], extents: Mapping[str, int],
+    fold_block: int | None,
+) -> Any:  # fmt: skip
+    """The value of ``term`` as an array over ``axes`` (in that order, shaped by their extents)."""
     names = sorted(axis_names(term) | set(axes))
-    evaluator = _Evaluator({k: np.asarray(a, dtype=np.float64) for k, a in inputs.items()}, names)
-    with np.errstate(all="ignore"):
-        value = evaluator.value(term, {a: extents[a] for a in axes})
-    value = np.asarray(value, dtype=np.float64)
+    evaluator = TermEvaluator(arrays, inputs, names, fold_block)
+    value = evaluator.value(term, {a: extents[a] for a in axes})
     stray = [n for n in names if n not in axes and value.shape[evaluator.position[n]] != 1]
     if stray:
         raise ValueError(f"term varies along axes {stray} that are not among the requested {axes}")
     target = [extents[n] if n in axes else 1 for n in names]
-    full = np.broadcast_to(value, target)
-    ordered = np.transpose(full, [evaluator.position[a] for a in axes] + [evaluator.position[n] for n in names if n not in axes])
-    return ordered.reshape([extents[a] for a in axes])
+    order = [evaluator.position[a] for a in axes] + [evaluator.position[n] for n in names if n not in axes]
+    return arrays.arrange(value, target, order, [extents[a] for a in axes])
+
+
+def evaluate_term(
+    term: Term, inputs: Mapping[str, np.ndarray], axes: tuple[str, ...], extents: Mapping[str, int]
+) -> np.ndarray:
+    """The value of ``term`` as an array over ``axes`` (in that order), in float64 NumPy,
+    the fused forms streamed in blocks of ``FOLD_BLOCK`` keys."""
+    arrays = NumpyArrays()
+    with np.errstate(all="ignore"):
+        value = evaluate_with(
+            arrays, term, {k: np.asarray(a, dtype=np.float64) for k, a in inputs.items()}, axes, extents, FOLD_BLOCK
+        )
+    return np.asarray(value, dtype=np.float64)
