@@ -16,16 +16,14 @@ import math
 
 from cherenkov.codegen.cuda.term_common import (
     decompose,
-    header,
     indent_lines,
     kernel_name,
     safe_axis,
-    signature,
     tensor_infos,
+    term_source,
     vector_helpers,
 )
-from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, index_type, reads, store
-from cherenkov.codegen.cuda.text import section
+from cherenkov.codegen.cuda.term_expr import TermEmitter, index_type, reads, store
 from cherenkov.rewrites import terms as t
 
 
@@ -114,10 +112,4 @@ def pointwise_source(plan) -> str:
         f"Pointwise: one thread per {vec} consecutive output element{'s' if vec > 1 else ''} "
         f"({numel} elements), binders as serial loops."
     )
-    kernel_text = "\n".join([signature(plan, name, s.block) + " {", *indent_lines(body, 1), "}"])
-    parts = [
-        header(plan, summary, launch),
-        section("types and helpers", emit_prelude(), vector_helpers(helpers) if helpers else ""),
-        section("kernel", kernel_text),
-    ]
-    return "\n\n".join(parts) + "\n"
+    return term_source(plan, name, s.block, body, summary, launch, vector_helpers(helpers) if helpers else "")

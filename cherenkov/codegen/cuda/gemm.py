@@ -30,17 +30,16 @@ import math
 
 from cherenkov.codegen.cuda.term_common import (
     decompose,
-    header,
     indent_lines,
     kernel_name,
     output_offset,
     safe_axis,
-    signature,
     tensor_infos,
+    term_source,
 )
-from cherenkov.codegen.cuda.term_expr import Binding, TermEmitter, emit_prelude, index_type, store
+from cherenkov.codegen.cuda.term_expr import Binding, TermEmitter, index_type, store
 from cherenkov.codegen.cuda.mma import emit_mma
-from cherenkov.codegen.cuda.text import block, section
+from cherenkov.codegen.cuda.text import block
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import GEMM_SMEM_PAD, GemmLayout, gemm_layout, gemm_smem_bytes, mma_problems
 
@@ -336,11 +335,4 @@ def gemm_source(plan) -> str:
         f"B {'[row][k]' if b.kmajor else '[k][row]'} {'cp.async' if b.fast else 'evaluated'}."
     )
     launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, {gemm_smem_bytes(s)} bytes of dynamic shared memory"
-    kernel_text = "\n".join([signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
-    parts = [
-        header(plan, summary, launch),
-        section("types and helpers", emit_prelude(), _helpers(dtype, s.stages)),
-        section("problem and tile constants", constants),
-        section("kernel", kernel_text),
-    ]
-    return "\n\n".join(parts) + "\n"
+    return term_source(plan, name, s.threads, body, summary, launch, _helpers(dtype, s.stages), constants)

@@ -60,15 +60,14 @@ from cherenkov.codegen.cuda import tma, wgmma
 from cherenkov.codegen.cuda.gemm import TileOperand, copy_tile, cp_async_helpers, epilogue_store, grid
 from cherenkov.codegen.cuda.term_common import (
     decompose,
-    header,
     indent_lines,
     kernel_name,
     safe_axis,
-    signature,
     tensor_infos,
+    term_source,
 )
-from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, index_type
-from cherenkov.codegen.cuda.text import block, section
+from cherenkov.codegen.cuda.term_expr import TermEmitter, index_type
+from cherenkov.codegen.cuda.text import block
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import (
     SWIZZLE_ALIGN,
@@ -276,11 +275,5 @@ def gemm_sm90a_source(plan) -> str:
         f"A {order(a)}, B {order(b)}, both copied with cp.async."
     )
     launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, {smem_bytes} bytes of dynamic shared memory"
-    kernel_text = "\n".join([signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
-    parts = [
-        header(plan, summary, launch),
-        section("types and helpers", emit_prelude(), _helpers(dtype, s.block_n, s.stages, not a.kmajor, not b.kmajor)),
-        section("problem and tile constants", constants),
-        section("kernel", kernel_text),
-    ]
-    return "\n\n".join(parts) + "\n"
+    helpers = _helpers(dtype, s.block_n, s.stages, not a.kmajor, not b.kmajor)
+    return term_source(plan, name, s.threads, body, summary, launch, helpers, constants)

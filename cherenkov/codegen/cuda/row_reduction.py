@@ -23,16 +23,14 @@ import math
 
 from cherenkov.codegen.cuda.term_common import (
     decompose,
-    header,
     indent_lines,
     kernel_name,
     output_offset,
     safe_axis,
-    signature,
     tensor_infos,
+    term_source,
 )
-from cherenkov.codegen.cuda.term_expr import TermEmitter, axis_binding, emit_prelude, float_constant, index_type, store
-from cherenkov.codegen.cuda.text import section
+from cherenkov.codegen.cuda.term_expr import TermEmitter, axis_binding, float_constant, index_type, store
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import row_layout
 
@@ -237,10 +235,4 @@ def row_source(plan) -> str:
     launch = (
         f"grid ({blocks}), {s.threads} threads, {'static shared memory' if s.mode == 'block' else 'no shared memory'}"
     )
-    kernel_text = "\n".join([signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
-    parts = [
-        header(plan, summary, launch),
-        section("types and helpers", emit_prelude()),
-        section("kernel", kernel_text),
-    ]
-    return "\n\n".join(parts) + "\n"
+    return term_source(plan, name, s.threads, body, summary, launch)

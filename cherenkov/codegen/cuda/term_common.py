@@ -1,12 +1,12 @@
-"""Pieces every generic (term) kernel family shares: header, signature, index decomposition,
-vector loads and stores."""
+"""Pieces every generic (term) kernel family shares: header, signature, the source's
+assembly, index decomposition, vector loads and stores."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cherenkov.codegen.cuda.term_expr import DTYPE_BYTES, Binding, TensorInfo
-from cherenkov.codegen.cuda.text import comment_text, identifier
+from cherenkov.codegen.cuda.term_expr import DTYPE_BYTES, Binding, TensorInfo, emit_prelude
+from cherenkov.codegen.cuda.text import comment_text, identifier, section
 from cherenkov.rewrites import terms as t
 
 
@@ -43,6 +43,19 @@ def signature(plan, name: str, threads: int) -> str:
     params.append(f"{plan.output.c_type}* __restrict__ {plan.output.param}")
     joined = ",\n    ".join(params)
     return f'extern "C" __global__ void __launch_bounds__({threads}) {name}(\n    {joined})'
+
+
+def term_source(
+    plan, name: str, threads: int, body: list[str], summary: str, launch: str, helpers: str = "", constants: str = ""
+) -> str:
+    """A term kernel's whole source: the header comment, the prelude and the family's
+    helpers, its compile-time constants (if any), and the kernel around ``body``."""
+    kernel_text = "\n".join([signature(plan, name, threads) + " {", *indent_lines(body, 1), "}"])
+    parts = [header(plan, summary, launch), section("types and helpers", emit_prelude(), helpers)]
+    if constants:
+        parts.append(section("problem and tile constants", constants))
+    parts.append(section("kernel", kernel_text))
+    return "\n\n".join(parts) + "\n"
 
 
 def decompose(linear: str, axes: Sequence[str], depth: int, prefix: str) -> tuple[list[str], dict[str, Binding]]:
