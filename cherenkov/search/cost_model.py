@@ -218,20 +218,20 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     """A bytes/FLOPs roofline for a :class:`~cherenkov.codegen.term_plan.TermKernelPlan`.
 
     Memory: every tensor read once and the output written once (row forms read their row
-    twice), at a schedule-dependent fraction of HBM bandwidth (one thread a row does not
-    coalesce). Compute: the mma peak for the GEMM family, derated by tile size, by operands
+    twice unless the schedule keeps it in registers), at a schedule-dependent fraction of
+    HBM bandwidth (one thread a row does not coalesce). Compute: the mma peak for the GEMM family, derated by tile size, by operands
     that are evaluated rather than copied and by the last wave; ``SIMT_FRACTION`` of it
     for everything else (a pointwise contraction re-reads its operands from cache and
     counts at a quarter of that). The larger of the two plus a launch overhead."""
     from cherenkov.codegen.cuda.term_kernels import term_grid
-    from cherenkov.codegen.term_plan import ROW_KINDS, gemm_layout, gemm_smem_bytes, wgmma_smem_bytes
+    from cherenkov.codegen.term_plan import ROW_KINDS, RowSchedule, gemm_layout, gemm_smem_bytes, wgmma_smem_bytes
 
     gpu = gpu or GPUS[plan.target.name]
     schedule = plan.schedule
     family = plan.family
     flops = plan.flops
     moved = plan.bytes
-    if plan.kind in ROW_KINDS:
+    if plan.kind in ROW_KINDS and not (isinstance(schedule, RowSchedule) and schedule.cached):
         moved += sum(info.numel * ELEMENT_BYTES.get(info.dtype, 4) for info in plan.inputs)
     (gx, gy, gz), (threads, _, _) = term_grid(plan)
     blocks = gx * gy * gz

@@ -278,6 +278,13 @@ def test_cost_model_ranks_gemm_families() -> None:
     assert predictions["pw_b256_v1"] > 5 * min(predictions.values())
 
 
+def test_cost_model_prefers_rows_kept_in_registers() -> None:
+    ((kernel, plans),) = plans_of(softmax_graph(shape=(4096, 8192)))
+    predicted = {p.schedule: predict_term(p).ms for p in plans}
+    assert predicted[RowSchedule("block", 256, True)] < predicted[RowSchedule("block", 256)], "one read, not two"
+    assert min(predicted, key=predicted.get).cached
+
+
 # ------------------------------------------------------------------------------ numerics
 
 
