@@ -11,6 +11,7 @@ takes TMA tensor maps by value and is launched through ``cuLaunchKernel``
 from __future__ import annotations
 
 import ctypes
+import functools
 import warnings
 from collections.abc import Mapping
 
@@ -40,7 +41,7 @@ class _StreamCache:
         return streams[handle]
 
 
-class FlashAttentionKernel:
+class FlashAttentionKernel(_StreamCache):
     """``kernel(q, k, v, out=None) -> out``: one compiled flash-attention plan as a callable.
 
     q, k, v (and out, if given) must be contiguous CUDA tensors on one device, of the plan's
@@ -62,17 +63,6 @@ class FlashAttentionKernel:
             self._function = module.get_function(compiled.kernel_name)
             self._function.max_dynamic_shared_size_bytes = self.smem_bytes
         self._module = module
-        self._streams: dict[int, object] = {}
-
-    def _stream(self, handle: int):
-        """cupy's view of a torch stream (cupy 14 deprecates ExternalStream, the raw-handle bridge)."""
-        import cupy
-
-        if handle not in self._streams:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "ExternalStream is deprecated", DeprecationWarning)
-                self._streams[handle] = cupy.cuda.ExternalStream(handle, self.device)
-        return self._streams[handle]
 
     def __call__(self, q, k, v, out=None):
         import torch
@@ -168,7 +158,7 @@ class TermKernel(_StreamCache):
         missing = [name for name in self.inputs if name not in tensors]
         if missing:
             raise CodegenError(f"{self.compiled.kernel_name}: missing tensors {missing}; it reads {list(self.inputs)}")
-        expected = self._expected()
+        expected = self._expected_tensors
         if out is None:
             _, shape, dtype = expected[-1]
             out = torch.empty(shape, dtype=dtype, device=self._torch_device)
@@ -190,17 +180,21 @@ class TermKernel(_StreamCache):
 
         return run, out
 
-    def _expected(self) -> list[tuple[str, object, object]]:
-        """(name, torch.Size, torch dtype) of each parameter tensor, built once."""
+    @functools.cached_property
+    def _torch_device(self):
         import torch
 
-        if not hasattr(self, "_expected_tensors"):
-            self._torch_device = torch.device("cuda", self.device)
-            self._expected_tensors = [
-                (info.name, torch.Size(info.shape), getattr(torch, TORCH_DTYPES[info.dtype]))
-                for info in (*self.plan.inputs, self.plan.output)
-            ]
-        return self._expected_tensors
+        return torch.device("cuda", self.device)
+
+    @functools.cached_property
+    def _expected_tensors(self) -> list[tuple[str, object, object]]:
+        """(name, torch.Size, torch dtype) of each parameter tensor."""
+        import torch
+
+        return [
+            (info.name, torch.Size(info.shape), getattr(torch, TORCH_DTYPES[info.dtype]))
+            for info in (*self.plan.inputs, self.plan.output)
+        ]
 
 
 def _check_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_name: str, device: int) -> None:

@@ -203,6 +203,30 @@ def _fragments(op: TileOperand, count: str, origin: str, step: int) -> list[str]
     ]
 
 
+def epilogue_loops(tiles: tuple[str, str], columns: tuple[str, str], row: str, column: str,
+                   epilogue: list[str]) -> list[str]:  # fmt: skip
+    """The loops over a thread's accumulators — ``tiles`` and ``columns`` as (variable,
+    bound), then the 4 elements ``e`` of an m16n8 fragment — binding the output row ``m``
+    and column ``n`` and running ``epilogue`` (from :func:`epilogue_store`) where both
+    are in range."""
+    return [
+        "#pragma unroll",
+        f"for (int {tiles[0]} = 0; {tiles[0]} < {tiles[1]}; ++{tiles[0]}) {{",
+        "    #pragma unroll",
+        f"    for (int {columns[0]} = 0; {columns[0]} < {columns[1]}; ++{columns[0]}) {{",
+        "        #pragma unroll",
+        "        for (int e = 0; e < 4; ++e) {",
+        f"            const int m = {row};",
+        f"            const int n = {column};",
+        "            if (m < M && n < N) {",
+        *indent_lines(epilogue, 4),
+        "            }",
+        "        }",
+        "    }",
+        "}",
+    ]
+
+
 def epilogue_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
                    accumulator: str) -> list[str]:  # fmt: skip
     """Statements (run with an in-range output row ``m`` and column ``n`` defined) that
@@ -312,21 +336,12 @@ def gemm_source(plan) -> str:
         "}",
         "",
         "// epilogue: accumulator element e of tile (mi, ni) is row g (+8 for e >= 2), column 2t + (e & 1)",
-        "#pragma unroll",
-        "for (int mi = 0; mi < MT; ++mi) {",
-        "    #pragma unroll",
-        "    for (int ni = 0; ni < NT; ++ni) {",
-        "        #pragma unroll",
-        "        for (int e = 0; e < 4; ++e) {",
-        "            const int m = m0 + wm * WM + 16 * mi + (lane >> 2) + 8 * (e >> 1);",
-        "            const int n = n0 + wn * WN + 8 * ni + 2 * (lane & 3) + (e & 1);",
-        "            if (m < M && n < N) {",
-        *indent_lines(epilogue, 4),
-        "            }",
-        "        }",
-        "    }",
-        "}",
-    ]
+        *epilogue_loops(
+            ("mi", "MT"), ("ni", "NT"),
+            "m0 + wm * WM + 16 * mi + (lane >> 2) + 8 * (e >> 1)", "n0 + wn * WN + 8 * ni + 2 * (lane & 3) + (e & 1)",
+            epilogue,
+        ),
+    ]  # fmt: skip
     summary = (
         f"GEMM: mma.sync m16n8k16 {dtype}, fp32 accumulators; M={layout.m} N={layout.n} K={layout.k} "
         f"batch={layout.batch_size}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.warps_m}x{s.warps_n} warps, "

@@ -57,7 +57,14 @@ producer warpgroup and multicast clusters.
 from __future__ import annotations
 
 from cherenkov.codegen.cuda import tma, wgmma
-from cherenkov.codegen.cuda.gemm import TileOperand, copy_tile, cp_async_helpers, epilogue_store, grid
+from cherenkov.codegen.cuda.gemm import (
+    TileOperand,
+    copy_tile,
+    cp_async_helpers,
+    epilogue_loops,
+    epilogue_store,
+    grid,
+)
 from cherenkov.codegen.cuda.term_common import (
     decompose,
     indent_lines,
@@ -253,21 +260,13 @@ def gemm_sm90a_source(plan) -> str:
         "",
         "// epilogue: accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2),",
         "// column 8c + 2 (lane % 4) + (e & 1)",
-        "#pragma unroll",
-        "for (int mi = 0; mi < M_TILES; ++mi) {",
-        "    #pragma unroll",
-        "    for (int c = 0; c < BN / 8; ++c) {",
-        "        #pragma unroll",
-        "        for (int e = 0; e < 4; ++e) {",
-        "            const int m = m0 + warpgroup * WG_M + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1);",
-        "            const int n = n0 + 8 * c + 2 * (lane & 3) + (e & 1);",
-        "            if (m < M && n < N) {",
-        *indent_lines(epilogue, 4),
-        "            }",
-        "        }",
-        "    }",
-        "}",
-    ]
+        *epilogue_loops(
+            ("mi", "M_TILES"), ("c", "BN / 8"),
+            "m0 + warpgroup * WG_M + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1)",
+            "n0 + 8 * c + 2 * (lane & 3) + (e & 1)",
+            epilogue,
+        ),
+    ]  # fmt: skip
     summary = (
         f"GEMM: wgmma.mma_async m64n{s.block_n}k16 {dtype}, fp32 accumulators, operands from 128-byte-swizzled "
         f"shared memory; M={layout.m} N={layout.n} K={layout.k} batch={layout.batch_size}; tile "
