@@ -1,11 +1,13 @@
 """Time chosen flash-attention schedules side by side on the local GPU (a development tool).
 
-``python3 benchmarks/sweep.py --set NAME [--out DIR]`` compiles every (shape, schedule) of the
-named set with all cores, checks each kernel against SDPA in float32 (relative error ≤ 2e-2,
-output poisoned with NaN first), times it with CUDA events (L2 flushed before each sample,
-median of ``--samples``) next to SDPA's flash and cuDNN backends, and writes
-``sweep-NAME.json`` (schedule, registers, spills, TFLOP/s, error) under ``--out``. The
-search (``ck.optimize``) is not involved: this measures knobs one at a time, for NOTES.md.
+``python3 benchmarks/sweep.py --set NAME [--shapes A,B] [--out DIR]`` compiles every (shape,
+schedule) of the named set (``hopper``: every sm_90a schedule valid for each shape) with all
+cores, checks each kernel against SDPA in float32 (relative error ≤ 2e-2, output poisoned
+with NaN first), times a shape's kernels and SDPA's flash and cuDNN backends interleaved
+sample by sample with CUDA events (L2 flushed and a GPU spin before each sample, median of
+``--samples``), and writes ``sweep-NAME.json`` (schedule, registers, spills, TFLOP/s, ratio
+to cuDNN, error) under ``--out``. The search (``ck.optimize``) is not involved: this
+measures knobs one at a time, for NOTES.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cherenkov.codegen import CompileError, compile_plans, load_kernel  # noqa: E402
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, FlashSchedule, KernelPlan  # noqa: E402
+from cherenkov.rewrites.plan_sm90a import HOPPER_SCHEDULES, HopperFlashSchedule, hopper_schedule_problems  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import SHAPES  # noqa: E402  (the benchmark's shape table, one definition)
@@ -68,8 +71,19 @@ SETS = {
 }
 
 
-def schedule_of(text: str) -> FlashSchedule:
-    """``"q128 kv64 w4 s2 split [lin] [x2] [pp] [lazy] [hm] [ov] [mb3]"`` → FlashSchedule (swz x4 unless said)."""
+def hopper_key(schedule: HopperFlashSchedule) -> str:
+    """The sweep's text for a Hopper schedule, e.g. ``"sm90a kv128 s3 c2 pp ps"``."""
+    s = schedule
+    return " ".join(["sm90a", f"kv{s.block_kv}", f"s{s.stages}", f"c{s.consumer_warpgroups}"]
+                    + ["pp"] * s.pingpong + ["ps"] * s.persistent)
+
+
+def schedule_of(text: str) -> FlashSchedule | HopperFlashSchedule:
+    """``"q128 kv64 w4 s2 split [lin] [x2] [pp] [lazy] [hm] [ov] [mb3]"`` → FlashSchedule (swz x4 unless
+    said); ``"sm90a kv128 s3 c2 [pp] [ps]"`` → HopperFlashSchedule."""
+    if text.startswith("sm90a "):
+        _, kv, s, c, *flags = text.split()
+        return HopperFlashSchedule(int(kv[2:]), int(s[1:]), int(c[1:]), "pp" in flags, "ps" in flags)
     q, kv, w, s, split, *flags = text.split()
     min_blocks = next((int(f[2:]) for f in flags if f.startswith("mb")), 1)
     return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", "lin" not in flags,
@@ -82,9 +96,18 @@ def problem_of(shape: str) -> AttentionProblem:
     return AttentionProblem(b, h, hkv, sq, skv, d, causal=causal, scale=d**-0.5)
 
 
+SETS["hopper"] = [
+    (shape, hopper_key(schedule))
+    for shape in SHAPES
+    for schedule in HOPPER_SCHEDULES
+    if not hopper_schedule_problems(schedule, problem_of(shape))
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="first", choices=sorted(SETS))
+    parser.add_argument("--shapes", default="", help="comma-separated shapes to keep (default: the set's all)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--samples", type=int, default=20)
     args = parser.parse_args()
@@ -93,53 +116,62 @@ def main() -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    entries = SETS[args.set]
-    plans = [KernelPlan("flash_attention", problem_of(shape), schedule_of(key), TARGETS["sm_90"]) for shape, key in entries]
+    entries = [(shape, key) for shape, key in SETS[args.set] if not args.shapes or shape in args.shapes.split(",")]
+    plans = []
+    for shape, key in entries:
+        schedule = schedule_of(key)
+        target = TARGETS["sm_90a" if isinstance(schedule, HopperFlashSchedule) else "sm_90"]
+        plans.append(KernelPlan("flash_attention", problem_of(shape), schedule, target))
     start = time.time()
     compiled = compile_plans(plans)
     print(f"compiled {len(plans)} plans in {time.time() - start:.1f} s", flush=True)
     flush = l2_flush_buffer(torch)
-    rows, inputs, refs = [], {}, {}
-    for (shape, key), plan, kernel in zip(entries, plans, compiled):
-        p = plan.problem
-        if shape not in inputs:
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            q, k, v = (torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16)
-                       for s in (p.shapes()["q"], p.shapes()["k"], p.shapes()["v"]))
-            inputs[shape] = (q, k, v)
-            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=p.causal)
-            refs[shape] = {"ref": ref}
-            for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                def launch(backend=backend):
-                    with sdpa_kernel(backend):
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
-                refs[shape][name] = p.flops / (time_interleaved(torch, {name: launch}, flush, args.samples)[name] * 1e9)
-            print(f"{shape}: flash {refs[shape]['sdpa_flash']:.1f} cudnn {refs[shape]['sdpa_cudnn']:.1f} TFLOP/s", flush=True)
-        row = {"shape": shape, "schedule": plan.schedule.key()}
-        if isinstance(kernel, CompileError):
-            row["error"] = str(kernel).splitlines()[0]
-        else:
+    rows, refs = [], {}
+    for shape in dict.fromkeys(shape for shape, _ in entries):
+        group = [(key, plan, kernel) for (s, key), plan, kernel in zip(entries, plans, compiled) if s == shape]
+        p = group[0][1].problem
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = (torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16)
+                   for s in (p.shapes()["q"], p.shapes()["k"], p.shapes()["v"]))
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=p.causal)
+        launches = {}
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def launch(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
+            launches[name] = launch
+        shape_rows = []
+        for key, plan, kernel in group:
+            row = {"shape": shape, "schedule": plan.schedule.key()}
+            shape_rows.append(row)
+            if isinstance(kernel, CompileError):
+                row["error"] = str(kernel).splitlines()[0]
+                continue
             row.update(registers=kernel.report.registers, spill_bytes=kernel.report.spill_bytes)
-            q, k, v = inputs[shape]
             try:
                 fn = load_kernel(kernel)
                 out = torch.full_like(q, math.nan)
                 fn(q, k, v, out)
                 torch.cuda.synchronize()
-                ref = refs[shape]["ref"]
                 row["rel_error"] = float((out.float() - ref).norm() / ref.norm())
                 if row["rel_error"] <= 2e-2:
-                    ms = time_interleaved(torch, {"k": lambda: fn(q, k, v, out)}, flush, args.samples)["k"]
-                    row["tflops"] = p.flops / (ms * 1e9)
+                    launches[row["schedule"]] = lambda fn=fn, out=out: fn(q, k, v, out)
             except Exception as error:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
-        rows.append(row)
-        print(f"{shape:18} {row['schedule']:40} regs {row.get('registers', '-'):>3} spill {row.get('spill_bytes', '-'):>4} "
-              f"err {row.get('rel_error', float('nan')):.2e} {row.get('tflops', 0):7.1f} TFLOP/s {row.get('error', '')}",
-              flush=True)
-    for shape in refs:
-        refs[shape].pop("ref")
+        # every plan and both references interleaved sample by sample: clock drift hits all alike
+        ms = time_interleaved(torch, launches, flush, args.samples, spin=True)
+        refs[shape] = {name: p.flops / (ms[name] * 1e9) for name in ("sdpa_flash", "sdpa_cudnn")}
+        print(f"{shape}: flash {refs[shape]['sdpa_flash']:.1f} cudnn {refs[shape]['sdpa_cudnn']:.1f} TFLOP/s", flush=True)
+        for row in shape_rows:
+            if row["schedule"] in ms:
+                row["tflops"] = p.flops / (ms[row["schedule"]] * 1e9)
+                row["x_cudnn"] = row["tflops"] / refs[shape]["sdpa_cudnn"]
+            print(f"{shape:18} {row['schedule']:40} regs {row.get('registers', '-'):>3} "
+                  f"spill {row.get('spill_bytes', '-'):>4} err {row.get('rel_error', float('nan')):.2e} "
+                  f"{row.get('tflops', 0):7.1f} TFLOP/s x{row.get('x_cudnn', 0):.3f} cuDNN {row.get('error', '')}",
+                  flush=True)
+        rows += shape_rows
     out = Path(args.out) / f"sweep-{args.set}.json"
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "references": refs, "rows": rows}, indent=1))
     print(f"wrote {out}")

@@ -111,19 +111,30 @@ class TermKernel(_StreamCache):
     for names that are Python keywords); each must be a contiguous CUDA tensor on one
     device, of its plan's dtype and exact shape, 16-byte aligned. Returns ``out``
     (allocated if None), a tensor of the kernel's output shape and dtype.
+
+    A TMA GEMM plan (:class:`~cherenkov.codegen.term_plan.TmaGemmSchedule`) also takes the
+    tensor maps of its two operands, by value before the pointers: they are encoded per
+    data pointers (cached) and the kernel is launched through ``cuLaunchKernel``.
     """
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
 
+        from cherenkov.codegen.cuda.gemm_sm90a_tma import tensor_maps
         from cherenkov.codegen.cuda.term_kernels import term_dynamic_smem, term_grid
+        from cherenkov.codegen.term_plan import TmaGemmSchedule
 
         self.compiled = compiled
         self.plan = compiled.plan
         self.device = device
         self.grid, self.block = term_grid(self.plan)
         self.smem_bytes = term_dynamic_smem(self.plan)
+        self._operand_maps = tensor_maps(self.plan) if isinstance(self.plan.schedule, TmaGemmSchedule) else None
+        self._maps: dict[tuple[int, ...], tuple[tensor_map.TensorMap, ...]] = {}
         with cupy.cuda.Device(device):
+            if getattr(self.plan.schedule, "persistent", False):  # one block an SM walks the tiles
+                sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+                self.grid = (min(self.grid[0], sms), *self.grid[1:])
             module = cupy.RawModule(path=str(compiled.cubin_path))
             self._function = module.get_function(compiled.kernel_name)
             if self.smem_bytes > 48 * 1024:
@@ -171,7 +182,10 @@ class TermKernel(_StreamCache):
             ):  # fmt: skip
                 _check_tensor(self.compiled.kernel_name, info.name, tensor, info.shape, info.dtype, self.device)
             args.append(np.uint64(tensor.data_ptr()))
-        stream = self._stream(torch.cuda.current_stream(self._torch_device).cuda_stream)
+        handle = torch.cuda.current_stream(self._torch_device).cuda_stream
+        if self._operand_maps is not None:
+            return self._bind_tma(tensors, args, handle), out
+        stream = self._stream(handle)
         args = tuple(args)
 
         def run() -> None:
@@ -179,6 +193,29 @@ class TermKernel(_StreamCache):
                 self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=stream)
 
         return run, out
+
+    def _bind_tma(self, tensors: Mapping[str, object], pointers: list, stream: int):
+        """``run()`` of a TMA GEMM: the operands' tensor maps, then the pointers, through
+        ``cuLaunchKernel`` on the raw stream handle ``stream``."""
+        import torch
+
+        key = tuple(int(p) for p in pointers)
+        if key not in self._maps:
+            if len(self._maps) >= MAX_CACHED_TENSOR_MAPS:
+                self._maps.clear()
+            dtype = self.plan.tensor_map[self._operand_maps[0].tensor].dtype
+            self._maps[key] = tuple(
+                tensor_map.encode_tiled(tensors[m.tensor].data_ptr(), dtype, m.dims, (m.row_stride,), m.box)
+                for m in self._operand_maps
+            )
+        args = (*self._maps[key], *(ctypes.c_uint64(int(p)) for p in pointers))
+        function = self._function.kernel.ptr  # the CUfunction (its shared-memory limit set above)
+
+        def run() -> None:
+            with torch.cuda.device(self.device):
+                tensor_map.launch(function, self.grid, self.block, self.smem_bytes, stream, args)
+
+        return run
 
     @functools.cached_property
     def _torch_device(self):
@@ -233,9 +270,10 @@ class HopperFlashKernel(FlashAttentionKernel):
         self.schedule = s = compiled.plan.schedule
         self.device = device
         self.smem_bytes = s.smem_bytes(p.head_dim, p.dtype)
-        self.grid = (p.seq_q // s.block_q, p.heads, p.batch)
         self.block = (s.threads, 1, 1)
         with cupy.cuda.Device(device):
+            sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+            self.grid = (s.grid_blocks(p, sms), 1, 1)
             self._module = cupy.RawModule(path=str(compiled.cubin_path))
             self._raw_kernel = self._module.get_function(compiled.kernel_name)
             self._function = self._raw_kernel.kernel.ptr  # the CUfunction handle on this device

@@ -17,9 +17,11 @@ dtypes of the tensors it reads and writes. Three families generate CUDA for it:
   accumulators for a ``Contract`` whose operands read 16-bit tensors (elementwise
   prologues are computed while loading the tiles), fused elementwise epilogue, correct
   tails for any M, N, K.
-* ``wgmma`` (:class:`WgmmaGemmSchedule`, sm_90a targets only): the same contractions on
-  Hopper's warpgroup ``wgmma.mma_async``, operands copied by ``cp.async`` into
-  128-byte-swizzled shared-memory tiles; plain 16-bit operand reads only (no prologues).
+* ``wgmma`` (sm_90a targets only): the same contractions on Hopper's warpgroup
+  ``wgmma.mma_async`` from 128-byte-swizzled shared-memory tiles, plain 16-bit operand
+  reads only (no prologues): :class:`WgmmaGemmSchedule` copies them with ``cp.async``
+  (m64 tiles and split-K for few-token GEMMs), :class:`TmaGemmSchedule` with TMA from a
+  producer warpgroup (plain row-major matrices, persistent blocks).
 
 Schedules of these families are enumerated here in Python (:func:`term_plans`), not as
 e-graph alternatives: they are few, and each is valid for any problem the family accepts
@@ -32,7 +34,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar, Literal
 
 from cherenkov.codegen.cuda.term_expr import DTYPE_BYTES, TensorInfo
@@ -153,13 +155,12 @@ SWIZZLE_ALIGN = 1024  # one 128-byte-swizzle atom (8 rows of 128 bytes); tiles s
 
 
 @dataclass(frozen=True)
-class WgmmaGemmSchedule:
-    """A ``block_m × block_n`` output tile per block for the sm_90a ``wgmma`` GEMM:
-    ``consumer_warpgroups`` warpgroups of 128 threads each own ``block_m /
+class WgmmaTile:
+    """The output tile of the sm_90a ``wgmma`` GEMMs: ``block_m × block_n`` per block,
+    ``consumer_warpgroups`` warpgroups of 128 threads each owning ``block_m /
     consumer_warpgroups`` rows (one or two m64 wgmma tiles) across all ``block_n`` columns;
     ``block_k`` = 64 16-bit elements (one 128-byte swizzle row) of K per stage, ``stages``
-    buffers in the cp.async ring (two are held by the wgmmas in flight, ``stages - 2``
-    load ahead)."""
+    buffers in the operand ring."""
 
     family: ClassVar[str] = "wgmma"
     block_m: int = 128
@@ -167,10 +168,6 @@ class WgmmaGemmSchedule:
     block_k: int = WGMMA_BLOCK_K
     consumer_warpgroups: int = 2
     stages: int = 4
-
-    @property
-    def threads(self) -> int:
-        return WARPGROUP_THREADS * self.consumer_warpgroups
 
     @property
     def warpgroup_m(self) -> int:
@@ -182,20 +179,61 @@ class WgmmaGemmSchedule:
         """fp32 accumulator registers a thread holds (``N / 2`` per m64 tile)."""
         return (self.warpgroup_m // WGMMA_M) * self.block_n // 2
 
+    def tile_key(self) -> str:
+        return f"m{self.block_m}_n{self.block_n}_k{self.block_k}_wg{self.consumer_warpgroups}_s{self.stages}"
+
+
+@dataclass(frozen=True)
+class WgmmaGemmSchedule(WgmmaTile):
+    """The cp.async ``wgmma`` GEMM: every thread copies, two ring buffers are held by the
+    wgmmas in flight and ``stages - 2`` load ahead. ``split_k`` > 1 splits K over that many
+    blocks a tile (for grids of few tiles): each adds its share into fp32 partial sums, the
+    last of a tile to finish adds the partials in split order and runs the epilogue."""
+
+    split_k: int = 1
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP_THREADS * self.consumer_warpgroups
+
     def key(self) -> str:
-        return (f"wgmma_m{self.block_m}_n{self.block_n}_k{self.block_k}_wg{self.consumer_warpgroups}"
-                f"_s{self.stages}")
+        return f"wgmma_{self.tile_key()}{f'_sk{self.split_k}' if self.split_k > 1 else ''}"
 
 
-def wgmma_smem_bytes(schedule: WgmmaGemmSchedule) -> int:
+@dataclass(frozen=True)
+class TmaGemmSchedule(WgmmaTile):
+    """The warp-specialised ``wgmma`` GEMM (another kernel of the same family): a producer
+    warpgroup whose one thread loads the operand tiles with TMA into the ring (mbarriers),
+    the consumers multiplying as in the cp.async kernel. ``persistent``: one block per SM
+    (at most ``PERSISTENT_BLOCKS``) walks the output tiles, so a tile's epilogue runs while
+    the producer loads the next tile's operands; else one block a tile. The launch passes
+    TMA tensor maps of both operands (plain row-major matrices, no batch)."""
+
+    persistent: bool = True
+    split_k: ClassVar[int] = 1  # no split-K: one block owns a tile
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
+
+    def key(self) -> str:
+        return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}"
+
+
+PERSISTENT_BLOCKS = 132  # SMs of an H100 SXM / H200: a persistent GEMM's grid (launch caps it at the device's)
+MBARRIER_BYTES = 8
+
+
+def wgmma_smem_bytes(schedule: WgmmaGemmSchedule | TmaGemmSchedule) -> int:
     """Dynamic shared memory of a wgmma GEMM plan: ``stages`` A and B tiles (16-bit, no
     padding: the 128-byte swizzle keeps the accesses conflict-free), plus slack to align
-    the ring to a swizzle atom."""
+    the ring to a swizzle atom, plus (TMA kernels) a full and an empty mbarrier a stage."""
     s = schedule
-    return s.stages * (s.block_m + s.block_n) * s.block_k * 2 + SWIZZLE_ALIGN
+    ring = s.stages * (s.block_m + s.block_n) * s.block_k * 2 + SWIZZLE_ALIGN
+    return ring + (2 * s.stages * MBARRIER_BYTES if isinstance(s, TmaGemmSchedule) else 0)
 
 
-Schedule = PointwiseSchedule | RowSchedule | GemmSchedule | WgmmaGemmSchedule
+Schedule = PointwiseSchedule | RowSchedule | GemmSchedule | WgmmaGemmSchedule | TmaGemmSchedule
 
 POINTWISE_BLOCKS = (128, 256, 512)
 ROW_SCHEDULES = (
@@ -219,13 +257,36 @@ GEMM_SCHEDULES = (
     GemmSchedule(128, 128, 64, 2, 4, 3),
 )
 # Best measured first (H200, bf16 4096³ and 4096×8192×2048); 128×256 with 3 stages was 30 %
-# slower than with 4 on both and is left out.
+# slower than with 4 on both and is left out. The m64 tiles of one warpgroup, with deeper
+# rings, serve few-token GEMMs (M = 64: a 128-row tile would compute half zeros).
 WGMMA_GEMM_SCHEDULES = (
     WgmmaGemmSchedule(128, 256, 64, 2, 4),
     WgmmaGemmSchedule(128, 128, 64, 2, 5),
     WgmmaGemmSchedule(256, 128, 64, 2, 4),
     WgmmaGemmSchedule(128, 128, 64, 2, 3),
     WgmmaGemmSchedule(128, 128, 64, 1, 4),
+    WgmmaGemmSchedule(64, 256, 64, 1, 4),
+    WgmmaGemmSchedule(64, 128, 64, 1, 6),
+    WgmmaGemmSchedule(64, 64, 64, 1, 8),
+    WgmmaGemmSchedule(64, 64, 64, 1, 4),
+)
+# Split-K: offered for these tiles when the output has fewer than SPLIT_K_BLOCKS of them,
+# with the smallest power-of-two split that reaches SPLIT_K_BLOCKS blocks (one wave of the
+# H200's 132 SMs) while every split keeps at least SPLIT_K_MIN_STEPS k steps.
+WGMMA_SPLIT_K_TILES = (
+    WgmmaGemmSchedule(64, 64, 64, 1, 8),
+    WgmmaGemmSchedule(64, 64, 64, 1, 4),
+    WgmmaGemmSchedule(64, 128, 64, 1, 6),
+    WgmmaGemmSchedule(128, 128, 64, 2, 5),
+)
+SPLIT_K_BLOCKS = 128
+SPLIT_K_MIN_STEPS = 4
+# The TMA kernels (plain row-major matrix operands, no batch): 128x256 with 4 stages fills
+# the shared memory (193 KiB); 5 stages of 128x128 hold as many bytes in flight.
+TMA_GEMM_SCHEDULES = (
+    TmaGemmSchedule(128, 256, 64, 2, 4, True),
+    TmaGemmSchedule(128, 256, 64, 2, 4, False),
+    TmaGemmSchedule(128, 128, 64, 2, 6, True),
 )
 
 
@@ -536,7 +597,70 @@ def wgmma_problems(plan: TermKernelPlan) -> list[str]:
     if wgmma_smem_bytes(s) > target.smem_per_block:
         reasons.append(f"tile {s.key()} needs {wgmma_smem_bytes(s)} B of shared memory, over the target's "
                        f"{target.smem_per_block} B")
+    if s.split_k < 1:
+        reasons.append(f"split_k {s.split_k} (at least 1)")
+    elif s.split_k > 1 and layout is not None and isinstance(s, WgmmaGemmSchedule):
+        tiles = wgmma_tiles(layout, s)
+        steps = math.ceil(layout.k / s.block_k)
+        if tiles >= SPLIT_K_BLOCKS or tiles * s.split_k > 2 * SPLIT_K_BLOCKS:
+            reasons.append(f"split_k {s.split_k} over {tiles} output tiles: split-K is for grids of fewer than "
+                           f"{SPLIT_K_BLOCKS} tiles, to at most {2 * SPLIT_K_BLOCKS} blocks")
+        if math.ceil(steps / s.split_k) < SPLIT_K_MIN_STEPS:
+            reasons.append(f"split_k {s.split_k} leaves fewer than {SPLIT_K_MIN_STEPS} of the {steps} k steps a split")
+        if layout.batch_size * s.split_k > MAX_GRID_YZ:
+            reasons.append(f"batch {layout.batch_size} x split_k {s.split_k} exceeds the grid's z limit {MAX_GRID_YZ}")
     return reasons
+
+
+def tma_matrix(operand: Term, rows: tuple[str, ...], k_axis: str, kmajor: bool,
+               tensors: Mapping[str, TensorInfo]) -> tuple[int, int] | None:  # fmt: skip
+    """``(inner, outer)`` extents of an operand read as a plain row-major matrix — its index
+    is exactly its row axes then k (K-major) or k then its row axes (MN-major), over the
+    tensor's whole shape — for a 2-D TMA tensor map; None for any other read."""
+    if operand[0] != "Tensor":
+        return None
+    order = (*rows, k_axis) if kmajor else (k_axis, *rows)
+    info = tensors[operand[1]]
+    if tuple(t.ix_items(operand[2])) != tuple(t.ax(x) for x in order) or info.shape != tuple(t.extent(x) for x in order):
+        return None
+    rows_extent = math.prod(t.extent(x) for x in rows)
+    k = t.extent(k_axis)
+    return (k, rows_extent) if kmajor else (rows_extent, k)
+
+
+def tma_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
+    """What the TMA kernel asks beyond the cp.async one (see :class:`TmaGemmSchedule`)."""
+    reasons = []
+    if layout is None:
+        return reasons
+    if layout.batch_size != 1:
+        reasons.append(f"batch {layout.batch_size}: the TMA kernel reads plain matrices (no batch)")
+    for role, op, rows, kmajor in (("A", layout.a, layout.m_axes, layout.a_kmajor),
+                                   ("B", layout.b, layout.n_axes, layout.b_kmajor)):  # fmt: skip
+        if tma_matrix(op, rows, layout.k_axis, kmajor, plan.tensor_map) is None:
+            reasons.append(f"operand {role} is not a plain row-major matrix read (the TMA kernel's tensor maps are 2-D)")
+    return reasons
+
+
+def wgmma_tiles(layout: GemmLayout, schedule: WgmmaGemmSchedule | TmaGemmSchedule) -> int:
+    """Output tiles of a wgmma GEMM (all batch entries)."""
+    return math.ceil(layout.m / schedule.block_m) * math.ceil(layout.n / schedule.block_n) * layout.batch_size
+
+
+def wgmma_schedules(layout: GemmLayout) -> list[WgmmaGemmSchedule | TmaGemmSchedule]:
+    """The wgmma schedules offered for a GEMM: ``TMA_GEMM_SCHEDULES``,
+    ``WGMMA_GEMM_SCHEDULES``, then each tile of ``WGMMA_SPLIT_K_TILES`` that has fewer than
+    ``SPLIT_K_BLOCKS`` tiles with its split-K factor (see there); validity is still
+    :func:`term_plan_problems`'s to say."""
+    schedules: list[WgmmaGemmSchedule | TmaGemmSchedule] = [*TMA_GEMM_SCHEDULES, *WGMMA_GEMM_SCHEDULES]
+    steps = math.ceil(layout.k / WGMMA_BLOCK_K)
+    for tile in WGMMA_SPLIT_K_TILES:
+        tiles, split = wgmma_tiles(layout, tile), 1
+        while tiles * split < SPLIT_K_BLOCKS and math.ceil(steps / (2 * split)) >= SPLIT_K_MIN_STEPS:
+            split *= 2
+        if split > 1:
+            schedules.append(replace(tile, split_k=split))
+    return schedules
 
 
 def term_plan_problems(plan: TermKernelPlan) -> list[str]:
@@ -586,6 +710,9 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
             reasons.append(f"M {layout.m} needs more than {MAX_GRID_YZ} row tiles")
     elif isinstance(s, WgmmaGemmSchedule):
         reasons.extend(wgmma_problems(plan))
+    elif isinstance(s, TmaGemmSchedule):
+        reasons.extend(wgmma_problems(plan))
+        reasons.extend(tma_problems(plan, gemm_layout(kernel, plan.tensor_map)))
     else:
         reasons.append(f"unknown schedule {type(s).__name__}")
     return reasons
@@ -617,8 +744,8 @@ def term_plans(
     innermost extent allows); row forms: one warp a row, one block of 256 or 512 a row
     (where the row axis is contiguous in memory), one thread a row; reductions: the same
     where the reduced axis is contiguous, and pointwise (one thread an output); contractions:
-    on sm_90a targets the wgmma GEMM at each schedule of ``WGMMA_GEMM_SCHEDULES`` that fits
-    (plain 16-bit operands only), then the mma GEMM at each tile shape and pipeline depth of
+    on sm_90a targets the wgmma GEMM at each schedule of :func:`wgmma_schedules` that fits
+    (plain 16-bit operands only; split-K for grids of few tiles), then the mma GEMM at each tile shape and pipeline depth of
     ``GEMM_SCHEDULES`` that fits, and pointwise (one thread an output, a serial loop over
     k); flash attention (when no flash plan fits): pointwise."""
     tensors = kernel_tensors(kernel, shapes, dtypes)
@@ -641,7 +768,7 @@ def term_plans(
         if not mma_problems(kernel, info, output):
             schedules = list(GEMM_SCHEDULES) + [PointwiseSchedule(256)]
             if target.family == "wgmma":
-                schedules = list(WGMMA_GEMM_SCHEDULES) + schedules
+                schedules = [*wgmma_schedules(gemm_layout(kernel, info)), *schedules]
         else:
             schedules = [PointwiseSchedule(256), PointwiseSchedule(128)]
     else:

@@ -7,7 +7,9 @@ consumer computes ``S = Q Kᵀ`` with wgmma (both operands in shared memory), th
 softmax on the accumulator registers, and ``O += P V`` with wgmma (P from registers).
 ``pingpong`` (two consumers only) alternates the two consumers' matmul phases with named
 barriers, so one warpgroup's softmax runs while the other's matmuls occupy the tensor
-cores. The code generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
+cores. ``persistent`` launches one block per SM that walks the work tiles (query tile ×
+head) in a stride, so the producer loads the next tile's Q and K while the consumers
+normalise and store the last one. The code generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
 
 This module holds only the schedule, its resource estimates and its validity rules; it
 lives beside :mod:`cherenkov.rewrites.plan` (the ``mma.sync`` family) and reuses its
@@ -43,13 +45,16 @@ class HopperFlashSchedule:
     j's K and tile j-1's V, so 2 stages leave the copy engine no slack; measured on the
     H200, seed shape, 3 stages reach 626 TFLOP/s against 472 with 2);
     ``consumer_warpgroups`` (1–3) of 64 query rows each; ``pingpong`` alternates two
-    consumers' matmul phases.
+    consumers' matmul phases; ``persistent`` launches ``min(tiles, SMs)`` blocks that each
+    walk many work tiles (otherwise one block a tile, each paying its own prologue and
+    epilogue, exposed when a tile has few key tiles).
     """
 
     block_kv: int = 128
     stages: int = 3
     consumer_warpgroups: int = 2
     pingpong: bool = True
+    persistent: bool = False
 
     @property
     def block_q(self) -> int:
@@ -72,11 +77,11 @@ class HopperFlashSchedule:
 
     def smem_bytes(self, head_dim: int, dtype: str = "bf16") -> int:
         """Dynamic shared memory of one block: Q tile, ``stages`` × (K tile + V tile), the
-        mbarriers (Q full; K full, V full and K/V empty per stage) and 1 KB to align the
+        mbarriers (Q full, Q empty; K full, V full and K/V empty per stage) and 1 KB to align the
         tiles to the 128-byte swizzle atom."""
         elem = ELEMENT_BYTES[dtype]
         tiles = self.block_q * head_dim * elem + self.stages * 2 * self.block_kv * head_dim * elem
-        barriers = MBARRIER_BYTES * (1 + 3 * self.stages)
+        barriers = MBARRIER_BYTES * (2 + 3 * self.stages)
         return tiles + barriers + SWIZZLE_ALIGN
 
     def register_estimate(self, head_dim: int) -> int:
@@ -86,11 +91,21 @@ class HopperFlashSchedule:
         return head_dim // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
 
     def key(self) -> str:
-        """A short stable name, e.g. ``q128_kv128_s2_c2_pp``."""
+        """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_s{self.stages}_c{self.consumer_warpgroups}"
-            f"{'_pp' if self.pingpong else ''}"
+            f"{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
         )
+
+    def tiles(self, problem: AttentionProblem) -> int:
+        """Work tiles of a problem: query tiles × heads × batch."""
+        return -(-problem.seq_q // self.block_q) * problem.heads * problem.batch
+
+    def grid_blocks(self, problem: AttentionProblem, sms: int) -> int:
+        """Blocks launched on a GPU with ``sms`` multiprocessors (one a tile, or one an SM
+        when persistent: the block's ring and registers fill an SM)."""
+        tiles = self.tiles(problem)
+        return min(tiles, sms) if self.persistent else tiles
 
     @property
     def name(self) -> str:
@@ -99,13 +114,17 @@ class HopperFlashSchedule:
 
 HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 3, 2, True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True),
+    HopperFlashSchedule(192, 3, 2, True),
+    HopperFlashSchedule(192, 3, 2, True, persistent=True),
     HopperFlashSchedule(128, 2, 2, True),
     HopperFlashSchedule(128, 2, 2, False),
     HopperFlashSchedule(176, 2, 2, True),
     HopperFlashSchedule(128, 2, 1, False),
-    HopperFlashSchedule(128, 2, 3, False),
 )
-"""The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`)."""
+"""The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
+Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
+they measured 0.7x two ping-ponging consumers on the H200, and with a query tail they spill."""
 
 
 def hopper_schedule_problems(
@@ -113,8 +132,8 @@ def hopper_schedule_problems(
 ) -> list[str]:
     """Why a schedule cannot run a problem on a target; empty when it can.
 
-    This first version needs the sequence lengths to be multiples of the tiles (the TMA
-    boxes would zero-fill past the end, but the tails are not masked yet)."""
+    Sequence lengths need not be multiples of the tiles: the kernel masks key tails and
+    skips the stores of query rows past the end."""
     reasons = []
     s, p = schedule, problem
     if target.family != "wgmma":
@@ -131,11 +150,6 @@ def hopper_schedule_problems(
         reasons.append(f"block_kv {s.block_kv} is not a multiple of 16 in 16..256 (the N of one wgmma)")
     if s.stages < 2:
         reasons.append(f"{s.stages} stage(s): the consumers hold two K/V stages at once, so the ring needs 2 or more")
-    if p.seq_q % s.block_q or p.seq_kv % s.block_kv:
-        reasons.append(
-            f"Sq={p.seq_q} and Skv={p.seq_kv} must be multiples of block_q={s.block_q} and block_kv={s.block_kv} "
-            "(tails are not handled yet)"
-        )
     if p.heads % p.kv_heads:
         reasons.append(f"kv_heads {p.kv_heads} does not divide heads {p.heads}")
     if p.head_dim in ATTENTION_HEAD_DIMS and p.dtype in ELEMENT_BYTES:

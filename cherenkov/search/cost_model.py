@@ -139,27 +139,42 @@ def schedule_factor(plan: KernelPlan) -> float:
     return factor
 
 
-# The sm_90a family (wgmma, TMA, warp roles), fitted to its first H200 measurements
-# (helper runs of 2026-11-29): the default schedule reaches 0.63 of the wgmma peak on the
-# seed shape, 3 stages beat 2 by 1.3x, and head dim 64 runs at 0.6 of head dim 128.
-HOPPER_BASE_EFFICIENCY = 0.63
+# The sm_90a family (wgmma, TMA, warp roles), fitted to its H200 measurements (2026-11-29,
+# interleaved with cuDNN): the default schedule reaches 0.645 of the wgmma peak in its
+# key-tile loop (seed shape), 3 stages beat 2 by 1.3x, head dim 64 runs at 0.6 of head dim
+# 128 (its exp2 work per FLOP doubles), key tiles of 192 gain 6 % there. A work tile also
+# exposes its prologue (Q, the scores-only first key tile) and epilogue (the last P V,
+# normalise, store O): 1.25 key tiles' time when every tile is its own block (B16 H16 1k:
+# 8 key tiles a work tile, 0.92x cuDNN), about 0.5 when a persistent block loads the next
+# tile's Q and K meanwhile (1.09x faster there, 1 % on the seed); causal work tiles differ
+# in length, and the persistent grid's static stride balances them worse (0.995x).
+HOPPER_BASE_EFFICIENCY = 0.645
 HOPPER_STAGE_FACTOR = {2: 0.77, 3: 1.0, 4: 1.0}
 HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
 HOPPER_NO_PINGPONG_FACTOR = 0.95
 HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0}
+HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
+HOPPER_TILE_OVERHEAD = {False: 1.25, True: 0.5}  # key tiles' worth of exposed time a work tile
+HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
 
 
 def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Prediction:
     """Predicted run time of an sm_90a flash-attention plan: one block per SM (its
-    shared-memory ring fills the SM), the fitted family efficiency times the wave fill."""
+    shared-memory ring fills the SM), the fitted family efficiency times the wave fill and
+    the share of a work tile's time spent in its key-tile loop."""
     gpu = gpu or GPUS[plan.target.name]
     schedule, problem = plan.schedule, plan.problem
-    blocks = problem.batch * problem.heads * math.ceil(problem.seq_q / schedule.block_q)
+    blocks = schedule.tiles(problem)
     waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
+    key_tiles = problem.seq_kv / schedule.block_kv / (2 if problem.causal else 1)
     pipeline = HOPPER_STAGE_FACTOR.get(schedule.stages, 1.0)
+    pipeline *= key_tiles / (key_tiles + HOPPER_TILE_OVERHEAD[schedule.persistent])
     knobs = HOPPER_CONSUMER_FACTOR.get(schedule.consumer_warpgroups, 0.5) * HOPPER_HEAD_DIM_FACTOR[problem.head_dim]
+    knobs *= HOPPER_BLOCK_KV_FACTOR.get(schedule.block_kv, 1.0)
     if not schedule.pingpong:
         knobs *= HOPPER_NO_PINGPONG_FACTOR
+    if schedule.persistent and problem.causal:
+        knobs *= HOPPER_PERSISTENT_CAUSAL_FACTOR
     efficiency = HOPPER_BASE_EFFICIENCY * pipeline * knobs * waves
     ms = problem.flops / (gpu.wgmma_tflops * 1e12 * efficiency) * 1e3 + LAUNCH_OVERHEAD_MS
     return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, pipeline, waves, knobs)
@@ -210,7 +225,11 @@ MMA_PIPELINE_EFFICIENCY = {2: 0.8, 3: 1.0, 4: 1.0}  # a 2-stage ring leaves load
 # Fraction of the wgmma peak the sm_90a GEMM tiles reached at bf16 4096³ on the H200
 # (benchmarks/results/gemm-sm90a-h200-2026-11-29.json): (block_m, block_n, warpgroups, stages).
 WGMMA_TILE_EFFICIENCY = {(128, 256, 2, 4): 0.47, (256, 128, 2, 4): 0.45, (128, 128, 2, 5): 0.45,
-                         (128, 128, 2, 3): 0.42, (128, 128, 1, 4): 0.38}  # fmt: skip
+                         (128, 128, 2, 3): 0.42, (128, 128, 1, 4): 0.38, (64, 256, 1, 4): 0.39,
+                         (64, 128, 1, 6): 0.37, (64, 64, 1, 8): 0.24, (64, 64, 1, 4): 0.22}  # fmt: skip
+# The warp-specialised TMA kernels (benchmarks/bench_gemm_sm90a.py, H200, bf16 4096³):
+# (block_m, block_n, stages, persistent).
+TMA_TILE_EFFICIENCY = {(128, 256, 4, True): 0.71, (128, 256, 4, False): 0.69, (128, 128, 6, True): 0.64}
 EVALUATED_OPERAND_PENALTY = 0.6  # a GEMM operand computed element by element instead of cp.async copies
 
 
@@ -224,7 +243,14 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     for everything else (a pointwise contraction re-reads its operands from cache and
     counts at a quarter of that). The larger of the two plus a launch overhead."""
     from cherenkov.codegen.cuda.term_kernels import term_grid
-    from cherenkov.codegen.term_plan import ROW_KINDS, RowSchedule, gemm_layout, gemm_smem_bytes, wgmma_smem_bytes
+    from cherenkov.codegen.term_plan import (
+        ROW_KINDS,
+        RowSchedule,
+        TmaGemmSchedule,
+        gemm_layout,
+        gemm_smem_bytes,
+        wgmma_smem_bytes,
+    )
 
     gpu = gpu or GPUS[plan.target.name]
     schedule = plan.schedule
@@ -250,6 +276,11 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
         efficiency *= MMA_PIPELINE_EFFICIENCY.get(schedule.stages, 1.0)
         efficiency *= (1.0 if layout.a_fast else EVALUATED_OPERAND_PENALTY) * (1.0 if layout.b_fast else EVALUATED_OPERAND_PENALTY)
         compute_ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3
+        memory = MEMORY_EFFICIENCY["mma"]
+    elif family == "wgmma" and isinstance(schedule, TmaGemmSchedule):
+        tile = (schedule.block_m, schedule.block_n, schedule.stages, schedule.persistent)
+        efficiency = TMA_TILE_EFFICIENCY.get(tile, 0.5) * waves  # persistent grids: min(tiles, SMs) blocks
+        compute_ms = flops / (gpu.wgmma_tflops * 1e12 * efficiency) * 1e3
         memory = MEMORY_EFFICIENCY["mma"]
     elif family == "wgmma":
         tile = (schedule.block_m, schedule.block_n, schedule.consumer_warpgroups, schedule.stages)

@@ -1,8 +1,9 @@
 """The sm_90a ``wgmma`` GEMM family of contraction kernels: which plans are offered (CPU),
 every schedule compiled for sm_90a with no spills, HGMMA in its SASS and no local memory
 (CPU, nvcc), and every schedule against torch's float32 matmul on random inputs (GPU):
-tails in M, N and K, A and B in both memory orders, a fused bias + GELU epilogue and a
-batched fp16 matmul."""
+tails in M, N and K, A and B in both memory orders, odd N (unpaired stores), a fused
+bias + GELU epilogue, batched fp16 matmuls, and split-K on few-tile problems (launched
+twice: the arrival counters reset, and the result is the same bits)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,17 @@ from cherenkov.codegen import compile_plans, cuda_source, load_kernel, term_plan
 from cherenkov.codegen.cuda.term_kernels import term_dynamic_smem
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.report import parse_ptxas_report
+from cherenkov.codegen.cuda.gemm_sm90a_tma import OperandMap, tensor_maps
 from cherenkov.codegen.term_plan import (
+    TMA_GEMM_SCHEDULES,
     WGMMA_GEMM_SCHEDULES,
+    WGMMA_SPLIT_K_TILES,
     TermKernelPlan,
+    TmaGemmSchedule,
     WgmmaGemmSchedule,
     gemm_layout,
     term_plan_problems,
+    wgmma_schedules,
     wgmma_smem_bytes,
 )
 from cherenkov.rewrites.plan import TARGETS
@@ -54,6 +60,14 @@ def batched_graph(batch: int = 3, m: int = 200, n: int = 328, k: int = 136) -> c
     return g
 
 
+def batched_bias_gelu_graph(batch: int = 2, m: int = 72, n: int = 200, k: int = 1032) -> ck.Graph:
+    """Few tiles and a long K (split-K), batched fp16, with a bias + GELU epilogue."""
+    g = ck.Graph("bmm_bias_gelu")
+    a, b = g.input("a", (batch, m, k), "fp16"), g.input("b", (batch, k, n), "fp16")
+    g.output(ck.nn.gelu(a @ b + g.input("bias", (n,), "fp16")), "y")
+    return g
+
+
 def prologue_graph() -> ck.Graph:
     """A contraction whose A operand is evaluated (a scale and SiLU prologue)."""
     g = ck.Graph("prologue")
@@ -68,6 +82,9 @@ GRAPHS = {
        for ta in (False, True) for tb in (False, True)},
     "bias_gelu": bias_gelu_graph,
     "bmm_fp16": batched_graph,
+    "split_tails": lambda: matmul_graph(False, False, 72, 328, 1000),
+    "split_nt_odd_n": lambda: matmul_graph(False, True, 72, 327, 1000),
+    "split_bmm_bias_gelu": batched_bias_gelu_graph,
 }  # fmt: skip
 
 
@@ -88,8 +105,54 @@ def wgmma_plans(graph: ck.Graph) -> list[TermKernelPlan]:
 def test_every_schedule_is_offered_first_on_sm90a() -> None:
     for name, build in GRAPHS.items():
         plans = contraction_plans(build())
-        assert [p.schedule for p in plans[: len(WGMMA_GEMM_SCHEDULES)]] == list(WGMMA_GEMM_SCHEDULES), name
+        layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
+        offered = wgmma_schedules(layout)
+        valid = [p.schedule for p in plans if p.family == "wgmma"]
+        assert [p.schedule for p in plans[: len(valid)]] == valid, name
+        assert valid == [s for s in offered if s in valid], name
+        assert [s for s in valid if isinstance(s, WgmmaGemmSchedule)][: len(WGMMA_GEMM_SCHEDULES)] == list(
+            WGMMA_GEMM_SCHEDULES
+        ), name
+        tma_offered = [s for s in valid if isinstance(s, TmaGemmSchedule)]
+        assert tma_offered == ([] if layout.batch_size > 1 else list(TMA_GEMM_SCHEDULES)), name
         assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}, name
+
+
+def test_tma_needs_plain_matrices_and_says_why() -> None:
+    plan = next(p for p in contraction_plans(batched_graph()) if p.family == "wgmma")
+    bad = TermKernelPlan(plan.kind, plan.kernel, TMA_GEMM_SCHEDULES[0], SM90A, plan.tensors)
+    assert any("no batch" in reason for reason in term_plan_problems(bad))
+    assert TMA_GEMM_SCHEDULES[0].threads == 384 and TMA_GEMM_SCHEDULES[0].key() == "wgmma_tma_m128_n256_k64_wg2_s4_p"
+    assert wgmma_smem_bytes(TMA_GEMM_SCHEDULES[0]) == 4 * (128 + 256) * 64 * 2 + 1024 + 2 * 4 * 8
+
+
+def test_tma_tensor_maps_follow_the_layouts() -> None:
+    for ta, tb, expected in (
+        (False, False, (OperandMap("a", (136, 200), 272, (64, 128)), OperandMap("b", (328, 136), 656, (64, 64)))),
+        (True, True, (OperandMap("a", (200, 136), 400, (64, 64)), OperandMap("b", (136, 328), 272, (64, 256)))),
+    ):
+        plan = next(p for p in wgmma_plans(matmul_graph(ta, tb, 200, 328, 136)) if p.schedule == TMA_GEMM_SCHEDULES[0])
+        assert tensor_maps(plan) == expected
+
+
+def test_split_k_only_for_few_tiles() -> None:
+    def splits(m: int, n: int, k: int) -> dict[tuple[int, int], int]:
+        plans = wgmma_plans(matmul_graph(False, False, m, n, k))
+        return {(p.schedule.block_m, p.schedule.block_n): p.schedule.split_k for p in plans if p.schedule.split_k > 1}
+
+    assert splits(4096, 4096, 4096) == {}, "512 tiles or more fill the GPU"
+    assert splits(200, 328, 136) == {}, "3 k steps cannot be split"
+    # decode-sized: 64 tokens, K 8192 -> at least 128 blocks, at least 4 k steps a split
+    assert splits(64, 2048, 8192) == {(64, 128): 8, (64, 64): 4, (128, 128): 8}
+    assert splits(64, 8192, 2048) == {(64, 128): 2, (128, 128): 2}, "64x64: 128 tiles already"
+
+
+def test_every_offered_schedule_runs_in_a_gpu_case() -> None:
+    covered = {p.schedule for build, _ in GPU_CASES.values() for p in wgmma_plans(build())}
+    assert set(WGMMA_GEMM_SCHEDULES) | set(TMA_GEMM_SCHEDULES) <= covered
+    assert {(s.block_m, s.block_n, s.consumer_warpgroups, s.stages) for s in covered if s.split_k > 1} == {
+        (s.block_m, s.block_n, s.consumer_warpgroups, s.stages) for s in WGMMA_SPLIT_K_TILES
+    }
 
 
 def test_not_offered_for_other_targets() -> None:
@@ -120,10 +183,13 @@ def test_not_offered_for_evaluated_operands() -> None:
         (WgmmaGemmSchedule(128, 96, 64, 2, 4), "block_n"),
         (WgmmaGemmSchedule(192, 128, 64, 1, 4), "m64"),
         (WgmmaGemmSchedule(128, 128, 64, 2, 2), "stages"),
+        (WgmmaGemmSchedule(64, 128, 64, 1, 6, 0), "split_k 0"),
+        (WgmmaGemmSchedule(64, 128, 64, 1, 6, 2), "k steps"),
+        (WgmmaGemmSchedule(64, 64, 64, 1, 8, 64), "grids of fewer than"),
     ],
 )
 def test_invalid_schedules_say_why(schedule, reason) -> None:
-    plan = wgmma_plans(GRAPHS["nn_tails"]())[0]
+    plan = wgmma_plans(GRAPHS["nn_tails"]())[0]  # 200x328x136: 3 k steps; 64x64 tiles: 24
     bad = TermKernelPlan(plan.kind, plan.kernel, schedule, SM90A, plan.tensors)
     assert any(reason in p for p in term_plan_problems(bad)), term_plan_problems(bad)
 
@@ -134,6 +200,8 @@ def test_schedules_and_shared_memory() -> None:
     assert wgmma_smem_bytes(default) == 4 * (128 + 256) * 64 * 2 + 1024
     for plan in wgmma_plans(GRAPHS["nn_tails"]()):
         assert term_dynamic_smem(plan) == wgmma_smem_bytes(plan.schedule) <= SM90A.smem_per_block
+        producer = isinstance(plan.schedule, TmaGemmSchedule)  # one more warpgroup
+        assert plan.schedule.threads == 128 * (plan.schedule.consumer_warpgroups + producer)
 
 
 def test_source_is_deterministic_and_follows_the_layouts() -> None:
@@ -182,6 +250,7 @@ def test_every_schedule_compiles_without_spills_to_hgmma(nvcc, sass, graph, tmp_
         assert shape in code, plan.name
         assert (".tnspA" in code) != layout.a_kmajor and (".tnspB" in code) != layout.b_kmajor, plan.name
         assert " LDL" not in code and " STL" not in code, plan.name
+        assert ("UTMALDG" in code) == isinstance(plan.schedule, TmaGemmSchedule), plan.name
     if sass is None:
         pytest.skip("cuobjdump is not installed: compiled and ptxas-checked only")
 
@@ -205,6 +274,11 @@ GPU_CASES = {
     "bias_gelu": (bias_gelu_graph, lambda torch, x: torch.nn.functional.gelu(
         x["a"].float() @ x["b"].float() + x["bias"].float(), approximate="tanh")),
     "bmm_fp16": (batched_graph, lambda torch, x: x["a"].float() @ x["b"].float()),
+    "split_tails": (GRAPHS["split_tails"], _matmul_reference(False, False)),
+    "split_nt_odd_n": (GRAPHS["split_nt_odd_n"], _matmul_reference(False, True)),
+    "split_bmm_bias_gelu": (batched_bias_gelu_graph, lambda torch, x: torch.nn.functional.gelu(
+        x["a"].float() @ x["b"].float() + x["bias"].float(), approximate="tanh")),
+    "decode_64x2048x8192": (lambda: matmul_graph(False, False, 64, 2048, 8192), _matmul_reference(False, False)),
 }  # fmt: skip
 
 
@@ -224,7 +298,7 @@ def test_every_schedule_matches_torch(gpu, case, tmp_path) -> None:
     }
     reference = reference_of(torch, inputs)
     plans = wgmma_plans(graph)
-    assert len(plans) == len(WGMMA_GEMM_SCHEDULES)
+    assert len(plans) >= len(WGMMA_GEMM_SCHEDULES)
     for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
         assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
         kernel = load_kernel(compiled)
@@ -233,3 +307,8 @@ def test_every_schedule_matches_torch(gpu, case, tmp_path) -> None:
         torch.cuda.synchronize()
         error = ((out.float() - reference).norm() / reference.norm()).item()
         assert error <= TOLERANCE, f"{plan.name}: relative L2 error {error:.3g}"  # NaN fails too
+        if plan.schedule.split_k > 1:  # the counters were reset, and the partials add up in split order
+            again = torch.full_like(out, math.nan)
+            kernel.launch(inputs, again)
+            torch.cuda.synchronize()
+            assert torch.equal(again, out), f"{plan.name}: a second launch differs"

@@ -19,14 +19,16 @@ TOLERANCE = 2e-2
 DEFAULT = HopperFlashSchedule()
 SEED = AttentionProblem(1, 8, 8, 4096, 8192, 128)
 
-# A problem each offered schedule is valid for (tiles of 176 keys and 192 query rows need
-# lengths that are multiples of them; three consumers fit head dim 64 only).
+# Problems that together give every offered schedule a valid one (three consumers and key
+# tiles of 192 fit head dim 64 only), some with tails.
 COMPILE_PROBLEMS = [
     AttentionProblem(1, 8, 8, 4224, 2816, 128),
     AttentionProblem(1, 8, 8, 4224, 2816, 64, causal=True),
     AttentionProblem(2, 8, 2, 768, 1536, 64, dtype="fp16"),
     AttentionProblem(1, 4, 4, 2048, 2048, 128, causal=True, dtype="fp16"),
+    AttentionProblem(1, 8, 8, 1536, 3072, 64),
 ]
+PERSISTENT = HopperFlashSchedule(persistent=True)
 
 
 def hopper_plan(problem: AttentionProblem, schedule: HopperFlashSchedule) -> KernelPlan:
@@ -97,8 +99,8 @@ def test_tensor_map_arguments_are_checked_before_the_driver():
 
 def test_schedule_resources_and_names():
     assert DEFAULT.block_q == 128 and DEFAULT.threads == 384 and DEFAULT.register_split == (40, 232)
-    # Q 128x128 + 3 stages x (K + V) 128x128, bf16; 10 mbarriers; 1 KiB alignment slack
-    assert DEFAULT.smem_bytes(128) == 32768 + 6 * 32768 + 10 * 8 + 1024
+    # Q 128x128 + 3 stages x (K + V) 128x128, bf16; 11 mbarriers; 1 KiB alignment slack
+    assert DEFAULT.smem_bytes(128) == 32768 + 6 * 32768 + 11 * 8 + 1024
     assert DEFAULT.key() == "q128_kv128_s3_c2_pp" and kernel_name(DEFAULT) == "flash_attention_sm90a_q128_kv128_s3_c2_pp"
     assert not hopper_schedule_problems(DEFAULT, SEED)
 
@@ -109,7 +111,6 @@ def test_schedule_resources_and_names():
         (HopperFlashSchedule(consumer_warpgroups=1, pingpong=True), SEED, "pingpong"),
         (HopperFlashSchedule(block_kv=120), SEED, "multiple of 16"),
         (HopperFlashSchedule(stages=1), SEED, "stage"),
-        (DEFAULT, AttentionProblem(1, 8, 8, 1000, 8192, 128), "tails"),
         (HopperFlashSchedule(block_kv=256), SEED, "shared memory"),
         (HopperFlashSchedule(consumer_warpgroups=3, pingpong=False), AttentionProblem(1, 8, 8, 768, 1024, 128),
          "registers"),
@@ -121,6 +122,19 @@ def test_invalid_schedules_say_why(schedule, problem, reason):
     assert any(reason in p for p in problems), problems
     with pytest.raises(CodegenError, match="invalid sm_90a"):
         emit_flash_attention_sm90a(problem, schedule)
+
+
+def test_persistent_grid_has_a_block_an_sm_at_most():
+    short = AttentionProblem(16, 16, 16, 1024, 1024, 128)
+    assert PERSISTENT.tiles(short) == 8 * 16 * 16 == DEFAULT.grid_blocks(short, 132)
+    assert PERSISTENT.grid_blocks(short, 132) == 132
+    assert PERSISTENT.grid_blocks(AttentionProblem(1, 2, 2, 1024, 1024, 128), 132) == 16
+    assert PERSISTENT.key() == "q128_kv128_s3_c2_pp_ps"
+    source = emit_flash_attention_sm90a(short, PERSISTENT)
+    assert "grid (min(2048, SMs),)" in source and "constexpr int TILES = Q_TILES * HEADS * BATCH;" in source
+    # the kernel text is the same, only the launch differs
+    body = emit_flash_attention_sm90a(short, DEFAULT).split("problem and schedule constants")[1]
+    assert body.replace("q128_kv128_s3_c2_pp", "q128_kv128_s3_c2_pp_ps") == source.split("problem and schedule constants")[1]
 
 
 def test_source_is_deterministic_and_specialised():
@@ -146,13 +160,25 @@ def test_every_schedule_compiles_for_sm90a(nvcc, problem, schedule, tmp_path):
     assert compiled.report.spill_bytes == 0, compiled.report
 
 
-def test_default_schedule_sass_has_wgmma_and_tma_and_no_local_memory(nvcc, sass, tmp_path):
-    compiled = compile_plan(hopper_plan(SEED, DEFAULT), compiler=nvcc, cache_dir=tmp_path)
+# The schedules the search picked on the H200 benchmark shapes (results/h200-2026-11-29-sm90a.json).
+BENCHMARK_WINNERS = [
+    (SEED, DEFAULT, "HGMMA.64x128x16.F32.BF16"),
+    (AttentionProblem(16, 16, 16, 1024, 1024, 128), PERSISTENT, "HGMMA.64x128x16.F32.BF16"),
+    (AttentionProblem(1, 8, 8, 4096, 8192, 64), HopperFlashSchedule(192, 3, 2, True, persistent=True),
+     "HGMMA.64x192x16.F32.BF16"),
+]
+
+
+@pytest.mark.parametrize(
+    "problem, schedule, hgmma", BENCHMARK_WINNERS, ids=lambda x: getattr(x, "key", lambda: "")() or None
+)
+def test_chosen_schedules_sass_has_wgmma_and_tma_and_no_local_memory(nvcc, sass, problem, schedule, hgmma, tmp_path):
+    compiled = compile_plan(hopper_plan(problem, schedule), compiler=nvcc, cache_dir=tmp_path)
     assert compiled.report.spill_bytes == 0 and compiled.report.stack_frame == 0
     if sass is None:
         pytest.skip("cuobjdump is not installed")
     code = sass(compiled.cubin_path)
-    assert "HGMMA.64x128x16.F32.BF16" in code and ".tnspB" in code  # S = Q K^T and O += P V (V MN-major)
+    assert hgmma in code and ".tnspB" in code  # S = Q K^T and O += P V (V MN-major)
     assert "UTMALDG" in code
     assert "USETMAXREG" in code
     assert " LDL" not in code and " STL" not in code
@@ -169,6 +195,19 @@ GPU_CASES = [
     (AttentionProblem(1, 4, 4, 1024, 2048, 128, dtype="fp16"), HopperFlashSchedule(128, 2, 2, False)),
     (AttentionProblem(1, 4, 4, 1024, 2048, 128, causal=True), HopperFlashSchedule(128, 2, 1, False)),
     (AttentionProblem(1, 4, 4, 1536, 1536, 64, causal=True), HopperFlashSchedule(128, 2, 3, False)),
+    # persistent: several work tiles a block (ring and Q phases carried across tiles)
+    (AttentionProblem(4, 16, 16, 1024, 1024, 128), PERSISTENT),
+    (AttentionProblem(2, 16, 4, 2048, 2048, 128, causal=True), PERSISTENT),
+    (AttentionProblem(4, 16, 16, 1024, 128, 128, dtype="fp16"), PERSISTENT),  # one key tile a work tile
+    (AttentionProblem(1, 2, 2, 1024, 1024, 128), PERSISTENT),  # fewer tiles than SMs
+    (AttentionProblem(1, 8, 8, 2048, 3072, 64), HopperFlashSchedule(192, 3, 2, True)),
+    (AttentionProblem(2, 16, 16, 1536, 1536, 64, causal=True), HopperFlashSchedule(192, 3, 2, True, persistent=True)),
+    # tails: rows past Sq not stored, keys past Skv masked (also shorter than one tile)
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128), DEFAULT),
+    (AttentionProblem(3, 8, 8, 777, 333, 128, causal=True), PERSISTENT),
+    (AttentionProblem(1, 4, 4, 100, 90, 64, dtype="fp16"), DEFAULT),
+    (AttentionProblem(1, 8, 8, 4096, 8192, 64), HopperFlashSchedule(128, 3, 3, False, persistent=True)),
+    (AttentionProblem(2, 4, 4, 1000, 1000, 64, causal=True), HopperFlashSchedule(128, 3, 3, False)),
 ]
 
 

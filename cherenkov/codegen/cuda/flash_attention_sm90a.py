@@ -1,14 +1,19 @@
 """The Hopper (sm_90a) flash-attention kernel family: TMA, wgmma, warp specialisation.
 
 ``o = softmax(scale · q kᵀ [causal mask]) v`` for BHSD-contiguous q, k, v, o (bf16 or
-fp16, head dim 64 or 128, GQA). One block computes ``BLOCK_Q = 64 · CONSUMERS`` query
-rows of one (batch, head); its warpgroups have fixed roles:
+fp16, head dim 64 or 128, GQA). A work tile is ``BLOCK_Q = 64 · CONSUMERS`` query rows of
+one (batch, head); a block walks the tiles ``blockIdx.x, blockIdx.x + gridDim.x, …`` (one
+tile when the grid has a block per tile; many when it is persistent, one block an SM).
+Its warpgroups have fixed roles:
 
 * warpgroup 0, the producer, lowers its registers (``setmaxnreg``) and one thread issues
-  every TMA copy: Q once (one ``64 × BLOCK_Q`` box per 64 columns of the head dim), then
-  for each key tile its K and V boxes into stage ``j % STAGES`` of the ring, after
+  every TMA copy, per work tile: its first key tile, Q (one ``64 × BLOCK_Q`` box per 64
+  columns of the head dim) once the consumers have released the last tile's Q, then the
+  other key tiles. A key tile's K and V boxes go to the next stage of the ring after
   waiting on that stage's "empty" mbarrier; K and V complete on separate "full"
-  mbarriers, so ``Q Kᵀ`` starts while V still lands.
+  mbarriers, so ``Q Kᵀ`` starts while V still lands. The ring's stage and phase run on
+  across work tiles, so the next tile's Q and K land while the consumers finish and store
+  the last one.
 * warpgroups 1..CONSUMERS raise their registers and own 64 query rows each. Per key tile
   j they issue ``S_j = Q K_jᵀ`` (wgmma, both operands from shared memory, K-major) and
   ``O += P_(j-1) V_(j-1)`` (wgmma, P from registers, V MN-major), wait for ``S_j`` only,
@@ -21,15 +26,17 @@ Shared memory: ``[Q | K stage 0..STAGES-1 | V stage 0..STAGES-1 | mbarriers]``, 
 1024-byte aligned and stored as 128-byte-swizzled boxes of 64 columns by the TMA
 (``CU_TENSOR_MAP_SWIZZLE_128B``), the layout the wgmma descriptors of :mod:`.wgmma`
 describe. Causal blocks visit key tiles up to their diagonal and mask only where a tile
-crosses a consumer's diagonal; the grid runs the longest causal blocks first.
+crosses a consumer's diagonal. Tile order: the query tiles of one head are consecutive
+(causal: longest first), so concurrent blocks share K and V in L2.
 
-Launch: grid ``(SEQ_Q / BLOCK_Q, H, B)``, ``128 · (1 + CONSUMERS)`` threads,
+Launch: grid ``(schedule.grid_blocks(problem, SMs),)``, ``128 · (1 + CONSUMERS)`` threads,
 ``schedule.smem_bytes(D, dtype)`` bytes of dynamic shared memory, arguments
 ``(q_map, k_map, v_map, o)``: three TensorMaps of 3-D views ``(D, S, B·H)`` with
 ``64 × rows × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and v; see
 :func:`cherenkov.codegen.tensor_map.bhsd_tensor_map`) and the output pointer. Every
-problem and schedule value is a compile-time constant; this version requires
-``SEQ_Q % BLOCK_Q == 0`` and ``SEQ_KV % BLOCK_KV == 0``.
+problem and schedule value is a compile-time constant. Tails: boxes past the end of a
+sequence read as zero (the tensor map's out-of-bounds fill); scores of keys past
+``SEQ_KV`` are masked in the last key tile, and rows past ``SEQ_Q`` are not stored.
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
         section("wgmma", wgmma.emit_descriptor(), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
                 wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(dtype)),
         section("online softmax", softmax.emit_math_helpers(), _softmax()),
+        section("work tiles", _work_tiles()),
         section("producer warpgroup", _producer()),
         section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma), _pingpong(s.pingpong), _consumer()),
         section("kernel", _kernel(schedule)),
@@ -112,7 +120,8 @@ def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         f"Schedule: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} stages={s.stages} "
         f"consumer warpgroups={s.consumer_warpgroups} pingpong={s.pingpong} "
         f"registers (producer, consumer)={s.register_split}.",
-        f"Launch: grid ({p.seq_q // s.block_q}, {p.heads}, {p.batch}), {s.threads} threads, "
+        f"Launch: grid ({'min(' if s.persistent else ''}{s.tiles(p)}{', SMs)' if s.persistent else ''},), "
+        f"{s.threads} threads, "
         f"{s.smem_bytes(p.head_dim, p.dtype)} bytes dynamic shared memory, args (q_map, k_map, v_map, o).",
     ]
     return "\n".join(f"// {comment_text(line)}" for line in lines)
@@ -135,6 +144,7 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         "// one consumer warpgroup: 256 threads get 255 registers, no reallocation")
     return block(
         f"""
+        constexpr int BATCH = {p.batch};
         constexpr int HEADS = {p.heads};
         constexpr int KV_HEADS = {p.kv_heads};
         constexpr int GROUP = {p.group_size};  // query heads per K/V head
@@ -151,14 +161,16 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         constexpr int THREADS = {s.threads};
         constexpr bool PINGPONG = {bool_literal(s.pingpong)};
         {regs}
-        constexpr int Q_TILES = SEQ_Q / BLOCK_Q;
-        constexpr int KV_TILES = SEQ_KV / BLOCK_KV;
+        constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;
+        constexpr int KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;
+        constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;     // the last query tile has rows past the end
+        constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;  // the last key tile has keys past the end
+        constexpr int TILES = Q_TILES * HEADS * BATCH;  // work tiles: query tile x head x batch
         constexpr int D_BOXES = HEAD_DIM / {TMA_BOX_COLUMNS};  // 64-column (128-byte) TMA boxes across the head dim
         constexpr int S_REGS = BLOCK_KV / 2;  // fp32 accumulators of S a thread
         constexpr int O_REGS = HEAD_DIM / 2;  // fp32 accumulators of O a thread
         constexpr int P_REGS = BLOCK_KV / 4;  // packed 16-bit pairs of P a thread
         static_assert(BLOCK_Q == {ROWS_PER_CONSUMER} * CONSUMERS && THREADS == 128 * (CONSUMERS + 1), "warp roles");
-        static_assert(SEQ_Q % BLOCK_Q == 0 && SEQ_KV % BLOCK_KV == 0, "no tails in this version");
         """
     )
 
@@ -178,7 +190,8 @@ def _layout_constants(smem_bytes: int) -> str:
         constexpr u32 V_SMEM = K_SMEM + STAGES * KV_TILE_BYTES;
         constexpr u32 BAR_SMEM = V_SMEM + STAGES * KV_TILE_BYTES;
         constexpr u32 Q_FULL = BAR_SMEM;                  // Q landed
-        constexpr u32 K_FULL = BAR_SMEM + 8;              // + 8 * stage: K tile landed
+        constexpr u32 Q_EMPTY = BAR_SMEM + 8;             // every consumer warp is done with Q
+        constexpr u32 K_FULL = BAR_SMEM + 16;             // + 8 * stage: K tile landed
         constexpr u32 V_FULL = K_FULL + 8 * STAGES;       // + 8 * stage: V tile landed
         constexpr u32 KV_EMPTY = V_FULL + 8 * STAGES;     // + 8 * stage: every consumer warp is done with it
         constexpr u32 SMEM_BYTES = KV_EMPTY + 8 * STAGES + {SWIZZLE_ALIGN};  // + slack to align the base
@@ -197,17 +210,22 @@ def _softmax() -> str:
             float sum[2];  // this thread's partial row sum; the quad's partials are added at the end
         };
 
-        // Causal mask of one key tile: scores of keys after the query become -inf.
-        __device__ __forceinline__ void mask_causal(float (&s)[S_REGS], int row0, int kv0, int t) {
+        // Mask of one key tile: scores of keys after the query (causal) or past SEQ_KV become -inf.
+        __device__ __forceinline__ void mask_scores(float (&s)[S_REGS], int row0, int kv0, int t) {
             #pragma unroll
             for (int c = 0; c < BLOCK_KV / 8; ++c) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + (e >> 1) * 8;
                     const int col = kv0 + 8 * c + 2 * t + (e & 1);
-                    if (col > row) s[4 * c + e] = neg_inf();
+                    if ((CAUSAL && col > row) || (KV_TAIL && col >= SEQ_KV)) s[4 * c + e] = neg_inf();
                 }
             }
+        }
+
+        // Whether key tile kv0 needs the mask for the warpgroup whose first row is first_row.
+        __device__ __forceinline__ bool needs_mask(int kv0, int first_row) {
+            return (CAUSAL && kv0 + BLOCK_KV - 1 > first_row) || (KV_TAIL && kv0 + BLOCK_KV > SEQ_KV);
         }
 
         // Scores -> unnormalised probabilities in place; returns each row's rescale factor for O.
@@ -251,39 +269,83 @@ def _softmax() -> str:
     )
 
 
+def _work_tiles() -> str:
+    return block(
+        """
+        // One work tile: BLOCK_Q query rows of one (batch, head) and the key tiles they attend to.
+        struct WorkTile {
+            int q0;        // first query row
+            int q_head;    // index of the (batch, head) slab of q and o
+            int kv_head;   // index of the (batch, K/V head) slab of k and v (GQA: query heads share it)
+            int kv_tiles;  // key tiles visited
+        };
+
+        // The query tiles of one head are consecutive, so concurrent blocks share its K and V in L2;
+        // causal: longest first within the head.
+        __device__ __forceinline__ WorkTile work_tile(int tile) {
+            const int q_tile = CAUSAL ? Q_TILES - 1 - tile % Q_TILES : tile % Q_TILES;
+            const int slab = tile / Q_TILES;  // batch * HEADS + head
+            WorkTile w;
+            w.q0 = q_tile * BLOCK_Q;
+            w.q_head = slab;
+            w.kv_head = (slab / HEADS) * KV_HEADS + (slab % HEADS) / GROUP;
+            // Causal: keys up to the tile's last row (top-left aligned, key j <= query i).
+            w.kv_tiles = CAUSAL ? min(KV_TILES, (w.q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+            return w;
+        }
+
+        // The next slot of the K/V ring (stage, and the phase its mbarriers are in).
+        __device__ __forceinline__ void advance_ring(int& stage, u32& phase) {
+            if (++stage == STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        """
+    )
+
+
 def _producer() -> str:
     return block(
         """
-        // One thread issues every copy: Q once, then K_j and V_j into stage j % STAGES once every
-        // consumer warp has released that stage (its previous use).
+        // K_j and V_j of one work tile into the ring's next slot, once every consumer warp has
+        // released that slot's previous use.
+        __device__ __forceinline__ void produce_key_tile(const TensorMap* k_map, const TensorMap* v_map, u32 smem,
+                                                         const WorkTile& w, int j, int& stage, u32& phase) {
+            mbar_wait(smem + KV_EMPTY + 8 * stage, phase ^ 1);
+            const u32 k_bar = smem + K_FULL + 8 * stage, v_bar = smem + V_FULL + 8 * stage;
+            mbar_arrive_expect_tx(k_bar, KV_TILE_BYTES);
+            #pragma unroll
+            for (int b = 0; b < D_BOXES; ++b)
+                tma_load_3d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, 64 * b,
+                            j * BLOCK_KV, w.kv_head);
+            mbar_arrive_expect_tx(v_bar, KV_TILE_BYTES);
+            #pragma unroll
+            for (int b = 0; b < D_BOXES; ++b)
+                tma_load_3d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, 64 * b,
+                            j * BLOCK_KV, w.kv_head);
+            advance_ring(stage, phase);
+        }
+
+        // One thread issues every copy, per work tile: its first key tile (that slot frees up before
+        // Q does), Q once the consumers have released the previous tile's, then the other key tiles.
         __device__ __forceinline__ void produce(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
-                                                u32 smem, int q0, int q_head, int kv_head, int kv_tiles) {
+                                                u32 smem) {
             tma_prefetch_map(q_map);
             tma_prefetch_map(k_map);
             tma_prefetch_map(v_map);
-            mbar_arrive_expect_tx(smem + Q_FULL, Q_TILE_BYTES);
-            #pragma unroll
-            for (int b = 0; b < D_BOXES; ++b)
-                tma_load_3d(smem + Q_SMEM + b * Q_BOX_BYTES, q_map, smem + Q_FULL, 64 * b, q0, q_head);
             int stage = 0;
-            u32 phase = 0;
-            for (int j = 0; j < kv_tiles; ++j) {
-                mbar_wait(smem + KV_EMPTY + 8 * stage, phase ^ 1);
-                const u32 k_bar = smem + K_FULL + 8 * stage, v_bar = smem + V_FULL + 8 * stage;
-                mbar_arrive_expect_tx(k_bar, KV_TILE_BYTES);
+            u32 phase = 0, q_phase = 0;
+            for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
+                const WorkTile w = work_tile(tile);
+                produce_key_tile(k_map, v_map, smem, w, 0, stage, phase);
+                mbar_wait(smem + Q_EMPTY, q_phase ^ 1);
+                mbar_arrive_expect_tx(smem + Q_FULL, Q_TILE_BYTES);
                 #pragma unroll
                 for (int b = 0; b < D_BOXES; ++b)
-                    tma_load_3d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar,
-                                64 * b, j * BLOCK_KV, kv_head);
-                mbar_arrive_expect_tx(v_bar, KV_TILE_BYTES);
-                #pragma unroll
-                for (int b = 0; b < D_BOXES; ++b)
-                    tma_load_3d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar,
-                                64 * b, j * BLOCK_KV, kv_head);
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1;
-                }
+                    tma_load_3d(smem + Q_SMEM + b * Q_BOX_BYTES, q_map, smem + Q_FULL, 64 * b, w.q0, w.q_head);
+                q_phase ^= 1;
+                for (int j = 1; j < w.kv_tiles; ++j) produce_key_tile(k_map, v_map, smem, w, j, stage, phase);
             }
         }
         """
@@ -349,14 +411,24 @@ def _pingpong(enabled: bool) -> str:
 def _consumer() -> str:
     return block(
         """
-        // One consumer warpgroup: 64 query rows, all key tiles. Tile j's scores are issued together
-        // with the previous tile's P V; the softmax of S_j runs while P_(j-1) V_(j-1) is in flight.
-        __device__ __forceinline__ void consume(u32 smem, elem_t* __restrict__ o, int consumer, int q0, int q_head,
-                                                int kv_tiles) {
+        // Hand a shared-memory buffer back to the producer: one arrival per warp.
+        __device__ __forceinline__ void release(u32 bar, int lane) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar);
+        }
+
+        // One work tile of one consumer warpgroup: 64 query rows, all their key tiles. Tile j's
+        // scores are issued together with the previous tile's P V; the softmax of S_j runs while
+        // P_(j-1) V_(j-1) is in flight. Q is released after the last scores, so the producer
+        // loads the next work tile's Q while this one finishes its last P V and stores O; (stage,
+        // phase) is the ring slot of the tile's first key tile and comes back as the slot after
+        // its last.
+        __device__ __forceinline__ void consume_tile(u32 smem, elem_t* __restrict__ o, int consumer, const WorkTile& w,
+                                                     u32 q_phase, int& stage, u32& phase, bool last_tile) {
             const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
             const int g = lane / 4, t = lane % 4;
-            const int row0 = q0 + consumer * 64 + warp * 16 + g;  // this thread's first row (second: + 8)
-            const int first_row = q0 + consumer * 64;             // the warpgroup's first row
+            const int row0 = w.q0 + consumer * 64 + warp * 16 + g;  // this thread's first row (second: + 8)
+            const int first_row = w.q0 + consumer * 64;             // the warpgroup's first row
             const unsigned long long q_desc = make_smem_desc(smem + Q_SMEM + consumer * 64 * ROW_BYTES, 16, 1024);
             const unsigned long long k_desc = make_smem_desc(smem + K_SMEM, 16, 1024);
             const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, KV_BOX_BYTES, 1024);
@@ -369,27 +441,24 @@ def _consumer() -> str:
             #pragma unroll
             for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.0f;
 
-            if (PINGPONG && consumer == 1) named_barrier_arrive(1, 256);  // consumer 0 goes first
-            mbar_wait(smem + Q_FULL, 0);
-
-            // Tile 0: scores only.
-            mbar_wait(smem + K_FULL, 0);
+            // Key tile 0: scores only.
+            mbar_wait(smem + Q_FULL, q_phase);
+            mbar_wait(smem + K_FULL + 8 * stage, phase);
             matmul_turn_begin(consumer);
             wgmma_fence();
-            issue_scores(s, q_desc, k_desc);
+            issue_scores(s, q_desc, k_desc + ((stage * KV_TILE_BYTES) >> 4));
             wgmma_commit();
             matmul_turn_end(consumer, false);
             wgmma_wait<0>();
             fence_operands(s);
-            if (CAUSAL && BLOCK_KV - 1 > first_row) mask_causal(s, row0, 0, t);
+            if (needs_mask(0, first_row)) mask_scores(s, row0, 0, t);
             online_softmax(s, st, alpha);
             pack_probabilities(s, p);
 
-            int prev = 0;  // the stage of tile j - 1
-            u32 prev_phase = 0;
-            int stage = 1;  // STAGES >= 2
-            u32 phase = 0;
-            for (int j = 1; j < kv_tiles; ++j) {
+            int prev = stage;  // the ring slot of key tile j - 1
+            u32 prev_phase = phase;
+            advance_ring(stage, phase);
+            for (int j = 1; j < w.kv_tiles; ++j) {
                 const int kv0 = j * BLOCK_KV;
                 mbar_wait(smem + K_FULL + 8 * stage, phase);
                 matmul_turn_begin(consumer);
@@ -405,24 +474,22 @@ def _consumer() -> str:
                 matmul_turn_end(consumer, false);
                 wgmma_wait<1>();  // S_j is ready, P_(j-1) V_(j-1) may still run
                 fence_operands(s);
-                if (CAUSAL && kv0 + BLOCK_KV - 1 > first_row) mask_causal(s, row0, kv0, t);
+                if (needs_mask(kv0, first_row)) mask_scores(s, row0, kv0, t);
                 online_softmax(s, st, alpha);
                 wgmma_wait<0>();
                 fence_operands(o_acc);
                 fence_operands(p);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(smem + KV_EMPTY + 8 * prev);
+                release(smem + KV_EMPTY + 8 * prev, lane);
                 rescale_output(o_acc, alpha);
                 pack_probabilities(s, p);
                 prev = stage;
                 prev_phase = phase;
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1;
-                }
+                advance_ring(stage, phase);
             }
 
-            // The last tile's P V.
+            // Every score is done: Q goes back to the producer for the next work tile. The last key
+            // tile's P V; consumer 1 gives no turn after the block's last one.
+            release(smem + Q_EMPTY, lane);
             mbar_wait(smem + V_FULL + 8 * prev, prev_phase);
             matmul_turn_begin(consumer);
             fence_operands(o_acc);
@@ -430,20 +497,31 @@ def _consumer() -> str:
             wgmma_fence();
             issue_values(o_acc, p, v_desc + ((prev * KV_TILE_BYTES) >> 4));
             wgmma_commit();
-            matmul_turn_end(consumer, true);
+            matmul_turn_end(consumer, last_tile);
             wgmma_wait<0>();
             fence_operands(o_acc);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(smem + KV_EMPTY + 8 * prev);
+            release(smem + KV_EMPTY + 8 * prev, lane);
 
             // Normalise by the row sums and store: each thread writes 2 values a row per 8 columns.
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float inv = 1.0f / quad_sum(st.sum[r]);
-                u32* out_row = reinterpret_cast<u32*>(o + ((size_t)q_head * SEQ_Q + row0 + 8 * r) * HEAD_DIM);
+                if (Q_TAIL && row0 + 8 * r >= SEQ_Q) continue;
+                u32* out_row = reinterpret_cast<u32*>(o + ((size_t)w.q_head * SEQ_Q + row0 + 8 * r) * HEAD_DIM);
                 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 8; ++c)
                     out_row[4 * c + t] = pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv);
+            }
+        }
+
+        // A consumer warpgroup walks the block's work tiles; the ring slot and Q's phase run on.
+        __device__ __forceinline__ void consume(u32 smem, elem_t* __restrict__ o, int consumer) {
+            int stage = 0;
+            u32 phase = 0, q_phase = 0;
+            if (PINGPONG && consumer == 1) named_barrier_arrive(1, 256);  // consumer 0 goes first
+            for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
+                consume_tile(smem, o, consumer, work_tile(tile), q_phase, stage, phase, tile + (int)gridDim.x >= TILES);
+                q_phase ^= 1;
             }
         }
         """
@@ -463,21 +541,14 @@ def _kernel(schedule: HopperFlashSchedule) -> str:
                 const __grid_constant__ TensorMap v_map, elem_t* __restrict__ o) {{
             extern __shared__ unsigned char smem_raw[];
             const u32 smem = (smem_u32(smem_raw) + {SWIZZLE_ALIGN - 1}u) & ~{SWIZZLE_ALIGN - 1}u;
-            const int q_tile = CAUSAL ? Q_TILES - 1 - (int)blockIdx.x : (int)blockIdx.x;  // causal: longest first
-            const int head = blockIdx.y, batch = blockIdx.z;
-            const int q_head = batch * HEADS + head;             // index of the (batch, head) slab of q and o
-            const int kv_head = batch * KV_HEADS + head / GROUP;  // GQA: query heads share K/V heads
-            const int q0 = q_tile * BLOCK_Q;
-            // Causal: keys up to the block's last row (top-left aligned, key j <= query i).
-            const int kv_tiles = CAUSAL ? min(KV_TILES, (q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
-
             if (threadIdx.x == 0) {{
                 mbar_init(smem + Q_FULL, 1);
+                mbar_init(smem + Q_EMPTY, 4 * CONSUMERS);  // one arrival per consumer warp
                 #pragma unroll
                 for (int s = 0; s < STAGES; ++s) {{
                     mbar_init(smem + K_FULL + 8 * s, 1);
                     mbar_init(smem + V_FULL + 8 * s, 1);
-                    mbar_init(smem + KV_EMPTY + 8 * s, 4 * CONSUMERS);  // one arrival per consumer warp
+                    mbar_init(smem + KV_EMPTY + 8 * s, 4 * CONSUMERS);
                 }}
                 fence_barrier_init();
                 fence_proxy_async();
@@ -487,10 +558,10 @@ def _kernel(schedule: HopperFlashSchedule) -> str:
             const int warpgroup = threadIdx.x / 128;
             if (warpgroup == 0) {{
                 {producer_regs}
-                if (threadIdx.x == 0) produce(&q_map, &k_map, &v_map, smem, q0, q_head, kv_head, kv_tiles);
+                if (threadIdx.x == 0) produce(&q_map, &k_map, &v_map, smem);
             }} else {{
                 {consumer_regs}
-                consume(smem, o, warpgroup - 1, q0, q_head, kv_tiles);
+                consume(smem, o, warpgroup - 1);
             }}
         }}
         """

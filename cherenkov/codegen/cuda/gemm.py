@@ -17,8 +17,12 @@ element through the term emitter and rounded to the mma dtype on the way into sh
 memory. Past the end of K every element is zero; rows past M or N are clamped and their
 results never stored. The tiles live in a ring of ``stages`` buffers in dynamic shared
 memory: while step ``kt`` multiplies, the tiles of steps up to ``kt + stages - 1`` load,
-and one block barrier a step both publishes the landed tile and frees the oldest buffer. The epilogue evaluates the kernel's term around the contraction for
-each accumulator element (bias, activation, residual) and stores it.
+and one block barrier a step both publishes the landed tile and frees the oldest buffer.
+The epilogue evaluates the kernel's term around the contraction for each accumulator
+element (bias, activation, residual) and stores it, two adjacent columns as one 4-byte
+word where the output's layout allows (:func:`paired_columns`); its transcendental
+functions use the hardware approximations (the output is 16-bit: a few fp32 ulp vanish in
+its rounding).
 
 Launch: grid ``(ceil(N / BN), ceil(M / BM), BATCH)``, ``32 · warps`` threads,
 :func:`~cherenkov.codegen.term_plan.gemm_smem_bytes` of dynamic shared memory.
@@ -36,12 +40,14 @@ from cherenkov.codegen.cuda.term_common import (
     safe_axis,
     tensor_infos,
     term_source,
+    vector_helpers,
 )
 from cherenkov.codegen.cuda.term_expr import Binding, TermEmitter, index_type, store
 from cherenkov.codegen.cuda.mma import emit_mma
 from cherenkov.codegen.cuda.text import block
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import GEMM_SMEM_PAD, GemmLayout, gemm_layout, gemm_smem_bytes, mma_problems
+from cherenkov.rewrites import terms as t
 
 def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     layout = gemm_layout(plan.kernel, tensor_infos(plan))
@@ -204,18 +210,20 @@ def _fragments(op: TileOperand, count: str, origin: str, step: int) -> list[str]
 
 
 def epilogue_loops(tiles: tuple[str, str], columns: tuple[str, str], row: str, column: str,
-                   epilogue: list[str]) -> list[str]:  # fmt: skip
+                   epilogue: list[str], paired: bool = False) -> list[str]:  # fmt: skip
     """The loops over a thread's accumulators — ``tiles`` and ``columns`` as (variable,
     bound), then the 4 elements ``e`` of an m16n8 fragment — binding the output row ``m``
     and column ``n`` and running ``epilogue`` (from :func:`epilogue_store`) where both
-    are in range."""
+    are in range. ``paired``: ``e`` steps by 2 and ``epilogue`` (from
+    :func:`epilogue_pair_store`) stores elements ``e`` and ``e + 1``, columns ``n`` and
+    ``n + 1`` (``n`` even, N even)."""
     return [
         "#pragma unroll",
         f"for (int {tiles[0]} = 0; {tiles[0]} < {tiles[1]}; ++{tiles[0]}) {{",
         "    #pragma unroll",
         f"    for (int {columns[0]} = 0; {columns[0]} < {columns[1]}; ++{columns[0]}) {{",
         "        #pragma unroll",
-        "        for (int e = 0; e < 4; ++e) {",
+        f"        for (int e = 0; e < 4; {'e += 2' if paired else '++e'}) {{",
         f"            const int m = {row};",
         f"            const int n = {column};",
         "            if (m < M && n < N) {",
@@ -225,6 +233,16 @@ def epilogue_loops(tiles: tuple[str, str], columns: tuple[str, str], row: str, c
         "    }",
         "}",
     ]
+
+
+def accumulator_epilogue(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
+                         element: str, next_element: str) -> tuple[bool, list[str]]:  # fmt: skip
+    """``(paired, statements)``: the epilogue of accumulator ``element`` — with the next
+    column's ``next_element`` in one paired store where :func:`paired_columns` holds — for
+    :func:`epilogue_loops`."""
+    if paired_columns(plan, layout):
+        return True, epilogue_pair_store(em, plan, layout, batch_env, (element, next_element))
+    return False, epilogue_store(em, plan, layout, batch_env, element)
 
 
 def epilogue_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
@@ -242,6 +260,39 @@ def epilogue_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[st
     return [*lines, store(plan.output, output_offset(plan.kernel.axes, env, em.index_type), value)]
 
 
+def paired_columns(plan, layout: GemmLayout) -> bool:
+    """Whether output columns ``n`` and ``n + 1`` (``n`` even) are adjacent 16-bit elements
+    of one 4-byte word: the output's innermost axis is the last N axis, of even extent."""
+    innermost = next((x for x in reversed(plan.kernel.axes) if t.extent(x) > 1), None)
+    return (
+        plan.output.dtype in ("bf16", "fp16")
+        and bool(layout.n_axes)
+        and innermost == layout.n_axes[-1]
+        and t.extent(innermost) % 2 == 0
+    )
+
+
+def epilogue_pair_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
+                        accumulators: tuple[str, str]) -> list[str]:  # fmt: skip
+    """Like :func:`epilogue_store` for columns ``n`` and ``n + 1`` (``n`` even, in range;
+    :func:`paired_columns` holds), with ``accumulators`` theirs: both values are stored
+    as one 4-byte word."""
+    depth = em.push()
+    m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
+    values, envs, lines = [], [], list(m_lines)
+    for accumulator, column, prefix in zip(accumulators, ("n", "(n + 1)"), ("en", "eo"), strict=True):
+        em.overrides[layout.core] = lambda _env, accumulator=accumulator: accumulator
+        n_lines, n_env = decompose(column, layout.n_axes, depth, prefix)
+        env = {**batch_env, **m_env, **n_env}
+        lines += n_lines
+        values.append(em.value(plan.kernel.term, env))
+        envs.append(env)
+    lines += em.pop()
+    offset = output_offset(plan.kernel.axes, envs[0], em.index_type)
+    info = plan.output
+    return [*lines, f"ck_store_{info.dtype}x2({info.param} + {offset}, {{{values[0]}, {values[1]}}});"]
+
+
 def gemm_source(plan) -> str:
     s = plan.schedule
     kernel = plan.kernel
@@ -252,7 +303,7 @@ def gemm_source(plan) -> str:
     layout = gemm_layout(kernel, infos)
     dtype = layout.dtype
     itype = index_type(infos)
-    em = TermEmitter(infos, itype)
+    em = TermEmitter(infos, itype, fast_math=True)  # 16-bit operands and output (mma_problems)
     name = kernel_name(plan)
     (gx, gy, gz), _ = grid(plan)
 
@@ -290,7 +341,7 @@ def gemm_source(plan) -> str:
     load_a = _loader(em, a, layout, batch_env, dtype)
     load_b = _loader(em, b, layout, batch_env, dtype)
 
-    epilogue = epilogue_store(em, plan, layout, batch_env, "acc[mi][ni][e]")
+    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, "acc[mi][ni][e]", "acc[mi][ni][e + 1]")
     top = em.pop()
     body += ["// values the whole block shares (batch-only parts of the terms)", *top]
     body += [
@@ -339,7 +390,7 @@ def gemm_source(plan) -> str:
         *epilogue_loops(
             ("mi", "MT"), ("ni", "NT"),
             "m0 + wm * WM + 16 * mi + (lane >> 2) + 8 * (e >> 1)", "n0 + wn * WN + 8 * ni + 2 * (lane & 3) + (e & 1)",
-            epilogue,
+            epilogue, paired,
         ),
     ]  # fmt: skip
     summary = (
@@ -350,4 +401,7 @@ def gemm_source(plan) -> str:
         f"B {'[row][k]' if b.kmajor else '[k][row]'} {'cp.async' if b.fast else 'evaluated'}."
     )
     launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, {gemm_smem_bytes(s)} bytes of dynamic shared memory"
-    return term_source(plan, name, s.threads, body, summary, launch, _helpers(dtype, s.stages), constants)
+    helpers = _helpers(dtype, s.stages)
+    if paired:
+        helpers += "\n\n" + vector_helpers([(plan.output.dtype, 2)])
+    return term_source(plan, name, s.threads, body, summary, launch, helpers, constants)

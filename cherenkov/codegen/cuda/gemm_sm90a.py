@@ -40,30 +40,42 @@ wgmmas while ``STAGES - 2`` load.
 Blocks are rasterised in groups of ``GROUP_M`` row tiles (consecutive blocks share B
 columns and A rows in L2). The epilogue evaluates the kernel's term around the
 contraction at each accumulator element through the term emitter (shared with
-:mod:`.gemm`): element ``d[4c + e]`` of m64 tile ``i`` of warp ``w`` is row
-``64i + 16w + lane / 4 + 8 (e / 2)``, column ``8c + 2 (lane % 4) + e % 2``.
+:mod:`.gemm`, fast math: the output is 16-bit): element ``d[4c + e]`` of m64 tile ``i``
+of warp ``w`` is row ``64i + 16w + lane / 4 + 8 (e / 2)``, column ``8c + 2 (lane % 4) +
+e % 2``; elements ``e`` and ``e + 1`` (adjacent columns) are stored as one 4-byte word
+where the output's innermost axis is N's, of even extent.
 
-Launch: grid ``(ceil(N / BN), ceil(M / BM), BATCH)``, ``128 · CONSUMERS`` threads,
-:func:`~cherenkov.codegen.term_plan.wgmma_smem_bytes` of dynamic shared memory.
+Split-K (``split_k`` > 1, grids of few tiles such as few-token GEMMs): grid z is
+``BATCH · SPLITS`` and block ``z`` runs k steps ``[s · KT_SPLIT, (s + 1) · KT_SPLIT)`` of
+split ``s = z % SPLITS``. Each block writes its fp32 accumulators to a module-global
+workspace (thread-major, coalesced), fences, and counts its arrival on the tile's
+counter; the last block to arrive resets the counter, adds the partials of splits
+``0 .. SPLITS - 1`` in that order (the sum does not depend on which block came last) and
+runs the epilogue. Launches of one loaded module must therefore not run concurrently.
 
-Measured on an H200 (``benchmarks/bench_gemm_sm90a.py``, bf16, L2 flushed, median of 20):
-128×256 with 4 stages reaches 463 TFLOP/s at 4096³ (torch.matmul 760, the best mma.sync
-plan 306) and 390 at 4096×8192×2048 (torch 740). Prefetch depth matters most (3 stages
-lose 30 %); the per-step ``fence.proxy.async`` (a ``MEMBAR.ALL.CTA`` in SASS) costs 1–2 %.
-The remaining gap to cuBLAS is the usual one of cp.async mainloops against TMA with a
-producer warpgroup and multicast clusters.
+Launch: grid ``(ceil(N / BN), ceil(M / BM), BATCH · split_k)``, ``128 · CONSUMERS``
+threads, :func:`~cherenkov.codegen.term_plan.wgmma_smem_bytes` of dynamic shared memory.
+
+Measured on an H200 (``benchmarks/bench_gemm_sm90a.py``, bf16, L2 flushed, median of 10):
+128×256 with 4 stages reaches 510 TFLOP/s at 4096³ (torch.matmul 767; the TMA kernel of
+:mod:`.gemm_sm90a_tma` 696) and 465 at 4096×8192×2048 (torch 750). Prefetch depth matters
+most (3 stages lose 30 %); the per-step ``fence.proxy.async`` (a ``MEMBAR.ALL.CTA`` in
+SASS) costs 1–2 %. With 64 tokens the m64 tiles and split-K match cuBLAS: 64×2048×8192 in
+0.019 ms (64×64, 4 splits; torch 0.020, the best unsplit tile 0.039), 64×4096×4096 in
+0.018 (torch 0.017).
 """
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda import tma, wgmma
+import math
+
+from cherenkov.codegen.cuda import gemm_sm90a_tma, tma, wgmma
 from cherenkov.codegen.cuda.gemm import (
     TileOperand,
+    accumulator_epilogue,
     copy_tile,
     cp_async_helpers,
     epilogue_loops,
-    epilogue_store,
-    grid,
 )
 from cherenkov.codegen.cuda.term_common import (
     decompose,
@@ -72,6 +84,7 @@ from cherenkov.codegen.cuda.term_common import (
     safe_axis,
     tensor_infos,
     term_source,
+    vector_helpers,
 )
 from cherenkov.codegen.cuda.term_expr import TermEmitter, index_type
 from cherenkov.codegen.cuda.text import block
@@ -79,6 +92,7 @@ from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import (
     SWIZZLE_ALIGN,
     WGMMA_M,
+    TmaGemmSchedule,
     gemm_layout,
     wgmma_problems,
     wgmma_smem_bytes,
@@ -86,6 +100,17 @@ from cherenkov.codegen.term_plan import (
 
 GROUP_M = 8  # row tiles a rasterisation group spans
 ROW_BYTES = 128  # one 128-byte-swizzled row: BK = 64 16-bit elements
+
+
+def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(grid, block)``: ``(ceil(N / BN), ceil(M / BM), BATCH · split_k)`` blocks (the TMA
+    kernel's: :func:`.gemm_sm90a_tma.grid`)."""
+    if isinstance(plan.schedule, TmaGemmSchedule):
+        return gemm_sm90a_tma.grid(plan)
+    layout = gemm_layout(plan.kernel, tensor_infos(plan))
+    s = plan.schedule
+    blocks = (math.ceil(layout.n / s.block_n), math.ceil(layout.m / s.block_m), layout.batch_size * s.split_k)
+    return blocks, (s.threads, 1, 1)
 
 
 def dynamic_smem(plan) -> int:
@@ -129,7 +154,10 @@ def _destination(op: TileOperand, base: str) -> str:
 
 
 def gemm_sm90a_source(plan) -> str:
-    """Deterministic CUDA C++ of one wgmma GEMM plan (same plan → same bytes)."""
+    """Deterministic CUDA C++ of one wgmma GEMM plan (same plan → same bytes); TMA plans
+    (:class:`~cherenkov.codegen.term_plan.TmaGemmSchedule`) come from :mod:`.gemm_sm90a_tma`."""
+    if isinstance(plan.schedule, TmaGemmSchedule):
+        return gemm_sm90a_tma.gemm_sm90a_tma_source(plan)
     s = plan.schedule
     kernel = plan.kernel
     problems = wgmma_problems(plan)
@@ -138,7 +166,7 @@ def gemm_sm90a_source(plan) -> str:
     infos = tensor_infos(plan)
     layout = gemm_layout(kernel, infos)
     dtype = layout.dtype
-    em = TermEmitter(infos, index_type(infos))
+    em = TermEmitter(infos, index_type(infos), fast_math=True)  # the output is 16-bit (wgmma_problems)
     name = kernel_name(plan)
     (gx, gy, gz), _ = grid(plan)
     smem_bytes = wgmma_smem_bytes(s)
@@ -161,7 +189,9 @@ def gemm_sm90a_source(plan) -> str:
         constexpr int M_TILES = WG_M / {WGMMA_M};         // its m64 wgmma tiles
         constexpr int ACC = BN / 2;               // fp32 accumulators of one m64 tile, a thread
         constexpr int KT = (K + BK - 1) / BK;     // k steps
-        constexpr int TILES_M = {gy}, TILES_N = {gx}, GROUP_M = {GROUP_M};  // grid (TILES_N, TILES_M, BATCH)
+        constexpr int SPLITS = {s.split_k};                  // blocks a tile's k steps are split over (grid z: BATCH x SPLITS)
+        constexpr int KT_SPLIT = (KT + SPLITS - 1) / SPLITS;  // k steps of one split
+        constexpr int TILES_M = {gy}, TILES_N = {gx}, GROUP_M = {GROUP_M};  // grid (TILES_N, TILES_M, BATCH * SPLITS)
         static_assert(BK == 64 && M_TILES >= 1 && STAGES >= 3, "one swizzle row of k; two buffers under wgmma");
         static_assert(TILES_M == (M + BM - 1) / BM && TILES_N == (N + BN - 1) / BN && BATCH >= 1, "grid");
 
@@ -192,15 +222,20 @@ def gemm_sm90a_source(plan) -> str:
         f"unsigned char* const tiles = ck_smem + ({SWIZZLE_ALIGN} - smem_u32(ck_smem) % {SWIZZLE_ALIGN}) % {SWIZZLE_ALIGN};",
     ]
     em.push()
-    batch_lines, batch_env = decompose("blockIdx.z", layout.batch, 0, "bz")
+    batch_lines, batch_env = decompose("blockIdx.z / SPLITS" if s.split_k > 1 else "blockIdx.z", layout.batch, 0, "bz")
     body += batch_lines
     load_a = copy_tile(em, a, layout, batch_env, _destination(a, "A_SMEM"))
     load_b = copy_tile(em, b, layout, batch_env, _destination(b, "B_SMEM"))
-    epilogue = epilogue_store(em, plan, layout, batch_env, "acc[mi][4 * c + e]")
+    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, "acc[mi][4 * c + e]",
+                                            "acc[mi][4 * c + e + 1]")
     top = em.pop()
     if top:
         body += ["// values the whole block shares (batch-only parts of the terms)", *top]
     body += [
+        "",
+        "// this block's k steps: split blockIdx.z % SPLITS of the tile's KT",
+        "const int kt_begin = (blockIdx.z % SPLITS) * KT_SPLIT;",
+        "const int steps = max(0, min(KT, kt_begin + KT_SPLIT) - kt_begin);",
         "",
         "float acc[M_TILES][ACC];",
         "#pragma unroll",
@@ -208,10 +243,11 @@ def gemm_sm90a_source(plan) -> str:
         "    #pragma unroll",
         "    for (int i = 0; i < ACC; ++i) acc[mi][i] = 0.0f;",
         "",
-        "// start copying k step `next` into ring buffer next % STAGES (one copy group, empty past K)",
+        "// start copying this block's k step `next` into ring buffer next % STAGES (one copy group, empty",
+        "// past its steps)",
         "auto load_tiles = [&](int next) {",
-        "    if (next < KT) {",
-        "        const int k0 = next * BK, stage = next % STAGES;",
+        "    if (next < steps) {",
+        "        const int k0 = (kt_begin + next) * BK, stage = next % STAGES;",
         f"        // A tile, {order(a)}",
         *indent_lines(load_a, 2),
         f"        // B tile, {order(b)}",
@@ -227,22 +263,14 @@ def gemm_sm90a_source(plan) -> str:
         "",
         "// the wgmmas of one k step from buffer `stage`: BK / 16 k16 steps x M_TILES m64 tiles",
         "auto issue = [&](int stage) {",
-        "    #pragma unroll",
-        "    for (int kk = 0; kk < BK / 16; ++kk) {",
-        "        #pragma unroll",
-        "        for (int mi = 0; mi < M_TILES; ++mi) {",
-        "            const u32 a_bytes = stage * A_TILE_BYTES + mi * BOX_BYTES + kk * A_K_STEP;",
-        "            const u32 b_bytes = stage * B_TILE_BYTES + kk * B_K_STEP;",
-        f"            {mma_name}(acc[mi], a_desc + (a_bytes >> 4), b_desc + (b_bytes >> 4), 1);",
-        "        }",
-        "    }",
+        *indent_lines(wgmma.k_step_wgmmas(mma_name), 1),
         "};",
         "",
         "#pragma unroll",
         "for (int next = 0; next < STAGES - 2; ++next) load_tiles(next);",
         "",
         "// main loop: step kt's wgmmas run while step kt + 1 is issued; STAGES - 2 steps load ahead",
-        "for (int kt = 0; kt < KT; ++kt) {",
+        "for (int kt = 0; kt < steps; ++kt) {",
         "    ck_cp_async_wait_oldest();",
         "    fence_proxy_async();  // this thread's copies of step kt are visible to the wgmma (async proxy)",
         "    __syncthreads();      // every thread's copies have landed; every warpgroup retired step kt - 2",
@@ -257,6 +285,7 @@ def gemm_sm90a_source(plan) -> str:
         "wgmma_wait<0>();",
         "#pragma unroll",
         "for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
+        *_split_reduction(s.split_k),
         "",
         "// epilogue: accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2),",
         "// column 8c + 2 (lane % 4) + (e & 1)",
@@ -264,15 +293,72 @@ def gemm_sm90a_source(plan) -> str:
             ("mi", "M_TILES"), ("c", "BN / 8"),
             "m0 + warpgroup * WG_M + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1)",
             "n0 + 8 * c + 2 * (lane & 3) + (e & 1)",
-            epilogue,
+            epilogue, paired,
         ),
     ]  # fmt: skip
     summary = (
         f"GEMM: wgmma.mma_async m64n{s.block_n}k16 {dtype}, fp32 accumulators, operands from 128-byte-swizzled "
         f"shared memory; M={layout.m} N={layout.n} K={layout.k} batch={layout.batch_size}; tile "
         f"{s.block_m}x{s.block_n}x{s.block_k}, {s.consumer_warpgroups} warpgroups, {s.stages} stages; "
-        f"A {order(a)}, B {order(b)}, both copied with cp.async."
+        f"A {order(a)}, B {order(b)}, both copied with cp.async"
+        + (f"; K split over {s.split_k} blocks a tile, fp32 partials added by the last." if s.split_k > 1 else ".")
     )
     launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, {smem_bytes} bytes of dynamic shared memory"
     helpers = _helpers(dtype, s.block_n, s.stages, not a.kmajor, not b.kmajor)
+    if paired:
+        helpers += "\n\n" + vector_helpers([(plan.output.dtype, 2)])
+    if s.split_k > 1:
+        constants += "\n\n" + _split_workspace(gx * gy * gz // s.split_k, s)
     return term_source(plan, name, s.threads, body, summary, launch, helpers, constants)
+
+
+def _split_workspace(tiles: int, s) -> str:
+    """The split-K workspace: module globals, zero at load, sized for this problem."""
+    return block(f"""
+        // Split-K workspace: each block's fp32 partial sums, thread-major (PARTIALS floats a block:
+        // accumulator i of thread t at i * THREADS + t), and one arrival counter a tile, which the
+        // tile's last block resets to zero for the next launch. Launches of this module must not overlap.
+        constexpr int TILES = {tiles};  // output tiles, all batch entries
+        constexpr int PARTIALS = M_TILES * ACC * THREADS;
+        __device__ float ck_partials[TILES * SPLITS * PARTIALS];
+        __device__ unsigned int ck_arrivals[TILES];
+        """)
+
+
+def _split_reduction(split_k: int) -> list[str]:
+    """Statements after the main loop of a split-K block: publish the partial sums; every
+    block but the tile's last returns, the last replaces its accumulators by the sum of all
+    the splits' partials in split order (the same order whichever block is last)."""
+    if split_k == 1:
+        return []
+    return [
+        "",
+        "// split-K: publish this block's partial sums; the tile's last block to arrive adds up every",
+        "// split's partials in split order and runs the epilogue, the others are done",
+        "__shared__ int last_split;",
+        "const int tile_id = blockIdx.z / SPLITS * (TILES_M * TILES_N) + tile;",
+        "float* const partials = ck_partials + size_t(tile_id) * SPLITS * PARTIALS + threadIdx.x;",
+        "#pragma unroll",
+        "for (int mi = 0; mi < M_TILES; ++mi)",
+        "    #pragma unroll",
+        "    for (int i = 0; i < ACC; ++i)",
+        "        __stcg(partials + (blockIdx.z % SPLITS) * PARTIALS + (mi * ACC + i) * THREADS, acc[mi][i]);",
+        "__threadfence();  // the partials are visible device-wide before the arrival is counted",
+        "__syncthreads();",
+        "if (threadIdx.x == 0) {",
+        "    last_split = atomicAdd(&ck_arrivals[tile_id], 1u) == SPLITS - 1;",
+        "    if (last_split) ck_arrivals[tile_id] = 0;  // every split has arrived: ready for the next launch",
+        "}",
+        "__syncthreads();",
+        "if (!last_split) return;",
+        "__threadfence();  // the other splits' partials are read after their arrivals",
+        "#pragma unroll",
+        "for (int mi = 0; mi < M_TILES; ++mi) {",
+        "    #pragma unroll",
+        "    for (int i = 0; i < ACC; ++i) {",
+        "        float sum = 0.0f;",
+        "        for (int split = 0; split < SPLITS; ++split) sum += __ldcg(partials + split * PARTIALS + (mi * ACC + i) * THREADS);",
+        "        acc[mi][i] = sum;",
+        "    }",
+        "}",
+    ]

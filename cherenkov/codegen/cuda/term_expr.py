@@ -6,7 +6,9 @@ of the ``Expr`` sort of ``cherenkov.rewrites.language`` is covered, with exactly
 semantics of ``cherenkov.rewrites.reference`` (float64 there, fp32 here):
 
 * elementwise constructors map to IEEE functions (``exp2f``, ``expf``, ``log2f``, ``sinf``,
-  ``sqrtf``, ``__frcp_rn``); ``Mod`` is a floor modulo (sign of the divisor, like
+  ``sqrtf``, ``__frcp_rn``; a fast-math emitter uses approximations of ``Exp`` and
+  ``Recip`` for values rounded to 16 bits afterwards);
+  ``Mod`` is a floor modulo (sign of the divisor, like
   ``np.mod``); ``Maximum`` propagates NaN (like ``np.maximum``); ``Lt`` and ``Flag`` are
   ``1.0f`` / ``0.0f`` and ``Where`` selects on ``!= 0`` (a select, never a blend, so
   ``-inf`` in the unselected branch is harmless); ``Cast`` rounds to bf16 / fp16 / fp32
@@ -57,6 +59,10 @@ UNARY_FUNCTIONS = {
     "Sqrt": "sqrtf",
     "Recip": "__frcp_rn",
 }
+# Approximations (the special-function unit's 2^x and 1/x, a few ulp of fp32) a fast-math
+# emitter uses instead: for kernels whose output is rounded to 16 bits, where a few fp32 ulp
+# vanish in the rounding (GEMM epilogues: bias + GELU costs a third of the GEMM otherwise).
+FAST_UNARY_FUNCTIONS = {**UNARY_FUNCTIONS, "Exp": "ck_exp_fast", "Recip": "ck_rcp_fast"}
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,11 @@ def emit_prelude() -> str:
         __device__ __forceinline__ float ck_from_fp32(float x) { return x; }
         __device__ __forceinline__ float ck_from_int32(int x) { return float(x); }
         __device__ __forceinline__ float ck_from_bool(unsigned char x) { return x ? 1.0f : 0.0f; }
+
+        // Fast-math e^x and 1/x (a few ulp of fp32, for values rounded to 16 bits afterwards): one
+        // 2^x and one approximate reciprocal on the special-function unit; e^(-inf) = 0, 1/inf = 0.
+        __device__ __forceinline__ float ck_exp_fast(float x) { return exp2f(x * 1.442695041f); }
+        __device__ __forceinline__ float ck_rcp_fast(float x) { return __fdividef(1.0f, x); }
 
         // fp32 -> stored element (round to nearest even; int32 truncates; bool is x != 0).
         __device__ __forceinline__ u16 ck_to_bf16(float x) {
@@ -253,12 +264,15 @@ class TermEmitter:
 
     ``tensors`` maps every tensor name a term reads to its :class:`TensorInfo`;
     ``index_type`` is the C type of element offsets (``int``, or ``long long`` when a
-    tensor has 2³¹ elements or more).
+    tensor has 2³¹ elements or more); ``fast_math``: ``Exp`` and ``Recip`` use the
+    approximations of ``FAST_UNARY_FUNCTIONS`` (for values rounded to 16 bits afterwards;
+    fp32 results keep the IEEE functions).
     """
 
-    def __init__(self, tensors: Mapping[str, TensorInfo], index_type: str = "int") -> None:
+    def __init__(self, tensors: Mapping[str, TensorInfo], index_type: str = "int", fast_math: bool = False) -> None:
         self.tensors = dict(tensors)
         self.index_type = index_type
+        self.unary_functions = FAST_UNARY_FUNCTIONS if fast_math else UNARY_FUNCTIONS
         self.blocks: list[_Block] = []
         self.overrides: dict[Term, Callable[[Env], str]] = {}
         self._counter = 0
@@ -425,8 +439,8 @@ class TermEmitter:
             if expr is None:
                 raise CodegenError(f"Cast to unknown dtype {dtype!r}")
             return self._define(term, env, expr)
-        if head in UNARY_FUNCTIONS:
-            return self._define(term, env, f"{UNARY_FUNCTIONS[head]}({v(args[0], env)})")
+        if head in self.unary_functions:
+            return self._define(term, env, f"{self.unary_functions[head]}({v(args[0], env)})")
         if head == "Neg":
             return self._define(term, env, f"-{v(args[0], env)}")
         if head in ("Add", "Mul", "Mod", "Lt", "Maximum"):

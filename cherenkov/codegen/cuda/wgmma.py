@@ -192,3 +192,21 @@ def emit_wgmma(n: int, dtype: str, a_from_registers: bool, trans_b: bool, trans_
         }}
         """
     )
+
+
+def k_step_wgmmas(mma_name: str) -> list[str]:
+    """The wgmmas of one GEMM k step from ring buffer ``stage`` into ``acc[mi]``: ``BK / 16``
+    k16 steps × ``M_TILES`` m64 tiles, both operands through the descriptors ``a_desc`` and
+    ``b_desc`` of buffer 0 (the kernel defines those and the byte constants ``A_TILE_BYTES``,
+    ``B_TILE_BYTES``, ``BOX_BYTES``, ``A_K_STEP``, ``B_K_STEP``)."""
+    return [
+        "#pragma unroll",
+        "for (int kk = 0; kk < BK / 16; ++kk) {",
+        "    #pragma unroll",
+        "    for (int mi = 0; mi < M_TILES; ++mi) {",
+        "        const u32 a_bytes = stage * A_TILE_BYTES + mi * BOX_BYTES + kk * A_K_STEP;",
+        "        const u32 b_bytes = stage * B_TILE_BYTES + kk * B_K_STEP;",
+        f"        {mma_name}(acc[mi], a_desc + (a_bytes >> 4), b_desc + (b_bytes >> 4), 1);",
+        "    }",
+        "}",
+    ]

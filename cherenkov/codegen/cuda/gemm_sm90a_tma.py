@@ -1,0 +1,317 @@
+"""The warp-specialised Hopper (sm_90a) ``wgmma`` GEMM: TMA loads by a producer warpgroup.
+
+Same contractions, tiles, descriptors and epilogue as the cp.async kernel of
+:mod:`.gemm_sm90a` (whose docstring describes the 128-byte-swizzled K-major and MN-major
+tile layouts); what differs is who loads the tiles and how the steps synchronise
+(:class:`~cherenkov.codegen.term_plan.TmaGemmSchedule`):
+
+* Warpgroup 0 is the producer: it lowers its registers to ``PRODUCER_REGS``
+  (``setmaxnreg``) and one thread issues every copy — per k step, one
+  ``cp.async.bulk.tensor.2d`` box per operand tile (K-major: ``64 × rows``, at most 256
+  rows) or per 64-row box (MN-major: ``64 × 64``), all completing on the stage's *full*
+  mbarrier, whose expected byte count it announces first. The TMA writes the boxes
+  128-byte-swizzled (``CU_TENSOR_MAP_SWIZZLE_128B``), exactly the layout the wgmma
+  descriptors describe, and zero-fills what lies past M, N or K: tails need nothing else.
+* Warpgroups ``1 .. CONSUMERS`` raise their registers to ``CONSUMER_REGS``, wait on a
+  stage's full barrier, issue its wgmmas as one commit group, wait until the previous
+  step's group has retired (``wgmma_wait<1>``) and release that step's buffer to the
+  producer: each consumer warp arrives once on its *empty* mbarrier.
+* The ring of ``STAGES`` buffers runs on across tiles: with ``persistent`` blocks
+  (``gridDim.x`` of them, one an SM) walk the tiles ``blockIdx.x, blockIdx.x + gridDim.x,
+  ...``, and while the consumers run a tile's epilogue, the producer already fills the
+  ring with the next tile's operands.
+
+Parities: a stage's barriers complete once per use; pass ``u`` of the ring over stage
+``s`` waits for phase parity ``u & 1`` of full[s] (consumers) and ``(u & 1) ^ 1`` of
+empty[s] (producer: a fresh barrier counts its phase of parity 1 as complete, so the
+first pass does not wait).
+
+Launch: grid ``(min(TILES, PERSISTENT_BLOCKS), 1, 1)`` when persistent, else ``(TILES, 1,
+1)``, ``128 · (CONSUMERS + 1)`` threads, :func:`~cherenkov.codegen.term_plan.wgmma_smem_bytes`
+of dynamic shared memory; parameters: the TMA tensor maps of A and B (by value,
+``__grid_constant__``; :func:`tensor_maps` says how the host encodes them), then the
+pointers of every tensor as in every term kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cherenkov.codegen.cuda import tma, wgmma
+from cherenkov.codegen.cuda.gemm import accumulator_epilogue, epilogue_loops
+from cherenkov.codegen.cuda.term_common import (
+    decompose,
+    header,
+    indent_lines,
+    kernel_name,
+    safe_axis,
+    tensor_infos,
+    vector_helpers,
+)
+from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, index_type
+from cherenkov.codegen.cuda.text import block, section
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.codegen.term_plan import (
+    MBARRIER_BYTES,
+    PERSISTENT_BLOCKS,
+    SWIZZLE_ALIGN,
+    WGMMA_M,
+    GemmLayout,
+    gemm_layout,
+    term_plan_problems,
+    tma_matrix,
+    wgmma_smem_bytes,
+)
+
+GROUP_M = 8  # row tiles a rasterisation group spans
+ROW_BYTES = 128  # one 128-byte-swizzled row: BK = 64 16-bit elements
+BOX_ROWS = 64  # rows of an MN-major box (128 bytes of them); a K-major box holds the whole tile
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+
+
+@dataclass(frozen=True)
+class OperandMap:
+    """The 2-D tensor map of one operand: the tensor (by name), its extents innermost first,
+    the byte stride of its rows, and the box one copy moves (innermost first)."""
+
+    tensor: str
+    dims: tuple[int, int]
+    row_stride: int
+    box: tuple[int, int]
+
+
+def tensor_maps(plan) -> tuple[OperandMap, OperandMap]:
+    """The tensor maps of A and B a TMA GEMM plan's launch passes: K-major operands in boxes
+    of ``64 k × tile rows``, MN-major ones in boxes of ``64 rows × 64 k``."""
+    s = plan.schedule
+    layout = gemm_layout(plan.kernel, tensor_infos(plan))
+    maps = []
+    for op, rows, kmajor, tile in ((layout.a, layout.m_axes, layout.a_kmajor, s.block_m),
+                                   (layout.b, layout.n_axes, layout.b_kmajor, s.block_n)):  # fmt: skip
+        dims = tma_matrix(op, rows, layout.k_axis, kmajor, plan.tensor_map)
+        if dims is None:
+            raise CodegenError(f"kernel {plan.kernel.output}: an operand is not a plain matrix read")
+        box = (64, tile) if kmajor else (BOX_ROWS, 64)
+        maps.append(OperandMap(plan.tensor_map[op[1]].name, dims, dims[0] * 2, box))
+    return maps[0], maps[1]
+
+
+def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    layout = gemm_layout(plan.kernel, tensor_infos(plan))
+    s = plan.schedule
+    tiles = math.ceil(layout.m / s.block_m) * math.ceil(layout.n / s.block_n)
+    return (min(tiles, PERSISTENT_BLOCKS) if s.persistent else tiles, 1, 1), (s.threads, 1, 1)
+
+
+def _loads(kmajor: bool, role: str, tile_rows: str, origin: str) -> list[str]:
+    """The producer's copies of one operand tile of k step ``kt`` into buffer ``stage``."""
+    if kmajor:
+        return [
+            f"tma_load_2d(smem + {role}_SMEM + stage * {role}_TILE_BYTES, &{role.lower()}_map, full, kt * BK, {origin});"
+        ]
+    return [
+        "#pragma unroll",
+        f"for (int box = 0; box < {tile_rows} / {BOX_ROWS}; ++box)",
+        f"    tma_load_2d(smem + {role}_SMEM + stage * {role}_TILE_BYTES + box * BOX_BYTES, &{role.lower()}_map, full,",
+        f"                {origin} + {BOX_ROWS} * box, kt * BK);",
+    ]
+
+
+def _signature(plan, name: str, threads: int) -> str:
+    params = ["const __grid_constant__ TensorMap a_map", "const __grid_constant__ TensorMap b_map"]
+    params += [f"const {i.c_type}* __restrict__ {i.param}" for i in plan.inputs]
+    params.append(f"{plan.output.c_type}* __restrict__ {plan.output.param}")
+    joined = ",\n    ".join(params)
+    return f'extern "C" __global__ void __launch_bounds__({threads}, 1) {name}(\n    {joined})'
+
+
+def gemm_sm90a_tma_source(plan) -> str:
+    """Deterministic CUDA C++ of one TMA GEMM plan (same plan → same bytes)."""
+    s = plan.schedule
+    kernel = plan.kernel
+    problems = term_plan_problems(plan)
+    if problems:
+        raise CodegenError(f"kernel {kernel.output}: no TMA wgmma GEMM: {'; '.join(problems)}")
+    infos = tensor_infos(plan)
+    layout: GemmLayout = gemm_layout(kernel, infos)
+    dtype = layout.dtype
+    em = TermEmitter(infos, index_type(infos), fast_math=True)  # the output is 16-bit (wgmma_problems)
+    name = kernel_name(plan)
+    (blocks, _, _), _ = grid(plan)
+    smem_bytes = wgmma_smem_bytes(s)
+    tiles_m, tiles_n = math.ceil(layout.m / s.block_m), math.ceil(layout.n / s.block_n)
+    mma_name = wgmma.wgmma_name(s.block_n, dtype, False, not layout.b_kmajor, not layout.a_kmajor)
+
+    def order(kmajor: bool) -> str:
+        return "K-major [row][k]" if kmajor else "MN-major [k][row] boxes"
+
+    constants = block(f"""
+        constexpr int M = {layout.m};  // rows: {', '.join(safe_axis(x) for x in layout.m_axes) or 'none'}
+        constexpr int N = {layout.n};  // columns: {', '.join(safe_axis(x) for x in layout.n_axes) or 'none'}
+        constexpr int K = {layout.k};  // contracted: {safe_axis(layout.k_axis)}
+        constexpr int BM = {s.block_m}, BN = {s.block_n}, BK = {s.block_k}, STAGES = {s.stages};
+        constexpr int CONSUMERS = {s.consumer_warpgroups}, THREADS = {s.threads};  // + one producer warpgroup
+        constexpr int PRODUCER_REGS = {PRODUCER_REGS}, CONSUMER_REGS = {CONSUMER_REGS};  // setmaxnreg budgets
+        constexpr int WG_M = BM / CONSUMERS;      // rows of one consumer warpgroup
+        constexpr int M_TILES = WG_M / {WGMMA_M};         // its m64 wgmma tiles
+        constexpr int ACC = BN / 2;               // fp32 accumulators of one m64 tile, a thread
+        constexpr int KT = (K + BK - 1) / BK;     // k steps
+        constexpr int TILES_M = {tiles_m}, TILES_N = {tiles_n}, TILES = TILES_M * TILES_N, GROUP_M = {GROUP_M};
+        static_assert(BK == 64 && M_TILES >= 1 && STAGES >= 3, "one swizzle row of k; a ring of buffers");
+        static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "the register file");
+
+        // Shared memory from a {SWIZZLE_ALIGN}-byte aligned base: [A stage 0..STAGES-1 | B stage 0..STAGES-1 |
+        // full mbarrier 0..STAGES-1 | empty mbarrier 0..STAGES-1].
+        constexpr u32 ROW_BYTES = {ROW_BYTES};           // a swizzled row: 64 elements
+        constexpr u32 BOX_BYTES = 64 * ROW_BYTES;     // 64 K-major rows, or one MN-major box of 64 k rows
+        constexpr u32 A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = BN * BK * 2;
+        constexpr u32 STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;  // what the TMA delivers a k step
+        constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES, BARRIERS = STAGES * STAGE_BYTES;
+        static_assert(BARRIERS + 2 * STAGES * {MBARRIER_BYTES} + {SWIZZLE_ALIGN} == {smem_bytes}, "the plan's shared memory");
+        constexpr u32 A_K_STEP = {"32" if layout.a_kmajor else "16 * ROW_BYTES"}, A_LBO = {"16" if layout.a_kmajor else "BOX_BYTES"};  // A {order(layout.a_kmajor)}
+        constexpr u32 B_K_STEP = {"32" if layout.b_kmajor else "16 * ROW_BYTES"}, B_LBO = {"16" if layout.b_kmajor else "BOX_BYTES"};  // B {order(layout.b_kmajor)}
+
+        // Output tile `tile` (row-tile groups of GROUP_M, column tiles within a group): its origin.
+        __device__ __forceinline__ void tile_origin(int tile, int& m0, int& n0) {{
+            const int first_m = tile / (GROUP_M * TILES_N) * GROUP_M;
+            const int group_rows = min(TILES_M - first_m, GROUP_M);
+            m0 = (first_m + tile % (GROUP_M * TILES_N) % group_rows) * BM;
+            n0 = tile % (GROUP_M * TILES_N) / group_rows * BN;
+        }}
+
+        // Next ring buffer; the parity flips each time the ring wraps.
+        __device__ __forceinline__ void advance_ring(int& stage, u32& phase) {{
+            if (++stage == STAGES) {{
+                stage = 0;
+                phase ^= 1;
+            }}
+        }}
+        """)
+
+    em.push()
+    batch_lines, batch_env = decompose("0", layout.batch, 0, "bz")
+    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, "acc[mi][4 * c + e]",
+                                            "acc[mi][4 * c + e + 1]")
+    top = em.pop()
+
+    producer = [
+        "// producer: one thread issues every copy; a stage is refilled once every consumer warp has",
+        "// released it",
+        "reg_dealloc<PRODUCER_REGS>();",
+        "if (threadIdx.x == 0) {",
+        "    tma_prefetch_map(&a_map);",
+        "    tma_prefetch_map(&b_map);",
+        "    int stage = 0;",
+        "    u32 phase = 0;",
+        "    for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {",
+        "        int m0, n0;",
+        "        tile_origin(tile, m0, n0);",
+        "        for (int kt = 0; kt < KT; ++kt) {",
+        "            mbar_wait(smem + BARRIERS + 8 * (STAGES + stage), phase ^ 1);  // empty",
+        "            const u32 full = smem + BARRIERS + 8 * stage;",
+        "            mbar_arrive_expect_tx(full, STAGE_BYTES);",
+        f"            // A tile, {order(layout.a_kmajor)}",
+        *indent_lines(_loads(layout.a_kmajor, "A", "BM", "m0"), 3),
+        f"            // B tile, {order(layout.b_kmajor)}",
+        *indent_lines(_loads(layout.b_kmajor, "B", "BN", "n0"), 3),
+        "            advance_ring(stage, phase);",
+        "        }",
+        "    }",
+        "}",
+    ]
+    consumer = [
+        "// consumers: warpgroup w multiplies rows w * WG_M .. of each tile, then runs its epilogue",
+        "reg_alloc<CONSUMER_REGS>();",
+        "const int warpgroup = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;",
+        *batch_lines,
+        *(["// values every tile shares (batch-only parts of the terms)", *top] if top else []),
+        "const unsigned long long a_desc = make_smem_desc(smem + A_SMEM + warpgroup * M_TILES * BOX_BYTES, A_LBO, 1024);",
+        "const unsigned long long b_desc = make_smem_desc(smem + B_SMEM, B_LBO, 1024);",
+        "int stage = 0;",
+        "u32 phase = 0;",
+        "for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {",
+        "    int m0, n0;",
+        "    tile_origin(tile, m0, n0);",
+        "    float acc[M_TILES][ACC];",
+        "    #pragma unroll",
+        "    for (int mi = 0; mi < M_TILES; ++mi)",
+        "        #pragma unroll",
+        "        for (int i = 0; i < ACC; ++i) acc[mi][i] = 0.0f;",
+        "    int previous = -1;  // the buffer of the step before, released once its wgmmas retire",
+        "    for (int kt = 0; kt < KT; ++kt) {",
+        "        mbar_wait(smem + BARRIERS + 8 * stage, phase);  // full: step kt's tiles have landed",
+        "        #pragma unroll",
+        "        for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
+        "        wgmma_fence();",
+        *indent_lines(wgmma.k_step_wgmmas(mma_name), 2),
+        "        wgmma_commit();",
+        "        wgmma_wait<1>();  // step kt - 1 has retired; step kt may still run",
+        "        if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
+        "        previous = stage;",
+        "        advance_ring(stage, phase);",
+        "    }",
+        "    wgmma_wait<0>();",
+        "    #pragma unroll",
+        "    for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
+        "    if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
+        "",
+        "    // epilogue (the producer loads the next tile meanwhile): accumulator d[4c + e] of m64",
+        "    // tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column 8c + 2 (lane % 4) + (e & 1)",
+        *indent_lines(epilogue_loops(
+            ("mi", "M_TILES"), ("c", "BN / 8"),
+            "m0 + warpgroup * WG_M + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1)",
+            "n0 + 8 * c + 2 * (lane & 3) + (e & 1)",
+            epilogue, paired,
+        ), 1),
+        "}",
+    ]  # fmt: skip
+    body = [
+        f"// shared memory: the tile ring at the first {SWIZZLE_ALIGN}-byte boundary, then the mbarriers",
+        "extern __shared__ __align__(16) unsigned char ck_smem[];",
+        f"const u32 smem = (smem_u32(ck_smem) + {SWIZZLE_ALIGN - 1}u) & ~{SWIZZLE_ALIGN - 1}u;",
+        "if (threadIdx.x == 0) {",
+        "    #pragma unroll",
+        "    for (int s = 0; s < STAGES; ++s) {",
+        "        mbar_init(smem + BARRIERS + 8 * s, 1);                     // full: the producer's arrival + bytes",
+        "        mbar_init(smem + BARRIERS + 8 * (STAGES + s), 4 * CONSUMERS);  // empty: one arrival a consumer warp",
+        "    }",
+        "    fence_barrier_init();",
+        "}",
+        "__syncthreads();",
+        "",
+        "if (threadIdx.x < 128) {",
+        *indent_lines(producer, 1),
+        "} else {",
+        *indent_lines(consumer, 1),
+        "}",
+    ]
+    summary = (
+        f"GEMM: warp-specialised wgmma.mma_async m64n{s.block_n}k16 {dtype}, fp32 accumulators; M={layout.m} "
+        f"N={layout.n} K={layout.k}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.consumer_warpgroups} consumer "
+        f"warpgroups and a TMA producer warpgroup, {s.stages} stages{', persistent' if s.persistent else ''}; "
+        f"A {order(layout.a_kmajor)}, B {order(layout.b_kmajor)}."
+    )
+    launch = (f"grid ({blocks}, 1, 1), {s.threads} threads, {smem_bytes} bytes of dynamic shared memory; "
+              "the tensor maps of A and B first")  # fmt: skip
+    helpers = [
+        emit_prelude(),
+        tma.emit_tensor_map_type(),
+        tma.emit_mbarrier(),
+        tma.emit_tma_load(2),
+        tma.emit_setmaxnreg(),
+        wgmma.emit_descriptor(),
+        wgmma.emit_sync(),
+        wgmma.emit_wgmma(s.block_n, dtype, False, not layout.b_kmajor, not layout.a_kmajor),
+    ]
+    if paired:
+        helpers.append(vector_helpers([(plan.output.dtype, 2)]))
+    kernel_text = "\n".join([_signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
+    parts = [
+        header(plan, summary, launch),
+        section("types and helpers", *helpers),
+        section("problem and tile constants", constants),
+        section("kernel", kernel_text),
+    ]
+    return "\n\n".join(parts) + "\n"
