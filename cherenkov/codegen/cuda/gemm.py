@@ -293,6 +293,24 @@ def epilogue_pair_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: di
     return [*lines, f"ck_store_{info.dtype}x2({info.param} + {offset}, {{{values[0]}, {values[1]}}});"]
 
 
+def shape_constants(layout: GemmLayout, schedule, indent: str, batch: bool = True) -> str:
+    """The ``constexpr`` problem and tile sizes every GEMM kernel starts with (M, N, K and
+    their axes, BATCH unless ``batch`` is False, BM, BN, BK, STAGES), one a line; lines
+    after the first carry ``indent`` so the text fits an indented ``block``."""
+    s = layout
+    lines = [
+        f"constexpr int M = {s.m};  // rows: {', '.join(safe_axis(x) for x in s.m_axes) or 'none'}",
+        f"constexpr int N = {s.n};  // columns: {', '.join(safe_axis(x) for x in s.n_axes) or 'none'}",
+        f"constexpr int K = {s.k};  // contracted: {safe_axis(s.k_axis)}",
+        f"constexpr int BATCH = {s.batch_size};  // {', '.join(safe_axis(x) for x in s.batch) or 'none'}",
+        f"constexpr int BM = {schedule.block_m}, BN = {schedule.block_n}, BK = {schedule.block_k}, "
+        f"STAGES = {schedule.stages};",
+    ]
+    if not batch:
+        del lines[3]
+    return ("\n" + indent).join(lines)
+
+
 def gemm_source(plan) -> str:
     s = plan.schedule
     kernel = plan.kernel
@@ -311,11 +329,7 @@ def gemm_source(plan) -> str:
     b = TileOperand("B", layout.b, layout.n_axes, layout.b_kmajor, layout.b_fast, "BN", "N", "n0")
 
     constants = block(f"""
-        constexpr int M = {layout.m};  // rows: {', '.join(safe_axis(x) for x in layout.m_axes) or 'none'}
-        constexpr int N = {layout.n};  // columns: {', '.join(safe_axis(x) for x in layout.n_axes) or 'none'}
-        constexpr int K = {layout.k};  // contracted: {safe_axis(layout.k_axis)}
-        constexpr int BATCH = {layout.batch_size};  // {', '.join(safe_axis(x) for x in layout.batch) or 'none'}
-        constexpr int BM = {s.block_m}, BN = {s.block_n}, BK = {s.block_k}, STAGES = {s.stages};
+        {shape_constants(layout, s, "        ")}
         constexpr int PAD = {GEMM_SMEM_PAD};  // elements a tile row is padded by (16 bytes: conflict-free ldmatrix)
         constexpr int WARPS_M = {s.warps_m}, WARPS_N = {s.warps_n}, THREADS = {s.threads};
         constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's tile

@@ -76,12 +76,12 @@ from cherenkov.codegen.cuda.gemm import (
     copy_tile,
     cp_async_helpers,
     epilogue_loops,
+    shape_constants,
 )
 from cherenkov.codegen.cuda.term_common import (
     decompose,
     indent_lines,
     kernel_name,
-    safe_axis,
     tensor_infos,
     term_source,
     vector_helpers,
@@ -179,11 +179,7 @@ def gemm_sm90a_source(plan) -> str:
         return "K-major [row][k]" if op.kmajor else "MN-major [k][row] boxes"
 
     constants = block(f"""
-        constexpr int M = {layout.m};  // rows: {', '.join(safe_axis(x) for x in layout.m_axes) or 'none'}
-        constexpr int N = {layout.n};  // columns: {', '.join(safe_axis(x) for x in layout.n_axes) or 'none'}
-        constexpr int K = {layout.k};  // contracted: {safe_axis(layout.k_axis)}
-        constexpr int BATCH = {layout.batch_size};  // {', '.join(safe_axis(x) for x in layout.batch) or 'none'}
-        constexpr int BM = {s.block_m}, BN = {s.block_n}, BK = {s.block_k}, STAGES = {s.stages};
+        {shape_constants(layout, s, "        ")}
         constexpr int CONSUMERS = {s.consumer_warpgroups}, THREADS = {s.threads};
         constexpr int WG_M = BM / CONSUMERS;      // rows of one warpgroup
         constexpr int M_TILES = WG_M / {WGMMA_M};         // its m64 wgmma tiles

@@ -39,13 +39,12 @@ import math
 from dataclasses import dataclass
 
 from cherenkov.codegen.cuda import tma, wgmma
-from cherenkov.codegen.cuda.gemm import accumulator_epilogue, epilogue_loops
+from cherenkov.codegen.cuda.gemm import accumulator_epilogue, epilogue_loops, shape_constants
 from cherenkov.codegen.cuda.term_common import (
     decompose,
     header,
     indent_lines,
     kernel_name,
-    safe_axis,
     tensor_infos,
     vector_helpers,
 )
@@ -148,10 +147,7 @@ def gemm_sm90a_tma_source(plan) -> str:
         return "K-major [row][k]" if kmajor else "MN-major [k][row] boxes"
 
     constants = block(f"""
-        constexpr int M = {layout.m};  // rows: {', '.join(safe_axis(x) for x in layout.m_axes) or 'none'}
-        constexpr int N = {layout.n};  // columns: {', '.join(safe_axis(x) for x in layout.n_axes) or 'none'}
-        constexpr int K = {layout.k};  // contracted: {safe_axis(layout.k_axis)}
-        constexpr int BM = {s.block_m}, BN = {s.block_n}, BK = {s.block_k}, STAGES = {s.stages};
+        {shape_constants(layout, s, "        ", batch=False)}
         constexpr int CONSUMERS = {s.consumer_warpgroups}, THREADS = {s.threads};  // + one producer warpgroup
         constexpr int PRODUCER_REGS = {PRODUCER_REGS}, CONSUMER_REGS = {CONSUMER_REGS};  // setmaxnreg budgets
         constexpr int WG_M = BM / CONSUMERS;      // rows of one consumer warpgroup
