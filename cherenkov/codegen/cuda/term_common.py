@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cherenkov.codegen.cuda.term_expr import DTYPE_BYTES, Binding, TensorInfo, emit_prelude
-from cherenkov.codegen.cuda.text import comment_text, identifier, section
+from cherenkov.codegen.cuda.text import comment_lines, identifier, section
 from cherenkov.rewrites import terms as t
 
 
@@ -34,7 +34,7 @@ def header(plan, summary: str, launch: str) -> str:
         "Arithmetic in fp32; every shape is a compile-time constant: this kernel serves one problem.",
         f"Launch: {launch}.",
     ]
-    return "\n".join(f"// {comment_text(line)}" for line in lines)
+    return comment_lines(lines)
 
 
 def signature(plan, name: str, threads: int) -> str:

@@ -31,6 +31,11 @@ def comment_text(text: str) -> str:
     return text
 
 
+def comment_lines(lines: list[str]) -> str:
+    """A generated source's header: each line a ``//`` comment (see :func:`comment_text`)."""
+    return "\n".join(f"// {comment_text(line)}" for line in lines)
+
+
 def float_literal(value: float) -> str:
     """A float literal with enough digits to round-trip a float32 (``1.250000000e-01f``)."""
     if not math.isfinite(value):
