@@ -21,7 +21,25 @@ from cherenkov.codegen import tensor_map
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, FlashTiling
 
-MAX_CACHED_TENSOR_MAPS = 64  # tensor-map triples a Hopper kernel keeps (keyed by data pointers)
+MAX_CACHED_TENSOR_MAPS = 64  # tensor-map sets a TMA kernel keeps (keyed by its operands' data pointers)
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    """The SM count of CUDA device ``device``: the grid of a persistent kernel."""
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def _cached_tensor_maps(cache: dict, key: tuple[int, ...], encode) -> tuple:
+    """``cache[key]``, encoded by ``encode()`` on a miss; the cache is emptied when it holds
+    ``MAX_CACHED_TENSOR_MAPS`` entries (the maps of freed tensors are never used again)."""
+    if key not in cache:
+        if len(cache) >= MAX_CACHED_TENSOR_MAPS:
+            cache.clear()
+        cache[key] = encode()
+    return cache[key]
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool"}
 
 
@@ -133,8 +151,7 @@ class TermKernel(_StreamCache):
         self._maps: dict[tuple[int, ...], tuple[tensor_map.TensorMap, ...]] = {}
         with cupy.cuda.Device(device):
             if getattr(self.plan.schedule, "persistent", False):  # one block an SM walks the tiles
-                sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-                self.grid = (min(self.grid[0], sms), *self.grid[1:])
+                self.grid = (min(self.grid[0], _multiprocessors(device)), *self.grid[1:])
             module = cupy.RawModule(path=str(compiled.cubin_path))
             self._function = module.get_function(compiled.kernel_name)
             if self.smem_bytes > 48 * 1024:
@@ -199,16 +216,13 @@ class TermKernel(_StreamCache):
         ``cuLaunchKernel`` on the raw stream handle ``stream``."""
         import torch
 
-        key = tuple(int(p) for p in pointers)
-        if key not in self._maps:
-            if len(self._maps) >= MAX_CACHED_TENSOR_MAPS:
-                self._maps.clear()
-            dtype = self.plan.tensor_map[self._operand_maps[0].tensor].dtype
-            self._maps[key] = tuple(
-                tensor_map.encode_tiled(tensors[m.tensor].data_ptr(), dtype, m.dims, (m.row_stride,), m.box)
-                for m in self._operand_maps
-            )
-        args = (*self._maps[key], *(ctypes.c_uint64(int(p)) for p in pointers))
+        operands = [tensors[m.tensor] for m in self._operand_maps]
+        dtype = self.plan.tensor_map[self._operand_maps[0].tensor].dtype
+        maps = _cached_tensor_maps(self._maps, tuple(t.data_ptr() for t in operands), lambda: tuple(
+            tensor_map.encode_tiled(t.data_ptr(), dtype, m.dims, (m.row_stride,), m.box)
+            for t, m in zip(operands, self._operand_maps)
+        ))  # fmt: skip
+        args = (*maps, *(ctypes.c_uint64(int(p)) for p in pointers))
         function = self._function.kernel.ptr  # the CUfunction (its shared-memory limit set above)
 
         def run() -> None:
@@ -272,8 +286,7 @@ class HopperFlashKernel(FlashAttentionKernel):
         self.smem_bytes = s.smem_bytes(p.head_dim, p.dtype)
         self.block = (s.threads, 1, 1)
         with cupy.cuda.Device(device):
-            sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-            self.grid = (s.grid_blocks(p, sms), 1, 1)
+            self.grid = (s.grid_blocks(p, _multiprocessors(device)), 1, 1)
             self._module = cupy.RawModule(path=str(compiled.cubin_path))
             self._raw_kernel = self._module.get_function(compiled.kernel_name)
             self._function = self._raw_kernel.kernel.ptr  # the CUfunction handle on this device
@@ -282,16 +295,12 @@ class HopperFlashKernel(FlashAttentionKernel):
 
     def _tensor_maps(self, q, k, v) -> tuple[tensor_map.TensorMap, ...]:
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        if key not in self._maps:
-            if len(self._maps) >= MAX_CACHED_TENSOR_MAPS:
-                self._maps.clear()
-            p, s = self.problem, self.schedule
-            self._maps[key] = (
-                tensor_map.bhsd_tensor_map(key[0], tuple(q.shape), p.dtype, s.block_q),
-                tensor_map.bhsd_tensor_map(key[1], tuple(k.shape), p.dtype, s.block_kv),
-                tensor_map.bhsd_tensor_map(key[2], tuple(v.shape), p.dtype, s.block_kv),
-            )
-        return self._maps[key]
+        p, s = self.problem, self.schedule
+        return _cached_tensor_maps(self._maps, key, lambda: (
+            tensor_map.bhsd_tensor_map(key[0], tuple(q.shape), p.dtype, s.block_q),
+            tensor_map.bhsd_tensor_map(key[1], tuple(k.shape), p.dtype, s.block_kv),
+            tensor_map.bhsd_tensor_map(key[2], tuple(v.shape), p.dtype, s.block_kv),
+        ))  # fmt: skip
 
     def _launch(self, q, k, v, out, stream: int) -> None:
         import torch
