@@ -157,7 +157,7 @@ def run_case(case: Case, torch: Any, flush: Any, samples: int, workdir: Path) ->
         "relative_error_vs_eager": error,
         "kernels": [
             {"kernel": k.kind, "plan": result.kernels[k.output].plan.name, "ms": result.kernels[k.output].time_ms}
-            for k in result.derivation.kernels
+            for k in result.launched
         ],
         "search_s": round(search_s, 1),
         "inductor_compile_s": round(inductor_compile_s, 1),

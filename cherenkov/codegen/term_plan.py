@@ -12,7 +12,7 @@ dtypes of the tensors it reads and writes. Three families generate CUDA for it:
   (softmax / RMSNorm / LayerNorm rows) or per output element of a reduction; the row is
   read once for its statistics (online max and sum, Welford's mean and variance, plain
   sums), combined with warp shuffles and shared memory, then the fused epilogue writes
-  the row.
+  the row (kept in registers and moved in 16-byte runs where the schedule says so).
 * ``mma`` (:class:`GemmSchedule`): a tiled ``mma.sync`` bf16/fp16 GEMM with fp32
   accumulators for a ``Contract`` whose operands read 16-bit tensors (elementwise
   prologues are computed while loading the tiles), fused elementwise epilogue, correct
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar, Literal
 
-from cherenkov.codegen.cuda.term_expr import DTYPE_BYTES, TensorInfo
+from cherenkov.codegen.cuda.term_expr import DTYPE_BYTES, TensorInfo, vector_reads
 from cherenkov.codegen.cuda.text import identifier
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites import terms as t
@@ -79,12 +79,15 @@ class RowSchedule:
     """Rows per ``thread`` (one thread a row), ``warp`` (one warp a row, ``threads / 32``
     rows a block) or ``block`` (one block of ``threads`` a row). ``cached``: each lane keeps
     the row values it reads in registers (at most ``MAX_CACHED_ITEMS``), so the second pass
-    writes the row without reading it again."""
+    writes the row without reading it again. ``vector`` (cached rows only): a lane handles
+    ``vector`` consecutive elements at a time, read and written with 16-byte accesses
+    instead of one element a lane."""
 
     family: ClassVar[str] = "rows"
     mode: Literal["thread", "warp", "block"] = "warp"
     threads: int = 128
     cached: bool = False
+    vector: int = 1
 
     @property
     def lanes(self) -> int:
@@ -96,7 +99,8 @@ class RowSchedule:
         return {"thread": self.threads, "warp": self.threads // 32, "block": 1}[self.mode]
 
     def key(self) -> str:
-        return f"row_{self.mode}_t{self.threads}{'_cached' if self.cached else ''}"
+        vector = f"_v{self.vector}" if self.vector > 1 else ""
+        return f"row_{self.mode}_t{self.threads}{'_cached' if self.cached else ''}{vector}"
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,7 @@ ROW_SCHEDULES = (
     RowSchedule("block", 1024, cached=True),
 )
 MAX_CACHED_ITEMS = 32  # row values a lane may keep in registers
+ROW_VECTORS = (8,)  # consecutive row elements a lane moves at once (16 bytes of 16-bit floats)
 GEMM_SCHEDULES = (
     GemmSchedule(64, 64, 32, 2, 2, 2),
     GemmSchedule(128, 64, 32, 2, 2, 3),
@@ -363,6 +368,10 @@ def term_flops(term: Term) -> float:
     compute it once — a GELU epilogue names its matmul five times)."""
     counted: set[Term] = set()
 
+    def operand(x: Term, k_axis: str) -> float:
+        norm = norm_prologue(x, k_axis)  # once an element of x, not once an output: negligible
+        return count(x) if norm is None else count(norm.x)
+
     def count(x: Term) -> float:
         if x in counted:
             return 0.0
@@ -373,7 +382,7 @@ def term_flops(term: Term) -> float:
         elif head in ("Sum", "Max"):
             result = x[2] * (1 + count(x[3]))
         elif head == "Contract":
-            result = x[2] * (2 + count(x[3]) + count(x[4]))
+            result = x[2] * (2 + operand(x[3], x[1]) + operand(x[4], x[1]))
         elif head in ("SoftmaxFoldL", "SoftmaxFoldAcc", "OnlineSoftmaxContract"):
             result = x[2] * (6 + sum(count(a) for a in x[3:] if isinstance(a, tuple)))
         elif head in ROW_CORES:
@@ -446,13 +455,42 @@ def row_layout(kernel: FusedKernel) -> RowLayout | None:
 
 
 @dataclass(frozen=True)
+class NormPrologue:
+    """A contraction operand ``RmsNormRow_k(x, ε)`` or ``RmsNormRow_k(x, ε)·w`` (``w`` a
+    vector along k) — an RMSNorm a GEMM absorbed (:func:`cherenkov.rewrites.kernels.absorbed`):
+    the GEMM reads ``x`` as the operand, scales its k columns by ``w`` as it loads them,
+    sums ``x²`` per row on the way, and multiplies each accumulator row by
+    ``(Σ_k x²/K + ε)^{-1/2}`` in its epilogue."""
+
+    x: Term
+    weight: Term | None
+    eps: float
+
+
+def norm_prologue(operand: Term, k_axis: str) -> NormPrologue | None:
+    """The operand as a :class:`NormPrologue` over ``k_axis``, or None."""
+    core, weight = operand, None
+    if operand[0] == "Mul":
+        pairs = ((operand[1], operand[2]), (operand[2], operand[1]))
+        match = next(((c, w) for c, w in pairs if c[0] == "RmsNormRow" and w[0] == "Tensor"
+                      and t.ix_items(w[2]) == (t.ax(k_axis),)), None)  # fmt: skip
+        if match is None:
+            return None
+        core, weight = match
+    if core[0] != "RmsNormRow" or core[1] != k_axis or core[3][0] != "Tensor":
+        return None
+    return NormPrologue(core[3], weight, core[4])
+
+
+@dataclass(frozen=True)
 class GemmLayout:
     """A contraction ``Σ_k a·b`` as a batched GEMM: ``a`` varies along the ``m`` axes (and
     k), ``b`` along the ``n`` axes (and k); ``batch`` holds every other kernel axis (axes
     both operands vary along, and axes only the epilogue uses). M, N and BATCH flatten
     their axes row-major. ``*_kmajor``: the operand's innermost memory order follows k
     (tiles stored ``[row][k]``), else its row axes (tiles stored ``[k][row]``); ``*_fast``:
-    the operand is a plain read that 16-byte ``cp.async`` copies can load."""
+    the operand is a plain read that 16-byte ``cp.async`` copies can load. ``norm``: one
+    operand is an absorbed RMSNorm of the read in ``a`` or ``b`` (``norm_operand``)."""
 
     core: Term
     k_axis: str
@@ -467,6 +505,8 @@ class GemmLayout:
     a_fast: bool
     b_fast: bool
     dtype: str
+    norm: NormPrologue | None = None
+    norm_operand: str = ""
 
     @property
     def m(self) -> int:
@@ -521,6 +561,10 @@ def gemm_layout(kernel: FusedKernel, tensors: Mapping[str, TensorInfo]) -> GemmL
         return None
     k_axis, k = core[1], core[2]
     a, b = core[3], core[4]
+    norm_a, norm_b = norm_prologue(a, k_axis), norm_prologue(b, k_axis)
+    norm = norm_a or norm_b
+    norm_operand = "a" if norm_a else ("b" if norm_b else "")
+    a, b = (norm_a.x if norm_a else a), (norm_b.x if norm_b and not norm_a else b)
     free_a, free_b = t.free_axes(a) - {k_axis}, t.free_axes(b) - {k_axis}
     shared = free_a & free_b
     batch_set = shared | (set(kernel.axes) - free_a - free_b)
@@ -528,6 +572,7 @@ def gemm_layout(kernel: FusedKernel, tensors: Mapping[str, TensorInfo]) -> GemmL
     innermost = next((x for x in reversed(kernel.axes) if t.extent(x) > 1), None)
     if innermost in m_set:  # the output's innermost axis goes along N (coalesced stores)
         a, b, m_set, n_set = b, a, n_set, m_set
+        norm_operand = {"a": "b", "b": "a", "": ""}[norm_operand]
     m_axes, n_axes = _ordered(m_set, kernel.axes), _ordered(n_set, kernel.axes)
     batch = _ordered(batch_set, kernel.axes)
     read_dtypes = {tensors[r[1]].dtype for op in (a, b) for r in _reads(op)}
@@ -539,7 +584,7 @@ def gemm_layout(kernel: FusedKernel, tensors: Mapping[str, TensorInfo]) -> GemmL
         core=core, k_axis=k_axis, k=k, a=a, b=b, m_axes=m_axes, n_axes=n_axes, batch=batch,
         a_kmajor=a_kmajor, b_kmajor=b_kmajor,
         a_fast=_fast(a, a_contig, tensors, dtype), b_fast=_fast(b, b_contig, tensors, dtype),
-        dtype=dtype,
+        dtype=dtype, norm=norm, norm_operand=norm_operand,
     )  # fmt: skip
 
 
@@ -642,6 +687,28 @@ def tma_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
     return reasons
 
 
+def norm_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
+    """Why a GEMM plan cannot run its layout's absorbed RMSNorm (none without one): only the
+    TMA kernel does, on a K-major A operand, whole k steps, a weight of the operands' dtype."""
+    if layout is None or layout.norm is None:
+        return []
+    if not isinstance(plan.schedule, TmaGemmSchedule):
+        return ["an absorbed RMSNorm operand runs in the TMA wgmma GEMM only"]
+    reasons = []
+    if layout.norm_operand != "a" or not layout.a_kmajor:
+        reasons.append("the absorbed RMSNorm must normalise the rows of a K-major A operand")
+    if layout.k % WGMMA_BLOCK_K:
+        reasons.append(f"K {layout.k} is not a multiple of {WGMMA_BLOCK_K} (the norm's weight is read a whole k step "
+                       "at a time)")
+    weight = layout.norm.weight
+    if weight is not None and plan.tensor_map[weight[1]].dtype != layout.dtype:
+        reasons.append(f"the norm's weight is {plan.tensor_map[weight[1]].dtype}, the operands {layout.dtype}")
+    if weight is not None and wgmma_smem_bytes(plan.schedule) + 2 * layout.k > plan.target.smem_per_block:
+        reasons.append(f"the tile ring and the norm's weight ({2 * layout.k} B, static shared memory) exceed the "
+                       f"target's {plan.target.smem_per_block} B")
+    return reasons
+
+
 def wgmma_tiles(layout: GemmLayout, schedule: WgmmaGemmSchedule | TmaGemmSchedule) -> int:
     """Output tiles of a wgmma GEMM (all batch entries)."""
     return math.ceil(layout.m / schedule.block_m) * math.ceil(layout.n / schedule.block_n) * layout.batch_size
@@ -694,10 +761,13 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
         if s.cached and layout is not None:
             if not layout.writes_row or s.mode == "thread":
                 reasons.append("a cached row needs a row form written by a warp or a block")
-            elif math.ceil(layout.extent / s.lanes) > MAX_CACHED_ITEMS:
+            elif math.ceil(layout.extent / (s.lanes * s.vector)) * s.vector > MAX_CACHED_ITEMS:
                 reasons.append(f"a row of {layout.extent} is over {MAX_CACHED_ITEMS} values a lane for {s.lanes} lanes")
+        if s.vector > 1 and layout is not None:
+            reasons.extend(row_vector_problems(plan, layout))
     elif isinstance(s, GemmSchedule):
         reasons.extend(mma_problems(kernel, plan.tensor_map, plan.output))
+        reasons.extend(norm_problems(plan, gemm_layout(kernel, plan.tensor_map)))
         if s.block_k % 16 or s.warp_m % 16 or s.warp_n % 16 or s.block_m % s.warps_m or s.block_n % s.warps_n:
             reasons.append(f"tile {s.key()} does not split into m16n8k16 tiles (warp tiles multiples of 16)")
         if s.stages < 2:
@@ -710,12 +780,36 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
             reasons.append(f"M {layout.m} needs more than {MAX_GRID_YZ} row tiles")
     elif isinstance(s, WgmmaGemmSchedule):
         reasons.extend(wgmma_problems(plan))
+        reasons.extend(norm_problems(plan, gemm_layout(kernel, plan.tensor_map)))
     elif isinstance(s, TmaGemmSchedule):
         reasons.extend(wgmma_problems(plan))
         reasons.extend(tma_problems(plan, gemm_layout(kernel, plan.tensor_map)))
+        reasons.extend(norm_problems(plan, gemm_layout(kernel, plan.tensor_map)))
     else:
         reasons.append(f"unknown schedule {type(s).__name__}")
     return reasons
+
+
+def row_vector_problems(plan: TermKernelPlan, layout: RowLayout) -> list[str]:
+    """Why a row plan cannot move ``vector`` consecutive row elements a lane at a time."""
+    s, kernel = plan.schedule, plan.kernel
+    reasons = []
+    if not s.cached:
+        reasons.append("vectorised rows keep their values in registers (cached)")
+    if s.vector not in ROW_VECTORS:
+        reasons.append(f"vector {s.vector} (one of {ROW_VECTORS})")
+    if layout.extent % s.vector:
+        reasons.append(f"row extent {layout.extent} is not a multiple of vector {s.vector}")
+    if not kernel.axes or kernel.axes[-1] != layout.axis or plan.output.dtype not in ("bf16", "fp16", "fp32"):
+        reasons.append("vectorised rows store along the output's innermost axis, which must be the row axis (floats)")
+    if not any(r in t.subterms(layout.operands[0]) for r in row_vector_reads(plan, layout)):
+        reasons.append("no read of the row's operand is contiguous along the row axis")
+    return reasons
+
+
+def row_vector_reads(plan: TermKernelPlan, layout: RowLayout) -> list[Term]:
+    """The reads of a row kernel's term that vector accesses load along the row axis."""
+    return vector_reads(plan.kernel.term, layout.axis, plan.tensor_map)
 
 
 def kernel_tensors(
@@ -759,7 +853,9 @@ def term_plans(
         layout = row_layout(kernel)
         if layout is not None:
             schedules = (
-                list(ROW_SCHEDULES) if layout.contiguous else [RowSchedule("thread", 128), RowSchedule("warp", 128)]
+                [*ROW_SCHEDULES, *(replace(r, vector=v) for v in ROW_VECTORS for r in ROW_SCHEDULES if r.cached)]
+                if layout.contiguous
+                else [RowSchedule("thread", 128), RowSchedule("warp", 128)]
             )
         if kernel.kind == "reduction" or layout is None:
             schedules += [PointwiseSchedule(256), PointwiseSchedule(128)]

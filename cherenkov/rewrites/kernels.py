@@ -167,9 +167,9 @@ class _Partition:
         primary = source
         for extra in cores[1:]:
             access = self.materialise(extra)
-            term, primary = _replace(term, extra, access), _replace(primary, extra, access)
+            term, primary = t.replace(term, extra, access), t.replace(primary, extra, access)
         if primary is not None:
-            term = _replace(term, primary, self.prepare(primary))
+            term = t.replace(term, primary, self.prepare(primary))
         kind = KIND_OF_CORE[_core_head(primary)] if primary is not None else "elementwise"
         self.kernels.append(FusedKernel(kind, term, output, axes, _reads(term), source))
 
@@ -189,7 +189,7 @@ class _Partition:
                 result[position] = self.materialise(operand)
                 continue
             for inner in nested:
-                operand = _replace(operand, inner, self.materialise(inner))
+                operand = t.replace(operand, inner, self.materialise(inner))
             result[position] = operand
         return tuple(result)
 
@@ -228,15 +228,6 @@ def _stored_whole(operand: Term, nested: list[Term]) -> bool:
     return t.free_axes(operand) == frozenset().union(*(t.free_axes(core) for core in nested))
 
 
-def _replace(term: Term, old: Term, new: Term) -> Term:
-    """``term`` with every occurrence of the subterm ``old`` replaced by ``new``."""
-    if term == old:
-        return new
-    if not any(isinstance(a, tuple) for a in term[1:]):
-        return term
-    return tuple(_replace(a, old, new) if isinstance(a, tuple) else a for a in term)
-
-
 def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKernel]:
     """Kernels (in execution order) computing every output of an extracted graph."""
     plan = _Partition(lowered)
@@ -244,6 +235,56 @@ def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKern
         plan.output_axes = lowered.root_axes[name]
         plan.emit(term, name, lowered.root_axes[name])
     return plan.kernels
+
+
+# ------------------------------------------------------------------ absorbing a producer
+
+ABSORBABLE_PRODUCERS = frozenset({"rms_norm_rows"})
+
+
+def absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKernel | None:
+    """``consumer`` computing ``producer``'s output itself where it reads it, or None.
+
+    A contraction whose operand is an RMSNorm kernel's output can run the norm in its
+    main loop: ``Σ_k RmsNormRow_k(x, ε)·w_k·b = (Σ_k x²/n + ε)^{-1/2} · Σ_k x·w_k·b`` —
+    the row scale does not depend on k, so it moves to the epilogue, and the sum of
+    squares accumulates from the same tiles of x the GEMM streams anyway. The result has
+    the consumer's output and axes and reads the norm's inputs instead of its buffer;
+    whether a GEMM family can run it is the code generator's to say, whether it is faster
+    than the two kernels the search's."""
+    if consumer.kind != "contraction" or producer.kind not in ABSORBABLE_PRODUCERS:
+        return None
+    accesses = {s for s in t.subterms(consumer.term) if s[0] == "Tensor" and s[1] == producer.output}
+    if len(accesses) != 1:
+        return None
+    (access,) = accesses
+    if t.ix_items(access[2]) != tuple(t.ax(a) for a in producer.axes):
+        return None
+    term = t.replace(consumer.term, access, producer.term)
+    return FusedKernel(consumer.kind, term, consumer.output, consumer.axes, _reads(term), consumer.source,
+                       consumer.trace)  # fmt: skip
+
+
+def absorptions(kernels: list[FusedKernel], outputs: frozenset[str]) -> dict[str, tuple[str, FusedKernel]]:
+    """For each kernel that can absorb its producer: ``consumer output -> (producer output,
+    absorbed kernel)``. Only producers whose buffer no other kernel reads and that are not
+    graph outputs qualify: absorbing one must leave it with nothing to do."""
+    readers: dict[str, int] = {}
+    for kernel in kernels:
+        for name in kernel.reads:
+            readers[name] = readers.get(name, 0) + 1
+    producers = {k.output: k for k in kernels}
+    result = {}
+    for consumer in kernels:
+        for name in consumer.reads:
+            producer = producers.get(name)
+            if producer is None or readers[name] != 1 or name in outputs:
+                continue
+            fused = absorbed(consumer, producer)
+            if fused is not None:
+                result[consumer.output] = (name, fused)
+                break
+    return result
 
 
 # ------------------------------------------------------------------ flash attention

@@ -163,6 +163,15 @@ BINDERS: dict[str, tuple[int, ...]] = {
 # ----------------------------------------------------------------------- egglog text
 
 
+def replace(term: Term, old: Term, new: Term) -> Term:
+    """``term`` with every occurrence of the subterm ``old`` replaced by ``new``."""
+    if term == old:
+        return new
+    if not any(isinstance(a, tuple) for a in term[1:]):
+        return term
+    return tuple(replace(a, old, new) if isinstance(a, tuple) else a for a in term)
+
+
 def literal(value: Any) -> str:
     """An egglog literal for a Python scalar."""
     if isinstance(value, bool):

@@ -219,7 +219,8 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
 # (issue 7: the pointwise, row-reduction and mma GEMM families of cherenkov.codegen.term_plan)
 
 SIMT_FRACTION = 0.1  # fp32 FMA throughput of the CUDA cores relative to the mma.sync peak
-MEMORY_EFFICIENCY = {"pointwise": 0.7, "pointwise_vector": 0.85, "warp": 0.8, "block": 0.75, "thread": 0.25, "mma": 0.8}
+MEMORY_EFFICIENCY = {"pointwise": 0.7, "pointwise_vector": 0.85, "warp": 0.8, "block": 0.75, "rows_vector": 0.85,
+                     "thread": 0.25, "mma": 0.8}  # fmt: skip
 MMA_TILE_EFFICIENCY = {64 * 64: 0.35, 128 * 64: 0.45, 128 * 128: 0.5, 128 * 256: 0.55}
 MMA_PIPELINE_EFFICIENCY = {2: 0.8, 3: 1.0, 4: 1.0}  # a 2-stage ring leaves load latency partly exposed
 # Fraction of the wgmma peak the sm_90a GEMM tiles reached at bf16 4096³ on the H200
@@ -291,7 +292,7 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
         efficiency = max(0.05, waves * (0.25 if plan.kind == "contraction" else 1.0))
         compute_ms = flops / (gpu.mma_tflops * SIMT_FRACTION * 1e12 * efficiency) * 1e3
         if family == "rows":
-            memory = MEMORY_EFFICIENCY[schedule.mode]
+            memory = MEMORY_EFFICIENCY["rows_vector" if schedule.vector > 1 else schedule.mode]
         else:
             memory = MEMORY_EFFICIENCY["pointwise_vector" if schedule.vector > 1 else "pointwise"]
     memory_ms = moved / (gpu.hbm_tbps * 1e12 * memory * max(waves, 0.5)) * 1e3

@@ -117,7 +117,8 @@ class OptimizeResult:
     def run(self, **tensors: Any) -> dict[str, Any]:
         """Run the graph with the winning kernels: torch CUDA tensors in, ``{output: tensor}`` out.
 
-        Every kernel of ``derivation.kernels`` runs in order on the current stream; the
+        Every kernel of ``derivation.kernels`` runs in order on the current stream (except a
+        producer whose consumer's winner absorbed it: :func:`launched_kernels`); the
         intermediate buffers they write stay in device memory and are freed when the last
         kernel reading them is done. Inputs must be contiguous CUDA tensors of the graph's
         dtypes and shapes. Each call checks the tensors and launches every kernel from
@@ -162,7 +163,7 @@ class OptimizeResult:
         if cached is not None:
             return cached
         launchers = []
-        for kernel in self.derivation.kernels:
+        for kernel in self.launched:
             winner = self.kernels.get(kernel.output)
             if winner is None:
                 raise GraphError(
@@ -176,14 +177,20 @@ class OptimizeResult:
         return launchers
 
     @functools.cached_property
+    def launched(self) -> list[FusedKernel]:
+        """The kernels :meth:`run` launches, in order: the derivation's, less any producer
+        that its consumer's winner absorbed (:func:`launched_kernels`)."""
+        return launched_kernels(self.derivation.kernels, frozenset(self.graph.outputs), self.kernels)
+
+    @functools.cached_property
     def _dead_after(self) -> list[list[str]]:
-        """For each kernel position, the intermediate buffers no later kernel reads."""
-        kernels = self.derivation.kernels
-        last_use = {name: i for i, kernel in enumerate(kernels) for name in kernel.reads}
+        """For each launched kernel's position, the intermediate buffers no later kernel reads."""
+        reads = [winner_reads(k, self.kernels.get(k.output)) for k in self.launched]
+        last_use = {name: i for i, names in enumerate(reads) for name in names}
         keep = set(self.graph.outputs) | set(self.graph.inputs)
         return [
-            sorted({name for name in kernel.reads if last_use[name] == position and name not in keep})
-            for position, kernel in enumerate(kernels)
+            sorted({name for name in names if last_use[name] == position and name not in keep})
+            for position, names in enumerate(reads)
         ]
 
 
@@ -207,17 +214,23 @@ class CapturedRun:
 # ------------------------------------------------------------------------------ search
 
 
-def _rank(results: list[CandidateResult]) -> CandidateResult | None:
+def _rank(results: list[CandidateResult], credit: Mapping[str, float] | None = None) -> CandidateResult | None:
     """Fastest usable candidate; medians within the winner's noise tie and the smallest
-    id among them wins, so the same measurements always pick the same winner."""
+    id among them wins, so the same measurements always pick the same winner. ``credit``
+    (by id): time a candidate saves elsewhere — the producer kernel it absorbs."""
     usable = [r for r in results if r.status in ("ok", "modelled") and r.time_ms]
     if not usable:
         return None
-    fastest = min(usable, key=lambda r: (r.time_ms, r.id))
+    credit = credit or {}
+
+    def cost(r: CandidateResult) -> float:
+        return r.time_ms - credit.get(r.id, 0.0)
+
+    fastest = min(usable, key=lambda r: (cost(r), r.id))
     noise = MIN_NOISE
     if fastest.timing is not None:
         noise = max(MIN_NOISE, (fastest.timing.median_ms - fastest.timing.min_ms) / fastest.timing.median_ms)
-    tied = [r for r in usable if r.time_ms <= fastest.time_ms * (1 + noise)]
+    tied = [r for r in usable if cost(r) <= cost(fastest) + fastest.time_ms * noise]
     return min(tied, key=lambda r: r.id)
 
 
@@ -398,14 +411,40 @@ def _default_out(graph: Graph) -> Path:
 
 
 def _winners(space_candidates: Mapping[str, tuple[Candidate, ...]], results: list[CandidateResult]) -> dict[str, BestKernel]:
+    """The best candidate of each kernel, in the derivation's order: a candidate that absorbs
+    an earlier kernel is credited with that kernel's winning time (it would not run)."""
     by_id = {r.id: r for r in results}
-    winners = {}
+    winners: dict[str, BestKernel] = {}
     for kernel, candidates in space_candidates.items():
-        best = _rank([by_id[c.id] for c in candidates if c.id in by_id])
+        credit = {
+            c.id: winners[c.absorbs].time_ms
+            for c in candidates
+            if c.absorbs in winners and winners[c.absorbs].time_ms is not None
+        }
+        best = _rank([by_id[c.id] for c in candidates if c.id in by_id], credit)
         if best is not None:
             candidate = next(c for c in candidates if c.id == best.id)
             winners[kernel] = BestKernel(kernel, best, candidate.plan, candidate.source)
     return winners
+
+
+def winner_reads(kernel: FusedKernel, winner: BestKernel | None) -> tuple[str, ...]:
+    """The buffers a kernel's winner reads: its plan's (an absorbing plan reads the absorbed
+    producer's inputs instead of its output), else the kernel's."""
+    if winner is not None and isinstance(winner.plan, TermKernelPlan):
+        return winner.plan.kernel.reads
+    return kernel.reads
+
+
+def launched_kernels(kernels: list[FusedKernel], outputs: frozenset[str],
+                     winners: Mapping[str, BestKernel]) -> list[FusedKernel]:  # fmt: skip
+    """The kernels a run launches: those whose output the graph's outputs need through the
+    winners' reads (a producer absorbed by its consumer's winner drops out)."""
+    needed = set(outputs)
+    for kernel in reversed(kernels):
+        if kernel.output in needed:
+            needed.update(winner_reads(kernel, winners.get(kernel.output)))
+    return [k for k in kernels if k.output in needed]
 
 
 def _summary(graph: Graph, derivation: Derivation, search: _Search, space: SearchSpace,
@@ -413,6 +452,14 @@ def _summary(graph: Graph, derivation: Derivation, search: _Search, space: Searc
     notes = list(search.notes)
     for kernel in space.ungenerated:
         notes.append(f"kernel {kernel.output} ({kernel.kind}) has no CUDA generator yet; it was not searched")
+    absorbed_by = {
+        c.absorbs: kernel
+        for kernel, candidates in space.candidates.items()
+        for c in candidates
+        if c.absorbs is not None and kernel in winners and winners[kernel].result.id == c.id
+    }
+    for producer, consumer in sorted(absorbed_by.items()):
+        notes.append(f"kernel {producer} is not launched: the winner of {consumer} computes it in its main loop")
     return SearchSummary(
         graph_name=graph.name,
         graph_hash=graph.structural_hash(),

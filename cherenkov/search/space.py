@@ -7,6 +7,12 @@ fits (an unsupported head dimension or dtype) — takes the generic plans of
 :func:`cherenkov.codegen.term_plan.term_plans` (pointwise, row-reduction and mma GEMM
 families, schedules enumerated in Python). Kernels with no plan at all are listed as
 such, so reports say what could not be searched rather than silently skipping it.
+
+A contraction that can absorb the RMSNorm kernel feeding it
+(:func:`cherenkov.rewrites.kernels.absorptions`) also takes the plans of the absorbed
+form — the GEMM that runs the norm in its main loop — as candidates that *absorb* that
+producer: if one wins, the producer is not launched, so the search weighs it against the
+other candidates plus the producer's own time.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from cherenkov.codegen.cache import sha256_hex
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import TermKernelPlan, term_plans
 from cherenkov.rewrites.derive import Derivation
-from cherenkov.rewrites.kernels import FusedKernel
+from cherenkov.rewrites.kernels import FusedKernel, absorptions
 from cherenkov.rewrites.plan import TARGETS, KernelPlan
 
 GENERATED_KINDS = frozenset(
@@ -31,11 +37,13 @@ Plan = KernelPlan | TermKernelPlan
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan for one kernel, with its generated source."""
+    """One plan for one kernel, with its generated source; ``absorbs``: the producer kernel
+    (by output) whose work this plan does itself, making it unnecessary."""
 
     kernel: str
     plan: Plan
     source: str = field(repr=False)
+    absorbs: str | None = None
 
     @property
     def id(self) -> str:
@@ -77,4 +85,14 @@ def search_space(derivation: Derivation, target: str) -> SearchSpace:
             candidates[kernel.output] = tuple(Candidate(kernel.output, p, cuda_source(p)) for p in plans)
         else:
             ungenerated.append(kernel)
+    for consumer, (producer, fused) in absorptions(derivation.kernels, frozenset(derivation.graph.outputs)).items():
+        if consumer not in candidates:
+            continue
+        try:
+            plans = term_plans(fused, shapes, dtypes, TARGETS[target], fused.trace)
+            plans = [p for p in plans if p.family != "pointwise"]  # absorbing is worth it only in a GEMM
+        except CodegenError:
+            plans = []
+        absorbing = tuple(Candidate(consumer, p, cuda_source(p), absorbs=producer) for p in plans)
+        candidates[consumer] = candidates[consumer] + absorbing
     return SearchSpace(tuple(derivation.kernels), candidates, tuple(ungenerated))

@@ -3,11 +3,15 @@ every schedule compiled for sm_90a with no spills, HGMMA in its SASS and no loca
 (CPU, nvcc), and every schedule against torch's float32 matmul on random inputs (GPU):
 tails in M, N and K, A and B in both memory orders, odd N (unpaired stores), a fused
 bias + GELU epilogue, batched fp16 matmuls, and split-K on few-tile problems (launched
-twice: the arrival counters reset, and the result is the same bits)."""
+twice: the arrival counters reset, and the result is the same bits). A matmul that absorbs
+the RMSNorm feeding it runs in the TMA kernel only, with A from registers (CPU, nvcc,
+SASS), and matches torch's norm and matmul with and without a weight, with tails, in fp16
+(GPU)."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -19,6 +23,7 @@ from cherenkov.codegen.report import parse_ptxas_report
 from cherenkov.codegen.cuda.gemm_sm90a_tma import OperandMap, tensor_maps
 from cherenkov.codegen.term_plan import (
     TMA_GEMM_SCHEDULES,
+    GemmSchedule,
     WGMMA_GEMM_SCHEDULES,
     WGMMA_SPLIT_K_TILES,
     TermKernelPlan,
@@ -29,6 +34,7 @@ from cherenkov.codegen.term_plan import (
     wgmma_schedules,
     wgmma_smem_bytes,
 )
+from cherenkov.rewrites.kernels import absorptions
 from cherenkov.rewrites.plan import TARGETS
 
 SM90A = TARGETS["sm_90a"]
@@ -75,6 +81,27 @@ def prologue_graph() -> ck.Graph:
     g.output(ck.nn.silu(x * w) @ proj, "y")
     return g
 
+
+def rms_matmul_graph(m: int, k: int, n: int, weight: bool = True, dtype: str = "bf16") -> ck.Graph:
+    g = ck.Graph("rms_matmul")
+    x, proj = g.input("x", (m, k), dtype), g.input("proj", (k, n), dtype)
+    g.output(ck.nn.rms_norm(x, g.input("w", (k,), dtype) if weight else None, eps=1e-5) @ proj, "y")
+    return g
+
+
+def absorbed_plans(graph: ck.Graph) -> list[TermKernelPlan]:
+    """The plans of the matmul that absorbs the graph's RMSNorm kernel."""
+    d = ck.derive(graph)
+    shapes, dtypes = d.tensor_types()
+    ((_, fused),) = absorptions(d.kernels, frozenset(graph.outputs)).values()
+    return term_plans(fused, shapes, dtypes, SM90A)
+
+
+NORM_GRAPHS = {
+    "weight_1024x1536x2048": lambda: rms_matmul_graph(1024, 1536, 2048),
+    "no_weight_tails_200x1024x328": lambda: rms_matmul_graph(200, 1024, 328, weight=False),
+    "fp16_130x512x136": lambda: rms_matmul_graph(130, 512, 136, dtype="fp16"),
+}
 
 GRAPHS = {
     "nn_4096": lambda: matmul_graph(False, False, 4096, 4096, 4096),
@@ -174,6 +201,20 @@ def test_not_offered_for_evaluated_operands() -> None:
     assert any("evaluated" in reason for reason in term_plan_problems(forced))
 
 
+def test_an_absorbed_rms_norm_runs_in_the_tma_family_only() -> None:
+    plans = absorbed_plans(NORM_GRAPHS["weight_1024x1536x2048"]())
+    assert [p.schedule for p in plans if p.family == "wgmma"] == list(TMA_GEMM_SCHEDULES)
+    assert {p.family for p in plans} == {"wgmma", "pointwise"}
+    layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
+    assert layout.norm is not None and layout.norm_operand == "a" and layout.a == layout.norm.x
+    assert plans[0].flops == 2.0 * 1024 * 1536 * 2048, "the norm's work is counted once a row, not once an output"
+    for schedule in (WGMMA_GEMM_SCHEDULES[0], GemmSchedule()):
+        forced = TermKernelPlan(plans[0].kind, plans[0].kernel, schedule, SM90A, plans[0].tensors)
+        assert any("TMA wgmma GEMM only" in reason for reason in term_plan_problems(forced))
+    ragged = absorbed_plans(rms_matmul_graph(128, 1000, 256))
+    assert not [p for p in ragged if p.family == "wgmma"], "K 1000: the weight is read whole k steps at a time"
+
+
 @pytest.mark.parametrize(
     "schedule, reason",
     [
@@ -255,6 +296,22 @@ def test_every_schedule_compiles_without_spills_to_hgmma(nvcc, sass, graph, tmp_
         pytest.skip("cuobjdump is not installed: compiled and ptxas-checked only")
 
 
+@pytest.mark.parametrize("graph", list(NORM_GRAPHS))
+def test_absorbed_norm_compiles_to_register_a_hgmma_without_spills(nvcc, sass, graph, tmp_path) -> None:
+    for plan in [p for p in absorbed_plans(NORM_GRAPHS[graph]()) if p.family == "wgmma"]:
+        output = nvcc.compile(cuda_source(plan), SM90A.arch_flag)
+        report = parse_ptxas_report(output.log, f"ck_contraction_{plan.schedule.key()}", term_dynamic_smem(plan))
+        assert report.spill_bytes == 0 and report.stack_frame == 0, (plan.name, report)
+        assert "serialized" not in output.log, (plan.name, output.log)
+        if sass is None:
+            pytest.skip("cuobjdump is not installed: compiled and ptxas-checked only")
+        cubin = tmp_path / f"{plan.schedule.key()}.cubin"
+        cubin.write_bytes(output.cubin)
+        code = sass(cubin)
+        assert re.search(rf"HGMMA\.64x{plan.schedule.block_n}x16\.F32\S* R\d+, R\d+, gdesc", code), plan.name
+        assert "LDSM.16.M88.4" in code and "UTMALDG" in code and " LDL" not in code and " STL" not in code
+
+
 # ------------------------------------------------------------------------------ GPU
 
 
@@ -312,3 +369,32 @@ def test_every_schedule_matches_torch(gpu, case, tmp_path) -> None:
             kernel.launch(inputs, again)
             torch.cuda.synchronize()
             assert torch.equal(again, out), f"{plan.name}: a second launch differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(NORM_GRAPHS))
+def test_absorbed_rms_norm_matches_torch(gpu, case, tmp_path) -> None:
+    """The TMA GEMM that runs the RMSNorm in its main loop against torch's float32 norm and matmul."""
+    torch = gpu
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a kernels need a Hopper GPU")
+    graph = NORM_GRAPHS[case]()
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    inputs = {
+        name: (torch.randn(t.shape, generator=generator, device="cuda") * (0.05 if name == "proj" else 1.0)).to(
+            dtypes[t.dtype])
+        for name, t in graph.inputs.items()
+    }  # fmt: skip
+    x = inputs["x"].float()
+    normed = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5)
+    reference = (normed * inputs["w"].float() if "w" in inputs else normed) @ inputs["proj"].float()
+    plans = [p for p in absorbed_plans(graph) if p.family == "wgmma"]
+    assert plans
+    for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
+        assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
+        out = torch.full(plan.output.shape, math.nan, device="cuda", dtype=dtypes[plan.output.dtype])
+        load_kernel(compiled).launch(inputs, out)
+        torch.cuda.synchronize()
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        assert error <= TOLERANCE, f"{plan.name}: relative L2 error {error:.3g}"

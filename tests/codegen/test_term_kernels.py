@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,14 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to em
 def softmax_graph(dtype="bf16", shape=(6, 100)) -> ck.Graph:
     g = ck.Graph("softmax")
     g.output(ck.nn.softmax(g.input("x", shape, dtype), axis=-1), "y")
+    return g
+
+
+def softmax_times_input_graph() -> ck.Graph:
+    """The epilogue reads the softmax's own operand (kept rows must keep the values)."""
+    g = ck.Graph("softmax_x")
+    x = g.input("x", (3, 512), "bf16")
+    g.output(ck.nn.softmax(x, axis=-1) * x, "y")
     return g
 
 
@@ -137,8 +146,11 @@ def test_every_kind_gets_its_families() -> None:
     assert {p.schedule for p in plans} == uncached | {s for s in ROW_SCHEDULES if s.cached}, "rows of 100 fit"
     ((_, long_rows),) = plans_of(softmax_graph(shape=(6, 4096)))
     cached = {p.schedule for p in long_rows if p.schedule.cached}
-    assert cached == {RowSchedule("block", 256, True), RowSchedule("block", 512, True), RowSchedule("block", 1024, True)}
+    blocks = {RowSchedule("block", threads, True) for threads in (256, 512, 1024)}
+    assert cached == blocks | {replace(s, vector=8) for s in blocks}, "16-byte runs where rows are multiples of 8"
     assert all("kept in registers" in cuda_source(p) for p in long_rows if p.schedule.cached)
+    vectorised = [cuda_source(p) for p in long_rows if p.schedule.vector > 1]
+    assert all("ck_load_bf16x8(" in src and "ck_store_bf16x8(" in src for src in vectorised)
     by_kind = {k.kind: ps for k, ps in plans_of(rms_matmul_graph())}
     families = [p.family for p in by_kind["contraction"]]
     assert families.count("mma") == len(GEMM_SCHEDULES) and families.count("pointwise") == 1
@@ -283,6 +295,12 @@ def test_cost_model_prefers_rows_kept_in_registers() -> None:
     predicted = {p.schedule: predict_term(p).ms for p in plans}
     assert predicted[RowSchedule("block", 256, True)] < predicted[RowSchedule("block", 256)], "one read, not two"
     assert min(predicted, key=predicted.get).cached
+    g = ck.Graph("rms_norm")
+    g.output(ck.nn.rms_norm(g.input("x", (8192, 4096), "bf16"), g.input("w", (4096,), "bf16")), "y")
+    ((kernel, plans),) = plans_of(g)
+    predicted = {p.schedule: predict_term(p).ms for p in plans}
+    runs = RowSchedule("block", 256, True, vector=8)
+    assert predicted[runs] < predicted[replace(runs, vector=1)], "16-byte accesses move bytes faster"
 
 
 # ------------------------------------------------------------------------------ numerics
@@ -314,9 +332,10 @@ def _check_graph(graph: ck.Graph, families: set[str] | None = None, seed: int = 
 @needs_gxx
 @pytest.mark.parametrize(
     "graph",
-    [softmax_graph(), softmax_graph("fp32", (5, 77)), rms_matmul_graph(), layer_norm_graph(), reductions_graph(),
-     odd_ops_graph(), hostile_names_graph()],
-    ids=["softmax_bf16", "softmax_fp32", "rms_matmul", "layer_norm", "reductions", "odd_ops", "names"],
+    [softmax_graph(), softmax_graph("fp32", (5, 77)), softmax_graph("fp16", (4, 2048)), softmax_times_input_graph(),
+     rms_matmul_graph(), layer_norm_graph(), reductions_graph(), odd_ops_graph(), hostile_names_graph()],
+    ids=["softmax_bf16", "softmax_fp32", "softmax_fp16_runs_of_8", "softmax_times_input", "rms_matmul", "layer_norm",
+         "reductions", "odd_ops", "names"],
 )  # fmt: skip
 def test_emulated_kernels_match_the_reference(graph) -> None:
     assert _check_graph(graph) >= 4

@@ -11,6 +11,7 @@ import pytest
 
 import cherenkov as ck
 from cherenkov.rewrites.derive import Derivation
+from cherenkov.rewrites.kernels import absorbed, absorptions
 from cherenkov.rewrites.plan import TARGETS, flash_smem_bytes
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
 
@@ -170,6 +171,34 @@ def test_rms_norm_then_matmul_applies_the_weight_in_the_norm_kernel() -> None:
     norm, matmul = d.kernels
     assert set(norm.reads) == {"x", "w"} and set(matmul.reads) == {norm.output, "m"}, "the weight: norm epilogue"
     assert_derived_program_matches(g, d)
+
+
+@pytest.mark.parametrize("weight", [True, False])
+def test_a_matmul_can_absorb_the_rms_norm_feeding_it(weight: bool) -> None:
+    """Σ_k RmsNormRow_k(x)·w_k·m = (Σ_k x²/n + ε)^{-1/2} · Σ_k x·w_k·m, numerically: the absorbed
+    kernel reads x, w and m and equals the norm kernel followed by the matmul."""
+    g = ck.Graph("rms")
+    x, w, m = g.input("x", (6, 32)), g.input("w", (32,)), g.input("m", (32, 16))
+    g.output(ck.nn.rms_norm(x, w if weight else None) @ m, "y")
+    d = ck.derive(g)
+    norm, matmul = d.kernels
+    ((consumer, (producer, fused)),) = absorptions(d.kernels, frozenset(g.outputs)).items()
+    assert (consumer, producer) == (matmul.output, norm.output)
+    assert set(fused.reads) == ({"x", "w", "m"} if weight else {"x", "m"}) and fused.output == "y"
+    inputs = random_inputs(g, seed=3)
+    np.testing.assert_allclose(fused.evaluate(inputs), d.evaluate(inputs)["y"], rtol=1e-12, atol=1e-12)
+
+
+def test_a_producer_others_need_is_not_absorbed() -> None:
+    g = ck.Graph("rms_twice")
+    x, w, m = g.input("x", (6, 32)), g.input("w", (32,)), g.input("m", (32, 16))
+    normed = ck.nn.rms_norm(x, w)
+    g.output(normed @ m, "y")
+    g.output(normed, "normed")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["rms_norm_rows", "contraction"]
+    assert absorptions(d.kernels, frozenset(g.outputs)) == {}, "the norm is an output: it must run anyway"
+    assert absorbed(d.kernels[0], d.kernels[1]) is None, "only a contraction absorbs, only a norm is absorbed"
 
 
 def test_layer_norm_with_weight_and_bias_is_one_kernel() -> None:

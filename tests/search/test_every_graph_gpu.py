@@ -1,7 +1,8 @@
 """Every graph runs (issue 7): ``ck.optimize`` finds a verified kernel for every fused kernel
 of a graph — softmax rows, norms, contractions with fused prologues and epilogues, flash
 attention next to generic kernels — and ``res.run`` chains them on the GPU with the
-intermediate buffers in device memory. Each output is compared with ``ck.evaluate``
+intermediate buffers in device memory (or, where a matmul's winner absorbed the norm
+feeding it, skips the norm). Each output is compared with ``ck.evaluate``
 (float64) on the same (rounded) inputs: bf16 within 2e-2, fp32 within 1e-5.
 
 Flash-attention kernels are searched over two schedules only here (their own search is
@@ -100,6 +101,29 @@ def test_rms_norm_then_matmul(gpu, tmp_path) -> None:
     g.output(ck.nn.rms_norm(x, w) @ proj, "y")
     result, _ = optimize_and_run(g, tmp_path, gpu, scale={"proj": 0.05})
     assert sorted(kinds(result)) == ["contraction", "rms_norm_rows"]
+
+
+def test_rms_norm_absorbed_by_its_matmul_runs_as_one_kernel(gpu, tmp_path, monkeypatch) -> None:
+    """Only the candidates that absorb the norm are offered for the matmul: its winner runs the
+    norm in its main loop, and the norm kernel is not launched."""
+    if gpu.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the absorbing GEMM is an sm_90a kernel")
+    real = optimize_module.search_space
+
+    def absorbing_only(derivation, target):
+        space = real(derivation, target)
+        candidates = {k: tuple(c for c in group if c.absorbs or c.plan.kind != "contraction")
+                      for k, group in space.candidates.items()}  # fmt: skip
+        return SearchSpace(space.kernels, candidates, space.ungenerated)
+
+    monkeypatch.setattr(optimize_module, "search_space", absorbing_only)
+    g = ck.Graph("rms_matmul")
+    x, w, proj = g.input("x", (200, 512), "bf16"), g.input("w", (512,), "bf16"), g.input("proj", (512, 384), "bf16")
+    g.output(ck.nn.rms_norm(x, w) @ proj, "y")
+    result, _ = optimize_and_run(g, tmp_path, gpu, scale={"proj": 0.05})
+    assert [k.kind for k in result.launched] == ["contraction"]
+    assert set(result.kernels["y"].plan.kernel.reads) == {"x", "w", "proj"}
+    assert any("not launched" in note for note in result.summary.notes)
 
 
 def test_layer_norm_bf16_and_fp32(gpu, tmp_path) -> None:

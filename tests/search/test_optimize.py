@@ -15,7 +15,9 @@ from cherenkov.codegen import compile_plan, valid_flash_plans
 from cherenkov.rewrites.plan import TARGETS
 from cherenkov.search import optimize as optimize_module
 from cherenkov.search.database import TuningDatabase
+from cherenkov.search.records import CandidateResult, Timing
 from cherenkov.search.report import read_json
+from cherenkov.search.space import search_space
 
 
 def seed_graph(causal: bool = False) -> ck.Graph:
@@ -90,6 +92,37 @@ def test_a_candidate_that_fails_to_compile_is_recorded_and_the_search_goes_on(tm
     record = next(c for c in result.candidates if c.id == broken)
     assert record.status == "compile_error" and "injected fault" in record.reason
     assert result.best is not None and result.best.result.id != broken
+
+
+def rms_matmul_graph() -> ck.Graph:
+    g = ck.Graph("rms_matmul")
+    x, w, proj = g.input("x", (256, 512), "bf16"), g.input("w", (512,), "bf16"), g.input("proj", (512, 384), "bf16")
+    g.output(ck.nn.rms_norm(x, w) @ proj, "y")
+    return g
+
+
+@pytest.mark.parametrize("absorbing_ms, absorbs", [(0.11, True), (0.13, False)])
+def test_a_plan_that_absorbs_the_norm_wins_only_with_the_norms_time_credited(absorbing_ms, absorbs) -> None:
+    """Norm 0.02 ms + GEMM 0.10 ms against a GEMM that does the norm itself: 0.11 ms wins,
+    0.13 ms does not; the absorbed norm kernel is then not launched."""
+    graph = rms_matmul_graph()
+    d = ck.derive(graph)
+    space = search_space(d, "sm_90a")
+    norm, matmul = d.kernels
+    absorbing = [c for c in space.candidates[matmul.output] if c.absorbs]
+    assert absorbing and {c.absorbs for c in absorbing} == {norm.output}
+    assert all(c.plan.family == "wgmma" and "x" in c.plan.kernel.reads for c in absorbing)
+
+    def result(candidate, ms: float) -> CandidateResult:
+        return CandidateResult(candidate.id, candidate.kernel, candidate.plan.kind, {}, "", "ok",
+                               timing=Timing(ms, ms, ms, 10))  # fmt: skip
+
+    plain = next(c for c in space.candidates[matmul.output] if not c.absorbs)
+    results = [result(space.candidates[norm.output][0], 0.02), result(plain, 0.10), result(absorbing[0], absorbing_ms)]
+    winners = optimize_module._winners(space.candidates, results)
+    assert (winners[matmul.output].result.id == absorbing[0].id) == absorbs
+    launched = optimize_module.launched_kernels(d.kernels, frozenset(graph.outputs), winners)
+    assert [k.output for k in launched] == ([matmul.output] if absorbs else [norm.output, matmul.output])
 
 
 def test_bad_arguments_raise_graph_errors(tmp_path) -> None:

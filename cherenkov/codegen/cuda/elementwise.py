@@ -23,7 +23,7 @@ from cherenkov.codegen.cuda.term_common import (
     term_source,
     vector_helpers,
 )
-from cherenkov.codegen.cuda.term_expr import TermEmitter, index_type, reads, store
+from cherenkov.codegen.cuda.term_expr import TermEmitter, index_type, store, vector_reads
 from cherenkov.rewrites import terms as t
 
 
@@ -31,25 +31,6 @@ def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     s = plan.schedule
     blocks = max(1, math.ceil(plan.output.numel / (s.block * s.vector)))
     return (blocks, 1, 1), (s.block, 1, 1)
-
-
-def _vector_reads(plan, inner: str) -> list:
-    """Reads that one aligned vector access can load: innermost index exactly the
-    innermost output axis, over the tensor's whole innermost extent, the axis used nowhere else."""
-    infos = tensor_infos(plan)
-    result = []
-    for read in reads(plan.kernel.term):
-        info = infos[read[1]]
-        items = t.ix_items(read[2])
-        if (
-            items
-            and items[-1] == t.ax(inner)
-            and info.shape[-1] == t.extent(inner)
-            and info.dtype in ("bf16", "fp16", "fp32")
-            and not any(inner in t.ix_names(ix) for ix in items[:-1])
-        ):
-            result.append(read)
-    return result
 
 
 def pointwise_source(plan) -> str:
@@ -81,7 +62,7 @@ def pointwise_source(plan) -> str:
         base = env[inner]
         # vector loads of the reads along the innermost axis (at the vector's first element)
         loads = []
-        for read in _vector_reads(plan, inner):
+        for read in vector_reads(kernel.term, inner, infos):
             info = infos[read[1]]
             var = em.fresh("r")
             helpers.append((info.dtype, vec))

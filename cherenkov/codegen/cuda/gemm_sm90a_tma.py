@@ -21,6 +21,17 @@ tile layouts); what differs is who loads the tiles and how the steps synchronise
   ...``, and while the consumers run a tile's epilogue, the producer already fills the
   ring with the next tile's operands.
 
+With an absorbed RMSNorm (:class:`~cherenkov.codegen.term_plan.NormPrologue`: A is
+``RmsNormRow_k(x)·w``, the TMA loads plain ``x``) the consumers take A from registers
+instead: per k16 step each warp reads its 16 rows of x with one ``ldmatrix.x4`` from the
+swizzled tile (chunk ``c`` of row ``r`` lives at chunk ``c ^ (r % 8)``), adds their squares
+to its two rows' sums (rows ``g`` and ``g + 8``), multiplies them by the weight's pairs (the
+weight sits whole in static shared memory) and
+issues the wgmma with A in registers (``rs``). Two k steps' fragments alternate, each kept
+live until the wait that retires its wgmmas. The epilogue sums the row sums over the lane
+quad and multiplies each accumulator row by ``(Σ x²/K + ε)^{-1/2}``: the norm's row scale,
+which does not depend on k, applied after the sum.
+
 Parities: a stage's barriers complete once per use; pass ``u`` of the ring over stage
 ``s`` waits for phase parity ``u & 1`` of full[s] (consumers) and ``(u & 1) ^ 1`` of
 empty[s] (producer: a fresh barrier counts its phase of parity 1 as complete, so the
@@ -40,6 +51,8 @@ from dataclasses import dataclass
 
 from cherenkov.codegen.cuda import tma, wgmma
 from cherenkov.codegen.cuda.gemm import accumulator_epilogue, epilogue_loops, shape_constants
+from cherenkov.codegen.cuda.ldmatrix import emit_ldmatrix_primitives
+from cherenkov.codegen.cuda.mma import PTX_TYPES
 from cherenkov.codegen.cuda.term_common import (
     decompose,
     header,
@@ -48,7 +61,7 @@ from cherenkov.codegen.cuda.term_common import (
     tensor_infos,
     vector_helpers,
 )
-from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, index_type
+from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, float_constant, index_type
 from cherenkov.codegen.cuda.text import block, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import (
@@ -118,6 +131,150 @@ def _loads(kmajor: bool, role: str, tile_rows: str, origin: str) -> list[str]:
     ]
 
 
+def _ss_main_loop(mma_name: str) -> list[str]:
+    """The consumer's k steps with both operands in shared memory."""
+    return [
+        "int previous = -1;  // the buffer of the step before, released once its wgmmas retire",
+        "for (int kt = 0; kt < KT; ++kt) {",
+        "    mbar_wait(smem + BARRIERS + 8 * stage, phase);  // full: step kt's tiles have landed",
+        "    #pragma unroll",
+        "    for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
+        "    wgmma_fence();",
+        *indent_lines(wgmma.k_step_wgmmas(mma_name), 1),
+        "    wgmma_commit();",
+        "    wgmma_wait<1>();  // step kt - 1 has retired; step kt may still run",
+        "    if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
+        "    previous = stage;",
+        "    advance_ring(stage, phase);",
+        "}",
+    ]
+
+
+def _norm_helpers(dtype: str) -> str:
+    """The register prologue of an absorbed RMSNorm: squares of a packed pair, the packed
+    product with the weight's pair, and the fragment loader of one k step."""
+    ptx = PTX_TYPES[dtype]
+    return emit_ldmatrix_primitives(4) + "\n\n" + block(f"""
+        // Add the squares of a packed pair of {dtype} values to two running sums (two chains).
+        __device__ __forceinline__ void add_squares(float (&sums)[2], u32 v) {{
+            const float lo = ck_from_{dtype}(u16(v & 0xffffu)), hi = ck_from_{dtype}(u16(v >> 16));
+            sums[0] = fmaf(lo, lo, sums[0]);
+            sums[1] = fmaf(hi, hi, sums[1]);
+        }}
+
+        // The packed pair times the weight's packed pair (each rounded to {dtype}).
+        __device__ __forceinline__ u32 scale_pair(u32 v, u32 w) {{
+            u32 r;
+            asm("mul.rn.{ptx}x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(w));
+            return r;
+        }}
+        """)
+
+
+def _norm_fragments(weighted: bool) -> list[str]:
+    """``load_fragments(f, buffer, step)``: this warp's rows of x in ring buffer ``buffer``
+    as the wgmma A fragments of k step ``step`` (scaled by the weight), their squares added
+    to ``row_ss`` — a lambda of the consumer."""
+    scale = [
+        "                const u32* w = norm_weight + (step * BK + 16 * ks) / 2 + (lane & 3);",
+        "                const u32 w_lo = w[0], w_hi = w[4];  // k 2t, 2t + 1 and 2t + 8, 2t + 9",
+        "                f[mi][ks][0] = scale_pair(x[0], w_lo);",
+        "                f[mi][ks][1] = scale_pair(x[1], w_lo);",
+        "                f[mi][ks][2] = scale_pair(x[2], w_hi);",
+        "                f[mi][ks][3] = scale_pair(x[3], w_hi);",
+    ] if weighted else [
+        "                #pragma unroll",
+        "                for (int i = 0; i < 4; ++i) f[mi][ks][i] = x[i];",
+    ]
+    return [
+        "// A fragments of k step `step` from ring buffer `buffer`: ldmatrix.x4 of rows (lane & 15), 16-byte",
+        "// chunk 2 ks + (lane >> 4), stored at chunk ^ (row % 8); then their squares and the weight",
+        "auto load_fragments = [&](u32 (&f)[M_TILES][BK / 16][4], int buffer, int step) {",
+        "    const u32 a_tile = smem + A_SMEM + buffer * A_TILE_BYTES;",
+        "    #pragma unroll",
+        "    for (int mi = 0; mi < M_TILES; ++mi) {",
+        "        const int row = warpgroup * WG_M + 64 * mi + 16 * warp + (lane & 15);",
+        "        #pragma unroll",
+        "        for (int ks = 0; ks < BK / 16; ++ks) {",
+        "            u32 x[4];",
+        "            ldmatrix_x4(x, a_tile + row * ROW_BYTES + (((2 * ks + (lane >> 4)) ^ (row & 7)) << 4));",
+        "            add_squares(row_ss[mi][0], x[0]);  // row g",
+        "            add_squares(row_ss[mi][0], x[2]);",
+        "            add_squares(row_ss[mi][1], x[1]);  // row g + 8",
+        "            add_squares(row_ss[mi][1], x[3]);",
+        "            {",
+        *scale,
+        "            }",
+        "        }",
+        "    }",
+        "};",
+    ]
+
+
+def _norm_step(parity: int, mma_name: str) -> list[str]:
+    """One k step of the register-A main loop: fragments ``frag[parity]``, buffer ``stage``."""
+    other = 1 - parity
+    return [
+        f"// k step kt + {parity}: A from frag[{parity}], B from buffer `stage`",
+        "#pragma unroll",
+        "for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
+        "wgmma_fence();",
+        "#pragma unroll",
+        "for (int ks = 0; ks < BK / 16; ++ks)",
+        "    #pragma unroll",
+        "    for (int mi = 0; mi < M_TILES; ++mi) {",
+        f"        const u32* a = frag[{parity}][mi][ks];",
+        "        const u32 b_bytes = stage * B_TILE_BYTES + ks * B_K_STEP;",
+        f"        {mma_name}(acc[mi], a[0], a[1], a[2], a[3], b_desc + (b_bytes >> 4), 1);",
+        "    }",
+        "wgmma_commit();",
+        "wgmma_wait<1>();  // the step before has retired: its buffer and fragments are free",
+        "#pragma unroll",
+        "for (int mi = 0; mi < M_TILES; ++mi)",
+        "    #pragma unroll",
+        f"    for (int ks = 0; ks < BK / 16; ++ks) fence_operands(frag[{other}][mi][ks]);",
+        "if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
+        "previous = stage;",
+        "advance_ring(stage, phase);",
+        f"if (kt + {parity + 1} < KT) {{  // the next step's fragments, while this step's wgmmas run",
+        "    mbar_wait(smem + BARRIERS + 8 * stage, phase);",
+        f"    load_fragments(frag[{other}], stage, kt + {parity + 1});",
+        "}",
+    ]
+
+
+def _norm_main_loop(mma_name: str) -> list[str]:
+    """The consumer's k steps with A from registers (an absorbed RMSNorm), unrolled by two so
+    that the fragments of consecutive steps live in different registers."""
+    return [
+        "int previous = -1;  // the buffer of the step before, released once its wgmmas retire",
+        "mbar_wait(smem + BARRIERS + 8 * stage, phase);",
+        "load_fragments(frag[0], stage, 0);",
+        "#pragma unroll 1",
+        "for (int kt = 0; kt < KT; kt += 2) {",
+        *indent_lines(_norm_step(0, mma_name), 1),
+        "    if (kt + 1 >= KT) break;",
+        *indent_lines(_norm_step(1, mma_name), 1),
+        "}",
+    ]
+
+
+def _norm_row_scales() -> list[str]:
+    return [
+        "// the norm's row scales: each quad of lanes holds the partial sums of rows g and g + 8",
+        "float row_scale[M_TILES][2];",
+        "#pragma unroll",
+        "for (int mi = 0; mi < M_TILES; ++mi)",
+        "    #pragma unroll",
+        "    for (int h = 0; h < 2; ++h) {",
+        "        float ss = row_ss[mi][h][0] + row_ss[mi][h][1];",
+        "        ss += __shfl_xor_sync(0xffffffffu, ss, 1);",
+        "        ss += __shfl_xor_sync(0xffffffffu, ss, 2);",
+        "        row_scale[mi][h] = rsqrtf(ss * NORM_INV_K + NORM_EPS);",
+        "    }",
+    ]
+
+
 def _signature(plan, name: str, threads: int) -> str:
     params = ["const __grid_constant__ TensorMap a_map", "const __grid_constant__ TensorMap b_map"]
     params += [f"const {i.c_type}* __restrict__ {i.param}" for i in plan.inputs]
@@ -141,11 +298,17 @@ def gemm_sm90a_tma_source(plan) -> str:
     (blocks, _, _), _ = grid(plan)
     smem_bytes = wgmma_smem_bytes(s)
     tiles_m, tiles_n = math.ceil(layout.m / s.block_m), math.ceil(layout.n / s.block_n)
-    mma_name = wgmma.wgmma_name(s.block_n, dtype, False, not layout.b_kmajor, not layout.a_kmajor)
+    norm = layout.norm
+    mma_name = wgmma.wgmma_name(s.block_n, dtype, norm is not None, not layout.b_kmajor, not layout.a_kmajor)
 
     def order(kmajor: bool) -> str:
         return "K-major [row][k]" if kmajor else "MN-major [k][row] boxes"
 
+    a_constants = (
+        f"// A {order(layout.a_kmajor)}: fragments from registers" if norm else
+        f"constexpr u32 A_K_STEP = {'32' if layout.a_kmajor else '16 * ROW_BYTES'}, "
+        f"A_LBO = {'16' if layout.a_kmajor else 'BOX_BYTES'};  // A {order(layout.a_kmajor)}"
+    )
     constants = block(f"""
         {shape_constants(layout, s, "        ", batch=False)}
         constexpr int CONSUMERS = {s.consumer_warpgroups}, THREADS = {s.threads};  // + one producer warpgroup
@@ -166,9 +329,11 @@ def gemm_sm90a_tma_source(plan) -> str:
         constexpr u32 STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;  // what the TMA delivers a k step
         constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES, BARRIERS = STAGES * STAGE_BYTES;
         static_assert(BARRIERS + 2 * STAGES * {MBARRIER_BYTES} + {SWIZZLE_ALIGN} == {smem_bytes}, "the plan's shared memory");
-        constexpr u32 A_K_STEP = {"32" if layout.a_kmajor else "16 * ROW_BYTES"}, A_LBO = {"16" if layout.a_kmajor else "BOX_BYTES"};  // A {order(layout.a_kmajor)}
+        {a_constants}
         constexpr u32 B_K_STEP = {"32" if layout.b_kmajor else "16 * ROW_BYTES"}, B_LBO = {"16" if layout.b_kmajor else "BOX_BYTES"};  // B {order(layout.b_kmajor)}
 
+        {f"constexpr float NORM_INV_K = 1.0f / K, NORM_EPS = {float_constant(norm.eps)};  // the absorbed RMSNorm"
+         if norm else ""}
         // Output tile `tile` (row-tile groups of GROUP_M, column tiles within a group): its origin.
         __device__ __forceinline__ void tile_origin(int tile, int& m0, int& n0) {{
             const int first_m = tile / (GROUP_M * TILES_N) * GROUP_M;
@@ -188,8 +353,9 @@ def gemm_sm90a_tma_source(plan) -> str:
 
     em.push()
     batch_lines, batch_env = decompose("0", layout.batch, 0, "bz")
-    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, "acc[mi][4 * c + e]",
-                                            "acc[mi][4 * c + e + 1]")
+    scale = " * row_scale[mi][e >> 1]" if norm else ""  # columns e, e + 1 share a row
+    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][4 * c + e]{scale}",
+                                            f"acc[mi][4 * c + e + 1]{scale}")
     top = em.pop()
 
     producer = [
@@ -217,14 +383,20 @@ def gemm_sm90a_tma_source(plan) -> str:
         "    }",
         "}",
     ]
+    weight = plan.tensor_map[norm.weight[1]].param if norm is not None and norm.weight is not None else None
     consumer = [
         "// consumers: warpgroup w multiplies rows w * WG_M .. of each tile, then runs its epilogue",
         "reg_alloc<CONSUMER_REGS>();",
         "const int warpgroup = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;",
         *batch_lines,
         *(["// values every tile shares (batch-only parts of the terms)", *top] if top else []),
-        "const unsigned long long a_desc = make_smem_desc(smem + A_SMEM + warpgroup * M_TILES * BOX_BYTES, A_LBO, 1024);",
+        *([] if norm else [
+            "const unsigned long long a_desc = make_smem_desc(smem + A_SMEM + warpgroup * M_TILES * BOX_BYTES, A_LBO, "
+            "1024);"]),
         "const unsigned long long b_desc = make_smem_desc(smem + B_SMEM, B_LBO, 1024);",
+        *(["float row_ss[M_TILES][2][2];  // sums of x^2 over k, two chains: rows g and g + 8 of each m64 tile",
+           "u32 frag[2][M_TILES][BK / 16][4] = {};  // A fragments of two consecutive k steps",
+           *_norm_fragments(weight is not None)] if norm else []),
         "int stage = 0;",
         "u32 phase = 0;",
         "for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {",
@@ -232,26 +404,18 @@ def gemm_sm90a_tma_source(plan) -> str:
         "    tile_origin(tile, m0, n0);",
         "    float acc[M_TILES][ACC];",
         "    #pragma unroll",
-        "    for (int mi = 0; mi < M_TILES; ++mi)",
+        "    for (int mi = 0; mi < M_TILES; ++mi) {",
         "        #pragma unroll",
         "        for (int i = 0; i < ACC; ++i) acc[mi][i] = 0.0f;",
-        "    int previous = -1;  // the buffer of the step before, released once its wgmmas retire",
-        "    for (int kt = 0; kt < KT; ++kt) {",
-        "        mbar_wait(smem + BARRIERS + 8 * stage, phase);  // full: step kt's tiles have landed",
-        "        #pragma unroll",
-        "        for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
-        "        wgmma_fence();",
-        *indent_lines(wgmma.k_step_wgmmas(mma_name), 2),
-        "        wgmma_commit();",
-        "        wgmma_wait<1>();  // step kt - 1 has retired; step kt may still run",
-        "        if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
-        "        previous = stage;",
-        "        advance_ring(stage, phase);",
+        *(["        row_ss[mi][0][0] = row_ss[mi][0][1] = row_ss[mi][1][0] = row_ss[mi][1][1] = 0.0f;"]
+          if norm else []),
         "    }",
+        *indent_lines(_norm_main_loop(mma_name) if norm else _ss_main_loop(mma_name), 1),
         "    wgmma_wait<0>();",
         "    #pragma unroll",
         "    for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
         "    if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
+        *(indent_lines(_norm_row_scales(), 1) if norm else []),
         "",
         "    // epilogue (the producer loads the next tile meanwhile): accumulator d[4c + e] of m64",
         "    // tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column 8c + 2 (lane % 4) + (e & 1)",
@@ -275,6 +439,10 @@ def gemm_sm90a_tma_source(plan) -> str:
         "    }",
         "    fence_barrier_init();",
         "}",
+        *(["// the norm's weight, whole, in shared memory (the consumers read its pairs every k step)",
+           "__shared__ u32 norm_weight[K / 2];",
+           "for (int i = threadIdx.x; i < K / 2; i += THREADS)",
+           f"    norm_weight[i] = __ldg(reinterpret_cast<const u32*>({weight}) + i);"] if weight else []),
         "__syncthreads();",
         "",
         "if (threadIdx.x < 128) {",
@@ -288,6 +456,8 @@ def gemm_sm90a_tma_source(plan) -> str:
         f"N={layout.n} K={layout.k}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.consumer_warpgroups} consumer "
         f"warpgroups and a TMA producer warpgroup, {s.stages} stages{', persistent' if s.persistent else ''}; "
         f"A {order(layout.a_kmajor)}, B {order(layout.b_kmajor)}."
+        + (" A is an absorbed RMSNorm of x: fragments from registers (x * w), row sums of x^2, row scales in the "
+           "epilogue." if norm else "")
     )
     launch = (f"grid ({blocks}, 1, 1), {s.threads} threads, {smem_bytes} bytes of dynamic shared memory; "
               "the tensor maps of A and B first")  # fmt: skip
@@ -299,8 +469,11 @@ def gemm_sm90a_tma_source(plan) -> str:
         tma.emit_setmaxnreg(),
         wgmma.emit_descriptor(),
         wgmma.emit_sync(),
-        wgmma.emit_wgmma(s.block_n, dtype, False, not layout.b_kmajor, not layout.a_kmajor),
+        wgmma.emit_wgmma(s.block_n, dtype, norm is not None, not layout.b_kmajor,
+                         not layout.a_kmajor and norm is None),
     ]
+    if norm is not None:
+        helpers.append(_norm_helpers(dtype))
     if paired:
         helpers.append(vector_helpers([(plan.output.dtype, 2)]))
     kernel_text = "\n".join([_signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])

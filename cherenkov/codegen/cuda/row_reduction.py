@@ -11,7 +11,11 @@ order, so all hold identical statistics). The elementwise prologue is part of wh
 row reads (the emitter evaluates the core's operand at each element); the epilogue is the
 kernel's term around the core: row forms write every element of the row in a second pass
 (re-reading the row, or — ``cached`` schedules — from the values each lane kept in
-registers during the first), reductions write one element per row.
+registers during the first), reductions write one element per row. A kept softmax row
+takes its max first and then its exponentials (kept in place of the values) and their sum,
+one exponential an element instead of the online fold's rescaling. Cached schedules with
+a ``vector`` move runs of that many consecutive row elements a lane with 16-byte loads and
+stores (:func:`~cherenkov.codegen.term_plan.row_vector_problems` says where they apply).
 
 Launch: grid ``ceil(rows / rows_per_block)``, ``threads`` threads, static shared memory
 only in the one-block-a-row mode.
@@ -20,6 +24,7 @@ only in the one-block-a-row mode.
 from __future__ import annotations
 
 import math
+import re
 
 from cherenkov.codegen.cuda.term_common import (
     decompose,
@@ -29,10 +34,12 @@ from cherenkov.codegen.cuda.term_common import (
     safe_axis,
     tensor_infos,
     term_source,
+    vector_helpers,
 )
 from cherenkov.codegen.cuda.term_expr import TermEmitter, axis_binding, float_constant, index_type, store
 from cherenkov.codegen.errors import CodegenError
-from cherenkov.codegen.term_plan import row_layout
+from cherenkov.codegen.term_plan import row_layout, row_vector_reads
+from cherenkov.rewrites import terms as t
 
 # state variables of each core, their initial values, and how states add and merge
 STATES = {
@@ -81,6 +88,38 @@ def _merge(head: str, st: dict[str, str], other: dict[str, str]) -> str:
     return f"{st[key]} += {other[key]};"
 
 
+def _combine(head: str, st: dict[str, str], lanes: int, mode: str, warps: int) -> list[str]:
+    """Merge the states ``st`` of a row's lanes: warp butterflies, then (one block a row) the
+    warps' states through shared memory, which every thread merges in the same order."""
+    lines = []
+    if lanes > 1:
+        other = {var: f"o_{var}" for var in st}
+        lines += [
+            "// combine the 32 lanes' states (butterfly: every lane ends with the warp's state)",
+            "#pragma unroll",
+            "for (int offset = 16; offset > 0; offset >>= 1) {",
+            *(f"    const float o_{var} = __shfl_xor_sync(0xffffffffu, {st[var]}, offset);" for var in st),
+            f"    {_merge(head, st, other)}",
+            "}",
+        ]
+    if mode == "block":
+        smem = {var: f"red_{st[var]}" for var in st}
+        other = {var: f"{smem[var]}[w]" for var in st}
+        lines += [
+            "// combine the warps' states through shared memory; every thread merges them in order",
+            *(f"__shared__ float {smem[var]}[{warps}];" for var in st),
+            "if ((threadIdx.x & 31) == 0) {",
+            *(f"    {smem[var]}[threadIdx.x >> 5] = {st[var]};" for var in st),
+            "}",
+            "__syncthreads();",
+            *(f"{st[var]} = {smem[var]}[0];" for var in st),
+            f"for (int w = 1; w < {warps}; ++w) {{",
+            f"    {_merge(head, st, other)}",
+            "}",
+        ]
+    return lines
+
+
 def _cached_loop(items: int, lanes: int, n: int, statements: list[str]) -> list[str]:
     """A fully unrolled loop over this lane's ``items`` values of the row (``u``: which one,
     ``j``: its index), so that ``row_values[u]`` stays in registers."""
@@ -95,6 +134,47 @@ def _cached_loop(items: int, lanes: int, n: int, statements: list[str]) -> list[
     ]
 
 
+def _vector_loop(chunks: int, lanes: int, n: int, vec: int, before: list[str], statements: list[str],
+                 after: list[str]) -> list[str]:  # fmt: skip
+    """A fully unrolled loop over this lane's ``chunks`` runs of ``vec`` consecutive row
+    elements (``j0``: a run's first index; ``u``: an element's place among the lane's kept
+    values, ``j``: its index): ``before`` and ``after`` once a run (its vector loads and
+    store), ``statements`` once an element."""
+    guarded = chunks * lanes * vec != n
+    run = [
+        *before,
+        "#pragma unroll",
+        f"for (int e = 0; e < {vec}; ++e) {{",
+        f"    const int u = c * {vec} + e;",
+        *(["    const int j = j0 + e;"] if any(re.search(r"\bj\b", line) for line in statements) else []),
+        *indent_lines(statements, 1),
+        "}",
+        *after,
+    ]
+    uses_start = guarded or any(re.search(r"\bj0?\b", line) for line in (*before, *statements, *after))
+    return [
+        "#pragma unroll",
+        f"for (int c = 0; c < {chunks}; ++c) {{",
+        *([f"    const int j0 = (lane + c * {lanes}) * {vec};"] if uses_start else []),
+        *([f"    if (j0 < {n}) {{", *indent_lines(run, 2), "    }"] if guarded else indent_lines(run, 1)),
+        "}",
+    ]
+
+
+def _vector_loads(em: TermEmitter, row_reads: list, env: dict, vec: int) -> tuple[list[str], list[tuple[str, int]]]:
+    """One ``vec``-wide load a run for each read (at the run's first element, ``env``); the
+    emitter then reads element ``e`` of the loaded array. Returns the loads and the
+    (dtype, width) vector helpers they use."""
+    lines, helpers = [], []
+    for read in row_reads:
+        info = em.tensors[read[1]]
+        var = em.fresh("r")
+        lines += [f"float {var}[{vec}];", f"ck_load_{info.dtype}x{vec}({info.param} + {em.offset(read, env)}, {var});"]
+        em.overrides[read] = lambda _env, var=var: f"{var}[e]"
+        helpers.append((info.dtype, vec))
+    return lines, helpers
+
+
 def row_source(plan) -> str:
     s = plan.schedule
     kernel = plan.kernel
@@ -107,8 +187,12 @@ def row_source(plan) -> str:
     em = TermEmitter(infos, itype)
     name = kernel_name(plan)
     rows = math.prod(int(a.rsplit(":", 1)[1]) for a in layout.outer)
-    lanes, n = s.lanes, layout.extent
-    items = math.ceil(n / lanes)  # row values a lane handles
+    lanes, n, vec = s.lanes, layout.extent, s.vector
+    chunks = math.ceil(n / (lanes * vec))  # runs of vec consecutive row elements a lane handles
+    items = chunks * vec  # row values a lane handles
+    row_reads = row_vector_reads(plan, layout) if vec > 1 else []
+    run_start = {layout.axis: axis_binding(layout.axis, "j0", 1)}
+    helpers: list[tuple[str, int]] = []
     (blocks, _, _), _ = grid(plan)
     warps = s.threads // 32
 
@@ -131,18 +215,32 @@ def row_source(plan) -> str:
     # ---- pass 1: the row's statistics
     st = {var: em.fresh("st_") for var, _ in STATES[head]}
     init = [f"float {st[var]} = {value};" for var, value in STATES[head]]
+    operand_reads = [r for r in row_reads if r in set(t.subterms(layout.operands[0]))]
+    loads, used = _vector_loads(em, operand_reads, {**env, **run_start}, vec)
+    helpers += used
     em.push()
     inner = {**env, layout.axis: axis_binding(layout.axis, "j", 1)}
     values = [em.value(op, inner) for op in layout.operands]
     stats_body = em.pop()
     stats_top = em.pop()
+    for read in operand_reads:
+        del em.overrides[read]
     body += [*stats_top, f"// pass 1: statistics over {safe_axis(layout.axis)} ({n}), {lanes} lane(s) a row", *init]
+    # A kept softmax row takes its max first, then its exponentials (kept in place of the
+    # values) and their sum without rescaling — unless the epilogue reads the values too.
+    outside = set(t.subterms(t.replace(kernel.term, core, ("Num", 0.0))))
+    two_pass = s.cached and head == "SoftmaxRow" and layout.operands[0] not in outside
+
+    def over_kept(statements: list[str], before: list[str]) -> list[str]:
+        if vec > 1:
+            return _vector_loop(chunks, lanes, n, vec, before, statements, [])
+        return _cached_loop(items, lanes, n, statements)
+
     if s.cached:
+        fold = _add("Max", {"s": st["m"]}, ["row_values[u]"]) if two_pass else _add(head, st, ["row_values[u]"])
         body += [
             f"float row_values[{items}];  // this lane's values of the row, kept in registers for pass 2",
-            *_cached_loop(
-                items, lanes, n, [*stats_body, f"row_values[u] = {values[0]};", _add(head, st, ["row_values[u]"])]
-            ),
+            *over_kept([*stats_body, f"row_values[u] = {values[0]};", fold], loads),
         ]
     else:
         body += [
@@ -152,31 +250,16 @@ def row_source(plan) -> str:
             f"    {_add(head, st, values)}",
             "}",
         ]
-    if lanes > 1:
-        other = {var: f"o_{var}" for var in st}
+    if two_pass:
         body += [
-            "// combine the 32 lanes' states (butterfly: every lane ends with the warp's state)",
-            "#pragma unroll",
-            "for (int offset = 16; offset > 0; offset >>= 1) {",
-            *(f"    const float o_{var} = __shfl_xor_sync(0xffffffffu, {st[var]}, offset);" for var in st),
-            f"    {_merge(head, st, other)}",
-            "}",
+            *_combine("Max", {"s": st["m"]}, lanes, s.mode, warps),
+            "// the row's exponentials against its final max (kept in place of the values) and their sum",
+            *over_kept([f"row_values[u] = ck_live_exp(row_values[u] - {st['m']}, {st['m']});",
+                        f"{st['l']} += row_values[u];"], []),  # fmt: skip
+            *_combine("Sum", {"s": st["l"]}, lanes, s.mode, warps),
         ]
-    if s.mode == "block":
-        smem = {var: f"red_{var}" for var in st}
-        other = {var: f"{smem[var]}[w]" for var in st}
-        body += [
-            "// combine the warps' states through shared memory; every thread merges them in order",
-            *(f"__shared__ float {smem[var]}[{warps}];" for var in st),
-            "if ((threadIdx.x & 31) == 0) {",
-            *(f"    {smem[var]}[threadIdx.x >> 5] = {st[var]};" for var in st),
-            "}",
-            "__syncthreads();",
-            *(f"{st[var]} = {smem[var]}[0];" for var in st),
-            f"for (int w = 1; w < {warps}; ++w) {{",
-            f"    {_merge(head, st, other)}",
-            "}",
-        ]
+    else:
+        body += _combine(head, st, lanes, s.mode, warps)
     # final statistics
     stats: tuple[str, ...]
     if head == "SoftmaxRow":
@@ -198,20 +281,33 @@ def row_source(plan) -> str:
         em.overrides[core] = lambda e: em.row_element(core, e, stats)
         if s.cached:  # the core's operand at element j is this lane's kept value
             em.overrides[layout.operands[0]] = lambda e: "row_values[u]"
+        if two_pass:  # ... and a kept softmax row holds its exponentials already
+            em.overrides[core] = lambda e: f"row_values[u] / {st['l']}"
+        again = [r for r in row_reads if r in outside and r != layout.operands[0]]  # the operand is kept
+        loads, used = _vector_loads(em, again, {**env, **run_start}, vec)
+        helpers += used
         em.push()
         inner = {**env, layout.axis: axis_binding(layout.axis, "j", 1)}
         value = em.value(kernel.term, inner)
         out_body = em.pop()
         out_top = em.pop()
-        write = [*out_body, store(plan.output, output_offset(kernel.axes, inner, itype), value)]
         body += [
             f"// pass 2: the row's elements through the fused epilogue, {lanes} lane(s) a row"
             + (" (from the kept values)" if s.cached else ""),
             *out_top,
         ]
-        if s.cached:
+        if vec > 1:
+            helpers.append((plan.output.dtype, vec))
+            start = output_offset(kernel.axes, {**env, **run_start}, itype)
+            body += _vector_loop(
+                chunks, lanes, n, vec, [*loads, f"float out[{vec}];"], [*out_body, f"out[e] = {value};"],
+                [f"ck_store_{plan.output.dtype}x{vec}({plan.output.param} + {start}, out);"],
+            )  # fmt: skip
+        elif s.cached:
+            write = [*out_body, store(plan.output, output_offset(kernel.axes, inner, itype), value)]
             body += _cached_loop(items, lanes, n, write)
         else:
+            write = [*out_body, store(plan.output, output_offset(kernel.axes, inner, itype), value)]
             body += ["#pragma unroll 4", f"for (int j = lane; j < {n}; j += {lanes}) {{", *indent_lines(write, 1), "}"]
     else:
         em.overrides[core] = lambda e: stats[0]
@@ -228,6 +324,8 @@ def row_source(plan) -> str:
     second = "one element a row"
     if layout.writes_row:
         second = f"a second pass writes the row{f' from {items} values a lane kept in registers' if s.cached else ''}"
+    if vec > 1:
+        second += f"; each lane moves runs of {vec} consecutive elements with vector loads and stores"
     summary = (
         f"Rows: {head} over {safe_axis(layout.axis)} ({n}), {rows} rows, {what} a row; "
         f"one pass for the statistics, {second}."
@@ -235,4 +333,4 @@ def row_source(plan) -> str:
     launch = (
         f"grid ({blocks}), {s.threads} threads, {'static shared memory' if s.mode == 'block' else 'no shared memory'}"
     )
-    return term_source(plan, name, s.threads, body, summary, launch)
+    return term_source(plan, name, s.threads, body, summary, launch, vector_helpers(helpers) if helpers else "")

@@ -617,6 +617,25 @@ def reads(term: Term) -> list[Term]:
     return sorted((s for s in t.subterms(term) if s[0] == "Tensor"), key=repr)
 
 
+def vector_reads(term: Term, axis: str, infos: Mapping[str, TensorInfo]) -> list[Term]:
+    """The reads of ``term`` that one aligned vector access can load along ``axis``: their
+    innermost index is exactly that axis, over the tensor's whole innermost extent, the axis
+    used nowhere else in the index, and the tensor holds floats."""
+    result = []
+    for read in reads(term):
+        info = infos[read[1]]
+        items = t.ix_items(read[2])
+        if (
+            items
+            and items[-1] == t.ax(axis)
+            and info.shape[-1] == t.extent(axis)
+            and info.dtype in ("bf16", "fp16", "fp32")
+            and not any(axis in t.ix_names(ix) for ix in items[:-1])
+        ):
+            result.append(read)
+    return result
+
+
 def index_type(tensors: Mapping[str, TensorInfo]) -> str:
     """``int`` when every tensor's offsets fit in 31 bits, else ``long long``."""
     return "int" if all(info.numel <= INT32_LIMIT for info in tensors.values()) else "long long"
