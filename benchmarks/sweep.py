@@ -72,18 +72,19 @@ SETS = {
 
 
 def hopper_key(schedule: HopperFlashSchedule) -> str:
-    """The sweep's text for a Hopper schedule, e.g. ``"sm90a kv128 s3 c2 pp ps"``."""
+    """The sweep's text for a Hopper schedule, e.g. ``"sm90a kv128 s3 c2 pp ps"`` (``q2``: two Q buffers)."""
     s = schedule
     return " ".join(["sm90a", f"kv{s.block_kv}", f"s{s.stages}", f"c{s.consumer_warpgroups}"]
-                    + ["pp"] * s.pingpong + ["ps"] * s.persistent)
+                    + ["pp"] * s.pingpong + ["ps"] * s.persistent + ["q2"] * (s.q_buffers == 2))
 
 
 def schedule_of(text: str) -> FlashSchedule | HopperFlashSchedule:
     """``"q128 kv64 w4 s2 split [lin] [x2] [pp] [lazy] [hm] [ov] [mb3]"`` → FlashSchedule (swz x4 unless
-    said); ``"sm90a kv128 s3 c2 [pp] [ps]"`` → HopperFlashSchedule."""
+    said); ``"sm90a kv128 s3 c2 [pp] [ps] [q2]"`` → HopperFlashSchedule."""
     if text.startswith("sm90a "):
         _, kv, s, c, *flags = text.split()
-        return HopperFlashSchedule(int(kv[2:]), int(s[1:]), int(c[1:]), "pp" in flags, "ps" in flags)
+        return HopperFlashSchedule(int(kv[2:]), int(s[1:]), int(c[1:]), "pp" in flags, "ps" in flags,
+                                   2 if "q2" in flags else 1)
     q, kv, w, s, split, *flags = text.split()
     min_blocks = next((int(f[2:]) for f in flags if f.startswith("mb")), 1)
     return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", "lin" not in flags,

@@ -272,9 +272,10 @@ def _check_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_
 class HopperFlashKernel(FlashAttentionKernel):
     """``kernel(q, k, v, out=None) -> out`` for a compiled sm_90a flash-attention plan.
 
-    Same contract as :class:`FlashAttentionKernel`; the kernel reads q, k and v through TMA
-    tensor maps (encoded per data pointers and cached), passed by value with the output
-    pointer through ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`)."""
+    Same contract as :class:`FlashAttentionKernel`; the kernel reads q, k and v and may write
+    o through TMA tensor maps (encoded per data pointers and cached; o's boxes are one
+    consumer warpgroup's 64 rows), passed by value with the output pointer through
+    ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`)."""
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
@@ -291,21 +292,22 @@ class HopperFlashKernel(FlashAttentionKernel):
             self._raw_kernel = self._module.get_function(compiled.kernel_name)
             self._function = self._raw_kernel.kernel.ptr  # the CUfunction handle on this device
         tensor_map.set_max_dynamic_smem(self._function, self.smem_bytes)
-        self._maps: dict[tuple[int, int, int], tuple[tensor_map.TensorMap, ...]] = {}
+        self._maps: dict[tuple[int, int, int, int], tuple[tensor_map.TensorMap, ...]] = {}
 
-    def _tensor_maps(self, q, k, v) -> tuple[tensor_map.TensorMap, ...]:
-        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    def _tensor_maps(self, q, k, v, out) -> tuple[tensor_map.TensorMap, ...]:
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
         p, s = self.problem, self.schedule
         return _cached_tensor_maps(self._maps, key, lambda: (
             tensor_map.bhsd_tensor_map(key[0], tuple(q.shape), p.dtype, s.block_q),
             tensor_map.bhsd_tensor_map(key[1], tuple(k.shape), p.dtype, s.block_kv),
             tensor_map.bhsd_tensor_map(key[2], tuple(v.shape), p.dtype, s.block_kv),
+            tensor_map.bhsd_tensor_map(key[3], tuple(out.shape), p.dtype, s.block_q // s.consumer_warpgroups),
         ))  # fmt: skip
 
     def _launch(self, q, k, v, out, stream: int) -> None:
         import torch
 
-        maps = self._tensor_maps(q, k, v)
+        maps = self._tensor_maps(q, k, v, out)
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function, self.grid, self.block, self.smem_bytes, stream,
                               (*maps, ctypes.c_uint64(out.data_ptr())))  # fmt: skip

@@ -80,7 +80,7 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
         Constructor(
             "FlashSchedule", ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64"), 0
         ),
-        Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool"), 0),
+        Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool", "i64"), 0),
     ),
     "Plan": (Constructor("Scheduled", ("Expr", "Schedule"), 0),),
 }

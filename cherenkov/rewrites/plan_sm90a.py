@@ -9,7 +9,8 @@ softmax on the accumulator registers, and ``O += P V`` with wgmma (P from regist
 barriers, so one warpgroup's softmax runs while the other's matmuls occupy the tensor
 cores. ``persistent`` launches one block per SM that walks the work tiles (query tile ×
 head) in a stride, so the producer loads the next tile's Q and K while the consumers
-normalise and store the last one. The code generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
+normalise and store the last one; ``q_buffers`` 2 gives such a block a second Q tile (and
+an O tile for TMA stores), so the next tile's Q is loaded during the current one. The code generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
 
 This module holds only the schedule, its resource estimates and its validity rules; it
 lives beside :mod:`cherenkov.rewrites.plan` (the ``mma.sync`` family) and reuses its
@@ -47,7 +48,9 @@ class HopperFlashSchedule:
     ``consumer_warpgroups`` (1–3) of 64 query rows each; ``pingpong`` alternates two
     consumers' matmul phases; ``persistent`` launches ``min(tiles, SMs)`` blocks that each
     walk many work tiles (otherwise one block a tile, each paying its own prologue and
-    epilogue, exposed when a tile has few key tiles).
+    epilogue, exposed when a tile has few key tiles); ``q_buffers`` 2 (persistent only)
+    double-buffers Q, so the producer loads the next work tile's Q while the current one
+    still runs instead of after its last scores.
     """
 
     block_kv: int = 128
@@ -55,6 +58,7 @@ class HopperFlashSchedule:
     consumer_warpgroups: int = 2
     pingpong: bool = True
     persistent: bool = False
+    q_buffers: int = 1
 
     @property
     def block_q(self) -> int:
@@ -75,13 +79,31 @@ class HopperFlashSchedule:
         split = self.register_split
         return split[1] if split else 255
 
+    @property
+    def split_release(self) -> bool:
+        """K and V of a stage go back to the producer separately (K after the scores, V after
+        P V): a 2-stage ring then refills K a whole key tile earlier. With 3 stages the joint
+        release has the same slack and one arrival less a key tile (split: 1-3 % slower, H200)."""
+        return self.stages == 2
+
+    @property
+    def o_through_smem(self) -> bool:
+        """O goes out by TMA stores from shared memory (its own buffer with two Q buffers, the
+        consumer's half of Q in a one-tile block) instead of from registers. A persistent
+        block with one Q buffer keeps register stores: Q is released before the epilogue."""
+        return self.q_buffers == 2 or not self.persistent
+
     def smem_bytes(self, head_dim: int, dtype: str = "bf16") -> int:
-        """Dynamic shared memory of one block: Q tile, ``stages`` × (K tile + V tile), the
-        mbarriers (Q full, Q empty; K full, V full and K/V empty per stage) and 1 KB to align the
-        tiles to the 128-byte swizzle atom."""
+        """Dynamic shared memory of one block: ``q_buffers`` Q tiles, ``stages`` × (K tile +
+        V tile), with two Q buffers an O tile, the mbarriers (Q full and Q empty per Q buffer;
+        K full, V full and K/V empty per stage, or K empty and V empty with ``split_release``)
+        and 1 KB to align the tiles to the 128-byte swizzle atom."""
         elem = ELEMENT_BYTES[dtype]
-        tiles = self.block_q * head_dim * elem + self.stages * 2 * self.block_kv * head_dim * elem
-        barriers = MBARRIER_BYTES * (2 + 3 * self.stages)
+        q_tile = self.block_q * head_dim * elem
+        tiles = self.q_buffers * q_tile + self.stages * 2 * self.block_kv * head_dim * elem
+        if self.q_buffers == 2:
+            tiles += q_tile  # the O staging tile
+        barriers = MBARRIER_BYTES * (2 * self.q_buffers + (4 if self.split_release else 3) * self.stages)
         return tiles + barriers + SWIZZLE_ALIGN
 
     def register_estimate(self, head_dim: int) -> int:
@@ -91,10 +113,12 @@ class HopperFlashSchedule:
         return head_dim // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
 
     def key(self) -> str:
-        """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent)."""
+        """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent; ``_q2``: two
+        Q buffers)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_s{self.stages}_c{self.consumer_warpgroups}"
             f"{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
+            f"{f'_q{self.q_buffers}' if self.q_buffers != 1 else ''}"
         )
 
     def tiles(self, problem: AttentionProblem) -> int:
@@ -117,6 +141,7 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 3, 2, True, persistent=True),
     HopperFlashSchedule(192, 3, 2, True),
     HopperFlashSchedule(192, 3, 2, True, persistent=True),
+    HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2),
     HopperFlashSchedule(128, 2, 2, True),
     HopperFlashSchedule(128, 2, 2, False),
     HopperFlashSchedule(176, 2, 2, True),
@@ -148,6 +173,10 @@ def hopper_schedule_problems(
         reasons.append("the pingpong alternates exactly two consumer warpgroups")
     if not (16 <= s.block_kv <= 256 and s.block_kv % 16 == 0):
         reasons.append(f"block_kv {s.block_kv} is not a multiple of 16 in 16..256 (the N of one wgmma)")
+    if s.q_buffers not in (1, 2):
+        reasons.append(f"{s.q_buffers} Q buffers (valid: 1, 2)")
+    if s.q_buffers == 2 and not s.persistent:
+        reasons.append("two Q buffers need a persistent grid (a block of one work tile loads one Q)")
     if s.stages < 2:
         reasons.append(f"{s.stages} stage(s): the consumers hold two K/V stages at once, so the ring needs 2 or more")
     if p.heads % p.kv_heads:

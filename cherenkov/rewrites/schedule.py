@@ -31,7 +31,7 @@ KNOB_ORDER = (
     "head_major", "overlap", "min_blocks",
 )
 _VARIABLES = " ".join(KNOB_ORDER)
-HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent")
+HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers")
 _HOPPER_VARIABLES = " ".join(HOPPER_KNOB_ORDER)
 
 RULES = (

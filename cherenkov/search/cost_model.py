@@ -140,22 +140,31 @@ def schedule_factor(plan: KernelPlan) -> float:
 
 
 # The sm_90a family (wgmma, TMA, warp roles), fitted to its H200 measurements (2026-11-29,
-# interleaved with cuDNN): the default schedule reaches 0.645 of the wgmma peak in its
-# key-tile loop (seed shape), 3 stages beat 2 by 1.3x, head dim 64 runs at 0.6 of head dim
-# 128 (its exp2 work per FLOP doubles), key tiles of 192 gain 6 % there. A work tile also
-# exposes its prologue (Q, the scores-only first key tile) and epilogue (the last P V,
-# normalise, store O): 1.25 key tiles' time when every tile is its own block (B16 H16 1k:
-# 8 key tiles a work tile, 0.92x cuDNN), about 0.5 when a persistent block loads the next
-# tile's Q and K meanwhile (1.09x faster there, 1 % on the seed); causal work tiles differ
-# in length, and the persistent grid's static stride balances them worse (0.995x).
-HOPPER_BASE_EFFICIENCY = 0.645
-HOPPER_STAGE_FACTOR = {2: 0.77, 3: 1.0, 4: 1.0}
+# interleaved with cuDNN): the key-tile loop of the default schedule reaches 0.75 of the
+# wgmma peak (B16 H16 Sq 1024 with Skv 512..4096: time = loop + a work tile's overhead);
+# 2 stages with split K/V release run 0.99 of 3 (a joint 2-stage ring ran 0.77); head dim
+# 64 runs at 0.6 of head dim 128 (its exp2 work per FLOP doubles), key tiles of 192 gain
+# 6 % there. A work tile also exposes its prologue (Q, the scores-only first key tile) and
+# epilogue (the last P V, normalise, store O), in key tiles: 2.15 when every tile is its own
+# block (O by TMA stores), 1.8 for a persistent block with one Q buffer (the next Q loads
+# during the epilogue; O stored from registers), 1.0 with two Q buffers (Q in place ahead,
+# O by TMA stores). Causal work tiles differ in length, and the persistent grid's static
+# stride balances them worse (0.95).
+HOPPER_BASE_EFFICIENCY = 0.75
+HOPPER_STAGE_FACTOR = {2: 0.99, 3: 1.0, 4: 1.0}
 HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
 HOPPER_NO_PINGPONG_FACTOR = 0.95
 HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0}
 HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
-HOPPER_TILE_OVERHEAD = {False: 1.25, True: 0.5}  # key tiles' worth of exposed time a work tile
+HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
 HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
+
+
+def hopper_tile_overhead(schedule: HopperFlashSchedule) -> float:
+    """Key tiles' worth of exposed time a work tile of a Hopper schedule pays."""
+    if not schedule.persistent:
+        return HOPPER_TILE_OVERHEAD["one tile"]
+    return HOPPER_TILE_OVERHEAD["two Q buffers" if schedule.q_buffers == 2 else "persistent"]
 
 
 def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Prediction:
@@ -168,7 +177,7 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
     waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
     key_tiles = problem.seq_kv / schedule.block_kv / (2 if problem.causal else 1)
     pipeline = HOPPER_STAGE_FACTOR.get(schedule.stages, 1.0)
-    pipeline *= key_tiles / (key_tiles + HOPPER_TILE_OVERHEAD[schedule.persistent])
+    pipeline *= key_tiles / (key_tiles + hopper_tile_overhead(schedule))
     knobs = HOPPER_CONSUMER_FACTOR.get(schedule.consumer_warpgroups, 0.5) * HOPPER_HEAD_DIM_FACTOR[problem.head_dim]
     knobs *= HOPPER_BLOCK_KV_FACTOR.get(schedule.block_kv, 1.0)
     if not schedule.pingpong:

@@ -29,6 +29,7 @@ COMPILE_PROBLEMS = [
     AttentionProblem(1, 8, 8, 1536, 3072, 64),
 ]
 PERSISTENT = HopperFlashSchedule(persistent=True)
+TWO_Q = HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2)
 
 
 def hopper_plan(problem: AttentionProblem, schedule: HopperFlashSchedule) -> KernelPlan:
@@ -132,9 +133,24 @@ def test_persistent_grid_has_a_block_an_sm_at_most():
     assert PERSISTENT.key() == "q128_kv128_s3_c2_pp_ps"
     source = emit_flash_attention_sm90a(short, PERSISTENT)
     assert "grid (min(2048, SMs),)" in source and "constexpr int TILES = Q_TILES * HEADS * BATCH;" in source
-    # the kernel text is the same, only the launch differs
-    body = emit_flash_attention_sm90a(short, DEFAULT).split("problem and schedule constants")[1]
-    assert body.replace("q128_kv128_s3_c2_pp", "q128_kv128_s3_c2_pp_ps") == source.split("problem and schedule constants")[1]
+    # one Q buffer: a persistent block stores O from registers (Q is released before the epilogue),
+    # a one-tile block through its Q tile and TMA stores
+    one_tile = emit_flash_attention_sm90a(short, DEFAULT)
+    assert "O_THROUGH_SMEM = false" in source and "tma_store_3d(o_map" not in source and "out_row[" in source
+    assert "O_THROUGH_SMEM = true" in one_tile and "tma_store_3d(o_map" in one_tile and "out_row[" not in one_tile
+
+
+def test_two_q_buffers_need_a_persistent_grid_and_split_the_two_stage_ring():
+    assert TWO_Q.key() == "q128_kv128_s2_c2_pp_ps_q2" and TWO_Q.split_release and TWO_Q.o_through_smem
+    assert not DEFAULT.split_release and not PERSISTENT.o_through_smem
+    # 2 Q tiles + 2 stages x (K + V) + the O tile, 128x128 bf16 each; 12 mbarriers; 1 KiB alignment slack
+    assert TWO_Q.smem_bytes(128) == 7 * 32768 + 12 * 8 + 1024 <= TARGETS["sm_90a"].smem_per_block
+    assert not hopper_schedule_problems(TWO_Q, SEED)
+    one_tile = HopperFlashSchedule(128, 2, 2, True, persistent=False, q_buffers=2)
+    assert any("persistent" in p for p in hopper_schedule_problems(one_tile, SEED))
+    source = emit_flash_attention_sm90a(SEED, TWO_Q)
+    assert "constexpr int Q_BUFFERS = 2;" in source and "SPLIT_RELEASE = true" in source
+    assert "O_THROUGH_SMEM = true" in source and "bulk_wait_read_all()" in source
 
 
 def test_source_is_deterministic_and_specialised():
@@ -163,7 +179,7 @@ def test_every_schedule_compiles_for_sm90a(nvcc, problem, schedule, tmp_path):
 # The schedules the search picked on the H200 benchmark shapes (results/h200-2026-11-29-sm90a.json).
 BENCHMARK_WINNERS = [
     (SEED, DEFAULT, "HGMMA.64x128x16.F32.BF16"),
-    (AttentionProblem(16, 16, 16, 1024, 1024, 128), PERSISTENT, "HGMMA.64x128x16.F32.BF16"),
+    (AttentionProblem(16, 16, 16, 1024, 1024, 128), TWO_Q, "HGMMA.64x128x16.F32.BF16"),
     (AttentionProblem(1, 8, 8, 4096, 8192, 64), HopperFlashSchedule(192, 3, 2, True, persistent=True),
      "HGMMA.64x192x16.F32.BF16"),
 ]
@@ -180,6 +196,7 @@ def test_chosen_schedules_sass_has_wgmma_and_tma_and_no_local_memory(nvcc, sass,
     code = sass(compiled.cubin_path)
     assert hgmma in code and ".tnspB" in code  # S = Q K^T and O += P V (V MN-major)
     assert "UTMALDG" in code
+    assert ("UTMASTG" in code) == schedule.o_through_smem  # O by TMA stores
     assert "USETMAXREG" in code
     assert " LDL" not in code and " STL" not in code
 
@@ -208,6 +225,13 @@ GPU_CASES = [
     (AttentionProblem(1, 4, 4, 100, 90, 64, dtype="fp16"), DEFAULT),
     (AttentionProblem(1, 8, 8, 4096, 8192, 64), HopperFlashSchedule(128, 3, 3, False, persistent=True)),
     (AttentionProblem(2, 4, 4, 1000, 1000, 64, causal=True), HopperFlashSchedule(128, 3, 3, False)),
+    # two Q buffers: Q slots and phases carried across work tiles, next to a 2-stage split K/V ring
+    (AttentionProblem(4, 16, 16, 1024, 1024, 128), TWO_Q),
+    (AttentionProblem(2, 16, 4, 2048, 2048, 128, causal=True), TWO_Q),
+    (AttentionProblem(4, 16, 16, 1024, 128, 128, dtype="fp16"), TWO_Q),  # one key tile a work tile
+    (AttentionProblem(1, 2, 2, 1024, 1024, 128), TWO_Q),  # fewer tiles than SMs
+    (AttentionProblem(3, 8, 8, 777, 333, 128, causal=True), TWO_Q),
+    (AttentionProblem(2, 16, 16, 1536, 1536, 64, causal=True), HopperFlashSchedule(192, 3, 2, True, True, 2)),
 ]
 
 

@@ -9,21 +9,27 @@ Its warpgroups have fixed roles:
 * warpgroup 0, the producer, lowers its registers (``setmaxnreg``) and one thread issues
   every TMA copy, per work tile: its first key tile, Q (one ``64 × BLOCK_Q`` box per 64
   columns of the head dim) once the consumers have released the last tile's Q, then the
-  other key tiles. A key tile's K and V boxes go to the next stage of the ring after
-  waiting on that stage's "empty" mbarrier; K and V complete on separate "full"
-  mbarriers, so ``Q Kᵀ`` starts while V still lands. The ring's stage and phase run on
-  across work tiles, so the next tile's Q and K land while the consumers finish and store
-  the last one.
+  other key tiles; with two Q buffers (``Q_BUFFERS``, persistent grids) Q comes first, into
+  the buffer released a whole work tile earlier, so it is in place before the consumers
+  need it. A key tile's K and V boxes go to the next stage of the ring after waiting on
+  that stage's "empty" mbarrier (one for K and V, or, with a 2-stage ring, one each:
+  ``SPLIT_RELEASE``); K and V complete on separate "full" mbarriers, so ``Q Kᵀ`` starts
+  while V still lands. The ring's stage and phase run on across work tiles, so the next
+  tile's Q and K land while the consumers finish and store the last one.
 * warpgroups 1..CONSUMERS raise their registers and own 64 query rows each. Per key tile
   j they issue ``S_j = Q K_jᵀ`` (wgmma, both operands from shared memory, K-major) and
   ``O += P_(j-1) V_(j-1)`` (wgmma, P from registers, V MN-major), wait for ``S_j`` only,
   run the online softmax on the accumulator registers while ``P V`` still runs, then wait
   for it, hand stage ``j - 1`` back to the producer, rescale O and pack ``P_j`` to 16-bit
   A fragments. With ``pingpong`` the two consumers' matmul issues alternate through named
-  barriers, so one warpgroup's softmax overlaps the other's matmuls.
+  barriers, so one warpgroup's softmax overlaps the other's matmuls. The epilogue
+  normalises O and either stores it from registers or (``O_THROUGH_SMEM``: one-tile blocks
+  and two Q buffers) writes it to shared memory in Q's swizzled layout, from where one
+  thread stores it with TMA bulk tensor stores while the warpgroup goes on.
 
-Shared memory: ``[Q | K stage 0..STAGES-1 | V stage 0..STAGES-1 | mbarriers]``, every tile
-1024-byte aligned and stored as 128-byte-swizzled boxes of 64 columns by the TMA
+Shared memory: ``[Q buffers | K stage 0..STAGES-1 | V stage 0..STAGES-1 | O | mbarriers]``
+(O only with two Q buffers; a one-tile block stages O in its Q tile), every tile 1024-byte
+aligned and stored as 128-byte-swizzled boxes of 64 columns by the TMA
 (``CU_TENSOR_MAP_SWIZZLE_128B``), the layout the wgmma descriptors of :mod:`.wgmma`
 describe. Causal blocks visit key tiles up to their diagonal and mask only where a tile
 crosses a consumer's diagonal. Tile order: the query tiles of one head are consecutive
@@ -31,19 +37,20 @@ crosses a consumer's diagonal. Tile order: the query tiles of one head are conse
 
 Launch: grid ``(schedule.grid_blocks(problem, SMs),)``, ``128 · (1 + CONSUMERS)`` threads,
 ``schedule.smem_bytes(D, dtype)`` bytes of dynamic shared memory, arguments
-``(q_map, k_map, v_map, o)``: three TensorMaps of 3-D views ``(D, S, B·H)`` with
-``64 × rows × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and v; see
-:func:`cherenkov.codegen.tensor_map.bhsd_tensor_map`) and the output pointer. Every
-problem and schedule value is a compile-time constant. Tails: boxes past the end of a
-sequence read as zero (the tensor map's out-of-bounds fill); scores of keys past
-``SEQ_KV`` are masked in the last key tile, and rows past ``SEQ_Q`` are not stored.
+``(q_map, k_map, v_map, o_map, o)``: four TensorMaps of 3-D views ``(D, S, B·H)`` with
+``64 × rows × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and v, 64 for o; see
+:func:`cherenkov.codegen.tensor_map.bhsd_tensor_map`) and the output pointer (the
+register-store epilogue's). Every problem and schedule value is a compile-time constant.
+Tails: boxes past the end of a sequence read as zero (the tensor map's out-of-bounds
+fill); scores of keys past ``SEQ_KV`` are masked in the last key tile, and rows past
+``SEQ_Q`` are not stored (the o map clips them).
 """
 
 from __future__ import annotations
 
 from cherenkov.codegen.cuda import mma, softmax, tma, wgmma
 from cherenkov.codegen.cuda.flash_attention import problem_summary, softmax_scale
-from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, section
+from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import AttentionProblem
 from cherenkov.rewrites.plan_sm90a import (
@@ -89,14 +96,14 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
         section("problem and schedule constants", _constants(problem, schedule)),
         section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype))),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(3),
-                tma.emit_fence_proxy_async()),
+                tma.emit_fence_proxy_async(), _tma_stores()),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
         section("wgmma", wgmma.emit_descriptor(), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
                 wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(dtype)),
         section("online softmax", softmax.emit_math_helpers(), _softmax()),
         section("work tiles", _work_tiles()),
         section("producer warpgroup", _producer()),
-        section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma), _pingpong(s.pingpong), _consumer()),
+        section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma), _pingpong(s.pingpong), _consumer(s)),
         section("kernel", _kernel(schedule)),
     ]
     return "\n\n".join(parts) + "\n"
@@ -110,11 +117,11 @@ def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         f"{' + causal mask' if p.causal else ''}) {identifier(p.v)}; tensors BHSD contiguous.",
         problem_summary(p),
         f"Schedule: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} stages={s.stages} "
-        f"consumer warpgroups={s.consumer_warpgroups} pingpong={s.pingpong} "
+        f"consumer warpgroups={s.consumer_warpgroups} pingpong={s.pingpong} Q buffers={s.q_buffers} "
         f"registers (producer, consumer)={s.register_split}.",
         f"Launch: grid ({'min(' if s.persistent else ''}{s.tiles(p)}{', SMs)' if s.persistent else ''},), "
         f"{s.threads} threads, "
-        f"{s.smem_bytes(p.head_dim, p.dtype)} bytes dynamic shared memory, args (q_map, k_map, v_map, o).",
+        f"{s.smem_bytes(p.head_dim, p.dtype)} bytes dynamic shared memory, args (q_map, k_map, v_map, o_map, o).",
     ]
     return comment_lines(lines)
 
@@ -134,6 +141,8 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
     split = s.register_split
     regs = f"constexpr int PRODUCER_REGS = {split[0]};\n        constexpr int CONSUMER_REGS = {split[1]};" if split else (
         "// one consumer warpgroup: 256 threads get 255 registers, no reallocation")
+    q_tail = ("// rows past SEQ_Q: the o tensor map clips the TMA stores" if s.o_through_smem else
+              "constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;     // the last query tile has rows past the end")
     return block(
         f"""
         constexpr int BATCH = {p.batch};
@@ -150,12 +159,15 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         constexpr int BLOCK_Q = {s.block_q};
         constexpr int BLOCK_KV = {s.block_kv};
         constexpr int STAGES = {s.stages};
+        constexpr int Q_BUFFERS = {s.q_buffers};  // Q tiles in shared memory (2: the next work tile's Q loads early)
         constexpr int THREADS = {s.threads};
         constexpr bool PINGPONG = {bool_literal(s.pingpong)};
+        constexpr bool SPLIT_RELEASE = {bool_literal(s.split_release)};  // K and V of a stage released separately
+        constexpr bool O_THROUGH_SMEM = {bool_literal(s.o_through_smem)};  // O leaves by TMA stores from shared memory
         {regs}
         constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;
         constexpr int KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;
-        constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;     // the last query tile has rows past the end
+        {q_tail}
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;  // the last key tile has keys past the end
         constexpr int TILES = Q_TILES * HEADS * BATCH;  // work tiles: query tile x head x batch
         constexpr int D_BOXES = HEAD_DIM / {TMA_BOX_COLUMNS};  // 64-column (128-byte) TMA boxes across the head dim
@@ -170,23 +182,27 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
 def _layout_constants(smem_bytes: int) -> str:
     return block(
         f"""
-        // [Q | K stage 0..STAGES-1 | V stage 0..STAGES-1 | mbarriers], offsets from a {SWIZZLE_ALIGN}-byte
-        // aligned base. A tile is D_BOXES boxes of (rows x 64 columns), {SWIZZLE_ROW_BYTES}-byte swizzled rows.
+        // [Q buffer 0..Q_BUFFERS-1 | K stage 0..STAGES-1 | V stage 0..STAGES-1 | O (two Q buffers) | mbarriers],
+        // offsets from a {SWIZZLE_ALIGN}-byte aligned base. A tile is D_BOXES boxes of (rows x 64 columns),
+        // {SWIZZLE_ROW_BYTES}-byte swizzled rows; O has Q's layout.
         constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};
         constexpr u32 Q_BOX_BYTES = BLOCK_Q * ROW_BYTES;
         constexpr u32 KV_BOX_BYTES = BLOCK_KV * ROW_BYTES;
         constexpr u32 Q_TILE_BYTES = D_BOXES * Q_BOX_BYTES;
         constexpr u32 KV_TILE_BYTES = D_BOXES * KV_BOX_BYTES;
         constexpr u32 Q_SMEM = 0;
-        constexpr u32 K_SMEM = Q_SMEM + Q_TILE_BYTES;
+        constexpr u32 K_SMEM = Q_SMEM + Q_BUFFERS * Q_TILE_BYTES;
         constexpr u32 V_SMEM = K_SMEM + STAGES * KV_TILE_BYTES;
-        constexpr u32 BAR_SMEM = V_SMEM + STAGES * KV_TILE_BYTES;
-        constexpr u32 Q_FULL = BAR_SMEM;                  // Q landed
-        constexpr u32 Q_EMPTY = BAR_SMEM + 8;             // every consumer warp is done with Q
-        constexpr u32 K_FULL = BAR_SMEM + 16;             // + 8 * stage: K tile landed
-        constexpr u32 V_FULL = K_FULL + 8 * STAGES;       // + 8 * stage: V tile landed
-        constexpr u32 KV_EMPTY = V_FULL + 8 * STAGES;     // + 8 * stage: every consumer warp is done with it
-        constexpr u32 SMEM_BYTES = KV_EMPTY + 8 * STAGES + {SWIZZLE_ALIGN};  // + slack to align the base
+        constexpr u32 O_SMEM = V_SMEM + STAGES * KV_TILE_BYTES;
+        constexpr u32 BAR_SMEM = O_SMEM + (Q_BUFFERS == 2 ? Q_TILE_BYTES : 0);
+        constexpr u32 Q_FULL = BAR_SMEM;                   // + 8 * buffer: Q landed
+        constexpr u32 Q_EMPTY = Q_FULL + 8 * Q_BUFFERS;    // + 8 * buffer: every consumer warp is done with Q
+        constexpr u32 K_FULL = Q_EMPTY + 8 * Q_BUFFERS;    // + 8 * stage: K tile landed
+        constexpr u32 V_FULL = K_FULL + 8 * STAGES;        // + 8 * stage: V tile landed
+        constexpr u32 K_EMPTY = V_FULL + 8 * STAGES;       // + 8 * stage: every consumer warp is done with K
+        // + 8 * stage: every consumer warp is done with V (joint release: K's barrier, after P V)
+        constexpr u32 V_EMPTY = SPLIT_RELEASE ? K_EMPTY + 8 * STAGES : K_EMPTY;
+        constexpr u32 SMEM_BYTES = V_EMPTY + 8 * STAGES + {SWIZZLE_ALIGN};  // + slack to align the base
         static_assert(SMEM_BYTES == {smem_bytes}, "the schedule's shared-memory estimate is the layout");
         static_assert(KV_BOX_BYTES % {SWIZZLE_ALIGN} == 0 && Q_BOX_BYTES % {SWIZZLE_ALIGN} == 0, "swizzle atoms aligned");
         """
@@ -286,10 +302,12 @@ def _work_tiles() -> str:
             return w;
         }
 
-        // The next slot of the K/V ring (stage, and the phase its mbarriers are in).
-        __device__ __forceinline__ void advance_ring(int& stage, u32& phase) {
-            if (++stage == STAGES) {
-                stage = 0;
+        // The next slot of a ring of SLOTS buffers (the K/V stages, the Q buffers): its index and the
+        // phase its mbarriers are in.
+        template <int SLOTS>
+        __device__ __forceinline__ void advance(int& slot, u32& phase) {
+            if (++slot == SLOTS) {
+                slot = 0;
                 phase ^= 1;
             }
         }
@@ -301,42 +319,54 @@ def _producer() -> str:
     return block(
         """
         // K_j and V_j of one work tile into the ring's next slot, once every consumer warp has
-        // released that slot's previous use.
+        // released that slot's previous use (split release: K after its scores, V after its P V).
         __device__ __forceinline__ void produce_key_tile(const TensorMap* k_map, const TensorMap* v_map, u32 smem,
                                                          const WorkTile& w, int j, int& stage, u32& phase) {
-            mbar_wait(smem + KV_EMPTY + 8 * stage, phase ^ 1);
             const u32 k_bar = smem + K_FULL + 8 * stage, v_bar = smem + V_FULL + 8 * stage;
+            mbar_wait(smem + K_EMPTY + 8 * stage, phase ^ 1);
             mbar_arrive_expect_tx(k_bar, KV_TILE_BYTES);
             #pragma unroll
             for (int b = 0; b < D_BOXES; ++b)
                 tma_load_3d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, 64 * b,
                             j * BLOCK_KV, w.kv_head);
+            if (SPLIT_RELEASE) mbar_wait(smem + V_EMPTY + 8 * stage, phase ^ 1);
             mbar_arrive_expect_tx(v_bar, KV_TILE_BYTES);
             #pragma unroll
             for (int b = 0; b < D_BOXES; ++b)
                 tma_load_3d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, 64 * b,
                             j * BLOCK_KV, w.kv_head);
-            advance_ring(stage, phase);
+            advance<STAGES>(stage, phase);
         }
 
-        // One thread issues every copy, per work tile: its first key tile (that slot frees up before
-        // Q does), Q once the consumers have released the previous tile's, then the other key tiles.
+        // Q of one work tile into the next Q buffer, once every consumer warp has released it.
+        __device__ __forceinline__ void produce_query_tile(const TensorMap* q_map, u32 smem, const WorkTile& w,
+                                                           int& q_slot, u32& q_phase) {
+            const u32 q_bar = smem + Q_FULL + 8 * q_slot;
+            mbar_wait(smem + Q_EMPTY + 8 * q_slot, q_phase ^ 1);
+            mbar_arrive_expect_tx(q_bar, Q_TILE_BYTES);
+            #pragma unroll
+            for (int b = 0; b < D_BOXES; ++b)
+                tma_load_3d(smem + Q_SMEM + q_slot * Q_TILE_BYTES + b * Q_BOX_BYTES, q_map, q_bar, 64 * b, w.q0,
+                            w.q_head);
+            advance<Q_BUFFERS>(q_slot, q_phase);
+        }
+
+        // One thread issues every copy, per work tile. One Q buffer: the tile's first key tile (that
+        // slot frees up before Q does), Q once the consumers have released the previous tile's, then
+        // the other key tiles. Two: Q first (its buffer was released a whole work tile ago), then
+        // the key tiles in order.
         __device__ __forceinline__ void produce(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
                                                 u32 smem) {
             tma_prefetch_map(q_map);
             tma_prefetch_map(k_map);
             tma_prefetch_map(v_map);
-            int stage = 0;
+            int stage = 0, q_slot = 0;
             u32 phase = 0, q_phase = 0;
             for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
                 const WorkTile w = work_tile(tile);
+                if (Q_BUFFERS > 1) produce_query_tile(q_map, smem, w, q_slot, q_phase);
                 produce_key_tile(k_map, v_map, smem, w, 0, stage, phase);
-                mbar_wait(smem + Q_EMPTY, q_phase ^ 1);
-                mbar_arrive_expect_tx(smem + Q_FULL, Q_TILE_BYTES);
-                #pragma unroll
-                for (int b = 0; b < D_BOXES; ++b)
-                    tma_load_3d(smem + Q_SMEM + b * Q_BOX_BYTES, q_map, smem + Q_FULL, 64 * b, w.q0, w.q_head);
-                q_phase ^= 1;
+                if (Q_BUFFERS == 1) produce_query_tile(q_map, smem, w, q_slot, q_phase);
                 for (int j = 1; j < w.kv_tiles; ++j) produce_key_tile(k_map, v_map, smem, w, j, stage, phase);
             }
         }
@@ -400,7 +430,8 @@ def _pingpong(enabled: bool) -> str:
     )
 
 
-def _consumer() -> str:
+def _consumer(schedule: HopperFlashSchedule) -> str:
+    epilogue = _epilogue_through_smem() if schedule.o_through_smem else _epilogue_from_registers()
     return block(
         """
         // Hand a shared-memory buffer back to the producer: one arrival per warp.
@@ -411,17 +442,20 @@ def _consumer() -> str:
 
         // One work tile of one consumer warpgroup: 64 query rows, all their key tiles. Tile j's
         // scores are issued together with the previous tile's P V; the softmax of S_j runs while
-        // P_(j-1) V_(j-1) is in flight. Q is released after the last scores, so the producer
-        // loads the next work tile's Q while this one finishes its last P V and stores O; (stage,
-        // phase) is the ring slot of the tile's first key tile and comes back as the slot after
-        // its last.
-        __device__ __forceinline__ void consume_tile(u32 smem, elem_t* __restrict__ o, int consumer, const WorkTile& w,
-                                                     u32 q_phase, int& stage, u32& phase, bool last_tile) {
+        // P_(j-1) V_(j-1) is in flight. Stage j goes back to the producer after its P V (split
+        // release: K_j already once S_j is done). Q is released after the last scores, so the producer can load the next
+        // work tile's Q while this one finishes its last P V and stores O (with two Q buffers it
+        // already has). (q_slot, q_phase) is the Q buffer of this tile; (stage, phase) is the ring
+        // slot of the tile's first key tile and comes back as the slot after its last.
+        __device__ __forceinline__ void consume_tile(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o,
+                                                     int consumer, const WorkTile& w, int q_slot, u32 q_phase,
+                                                     int& stage, u32& phase, bool last_tile) {
             const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
             const int g = lane / 4, t = lane % 4;
             const int row0 = w.q0 + consumer * 64 + warp * 16 + g;  // this thread's first row (second: + 8)
             const int first_row = w.q0 + consumer * 64;             // the warpgroup's first row
-            const unsigned long long q_desc = make_smem_desc(smem + Q_SMEM + consumer * 64 * ROW_BYTES, 16, 1024);
+            const u32 q_tile = smem + Q_SMEM + q_slot * Q_TILE_BYTES;
+            const unsigned long long q_desc = make_smem_desc(q_tile + consumer * 64 * ROW_BYTES, 16, 1024);
             const unsigned long long k_desc = make_smem_desc(smem + K_SMEM, 16, 1024);
             const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, KV_BOX_BYTES, 1024);
 
@@ -434,7 +468,7 @@ def _consumer() -> str:
             for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.0f;
 
             // Key tile 0: scores only.
-            mbar_wait(smem + Q_FULL, q_phase);
+            mbar_wait(smem + Q_FULL + 8 * q_slot, q_phase);
             mbar_wait(smem + K_FULL + 8 * stage, phase);
             matmul_turn_begin(consumer);
             wgmma_fence();
@@ -443,13 +477,14 @@ def _consumer() -> str:
             matmul_turn_end(consumer, false);
             wgmma_wait<0>();
             fence_operands(s);
+            if (SPLIT_RELEASE) release(smem + K_EMPTY + 8 * stage, lane);
             if (needs_mask(0, first_row)) mask_scores(s, row0, 0, t);
             online_softmax(s, st, alpha);
             pack_probabilities(s, p);
 
             int prev = stage;  // the ring slot of key tile j - 1
             u32 prev_phase = phase;
-            advance_ring(stage, phase);
+            advance<STAGES>(stage, phase);
             for (int j = 1; j < w.kv_tiles; ++j) {
                 const int kv0 = j * BLOCK_KV;
                 mbar_wait(smem + K_FULL + 8 * stage, phase);
@@ -466,22 +501,23 @@ def _consumer() -> str:
                 matmul_turn_end(consumer, false);
                 wgmma_wait<1>();  // S_j is ready, P_(j-1) V_(j-1) may still run
                 fence_operands(s);
+                if (SPLIT_RELEASE) release(smem + K_EMPTY + 8 * stage, lane);
                 if (needs_mask(kv0, first_row)) mask_scores(s, row0, kv0, t);
                 online_softmax(s, st, alpha);
                 wgmma_wait<0>();
                 fence_operands(o_acc);
                 fence_operands(p);
-                release(smem + KV_EMPTY + 8 * prev, lane);
+                release(smem + V_EMPTY + 8 * prev, lane);
                 rescale_output(o_acc, alpha);
                 pack_probabilities(s, p);
                 prev = stage;
                 prev_phase = phase;
-                advance_ring(stage, phase);
+                advance<STAGES>(stage, phase);
             }
 
             // Every score is done: Q goes back to the producer for the next work tile. The last key
             // tile's P V; consumer 1 gives no turn after the block's last one.
-            release(smem + Q_EMPTY, lane);
+            release(smem + Q_EMPTY + 8 * q_slot, lane);
             mbar_wait(smem + V_FULL + 8 * prev, prev_phase);
             matmul_turn_begin(consumer);
             fence_operands(o_acc);
@@ -492,8 +528,30 @@ def _consumer() -> str:
             matmul_turn_end(consumer, last_tile);
             wgmma_wait<0>();
             fence_operands(o_acc);
-            release(smem + KV_EMPTY + 8 * prev, lane);
+            release(smem + V_EMPTY + 8 * prev, lane);
 
+            @EPILOGUE@
+        }
+
+        // A consumer warpgroup walks the block's work tiles; the ring slot and the Q buffer run on.
+        __device__ __forceinline__ void consume(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o, int consumer) {
+            int stage = 0, q_slot = 0;
+            u32 phase = 0, q_phase = 0;
+            if (PINGPONG && consumer == 1) named_barrier_arrive(1, 256);  // consumer 0 goes first
+            for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
+                consume_tile(smem, o_map, o, consumer, work_tile(tile), q_slot, q_phase, stage, phase,
+                             tile + (int)gridDim.x >= TILES);
+                advance<Q_BUFFERS>(q_slot, q_phase);
+            }
+            if (O_THROUGH_SMEM && threadIdx.x % 128 == 0) bulk_wait_all();  // shared memory must outlive the stores
+        }
+        """
+    ).replace("    @EPILOGUE@", indent(epilogue))
+
+
+def _epilogue_from_registers() -> str:
+    return block(
+        """
             // Normalise by the row sums and store: each thread writes 2 values a row per 8 columns.
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -504,17 +562,72 @@ def _consumer() -> str:
                 for (int c = 0; c < HEAD_DIM / 8; ++c)
                     out_row[4 * c + t] = pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv);
             }
+        """
+    )
+
+
+def _epilogue_through_smem() -> str:
+    return block(
+        """
+            // Normalise by the row sums into this warpgroup's 64 rows of the O tile (two Q buffers: its
+            // own buffer; else the Q rows this warpgroup has finished with), in Q's 128-byte-swizzled
+            // box layout: the 16-byte chunk k of row r sits at chunk k ^ (r % 8), so the 8 rows of a
+            // store hit 8 different bank groups. Then one thread stores the boxes with the copy engine
+            // (full 128-byte lines, rows past SEQ_Q clipped by the tensor map) and the warpgroup goes on.
+            const u32 o_tile = (Q_BUFFERS == 2 ? smem + O_SMEM : q_tile) + consumer * 64 * ROW_BYTES;
+            const bool store_thread = threadIdx.x % 128 == 0;
+            if (Q_BUFFERS == 2) {  // the O tile's last store has read it
+                if (store_thread) bulk_wait_read_all();
+                named_barrier_sync(3 + consumer, 128);
+            }
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float inv = 1.0f / quad_sum(st.sum[r]);
+                const u32 row = warp * 16 + g + 8 * r;  // row % 8 == g
+                #pragma unroll
+                for (int c = 0; c < HEAD_DIM / 8; ++c)
+                    st_shared_u32(o_tile + (c / 8) * Q_BOX_BYTES + row * ROW_BYTES + (((c % 8) ^ g) << 4) + 4 * t,
+                                  pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv));
+            }
+            fence_proxy_async();  // the generic-proxy writes before the copy engine's reads
+            named_barrier_sync(3 + consumer, 128);
+            if (store_thread) {
+                #pragma unroll
+                for (int b = 0; b < D_BOXES; ++b)
+                    tma_store_3d(o_map, o_tile + b * Q_BOX_BYTES, 64 * b, w.q0 + consumer * 64, w.q_head);
+                bulk_commit();
+            }
+        """
+    )
+
+
+def _tma_stores() -> str:
+    return block(
+        """
+        __device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {
+            asm volatile("st.shared.b32 [%0], %1;\\n" :: "r"(addr), "r"(value) : "memory");
         }
 
-        // A consumer warpgroup walks the block's work tiles; the ring slot and Q's phase run on.
-        __device__ __forceinline__ void consume(u32 smem, elem_t* __restrict__ o, int consumer) {
-            int stage = 0;
-            u32 phase = 0, q_phase = 0;
-            if (PINGPONG && consumer == 1) named_barrier_arrive(1, 256);  // consumer 0 goes first
-            for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
-                consume_tile(smem, o, consumer, work_tile(tile), q_phase, stage, phase, tile + (int)gridDim.x >= TILES);
-                q_phase ^= 1;
-            }
+        // Store one box of `map` at coordinates (c0 innermost, ...) from shared memory at `src`
+        // (a bulk async-group of this thread; out-of-bounds rows are not written).
+        __device__ __forceinline__ void tma_store_3d(const TensorMap* map, u32 src, int c0, int c1, int c2) {
+            asm volatile(
+                "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\\n"
+                :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                : "memory");
+        }
+
+        __device__ __forceinline__ void bulk_commit() {
+            asm volatile("cp.async.bulk.commit_group;\\n" ::: "memory");
+        }
+
+        // Wait until this thread's bulk stores have read their shared memory / have completed.
+        __device__ __forceinline__ void bulk_wait_read_all() {
+            asm volatile("cp.async.bulk.wait_group.read 0;\\n" ::: "memory");
+        }
+
+        __device__ __forceinline__ void bulk_wait_all() {
+            asm volatile("cp.async.bulk.wait_group 0;\\n" ::: "memory");
         }
         """
     )
@@ -530,17 +643,22 @@ def _kernel(schedule: HopperFlashSchedule) -> str:
         f"""
         extern "C" __global__ void __launch_bounds__(THREADS, 1)
         {name}(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-                const __grid_constant__ TensorMap v_map, elem_t* __restrict__ o) {{
+                const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
+                elem_t* __restrict__ o) {{
             extern __shared__ unsigned char smem_raw[];
             const u32 smem = (smem_u32(smem_raw) + {SWIZZLE_ALIGN - 1}u) & ~{SWIZZLE_ALIGN - 1}u;
             if (threadIdx.x == 0) {{
-                mbar_init(smem + Q_FULL, 1);
-                mbar_init(smem + Q_EMPTY, 4 * CONSUMERS);  // one arrival per consumer warp
+                #pragma unroll
+                for (int b = 0; b < Q_BUFFERS; ++b) {{
+                    mbar_init(smem + Q_FULL + 8 * b, 1);
+                    mbar_init(smem + Q_EMPTY + 8 * b, 4 * CONSUMERS);  // one arrival per consumer warp
+                }}
                 #pragma unroll
                 for (int s = 0; s < STAGES; ++s) {{
                     mbar_init(smem + K_FULL + 8 * s, 1);
                     mbar_init(smem + V_FULL + 8 * s, 1);
-                    mbar_init(smem + KV_EMPTY + 8 * s, 4 * CONSUMERS);
+                    mbar_init(smem + K_EMPTY + 8 * s, 4 * CONSUMERS);
+                    if (SPLIT_RELEASE) mbar_init(smem + V_EMPTY + 8 * s, 4 * CONSUMERS);
                 }}
                 fence_barrier_init();
                 fence_proxy_async();
@@ -553,7 +671,7 @@ def _kernel(schedule: HopperFlashSchedule) -> str:
                 if (threadIdx.x == 0) produce(&q_map, &k_map, &v_map, smem);
             }} else {{
                 {consumer_regs}
-                consume(smem, o, warpgroup - 1);
+                consume(smem, &o_map, o, warpgroup - 1);
             }}
         }}
         """
