@@ -10,7 +10,8 @@ barriers, so one warpgroup's softmax runs while the other's matmuls occupy the t
 cores. ``persistent`` launches one block per SM that walks the work tiles (query tile ×
 head) in a stride, so the producer loads the next tile's Q and K while the consumers
 normalise and store the last one; ``q_buffers`` 2 gives such a block a second Q tile (and
-an O tile for TMA stores), so the next tile's Q is loaded during the current one. The code generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
+an O tile for TMA stores), so the next tile's Q is loaded during the current one. The code
+generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
 
 This module holds only the schedule, its resource estimates and its validity rules; it
 lives beside :mod:`cherenkov.rewrites.plan` (the ``mma.sync`` family) and reuses its
