@@ -21,7 +21,8 @@ dtypes of the tensors it reads and writes. Three families generate CUDA for it:
   ``wgmma.mma_async`` from 128-byte-swizzled shared-memory tiles, plain 16-bit operand
   reads only (no prologues): :class:`WgmmaGemmSchedule` copies them with ``cp.async``
   (m64 tiles and split-K for few-token GEMMs), :class:`TmaGemmSchedule` with TMA from a
-  producer warpgroup (plain row-major matrices, persistent blocks).
+  producer warpgroup (plain row-major matrices, persistent blocks). The one prologue the
+  TMA kernel runs (as does the mma GEMM) is an absorbed RMSNorm (:class:`NormPrologue`).
 
 Schedules of these families are enumerated here in Python (:func:`term_plans`), not as
 e-graph alternatives: they are few, and each is valid for any problem the family accepts
@@ -688,22 +689,24 @@ def tma_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
 
 
 def norm_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
-    """Why a GEMM plan cannot run its layout's absorbed RMSNorm (none without one): only the
-    TMA kernel does, on a K-major A operand, whole k steps, a weight of the operands' dtype."""
+    """Why a GEMM plan cannot run its layout's absorbed RMSNorm (none without one): the mma
+    GEMM does on the A operand; the TMA kernel on a K-major A, whole k steps, the weight in
+    shared memory; the weight has the operands' dtype."""
     if layout is None or layout.norm is None:
         return []
-    if not isinstance(plan.schedule, TmaGemmSchedule):
-        return ["an absorbed RMSNorm operand runs in the TMA wgmma GEMM only"]
+    tma = isinstance(plan.schedule, TmaGemmSchedule)
+    if not tma and not isinstance(plan.schedule, GemmSchedule):
+        return ["an absorbed RMSNorm operand runs in the TMA wgmma GEMM or the mma.sync GEMM only"]
     reasons = []
-    if layout.norm_operand != "a" or not layout.a_kmajor:
-        reasons.append("the absorbed RMSNorm must normalise the rows of a K-major A operand")
-    if layout.k % WGMMA_BLOCK_K:
+    if layout.norm_operand != "a" or (tma and not layout.a_kmajor):
+        reasons.append("the absorbed RMSNorm must normalise the rows of the A operand (K-major for TMA)")
+    if tma and layout.k % WGMMA_BLOCK_K:
         reasons.append(f"K {layout.k} is not a multiple of {WGMMA_BLOCK_K} (the norm's weight is read a whole k step "
                        "at a time)")
     weight = layout.norm.weight
     if weight is not None and plan.tensor_map[weight[1]].dtype != layout.dtype:
         reasons.append(f"the norm's weight is {plan.tensor_map[weight[1]].dtype}, the operands {layout.dtype}")
-    if weight is not None and wgmma_smem_bytes(plan.schedule) + 2 * layout.k > plan.target.smem_per_block:
+    if tma and weight is not None and wgmma_smem_bytes(plan.schedule) + 2 * layout.k > plan.target.smem_per_block:
         reasons.append(f"the tile ring and the norm's weight ({2 * layout.k} B, static shared memory) exceed the "
                        f"target's {plan.target.smem_per_block} B")
     return reasons

@@ -6,7 +6,9 @@ epilogue) and fed by elementwise work on tensors it reads (its prologue). Elemen
 terms with no core form elementwise kernels. Where a core's operand holds another core,
 that operand is materialised by an earlier kernel into an intermediate buffer, and the
 consumer reads the buffer instead. Flash attention reads plain BHSD tensors only, so
-anything else feeding it is materialised first.
+anything else feeding it is materialised first. A contraction may also *absorb* the
+RMSNorm kernel that feeds it (:func:`absorbed`): the search weighs that form against the
+two kernels.
 """
 
 from __future__ import annotations

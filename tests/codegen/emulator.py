@@ -2,8 +2,9 @@
 
 The generated source is compiled as host C++20 unchanged, except for its device helpers
 that are inline PTX (``cvt`` to/from 16-bit floats, ``mma.sync``, ``ldmatrix``,
-``cp.async``), which are replaced by host emulations. Every CUDA thread of a block is a
-``std::thread``; ``__syncthreads`` is a block barrier, and the warp collectives
+``cp.async``, the packed ``fma`` of an absorbed norm), which are replaced by host
+emulations. Every CUDA thread of a block is a ``std::thread``; ``__syncthreads`` is a
+block barrier, and the warp collectives
 (``__shfl_xor_sync``, ``ldmatrix``, ``mma``) exchange their lanes' operands through a
 per-warp buffer between two warp barriers, so the fragment layouts, index arithmetic,
 tails, shared-memory stages and epilogues of the generated kernels run as written. Blocks
@@ -28,7 +29,7 @@ from cherenkov.graph.evaluate import round_to_dtype
 
 EMULATED = (
     "ck_from_fp16", "ck_to_bf16", "ck_to_fp16", "mma_16816", "mma_16816_zero", "ck_ldsm_x4", "ck_ldsm_x4_t",
-    "ck_cp_async_16", "ck_cp_async_commit", "ck_cp_async_wait_oldest",
+    "ck_cp_async_16", "ck_cp_async_commit", "ck_cp_async_wait_oldest", "scale_pair",
 )  # fmt: skip
 
 PRELUDE = r"""
@@ -155,6 +156,18 @@ static inline void ck_cp_async_16(void* smem, const void* gmem, bool in_range) {
     if (in_range) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
 }
 static inline float __fdividef(float a, float b) { return a / b; }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+template <class T> static inline T __ldg(const T* p) { return *p; }
+
+// An absorbed norm's packed 16-bit product (one rounding of the exact product).
+static inline unsigned scale_pair(unsigned v, unsigned w) {
+    unsigned r = 0;
+    for (int h = 0; h < 2; ++h) {
+        const float p = emu_operand(emu_half(v, h)) * emu_operand(emu_half(w, h));
+        r |= unsigned(CK_EMU_MMA_FP16 ? ck_to_fp16(p) : ck_to_bf16(p)) << (16 * h);
+    }
+    return r;
+}
 static inline void ck_cp_async_commit() {}
 static inline void ck_cp_async_wait_oldest() {}
 """

@@ -4,9 +4,9 @@ every schedule compiled for sm_90a with no spills, HGMMA in its SASS and no loca
 tails in M, N and K, A and B in both memory orders, odd N (unpaired stores), a fused
 bias + GELU epilogue, batched fp16 matmuls, and split-K on few-tile problems (launched
 twice: the arrival counters reset, and the result is the same bits). A matmul that absorbs
-the RMSNorm feeding it runs in the TMA kernel only, with A from registers (CPU, nvcc,
-SASS), and matches torch's norm and matmul with and without a weight, with tails, in fp16
-(GPU)."""
+the RMSNorm feeding it runs in the TMA kernel (A from registers: CPU, nvcc, SASS) and the
+mma kernel, and matches torch's norm and matmul with and without a weight, with tails, in
+fp16 (GPU)."""
 
 from __future__ import annotations
 
@@ -201,18 +201,20 @@ def test_not_offered_for_evaluated_operands() -> None:
     assert any("evaluated" in reason for reason in term_plan_problems(forced))
 
 
-def test_an_absorbed_rms_norm_runs_in_the_tma_family_only() -> None:
+def test_an_absorbed_rms_norm_runs_in_the_tma_and_mma_families() -> None:
     plans = absorbed_plans(NORM_GRAPHS["weight_1024x1536x2048"]())
     assert [p.schedule for p in plans if p.family == "wgmma"] == list(TMA_GEMM_SCHEDULES)
-    assert {p.family for p in plans} == {"wgmma", "pointwise"}
+    assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}
     layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
     assert layout.norm is not None and layout.norm_operand == "a" and layout.a == layout.norm.x
     assert plans[0].flops == 2.0 * 1024 * 1536 * 2048, "the norm's work is counted once a row, not once an output"
-    for schedule in (WGMMA_GEMM_SCHEDULES[0], GemmSchedule()):
-        forced = TermKernelPlan(plans[0].kind, plans[0].kernel, schedule, SM90A, plans[0].tensors)
-        assert any("TMA wgmma GEMM only" in reason for reason in term_plan_problems(forced))
+    forced = TermKernelPlan(plans[0].kind, plans[0].kernel, WGMMA_GEMM_SCHEDULES[0], SM90A, plans[0].tensors)
+    assert any("TMA wgmma GEMM or the mma.sync GEMM only" in reason for reason in term_plan_problems(forced))
+    assert not term_plan_problems(TermKernelPlan(plans[0].kind, plans[0].kernel, GemmSchedule(), SM90A,
+                                                 plans[0].tensors))  # fmt: skip
     ragged = absorbed_plans(rms_matmul_graph(128, 1000, 256))
     assert not [p for p in ragged if p.family == "wgmma"], "K 1000: the weight is read whole k steps at a time"
+    assert [p for p in ragged if p.family == "mma"], "the mma GEMM clamps the weight's tail"
 
 
 @pytest.mark.parametrize(
@@ -374,7 +376,8 @@ def test_every_schedule_matches_torch(gpu, case, tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(NORM_GRAPHS))
 def test_absorbed_rms_norm_matches_torch(gpu, case, tmp_path) -> None:
-    """The TMA GEMM that runs the RMSNorm in its main loop against torch's float32 norm and matmul."""
+    """The TMA and mma GEMMs that run the RMSNorm in their main loops against torch's float32
+    norm and matmul."""
     torch = gpu
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a kernels need a Hopper GPU")
@@ -389,8 +392,8 @@ def test_absorbed_rms_norm_matches_torch(gpu, case, tmp_path) -> None:
     x = inputs["x"].float()
     normed = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5)
     reference = (normed * inputs["w"].float() if "w" in inputs else normed) @ inputs["proj"].float()
-    plans = [p for p in absorbed_plans(graph) if p.family == "wgmma"]
-    assert plans
+    plans = [p for p in absorbed_plans(graph) if p.family in ("wgmma", "mma")]
+    assert {p.family for p in plans} == {"wgmma", "mma"}
     for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
         assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
         out = torch.full(plan.output.shape, math.nan, device="cuda", dtype=dtypes[plan.output.dtype])

@@ -37,6 +37,7 @@ from cherenkov.codegen.term_plan import (
     kernel_tensors,
     term_plan_problems,
 )
+from cherenkov.rewrites.kernels import absorptions
 from cherenkov.rewrites.plan import TARGETS
 from cherenkov.search.cost_model import predict_term
 
@@ -268,6 +269,18 @@ def test_sources_compile_without_spills(arch, compiler, kernel_cache) -> None:
         assert result.report.registers <= 255 and result.arch == arch
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemms_that_absorb_the_rms_norm_compile_without_spills(arch, compiler, kernel_cache) -> None:
+    d = ck.derive(rms_matmul_graph())
+    shapes, dtypes = d.tensor_types()
+    ((_, fused),) = absorptions(d.kernels, frozenset({"y"})).values()
+    plans = [p for p in term_plans(fused, shapes, dtypes, TARGETS[arch]) if p.family == "mma"]
+    assert len(plans) == len([s for s in GEMM_SCHEDULES if gemm_smem_bytes(s) <= TARGETS[arch].smem_per_block])
+    for plan, result in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
+        assert not isinstance(result, Exception), f"{plan.name}: {result}"
+        assert result.report.spill_bytes == 0, (plan.name, result.report)
+
+
 def test_gemm_tiles_live_in_dynamic_shared_memory(compiler, kernel_cache) -> None:
     plans = [p for _, ps in plans_of(rms_matmul_graph()) for p in ps if isinstance(p.schedule, GemmSchedule)]
     for plan in (plans[0], plans[-1]):
@@ -367,6 +380,29 @@ def test_emulated_fused_graphs(build) -> None:
     """Prologues (norm weight, bias + GELU), epilogues (residuals), head split/merge
     reshapes, flash attention's pointwise fallback: every plan of every kernel."""
     assert _check_graph(build()) >= 8
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype, weight", [("bf16", True), ("fp16", False)])
+def test_emulated_gemms_that_absorb_the_rms_norm(dtype: str, weight: bool) -> None:
+    """Every mma GEMM schedule running the RMSNorm feeding it (K 96: a tail in K) against
+    the absorbed kernel's reference."""
+    g = ck.Graph("rms_matmul")
+    x, proj = g.input("x", (40, 96), dtype), g.input("proj", (96, 72), dtype)
+    g.output(ck.nn.rms_norm(x, g.input("w", (96,), dtype) if weight else None) @ proj, "y")
+    d = ck.derive(g)
+    shapes, dtypes = d.tensor_types()
+    ((_, fused),) = absorptions(d.kernels, frozenset(g.outputs)).values()
+    rng = np.random.default_rng(4)
+    buffers = {n: rounded(rng.standard_normal(t.shape), dtypes[n]) for n, t in g.inputs.items()}
+    reference = fused.evaluate(buffers)
+    plans = [p for p in term_plans(fused, shapes, dtypes, TARGETS["sm_90"]) if p.family == "mma"]
+    assert len(plans) == len(GEMM_SCHEDULES)
+    for plan in plans:
+        assert "add_squares(row_ss" in cuda_source(plan) and ("= scale_pair(" in cuda_source(plan)) == weight
+        got = emulate(plan, buffers)
+        error = np.linalg.norm(got - reference) / np.linalg.norm(reference)
+        assert error <= 1e-2, f"{plan.name}: relative error {error:.3g}"
 
 
 @needs_gxx

@@ -15,9 +15,11 @@ of the mma dtype whose innermost extent is a multiple of 8 is copied with 16-byt
 bias and GELU), other layouts (reshaped or transposed reads) — is evaluated element by
 element through the term emitter and rounded to the mma dtype on the way into shared
 memory. Past the end of K every element is zero; rows past M or N are clamped and their
-results never stored. The tiles live in a ring of ``stages`` buffers in dynamic shared
-memory: while step ``kt`` multiplies, the tiles of steps up to ``kt + stages - 1`` load,
-and one block barrier a step both publishes the landed tile and frees the oldest buffer.
+results never stored. An absorbed RMSNorm (:mod:`.norm_prologue`) works on the A
+fragments after ``ldmatrix``: their squares into row sums, then times the weight. The
+tiles live in a ring of ``stages`` buffers in dynamic shared memory: while step ``kt``
+multiplies, the tiles of steps up to ``kt + stages - 1`` load, and one block barrier a
+step both publishes the landed tile and frees the oldest buffer.
 The epilogue evaluates the kernel's term around the contraction for each accumulator
 element (bias, activation, residual) and stores it, two adjacent columns as one 4-byte
 word where the output's layout allows (:func:`paired_columns`); its transcendental
@@ -44,6 +46,7 @@ from cherenkov.codegen.cuda.term_common import (
 )
 from cherenkov.codegen.cuda.term_expr import Binding, TermEmitter, index_type, store
 from cherenkov.codegen.cuda.mma import emit_mma
+from cherenkov.codegen.cuda.norm_prologue import emit_norm_helpers, fragment_prologue, norm_constants, row_scales
 from cherenkov.codegen.cuda.text import block
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import GEMM_SMEM_PAD, GemmLayout, gemm_layout, gemm_smem_bytes, mma_problems
@@ -209,6 +212,26 @@ def _fragments(op: TileOperand, count: str, origin: str, step: int) -> list[str]
     ]
 
 
+def _norm_prologue(norm, plan) -> list[str]:
+    """The absorbed RMSNorm on this k16 step's A fragments (see :mod:`.norm_prologue`)."""
+    weights = None
+    lines = ["// the absorbed RMSNorm: squares of x into the row sums, then x times the weight"]
+    if norm.weight is not None:
+        weight = plan.tensor_map[norm.weight[1]].param
+        lines += [
+            "const int kw = kt * BK + kk * 16 + 2 * (lane & 3);  // this lane's k pairs: kw and kw + 8",
+            f"const u32 w_lo = weight_pair({weight}, kw, K - 1), w_hi = weight_pair({weight}, kw + 8, K - 1);",
+        ]
+        weights = ("w_lo", "w_hi")
+    return [
+        *lines,
+        "#pragma unroll",
+        "for (int i = 0; i < MT; ++i) {",
+        *indent_lines(fragment_prologue("a[i]", "row_ss[i]", weights), 1),
+        "}",
+    ]
+
+
 def epilogue_loops(tiles: tuple[str, str], columns: tuple[str, str], row: str, column: str,
                    epilogue: list[str], paired: bool = False) -> list[str]:  # fmt: skip
     """The loops over a thread's accumulators — ``tiles`` and ``columns`` as (variable,
@@ -325,6 +348,7 @@ def gemm_source(plan) -> str:
     name = kernel_name(plan)
     (gx, gy, gz), _ = grid(plan)
 
+    norm = layout.norm
     a = TileOperand("A", layout.a, layout.m_axes, layout.a_kmajor, layout.a_fast, "BM", "M", "m0")
     b = TileOperand("B", layout.b, layout.n_axes, layout.b_kmajor, layout.b_fast, "BN", "N", "n0")
 
@@ -337,6 +361,7 @@ def gemm_source(plan) -> str:
         constexpr int KT = (K + BK - 1) / BK;                 // k steps
         static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "warp tiles split into m16n8k16 tiles");
         static_assert(BATCH >= 1 && M >= 1 && N >= 1 && K >= 1, "grid (ceil(N / BN), ceil(M / BM), BATCH)");
+        {norm_constants(norm.eps) if norm else ""}
         """)
 
     body: list[str] = [
@@ -355,7 +380,9 @@ def gemm_source(plan) -> str:
     load_a = _loader(em, a, layout, batch_env, dtype)
     load_b = _loader(em, b, layout, batch_env, dtype)
 
-    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, "acc[mi][ni][e]", "acc[mi][ni][e + 1]")
+    scale = " * row_scale[mi][e >> 1]" if norm else ""  # columns e, e + 1 share a row
+    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][ni][e]{scale}",
+                                            f"acc[mi][ni][e + 1]{scale}")
     top = em.pop()
     body += ["// values the whole block shares (batch-only parts of the terms)", *top]
     body += [
@@ -366,6 +393,8 @@ def gemm_source(plan) -> str:
         "    for (int ni = 0; ni < NT; ++ni)",
         "        #pragma unroll",
         "        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;",
+        *(["float row_ss[MT][2][2] = {};  // sums of x^2 over k, two chains: rows g and g + 8 of each m16 tile"]
+          if norm else []),
         "",
         "// start loading k step `next` into ring buffer next % STAGES (one copy group, empty past K)",
         "auto load_tiles = [&](int next) {",
@@ -391,6 +420,7 @@ def gemm_source(plan) -> str:
         "    for (int kk = 0; kk < BK / 16; ++kk) {",
         "        u32 a[MT][4], b[NT / 2][4];",
         *indent_lines(_fragments(a, "MT", "wm * WM", 0), 2),
+        *indent_lines(_norm_prologue(norm, plan) if norm else [], 2),
         *indent_lines(_fragments(b, "NT / 2", "wn * WN", 0), 2),
         "        #pragma unroll",
         "        for (int mi = 0; mi < MT; ++mi)",
@@ -400,6 +430,7 @@ def gemm_source(plan) -> str:
         "    }",
         "}",
         "",
+        *(row_scales("MT") if norm else []),
         "// epilogue: accumulator element e of tile (mi, ni) is row g (+8 for e >= 2), column 2t + (e & 1)",
         *epilogue_loops(
             ("mi", "MT"), ("ni", "NT"),
@@ -413,9 +444,13 @@ def gemm_source(plan) -> str:
         f"{s.stages} stages; "
         f"A {'[row][k]' if a.kmajor else '[k][row]'} {'cp.async' if a.fast else 'evaluated'}, "
         f"B {'[row][k]' if b.kmajor else '[k][row]'} {'cp.async' if b.fast else 'evaluated'}."
+        + (" A is an absorbed RMSNorm of x: row sums of x^2 from the fragments, x * w, row scales in the epilogue."
+           if norm else "")
     )
     launch = f"grid ({gx}, {gy}, {gz}), {s.threads} threads, {gemm_smem_bytes(s)} bytes of dynamic shared memory"
     helpers = _helpers(dtype, s.stages)
+    if norm:
+        helpers += "\n\n" + emit_norm_helpers(dtype)
     if paired:
         helpers += "\n\n" + vector_helpers([(plan.output.dtype, 2)])
     return term_source(plan, name, s.threads, body, summary, launch, helpers, constants)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from cherenkov.codegen.cuda import tma, wgmma
 from cherenkov.codegen.cuda.gemm import accumulator_epilogue, epilogue_loops, shape_constants
 from cherenkov.codegen.cuda.ldmatrix import emit_ldmatrix_primitives
-from cherenkov.codegen.cuda.mma import PTX_TYPES
+from cherenkov.codegen.cuda.norm_prologue import emit_norm_helpers, fragment_prologue, norm_constants, row_scales
 from cherenkov.codegen.cuda.term_common import (
     decompose,
     header,
@@ -61,7 +61,7 @@ from cherenkov.codegen.cuda.term_common import (
     tensor_infos,
     vector_helpers,
 )
-from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, float_constant, index_type
+from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, index_type
 from cherenkov.codegen.cuda.text import block, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import (
@@ -150,42 +150,11 @@ def _ss_main_loop(mma_name: str) -> list[str]:
     ]
 
 
-def _norm_helpers(dtype: str) -> str:
-    """The register prologue of an absorbed RMSNorm: squares of a packed pair, the packed
-    product with the weight's pair, and the fragment loader of one k step."""
-    ptx = PTX_TYPES[dtype]
-    return emit_ldmatrix_primitives(4) + "\n\n" + block(f"""
-        // Add the squares of a packed pair of {dtype} values to two running sums (two chains).
-        __device__ __forceinline__ void add_squares(float (&sums)[2], u32 v) {{
-            const float lo = ck_from_{dtype}(u16(v & 0xffffu)), hi = ck_from_{dtype}(u16(v >> 16));
-            sums[0] = fmaf(lo, lo, sums[0]);
-            sums[1] = fmaf(hi, hi, sums[1]);
-        }}
-
-        // The packed pair times the weight's packed pair (each rounded to {dtype}).
-        __device__ __forceinline__ u32 scale_pair(u32 v, u32 w) {{
-            u32 r;
-            asm("mul.rn.{ptx}x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(w));
-            return r;
-        }}
-        """)
-
-
 def _norm_fragments(weighted: bool) -> list[str]:
     """``load_fragments(f, buffer, step)``: this warp's rows of x in ring buffer ``buffer``
     as the wgmma A fragments of k step ``step`` (scaled by the weight), their squares added
     to ``row_ss`` — a lambda of the consumer."""
-    scale = [
-        "                const u32* w = norm_weight + (step * BK + 16 * ks) / 2 + (lane & 3);",
-        "                const u32 w_lo = w[0], w_hi = w[4];  // k 2t, 2t + 1 and 2t + 8, 2t + 9",
-        "                f[mi][ks][0] = scale_pair(x[0], w_lo);",
-        "                f[mi][ks][1] = scale_pair(x[1], w_lo);",
-        "                f[mi][ks][2] = scale_pair(x[2], w_hi);",
-        "                f[mi][ks][3] = scale_pair(x[3], w_hi);",
-    ] if weighted else [
-        "                #pragma unroll",
-        "                for (int i = 0; i < 4; ++i) f[mi][ks][i] = x[i];",
-    ]
+    weights = ("w[0]", "w[4]") if weighted else None  # k 2t, 2t + 1 and 2t + 8, 2t + 9
     return [
         "// A fragments of k step `step` from ring buffer `buffer`: ldmatrix.x4 of rows (lane & 15), 16-byte",
         "// chunk 2 ks + (lane >> 4), stored at chunk ^ (row % 8); then their squares and the weight",
@@ -198,13 +167,10 @@ def _norm_fragments(weighted: bool) -> list[str]:
         "        for (int ks = 0; ks < BK / 16; ++ks) {",
         "            u32 x[4];",
         "            ldmatrix_x4(x, a_tile + row * ROW_BYTES + (((2 * ks + (lane >> 4)) ^ (row & 7)) << 4));",
-        "            add_squares(row_ss[mi][0], x[0]);  // row g",
-        "            add_squares(row_ss[mi][0], x[2]);",
-        "            add_squares(row_ss[mi][1], x[1]);  // row g + 8",
-        "            add_squares(row_ss[mi][1], x[3]);",
-        "            {",
-        *scale,
-        "            }",
+        *(["            const u32* w = norm_weight + (step * BK + 16 * ks) / 2 + (lane & 3);"] if weighted else []),
+        *indent_lines(fragment_prologue("x", "row_ss[mi]", weights), 3),
+        "            #pragma unroll",
+        "            for (int i = 0; i < 4; ++i) f[mi][ks][i] = x[i];",
         "        }",
         "    }",
         "};",
@@ -256,22 +222,6 @@ def _norm_main_loop(mma_name: str) -> list[str]:
         "    if (kt + 1 >= KT) break;",
         *indent_lines(_norm_step(1, mma_name), 1),
         "}",
-    ]
-
-
-def _norm_row_scales() -> list[str]:
-    return [
-        "// the norm's row scales: each quad of lanes holds the partial sums of rows g and g + 8",
-        "float row_scale[M_TILES][2];",
-        "#pragma unroll",
-        "for (int mi = 0; mi < M_TILES; ++mi)",
-        "    #pragma unroll",
-        "    for (int h = 0; h < 2; ++h) {",
-        "        float ss = row_ss[mi][h][0] + row_ss[mi][h][1];",
-        "        ss += __shfl_xor_sync(0xffffffffu, ss, 1);",
-        "        ss += __shfl_xor_sync(0xffffffffu, ss, 2);",
-        "        row_scale[mi][h] = rsqrtf(ss * NORM_INV_K + NORM_EPS);",
-        "    }",
     ]
 
 
@@ -332,8 +282,7 @@ def gemm_sm90a_tma_source(plan) -> str:
         {a_constants}
         constexpr u32 B_K_STEP = {"32" if layout.b_kmajor else "16 * ROW_BYTES"}, B_LBO = {"16" if layout.b_kmajor else "BOX_BYTES"};  // B {order(layout.b_kmajor)}
 
-        {f"constexpr float NORM_INV_K = 1.0f / K, NORM_EPS = {float_constant(norm.eps)};  // the absorbed RMSNorm"
-         if norm else ""}
+        {norm_constants(norm.eps) if norm else ""}
         // Output tile `tile` (row-tile groups of GROUP_M, column tiles within a group): its origin.
         __device__ __forceinline__ void tile_origin(int tile, int& m0, int& n0) {{
             const int first_m = tile / (GROUP_M * TILES_N) * GROUP_M;
@@ -415,7 +364,7 @@ def gemm_sm90a_tma_source(plan) -> str:
         "    #pragma unroll",
         "    for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
         "    if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
-        *(indent_lines(_norm_row_scales(), 1) if norm else []),
+        *(indent_lines(row_scales("M_TILES"), 1) if norm else []),
         "",
         "    // epilogue (the producer loads the next tile meanwhile): accumulator d[4c + e] of m64",
         "    // tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column 8c + 2 (lane % 4) + (e & 1)",
@@ -473,7 +422,7 @@ def gemm_sm90a_tma_source(plan) -> str:
                          not layout.a_kmajor and norm is None),
     ]
     if norm is not None:
-        helpers.append(_norm_helpers(dtype))
+        helpers += [emit_ldmatrix_primitives(4), emit_norm_helpers(dtype)]
     if paired:
         helpers.append(vector_helpers([(plan.output.dtype, 2)]))
     kernel_text = "\n".join([_signature(plan, name, s.threads) + " {", *indent_lines(body, 1), "}"])
