@@ -770,7 +770,8 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
             reasons.extend(row_vector_problems(plan, layout))
     elif isinstance(s, GemmSchedule):
         reasons.extend(mma_problems(kernel, plan.tensor_map, plan.output))
-        reasons.extend(norm_problems(plan, gemm_layout(kernel, plan.tensor_map)))
+        layout = gemm_layout(kernel, plan.tensor_map)
+        reasons.extend(norm_problems(plan, layout))
         if s.block_k % 16 or s.warp_m % 16 or s.warp_n % 16 or s.block_m % s.warps_m or s.block_n % s.warps_n:
             reasons.append(f"tile {s.key()} does not split into m16n8k16 tiles (warp tiles multiples of 16)")
         if s.stages < 2:
@@ -778,16 +779,16 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
         if gemm_smem_bytes(s) > plan.target.smem_per_block:
             reasons.append(f"tile {s.key()} needs {gemm_smem_bytes(s)} B of shared memory, over the target's "
                            f"{plan.target.smem_per_block} B")
-        layout = gemm_layout(kernel, plan.tensor_map)
         if layout is not None and math.ceil(layout.m / s.block_m) > MAX_GRID_YZ:
             reasons.append(f"M {layout.m} needs more than {MAX_GRID_YZ} row tiles")
     elif isinstance(s, WgmmaGemmSchedule):
         reasons.extend(wgmma_problems(plan))
         reasons.extend(norm_problems(plan, gemm_layout(kernel, plan.tensor_map)))
     elif isinstance(s, TmaGemmSchedule):
+        layout = gemm_layout(kernel, plan.tensor_map)
         reasons.extend(wgmma_problems(plan))
-        reasons.extend(tma_problems(plan, gemm_layout(kernel, plan.tensor_map)))
-        reasons.extend(norm_problems(plan, gemm_layout(kernel, plan.tensor_map)))
+        reasons.extend(tma_problems(plan, layout))
+        reasons.extend(norm_problems(plan, layout))
     else:
         reasons.append(f"unknown schedule {type(s).__name__}")
     return reasons

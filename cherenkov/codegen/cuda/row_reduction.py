@@ -215,7 +215,8 @@ def row_source(plan) -> str:
     # ---- pass 1: the row's statistics
     st = {var: em.fresh("st_") for var, _ in STATES[head]}
     init = [f"float {st[var]} = {value};" for var, value in STATES[head]]
-    operand_reads = [r for r in row_reads if r in set(t.subterms(layout.operands[0]))]
+    in_operand = set(t.subterms(layout.operands[0]))
+    operand_reads = [r for r in row_reads if r in in_operand]
     loads, used = _vector_loads(em, operand_reads, {**env, **run_start}, vec)
     helpers += used
     em.push()
@@ -278,11 +279,12 @@ def row_source(plan) -> str:
     # ---- pass 2: the epilogue
     em.push()
     if layout.writes_row:
-        em.overrides[core] = lambda e: em.row_element(core, e, stats)
+        if two_pass:  # a kept softmax row holds its exponentials already
+            em.overrides[core] = lambda e: f"row_values[u] / {st['l']}"
+        else:
+            em.overrides[core] = lambda e: em.row_element(core, e, stats)
         if s.cached:  # the core's operand at element j is this lane's kept value
             em.overrides[layout.operands[0]] = lambda e: "row_values[u]"
-        if two_pass:  # ... and a kept softmax row holds its exponentials already
-            em.overrides[core] = lambda e: f"row_values[u] / {st['l']}"
         again = [r for r in row_reads if r in outside and r != layout.operands[0]]  # the operand is kept
         loads, used = _vector_loads(em, again, {**env, **run_start}, vec)
         helpers += used
@@ -291,6 +293,7 @@ def row_source(plan) -> str:
         value = em.value(kernel.term, inner)
         out_body = em.pop()
         out_top = em.pop()
+        write = [*out_body, store(plan.output, output_offset(kernel.axes, inner, itype), value)]
         body += [
             f"// pass 2: the row's elements through the fused epilogue, {lanes} lane(s) a row"
             + (" (from the kept values)" if s.cached else ""),
@@ -304,10 +307,8 @@ def row_source(plan) -> str:
                 [f"ck_store_{plan.output.dtype}x{vec}({plan.output.param} + {start}, out);"],
             )  # fmt: skip
         elif s.cached:
-            write = [*out_body, store(plan.output, output_offset(kernel.axes, inner, itype), value)]
             body += _cached_loop(items, lanes, n, write)
         else:
-            write = [*out_body, store(plan.output, output_offset(kernel.axes, inner, itype), value)]
             body += ["#pragma unroll 4", f"for (int j = lane; j < {n}; j += {lanes}) {{", *indent_lines(write, 1), "}"]
     else:
         em.overrides[core] = lambda e: stats[0]
