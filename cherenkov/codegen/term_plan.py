@@ -157,6 +157,8 @@ WGMMA_MAX_N = 256
 WGMMA_BLOCK_K = 64  # 64 16-bit elements: one 128-byte swizzle row
 WGMMA_MAX_ACCUMULATORS = 128  # fp32 accumulators a thread may hold without spilling
 SWIZZLE_ALIGN = 1024  # one 128-byte-swizzle atom (8 rows of 128 bytes); tiles start on it
+SWIZZLE_ROW_BYTES = 128  # one 128-byte-swizzled row: WGMMA_BLOCK_K 16-bit elements
+GROUP_M = 8  # row tiles a rasterisation group of the wgmma GEMMs spans (consecutive tiles share B)
 
 
 @dataclass(frozen=True)

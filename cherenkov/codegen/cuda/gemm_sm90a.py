@@ -90,7 +90,9 @@ from cherenkov.codegen.cuda.term_expr import TermEmitter, index_type
 from cherenkov.codegen.cuda.text import block
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import (
+    GROUP_M,
     SWIZZLE_ALIGN,
+    SWIZZLE_ROW_BYTES,
     WGMMA_M,
     TmaGemmSchedule,
     gemm_layout,
@@ -98,8 +100,6 @@ from cherenkov.codegen.term_plan import (
     wgmma_smem_bytes,
 )
 
-GROUP_M = 8  # row tiles a rasterisation group spans
-ROW_BYTES = 128  # one 128-byte-swizzled row: BK = 64 16-bit elements
 
 
 def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -131,7 +131,7 @@ def _helpers(dtype: str, block_n: int, stages: int, trans_a: bool, trans_b: bool
         // ({SWIZZLE_ALIGN}-byte aligned): the chunk index is XORed with the row's place in its 8-row atom,
         // as the wgmma descriptor's swizzle mode 1 expects.
         __device__ __forceinline__ u32 swizzle_128b(int row, int chunk) {{
-            return u32(row * {ROW_BYTES} + ((chunk ^ (row & 7)) << 4));
+            return u32(row * {SWIZZLE_ROW_BYTES} + ((chunk ^ (row & 7)) << 4));
         }}
         """)
     return "\n\n".join(
@@ -192,7 +192,7 @@ def gemm_sm90a_source(plan) -> str:
         static_assert(TILES_M == (M + BM - 1) / BM && TILES_N == (N + BN - 1) / BN && BATCH >= 1, "grid");
 
         // Shared memory: [A stage 0..STAGES-1 | B stage 0..STAGES-1] from a {SWIZZLE_ALIGN}-byte aligned base.
-        constexpr u32 ROW_BYTES = {ROW_BYTES};           // a swizzled row: 64 elements
+        constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};           // a swizzled row: 64 elements
         constexpr u32 BOX_BYTES = 64 * ROW_BYTES;     // 64 K-major rows, or one MN-major box of 64 k rows
         constexpr u32 A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = BN * BK * 2;
         constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES;

@@ -65,9 +65,11 @@ from cherenkov.codegen.cuda.term_expr import TermEmitter, emit_prelude, index_ty
 from cherenkov.codegen.cuda.text import block, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import (
+    GROUP_M,
     MBARRIER_BYTES,
     PERSISTENT_BLOCKS,
     SWIZZLE_ALIGN,
+    SWIZZLE_ROW_BYTES,
     WGMMA_M,
     GemmLayout,
     gemm_layout,
@@ -76,8 +78,6 @@ from cherenkov.codegen.term_plan import (
     wgmma_smem_bytes,
 )
 
-GROUP_M = 8  # row tiles a rasterisation group spans
-ROW_BYTES = 128  # one 128-byte-swizzled row: BK = 64 16-bit elements
 BOX_ROWS = 64  # rows of an MN-major box (128 bytes of them); a K-major box holds the whole tile
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
@@ -270,7 +270,7 @@ def gemm_sm90a_tma_source(plan) -> str:
 
         // Shared memory from a {SWIZZLE_ALIGN}-byte aligned base: [A stage 0..STAGES-1 | B stage 0..STAGES-1 |
         // full mbarrier 0..STAGES-1 | empty mbarrier 0..STAGES-1].
-        constexpr u32 ROW_BYTES = {ROW_BYTES};           // a swizzled row: 64 elements
+        constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};           // a swizzled row: 64 elements
         constexpr u32 BOX_BYTES = 64 * ROW_BYTES;     // 64 K-major rows, or one MN-major box of 64 k rows
         constexpr u32 A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = BN * BK * 2;
         constexpr u32 STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;  // what the TMA delivers a k step
