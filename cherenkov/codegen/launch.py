@@ -131,8 +131,9 @@ class TermKernel(_StreamCache):
     (allocated if None), a tensor of the kernel's output shape and dtype.
 
     A TMA GEMM plan (:class:`~cherenkov.codegen.term_plan.TmaGemmSchedule`) also takes the
-    tensor maps of its two operands, by value before the pointers: they are encoded per
-    data pointers (cached) and the kernel is launched through ``cuLaunchKernel``.
+    tensor maps of its two operands (and of its output, when it stores through the copy
+    engine), by value before the pointers: they are encoded per data pointers (cached) and
+    the kernel is launched through ``cuLaunchKernel``.
     """
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
@@ -201,7 +202,7 @@ class TermKernel(_StreamCache):
             args.append(np.uint64(tensor.data_ptr()))
         handle = torch.cuda.current_stream(self._torch_device).cuda_stream
         if self._operand_maps is not None:
-            return self._bind_tma(tensors, args, handle), out
+            return self._bind_tma({**tensors, plan.output.name: out}, args, handle), out
         stream = self._stream(handle)
         args = tuple(args)
 
@@ -212,8 +213,8 @@ class TermKernel(_StreamCache):
         return run, out
 
     def _bind_tma(self, tensors: Mapping[str, object], pointers: list, stream: int):
-        """``run()`` of a TMA GEMM: the operands' tensor maps, then the pointers, through
-        ``cuLaunchKernel`` on the raw stream handle ``stream``."""
+        """``run()`` of a TMA GEMM: the tensor maps (of ``tensors``, the output among them),
+        then the pointers, through ``cuLaunchKernel`` on the raw stream handle ``stream``."""
         import torch
 
         operands = [tensors[m.tensor] for m in self._operand_maps]

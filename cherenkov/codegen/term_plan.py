@@ -214,9 +214,15 @@ class TmaGemmSchedule(WgmmaTile):
     the consumers multiplying as in the cp.async kernel. ``persistent``: one block per SM
     (at most ``PERSISTENT_BLOCKS``) walks the output tiles, so a tile's epilogue runs while
     the producer loads the next tile's operands; else one block a tile. The launch passes
-    TMA tensor maps of both operands (plain row-major matrices, no batch)."""
+    TMA tensor maps of both operands (plain row-major matrices, no batch).
+
+    ``store_boxes`` > 0: the epilogue stages the output in that many ``STORE_BOX`` ×
+    ``STORE_BOX`` boxes of shared memory a consumer warpgroup, each stored by the copy engine
+    (a TMA store) while the warpgroup goes on to the next box and tile; the output must be
+    a plain row-major matrix too. 0: every thread stores its accumulators itself."""
 
     persistent: bool = True
+    store_boxes: int = 0
     split_k: ClassVar[int] = 1  # no split-K: one block owns a tile
 
     @property
@@ -224,20 +230,26 @@ class TmaGemmSchedule(WgmmaTile):
         return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
 
     def key(self) -> str:
-        return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}"
+        stores = f"_o{self.store_boxes}" if self.store_boxes else ""
+        return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}{stores}"
 
 
 PERSISTENT_BLOCKS = 132  # SMs of an H100 SXM / H200: a persistent GEMM's grid (launch caps it at the device's)
 MBARRIER_BYTES = 8
+STORE_BOX = 64  # rows and columns of a TMA GEMM's output staging box: 64 swizzled rows of 128 bytes
+STORE_BOX_BYTES = STORE_BOX * SWIZZLE_ROW_BYTES
 
 
 def wgmma_smem_bytes(schedule: WgmmaGemmSchedule | TmaGemmSchedule) -> int:
     """Dynamic shared memory of a wgmma GEMM plan: ``stages`` A and B tiles (16-bit, no
     padding: the 128-byte swizzle keeps the accesses conflict-free), plus slack to align
-    the ring to a swizzle atom, plus (TMA kernels) a full and an empty mbarrier a stage."""
+    the ring to a swizzle atom, plus (TMA kernels) a full and an empty mbarrier a stage and
+    the output staging boxes."""
     s = schedule
     ring = s.stages * (s.block_m + s.block_n) * s.block_k * 2 + SWIZZLE_ALIGN
-    return ring + (2 * s.stages * MBARRIER_BYTES if isinstance(s, TmaGemmSchedule) else 0)
+    if not isinstance(s, TmaGemmSchedule):
+        return ring
+    return ring + 2 * s.stages * MBARRIER_BYTES + s.store_boxes * s.consumer_warpgroups * STORE_BOX_BYTES
 
 
 Schedule = PointwiseSchedule | RowSchedule | GemmSchedule | WgmmaGemmSchedule | TmaGemmSchedule
@@ -290,10 +302,15 @@ WGMMA_SPLIT_K_TILES = (
 SPLIT_K_BLOCKS = 128
 SPLIT_K_MIN_STEPS = 4
 # The TMA kernels (plain row-major matrix operands, no batch): 128x256 with 4 stages fills
-# the shared memory (193 KiB); 5 stages of 128x128 hold as many bytes in flight.
+# the shared memory (193 KiB); 6 stages of 128x128 hold as many bytes in flight. Two
+# staging boxes a warpgroup (32 KiB) still fit beside either ring; one box leaves room for
+# an absorbed norm's weight.
 TMA_GEMM_SCHEDULES = (
+    TmaGemmSchedule(128, 256, 64, 2, 4, True, 2),
+    TmaGemmSchedule(128, 256, 64, 2, 4, True, 1),
     TmaGemmSchedule(128, 256, 64, 2, 4, True),
     TmaGemmSchedule(128, 256, 64, 2, 4, False),
+    TmaGemmSchedule(128, 128, 64, 2, 6, True, 2),
     TmaGemmSchedule(128, 128, 64, 2, 6, True),
 )
 
@@ -687,6 +704,26 @@ def tma_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
                                    ("B", layout.b, layout.n_axes, layout.b_kmajor)):  # fmt: skip
         if tma_matrix(op, rows, layout.k_axis, kmajor, plan.tensor_map) is None:
             reasons.append(f"operand {role} is not a plain row-major matrix read (the TMA kernel's tensor maps are 2-D)")
+    return reasons + tma_store_problems(plan, layout)
+
+
+def tma_store_problems(plan: TermKernelPlan, layout: GemmLayout) -> list[str]:
+    """Why a TMA GEMM plan cannot stage its output for TMA stores (none without
+    ``store_boxes``): the output must be a row-major ``M × N`` matrix with 16-byte rows,
+    and a tile's boxes a whole number of rounds of the staging buffers."""
+    s = plan.schedule
+    if not s.store_boxes:
+        return []
+    reasons = []
+    if s.store_boxes not in (1, 2):
+        reasons.append(f"store_boxes {s.store_boxes} (0, 1 or 2 staging boxes a warpgroup)")
+    elif (s.warpgroup_m // WGMMA_M) * (s.block_n // STORE_BOX) % s.store_boxes:
+        reasons.append(f"a warpgroup's {s.warpgroup_m}x{s.block_n} tile is not a whole number of rounds of "
+                       f"{s.store_boxes} {STORE_BOX}x{STORE_BOX} staging boxes")
+    if tuple(plan.kernel.axes) != (*layout.m_axes, *layout.n_axes):
+        reasons.append("the output is not a row-major M x N matrix (TMA stores write a 2-D tensor map)")
+    if layout.n * DTYPE_BYTES[plan.output.dtype] % 16:
+        reasons.append(f"output rows of N {layout.n} are not a multiple of 16 bytes (a TMA store's row stride)")
     return reasons
 
 

@@ -237,9 +237,13 @@ MMA_PIPELINE_EFFICIENCY = {2: 0.8, 3: 1.0, 4: 1.0}  # a 2-stage ring leaves load
 WGMMA_TILE_EFFICIENCY = {(128, 256, 2, 4): 0.47, (256, 128, 2, 4): 0.45, (128, 128, 2, 5): 0.45,
                          (128, 128, 2, 3): 0.42, (128, 128, 1, 4): 0.38, (64, 256, 1, 4): 0.39,
                          (64, 128, 1, 6): 0.37, (64, 64, 1, 8): 0.24, (64, 64, 1, 4): 0.22}  # fmt: skip
-# The warp-specialised TMA kernels (benchmarks/bench_gemm_sm90a.py, H200, bf16 4096³):
-# (block_m, block_n, stages, persistent).
-TMA_TILE_EFFICIENCY = {(128, 256, 4, True): 0.71, (128, 256, 4, False): 0.69, (128, 128, 6, True): 0.64}
+# The warp-specialised TMA kernels (benchmarks/bench_gemm_sm90a.py, H200, bf16 4096³:
+# results/gemm-sm90a-tma-stores-h200-2026-11-29.json): (block_m, block_n, stages,
+# persistent, store_boxes).
+TMA_TILE_EFFICIENCY = {
+    (128, 256, 4, True, 0): 0.70, (128, 256, 4, False, 0): 0.68, (128, 128, 6, True, 0): 0.64,
+    (128, 256, 4, True, 2): 0.76, (128, 256, 4, True, 1): 0.755, (128, 128, 6, True, 2): 0.73,
+}
 EVALUATED_OPERAND_PENALTY = 0.6  # a GEMM operand computed element by element instead of cp.async copies
 
 
@@ -288,7 +292,7 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
         compute_ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3
         memory = MEMORY_EFFICIENCY["mma"]
     elif family == "wgmma" and isinstance(schedule, TmaGemmSchedule):
-        tile = (schedule.block_m, schedule.block_n, schedule.stages, schedule.persistent)
+        tile = (schedule.block_m, schedule.block_n, schedule.stages, schedule.persistent, schedule.store_boxes)
         efficiency = TMA_TILE_EFFICIENCY.get(tile, 0.5) * waves  # persistent grids: min(tiles, SMs) blocks
         compute_ms = flops / (gpu.wgmma_tflops * 1e12 * efficiency) * 1e3
         memory = MEMORY_EFFICIENCY["mma"]

@@ -6,7 +6,8 @@ bias + GELU epilogue, batched fp16 matmuls, and split-K on few-tile problems (la
 twice: the arrival counters reset, and the result is the same bits). A matmul that absorbs
 the RMSNorm feeding it runs in the TMA kernel (A from registers: CPU, nvcc, SASS) and the
 mma kernel, and matches torch's norm and matmul with and without a weight, with tails, in
-fp16 (GPU)."""
+fp16 (GPU). TMA GEMMs that store through shared memory (checked on CPU: valid outputs,
+the tensor map, UTMASTG) run in the same GPU cases."""
 
 from __future__ import annotations
 
@@ -141,7 +142,9 @@ def test_every_schedule_is_offered_first_on_sm90a() -> None:
             WGMMA_GEMM_SCHEDULES
         ), name
         tma_offered = [s for s in valid if isinstance(s, TmaGemmSchedule)]
-        assert tma_offered == ([] if layout.batch_size > 1 else list(TMA_GEMM_SCHEDULES)), name
+        stores = layout.n % 8 == 0  # 16-byte output rows: TMA stores
+        expected = [s for s in TMA_GEMM_SCHEDULES if stores or not s.store_boxes]
+        assert tma_offered == ([] if layout.batch_size > 1 else expected), name
         assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}, name
 
 
@@ -149,8 +152,27 @@ def test_tma_needs_plain_matrices_and_says_why() -> None:
     plan = next(p for p in contraction_plans(batched_graph()) if p.family == "wgmma")
     bad = TermKernelPlan(plan.kind, plan.kernel, TMA_GEMM_SCHEDULES[0], SM90A, plan.tensors)
     assert any("no batch" in reason for reason in term_plan_problems(bad))
-    assert TMA_GEMM_SCHEDULES[0].threads == 384 and TMA_GEMM_SCHEDULES[0].key() == "wgmma_tma_m128_n256_k64_wg2_s4_p"
-    assert wgmma_smem_bytes(TMA_GEMM_SCHEDULES[0]) == 4 * (128 + 256) * 64 * 2 + 1024 + 2 * 4 * 8
+    plain, staged = TmaGemmSchedule(128, 256, 64, 2, 4, True), TmaGemmSchedule(128, 256, 64, 2, 4, True, 2)
+    assert plain.threads == 384 and plain.key() == "wgmma_tma_m128_n256_k64_wg2_s4_p"
+    assert wgmma_smem_bytes(plain) == 4 * (128 + 256) * 64 * 2 + 1024 + 2 * 4 * 8
+    assert staged.key() == "wgmma_tma_m128_n256_k64_wg2_s4_p_o2"
+    assert wgmma_smem_bytes(staged) == wgmma_smem_bytes(plain) + 2 * 2 * 64 * 128 <= SM90A.smem_per_block
+
+
+@pytest.mark.parametrize(
+    "graph, schedule, reason",
+    [
+        ("split_nt_odd_n", TmaGemmSchedule(128, 256, 64, 2, 4, True, 2), "multiple of 16 bytes"),
+        ("nn_tails", TmaGemmSchedule(128, 256, 64, 2, 4, True, 3), "store_boxes 3"),
+        ("nn_tails", TmaGemmSchedule(128, 64, 64, 2, 6, True, 2), "whole number of rounds"),
+    ],
+)
+def test_tma_stores_need_a_plain_output_and_say_why(graph, schedule, reason) -> None:
+    plan = wgmma_plans(GRAPHS[graph]())[0]
+    bad = TermKernelPlan(plan.kind, plan.kernel, schedule, SM90A, plan.tensors)
+    assert any(reason in p for p in term_plan_problems(bad)), term_plan_problems(bad)
+    good = TermKernelPlan(plan.kind, plan.kernel, TmaGemmSchedule(128, 256, 64, 2, 4, True), SM90A, plan.tensors)
+    assert not term_plan_problems(good)
 
 
 def test_tma_tensor_maps_follow_the_layouts() -> None:
@@ -158,8 +180,10 @@ def test_tma_tensor_maps_follow_the_layouts() -> None:
         (False, False, (OperandMap("a", (136, 200), 272, (64, 128)), OperandMap("b", (328, 136), 656, (64, 64)))),
         (True, True, (OperandMap("a", (200, 136), 400, (64, 64)), OperandMap("b", (136, 328), 272, (64, 256)))),
     ):
-        plan = next(p for p in wgmma_plans(matmul_graph(ta, tb, 200, 328, 136)) if p.schedule == TMA_GEMM_SCHEDULES[0])
-        assert tensor_maps(plan) == expected
+        plans = {p.schedule.store_boxes: p for p in wgmma_plans(matmul_graph(ta, tb, 200, 328, 136))
+                 if isinstance(p.schedule, TmaGemmSchedule) and p.schedule.block_n == 256 and p.schedule.persistent}
+        assert tensor_maps(plans[0]) == expected
+        assert tensor_maps(plans[2]) == (*expected, OperandMap("y", (328, 200), 656, (64, 64))), "the output's"
 
 
 def test_split_k_only_for_few_tiles() -> None:
@@ -203,7 +227,8 @@ def test_not_offered_for_evaluated_operands() -> None:
 
 def test_an_absorbed_rms_norm_runs_in_the_tma_and_mma_families() -> None:
     plans = absorbed_plans(NORM_GRAPHS["weight_1024x1536x2048"]())
-    assert [p.schedule for p in plans if p.family == "wgmma"] == list(TMA_GEMM_SCHEDULES)
+    # the weight (3 KiB of static shared memory) leaves room for one staging box a warpgroup
+    assert [p.schedule for p in plans if p.family == "wgmma"] == [s for s in TMA_GEMM_SCHEDULES if s.store_boxes < 2]
     assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}
     layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
     assert layout.norm is not None and layout.norm_operand == "a" and layout.a == layout.norm.x
@@ -294,6 +319,7 @@ def test_every_schedule_compiles_without_spills_to_hgmma(nvcc, sass, graph, tmp_
         assert (".tnspA" in code) != layout.a_kmajor and (".tnspB" in code) != layout.b_kmajor, plan.name
         assert " LDL" not in code and " STL" not in code, plan.name
         assert ("UTMALDG" in code) == isinstance(plan.schedule, TmaGemmSchedule), plan.name
+        assert ("UTMASTG" in code) == bool(getattr(plan.schedule, "store_boxes", 0)), plan.name
     if sass is None:
         pytest.skip("cuobjdump is not installed: compiled and ptxas-checked only")
 
@@ -312,6 +338,7 @@ def test_absorbed_norm_compiles_to_register_a_hgmma_without_spills(nvcc, sass, g
         code = sass(cubin)
         assert re.search(rf"HGMMA\.64x{plan.schedule.block_n}x16\.F32\S* R\d+, R\d+, gdesc", code), plan.name
         assert "LDSM.16.M88.4" in code and "UTMALDG" in code and " LDL" not in code and " STL" not in code
+        assert ("UTMASTG" in code) == bool(plan.schedule.store_boxes), plan.name
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -338,6 +365,8 @@ GPU_CASES = {
     "split_bmm_bias_gelu": (batched_bias_gelu_graph, lambda torch, x: torch.nn.functional.gelu(
         x["a"].float() @ x["b"].float() + x["bias"].float(), approximate="tanh")),
     "decode_64x2048x8192": (lambda: matmul_graph(False, False, 64, 2048, 8192), _matmul_reference(False, False)),
+    # 256 tiles of 128x256: persistent blocks take two, the staging boxes and the ring run on across them
+    "nn_2048x4096x512": (lambda: matmul_graph(False, False, 2048, 4096, 512), _matmul_reference(False, False)),
 }  # fmt: skip
 
 

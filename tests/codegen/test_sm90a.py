@@ -150,7 +150,7 @@ def test_two_q_buffers_need_a_persistent_grid_and_split_the_two_stage_ring():
     assert any("persistent" in p for p in hopper_schedule_problems(one_tile, SEED))
     source = emit_flash_attention_sm90a(SEED, TWO_Q)
     assert "constexpr int Q_BUFFERS = 2;" in source and "SPLIT_RELEASE = true" in source
-    assert "O_THROUGH_SMEM = true" in source and "bulk_wait_read_all()" in source
+    assert "O_THROUGH_SMEM = true" in source and "bulk_wait_read<0>()" in source
 
 
 def test_source_is_deterministic_and_specialised():

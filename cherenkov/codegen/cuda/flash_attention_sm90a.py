@@ -96,7 +96,7 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
         section("problem and schedule constants", _constants(problem, schedule)),
         section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype))),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(3),
-                tma.emit_fence_proxy_async(), _tma_stores()),
+                tma.emit_fence_proxy_async(), tma.emit_tma_store(3)),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
         section("wgmma", wgmma.emit_descriptor(), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
                 wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(dtype)),
@@ -577,7 +577,7 @@ def _epilogue_through_smem() -> str:
             const u32 o_tile = (Q_BUFFERS == 2 ? smem + O_SMEM : q_tile) + consumer * 64 * ROW_BYTES;
             const bool store_thread = threadIdx.x % 128 == 0;
             if (Q_BUFFERS == 2) {  // the O tile's last store has read it
-                if (store_thread) bulk_wait_read_all();
+                if (store_thread) bulk_wait_read<0>();
                 named_barrier_sync(3 + consumer, 128);
             }
             #pragma unroll
@@ -597,38 +597,6 @@ def _epilogue_through_smem() -> str:
                     tma_store_3d(o_map, o_tile + b * Q_BOX_BYTES, 64 * b, w.q0 + consumer * 64, w.q_head);
                 bulk_commit();
             }
-        """
-    )
-
-
-def _tma_stores() -> str:
-    return block(
-        """
-        __device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {
-            asm volatile("st.shared.b32 [%0], %1;\\n" :: "r"(addr), "r"(value) : "memory");
-        }
-
-        // Store one box of `map` at coordinates (c0 innermost, ...) from shared memory at `src`
-        // (a bulk async-group of this thread; out-of-bounds rows are not written).
-        __device__ __forceinline__ void tma_store_3d(const TensorMap* map, u32 src, int c0, int c1, int c2) {
-            asm volatile(
-                "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\\n"
-                :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
-                : "memory");
-        }
-
-        __device__ __forceinline__ void bulk_commit() {
-            asm volatile("cp.async.bulk.commit_group;\\n" ::: "memory");
-        }
-
-        // Wait until this thread's bulk stores have read their shared memory / have completed.
-        __device__ __forceinline__ void bulk_wait_read_all() {
-            asm volatile("cp.async.bulk.wait_group.read 0;\\n" ::: "memory");
-        }
-
-        __device__ __forceinline__ void bulk_wait_all() {
-            asm volatile("cp.async.bulk.wait_group 0;\\n" ::: "memory");
-        }
         """
     )
 

@@ -300,6 +300,18 @@ def epilogue_pair_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: di
     """Like :func:`epilogue_store` for columns ``n`` and ``n + 1`` (``n`` even, in range;
     :func:`paired_columns` holds), with ``accumulators`` theirs: both values are stored
     as one 4-byte word."""
+    lines, values, env = epilogue_pair_values(em, plan, layout, batch_env, accumulators)
+    offset = output_offset(plan.kernel.axes, env, em.index_type)
+    info = plan.output
+    return [*lines, f"ck_store_{info.dtype}x2({info.param} + {offset}, {{{values[0]}, {values[1]}}});"]
+
+
+def epilogue_pair_values(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
+                         accumulators: tuple[str, str]) -> tuple[list[str], list[str], dict[str, Binding]]:  # fmt: skip
+    """``(statements, values, env)``: the kernel's term at output columns ``n`` and ``n + 1``
+    of row ``m`` (both in range), with ``accumulators`` in place of its contraction — the
+    statements that bind them, the two fp32 value expressions and column ``n``'s index
+    bindings — for an epilogue that stores the pair itself."""
     depth = em.push()
     m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
     values, envs, lines = [], [], list(m_lines)
@@ -311,9 +323,7 @@ def epilogue_pair_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: di
         values.append(em.value(plan.kernel.term, env))
         envs.append(env)
     lines += em.pop()
-    offset = output_offset(plan.kernel.axes, envs[0], em.index_type)
-    info = plan.output
-    return [*lines, f"ck_store_{info.dtype}x2({info.param} + {offset}, {{{values[0]}, {values[1]}}});"]
+    return lines, values, envs[0]
 
 
 def shape_constants(layout: GemmLayout, schedule, indent: str, batch: bool = True) -> str:

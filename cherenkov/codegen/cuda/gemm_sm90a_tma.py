@@ -32,6 +32,14 @@ live until the wait that retires its wgmmas. The epilogue sums the row sums over
 quad and multiplies each accumulator row by ``(Σ x²/K + ε)^{-1/2}``: the norm's row scale,
 which does not depend on k, applied after the sum.
 
+With ``store_boxes`` the epilogue does not store from registers: each consumer warpgroup
+writes its rows of the output, box by box (``STORE_BOX`` rows × ``STORE_BOX`` columns,
+128-byte-swizzled like the operand tiles, so the 8 rows of one store instruction hit 8
+different bank groups), into one of its ``store_boxes`` staging buffers, and one thread
+hands each box to the copy engine (``cp.async.bulk.tensor`` store, full 128-byte lines,
+what lies past M or N clipped by the output's tensor map) while the warpgroup goes on. A
+buffer is written again only once its previous store has read it (``wait_group.read``).
+
 Parities: a stage's barriers complete once per use; pass ``u`` of the ring over stage
 ``s`` waits for phase parity ``u & 1`` of full[s] (consumers) and ``(u & 1) ^ 1`` of
 empty[s] (producer: a fresh barrier counts its phase of parity 1 as complete, so the
@@ -39,9 +47,9 @@ first pass does not wait).
 
 Launch: grid ``(min(TILES, PERSISTENT_BLOCKS), 1, 1)`` when persistent, else ``(TILES, 1,
 1)``, ``128 · (CONSUMERS + 1)`` threads, :func:`~cherenkov.codegen.term_plan.wgmma_smem_bytes`
-of dynamic shared memory; parameters: the TMA tensor maps of A and B (by value,
-``__grid_constant__``; :func:`tensor_maps` says how the host encodes them), then the
-pointers of every tensor as in every term kernel.
+of dynamic shared memory; parameters: the TMA tensor maps of A and B (and of the output
+with ``store_boxes``; by value, ``__grid_constant__``; :func:`tensor_maps` says how the
+host encodes them), then the pointers of every tensor as in every term kernel.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cherenkov.codegen.cuda import tma, wgmma
-from cherenkov.codegen.cuda.gemm import accumulator_epilogue, epilogue_loops, shape_constants
+from cherenkov.codegen.cuda import mma, tma, wgmma
+from cherenkov.codegen.cuda.gemm import accumulator_epilogue, epilogue_loops, epilogue_pair_values, shape_constants
 from cherenkov.codegen.cuda.ldmatrix import emit_ldmatrix_primitives
 from cherenkov.codegen.cuda.norm_prologue import emit_norm_helpers, fragment_prologue, norm_constants, row_scales
 from cherenkov.codegen.cuda.term_common import (
@@ -68,6 +76,7 @@ from cherenkov.codegen.term_plan import (
     GROUP_M,
     MBARRIER_BYTES,
     PERSISTENT_BLOCKS,
+    STORE_BOX,
     SWIZZLE_ALIGN,
     SWIZZLE_ROW_BYTES,
     WGMMA_M,
@@ -94,9 +103,10 @@ class OperandMap:
     box: tuple[int, int]
 
 
-def tensor_maps(plan) -> tuple[OperandMap, OperandMap]:
-    """The tensor maps of A and B a TMA GEMM plan's launch passes: K-major operands in boxes
-    of ``64 k × tile rows``, MN-major ones in boxes of ``64 rows × 64 k``."""
+def tensor_maps(plan) -> tuple[OperandMap, ...]:
+    """The tensor maps a TMA GEMM plan's launch passes: A and B — K-major operands in boxes
+    of ``64 k × tile rows``, MN-major ones in boxes of ``64 rows × 64 k`` — then, with
+    ``store_boxes``, the output's, in staging boxes of ``STORE_BOX × STORE_BOX``."""
     s = plan.schedule
     layout = gemm_layout(plan.kernel, tensor_infos(plan))
     maps = []
@@ -107,7 +117,9 @@ def tensor_maps(plan) -> tuple[OperandMap, OperandMap]:
             raise CodegenError(f"kernel {plan.kernel.output}: an operand is not a plain matrix read")
         box = (64, tile) if kmajor else (BOX_ROWS, 64)
         maps.append(OperandMap(plan.tensor_map[op[1]].name, dims, dims[0] * 2, box))
-    return maps[0], maps[1]
+    if s.store_boxes:
+        maps.append(OperandMap(plan.output.name, (layout.n, layout.m), layout.n * 2, (STORE_BOX, STORE_BOX)))
+    return tuple(maps)
 
 
 def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -222,8 +234,52 @@ def _norm_main_loop(mma_name: str) -> list[str]:
     ]
 
 
+def _staged_epilogue(epilogue: list[str], values: list[str]) -> list[str]:
+    """The consumer's epilogue through its staging boxes: per box (m64 tile ``mi``, 64
+    columns ``j``), ``epilogue`` binds the ``values`` of columns ``n``, ``n + 1`` of row ``m``
+    for each in-range pair, which lands at row ``r``, 16-byte chunk ``c`` of the box; then
+    one thread stores the box."""
+    return [
+        "// epilogue through shared memory, a 64x64 box at a time (the producer loads the next tile meanwhile):",
+        "// accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column",
+        "// 8c + 2 (lane % 4) + (e & 1); in the box, 16-byte chunk c of row r sits at chunk c ^ (r % 8)",
+        "#pragma unroll",
+        "for (int mi = 0; mi < M_TILES; ++mi) {",
+        "    #pragma unroll",
+        "    for (int j = 0; j < BN / STORE_BOX; ++j) {",
+        "        const int buffer = (mi * (BN / STORE_BOX) + j) % STORE_BOXES;",
+        "        const u32 box = smem + STORE_SMEM + (warpgroup * STORE_BOXES + buffer) * BOX_BYTES;",
+        "        if (store_thread) bulk_wait_read<STORE_BOXES - 1>();  // the buffer's last store has read it",
+        "        named_barrier_sync(1 + warpgroup, 128);",
+        "        #pragma unroll",
+        "        for (int c = 0; c < STORE_BOX / 8; ++c) {",
+        "            #pragma unroll",
+        "            for (int e = 0; e < 4; e += 2) {",
+        "                const int r = 16 * warp + (lane >> 2) + 8 * (e >> 1);  // r % 8 == lane / 4",
+        "                const int m = m0 + warpgroup * WG_M + 64 * mi + r;",
+        "                const int n = n0 + STORE_BOX * j + 8 * c + 2 * (lane & 3);",
+        "                if (m < M && n < N) {",
+        *indent_lines(epilogue, 5),
+        "                    st_shared_u32(box + r * ROW_BYTES + ((c ^ (lane >> 2)) << 4) + 4 * (lane & 3),",
+        f"                                  pack2({values[0]}, {values[1]}));",
+        "                }",
+        "            }",
+        "        }",
+        "        fence_proxy_async();  // the generic-proxy writes before the copy engine's reads",
+        "        named_barrier_sync(1 + warpgroup, 128);",
+        "        if (store_thread) {",
+        "            tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + warpgroup * WG_M + 64 * mi);",
+        "            bulk_commit();",
+        "        }",
+        "    }",
+        "}",
+    ]
+
+
 def _signature(plan, name: str, threads: int) -> str:
     params = ["const __grid_constant__ TensorMap a_map", "const __grid_constant__ TensorMap b_map"]
+    if plan.schedule.store_boxes:
+        params.append("const __grid_constant__ TensorMap y_map")
     params += [f"const {i.c_type}* __restrict__ {i.param}" for i in plan.inputs]
     params.append(f"{plan.output.c_type}* __restrict__ {plan.output.param}")
     joined = ",\n    ".join(params)
@@ -251,6 +307,14 @@ def gemm_sm90a_tma_source(plan) -> str:
     def order(kmajor: bool) -> str:
         return "K-major [row][k]" if kmajor else "MN-major [k][row] boxes"
 
+    ring_offsets = (
+        "constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES, BARRIERS = STAGES * STAGE_BYTES;"
+        if not s.store_boxes else
+        f"constexpr int STORE_BOX = {STORE_BOX}, STORE_BOXES = {s.store_boxes};  // output staging boxes a warpgroup\n"
+        "        constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES, STORE_SMEM = STAGES * STAGE_BYTES;\n"
+        "        constexpr u32 BARRIERS = STORE_SMEM + CONSUMERS * STORE_BOXES * BOX_BYTES;"
+    )  # fmt: skip
+    layout_note = "| output boxes of warpgroup 1, 2 " if s.store_boxes else ""
     a_constants = (
         f"// A {order(layout.a_kmajor)}: fragments from registers" if norm else
         f"constexpr u32 A_K_STEP = {'32' if layout.a_kmajor else '16 * ROW_BYTES'}, "
@@ -268,13 +332,13 @@ def gemm_sm90a_tma_source(plan) -> str:
         static_assert(BK == 64 && M_TILES >= 1 && STAGES >= 3, "one swizzle row of k; a ring of buffers");
         static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "the register file");
 
-        // Shared memory from a {SWIZZLE_ALIGN}-byte aligned base: [A stage 0..STAGES-1 | B stage 0..STAGES-1 |
+        // Shared memory from a {SWIZZLE_ALIGN}-byte aligned base: [A stage 0..STAGES-1 | B stage 0..STAGES-1 {layout_note}|
         // full mbarrier 0..STAGES-1 | empty mbarrier 0..STAGES-1].
         constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};           // a swizzled row: 64 elements
         constexpr u32 BOX_BYTES = 64 * ROW_BYTES;     // 64 K-major rows, or one MN-major box of 64 k rows
         constexpr u32 A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = BN * BK * 2;
         constexpr u32 STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;  // what the TMA delivers a k step
-        constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES, BARRIERS = STAGES * STAGE_BYTES;
+        {ring_offsets}
         static_assert(BARRIERS + 2 * STAGES * {MBARRIER_BYTES} + {SWIZZLE_ALIGN} == {smem_bytes}, "the plan's shared memory");
         {a_constants}
         constexpr u32 B_K_STEP = {"32" if layout.b_kmajor else "16 * ROW_BYTES"}, B_LBO = {"16" if layout.b_kmajor else "BOX_BYTES"};  // B {order(layout.b_kmajor)}
@@ -300,8 +364,24 @@ def gemm_sm90a_tma_source(plan) -> str:
     em.push()
     batch_lines, batch_env = decompose("0", layout.batch, 0, "bz")
     scale = " * row_scale[mi][e >> 1]" if norm else ""  # columns e, e + 1 share a row
-    paired, epilogue = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][4 * c + e]{scale}",
-                                            f"acc[mi][4 * c + e + 1]{scale}")
+    if s.store_boxes:  # the output's rows are 16-byte aligned: columns n, n + 1 are one word
+        paired = False
+        lines, values, _ = epilogue_pair_values(em, plan, layout, batch_env, (
+            f"acc[mi][4 * (8 * j + c) + e]{scale}", f"acc[mi][4 * (8 * j + c) + e + 1]{scale}"))
+        epilogue = _staged_epilogue(lines, values)
+    else:
+        paired, stores = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][4 * c + e]{scale}",
+                                              f"acc[mi][4 * c + e + 1]{scale}")
+        epilogue = [
+            "// epilogue (the producer loads the next tile meanwhile): accumulator d[4c + e] of m64",
+            "// tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column 8c + 2 (lane % 4) + (e & 1)",
+            *epilogue_loops(
+                ("mi", "M_TILES"), ("c", "BN / 8"),
+                "m0 + warpgroup * WG_M + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1)",
+                "n0 + 8 * c + 2 * (lane & 3) + (e & 1)",
+                stores, paired,
+            ),
+        ]  # fmt: skip
     top = em.pop()
 
     producer = [
@@ -334,6 +414,8 @@ def gemm_sm90a_tma_source(plan) -> str:
         "// consumers: warpgroup w multiplies rows w * WG_M .. of each tile, then runs its epilogue",
         "reg_alloc<CONSUMER_REGS>();",
         "const int warpgroup = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;",
+        *(["const bool store_thread = threadIdx.x % 128 == 0;  // hands the warpgroup's boxes to the copy engine"]
+          if s.store_boxes else []),
         *batch_lines,
         *(["// values every tile shares (batch-only parts of the terms)", *top] if top else []),
         *([] if norm else [
@@ -363,15 +445,9 @@ def gemm_sm90a_tma_source(plan) -> str:
         "    if (previous >= 0 && lane == 0) mbar_arrive(smem + BARRIERS + 8 * (STAGES + previous));",
         *(indent_lines(row_scales("M_TILES"), 1) if norm else []),
         "",
-        "    // epilogue (the producer loads the next tile meanwhile): accumulator d[4c + e] of m64",
-        "    // tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column 8c + 2 (lane % 4) + (e & 1)",
-        *indent_lines(epilogue_loops(
-            ("mi", "M_TILES"), ("c", "BN / 8"),
-            "m0 + warpgroup * WG_M + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1)",
-            "n0 + 8 * c + 2 * (lane & 3) + (e & 1)",
-            epilogue, paired,
-        ), 1),
+        *indent_lines(epilogue, 1),
         "}",
+        *(["if (store_thread) bulk_wait_all();  // shared memory must outlive the stores"] if s.store_boxes else []),
     ]  # fmt: skip
     body = [
         f"// shared memory: the tile ring at the first {SWIZZLE_ALIGN}-byte boundary, then the mbarriers",
@@ -402,11 +478,13 @@ def gemm_sm90a_tma_source(plan) -> str:
         f"N={layout.n} K={layout.k}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.consumer_warpgroups} consumer "
         f"warpgroups and a TMA producer warpgroup, {s.stages} stages{', persistent' if s.persistent else ''}; "
         f"A {order(layout.a_kmajor)}, B {order(layout.b_kmajor)}."
+        + (f" The output goes through {s.store_boxes} shared-memory box(es) a warpgroup and TMA stores."
+           if s.store_boxes else "")
         + (" A is an absorbed RMSNorm of x: fragments from registers (x * w), row sums of x^2, row scales in the "
            "epilogue." if norm else "")
     )
     launch = (f"grid ({blocks}, 1, 1), {s.threads} threads, {smem_bytes} bytes of dynamic shared memory; "
-              "the tensor maps of A and B first")  # fmt: skip
+              f"the tensor maps of A{', B and the output' if s.store_boxes else ' and B'} first")  # fmt: skip
     helpers = [
         emit_prelude(),
         tma.emit_tensor_map_type(),
@@ -418,6 +496,8 @@ def gemm_sm90a_tma_source(plan) -> str:
         wgmma.emit_wgmma(s.block_n, dtype, norm is not None, not layout.b_kmajor,
                          not layout.a_kmajor and norm is None),
     ]
+    if s.store_boxes:
+        helpers += [tma.emit_tma_store(2), tma.emit_fence_proxy_async(), tma.emit_named_barriers(), mma.emit_pack(dtype)]
     if norm is not None:
         helpers += [emit_ldmatrix_primitives(4), emit_norm_helpers(dtype)]
     if paired:

@@ -11,7 +11,8 @@
   a producer's first wait on an "empty" barrier passes at once).
 * ``tma_load_3d``: ``cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes``,
   one box of the tensor map at the given coordinates (innermost first) into shared memory,
-  completing on an mbarrier.
+  completing on an mbarrier; ``tma_store_3d`` the other way, from shared memory, tracked
+  as bulk async-groups of the issuing thread.
 * ``fence_proxy_async``, ``fence_barrier_init``; ``reg_alloc<N>`` / ``reg_dealloc<N>``
   (``setmaxnreg``, sm_90a: a warpgroup's per-thread register budget); named barriers
   (``bar.sync`` / ``bar.arrive`` with a thread count) for the consumer pingpong.
@@ -82,13 +83,18 @@ def emit_mbarrier() -> str:
     )
 
 
-def emit_tma_load(rank: int = 3) -> str:
-    """``tma_load_{rank}d(dst, map, bar, c0, ...)``: one box into shared memory, completing on ``bar``."""
+def _coordinates(rank: int, first_operand: int) -> tuple[str, str, str]:
+    """A TMA copy's ``rank`` coordinates ``c0, ...``: the C++ parameters, the PTX operand
+    list (from ``%first_operand``) and the asm inputs."""
     if not 1 <= rank <= 5:
         raise CodegenError(f"TMA tensor rank {rank} (valid: 1..5)")
-    coords = ", ".join(f"int c{i}" for i in range(rank))
-    braces = ", ".join(f"%{3 + i}" for i in range(rank))
-    inputs = ", ".join(f'"r"(c{i})' for i in range(rank))
+    return (", ".join(f"int c{i}" for i in range(rank)), ", ".join(f"%{first_operand + i}" for i in range(rank)),
+            ", ".join(f'"r"(c{i})' for i in range(rank)))
+
+
+def emit_tma_load(rank: int = 3) -> str:
+    """``tma_load_{rank}d(dst, map, bar, c0, ...)``: one box into shared memory, completing on ``bar``."""
+    coords, braces, inputs = _coordinates(rank, 3)
     return block(
         f"""
         // Copy one box of `map` at coordinates (c0 innermost, ...) to shared memory at `dst`;
@@ -104,6 +110,45 @@ def emit_tma_load(rank: int = 3) -> str:
         // Fetch a tensor map into the copy engine's descriptor cache ahead of its first use.
         __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {{
             asm volatile("prefetch.tensormap [%0];\\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+        }}
+        """
+    )
+
+
+def emit_tma_store(rank: int) -> str:
+    """``tma_store_{rank}d(map, src, c0, ...)``: one box from shared memory into global memory
+    as a bulk async-group of the calling thread; ``bulk_commit``, ``bulk_wait_read<N>`` (at
+    most the N latest groups may still be reading their shared memory), ``bulk_wait_all``
+    (every group has written), and ``st_shared_u32`` to fill the box."""
+    coords, braces, inputs = _coordinates(rank, 2)
+    return block(
+        f"""
+        __device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {{
+            asm volatile("st.shared.b32 [%0], %1;\\n" :: "r"(addr), "r"(value) : "memory");
+        }}
+
+        // Store one box of `map` at coordinates (c0 innermost, ...) from shared memory at `src`
+        // (a bulk async-group of this thread; what lies outside the tensor is not written).
+        __device__ __forceinline__ void tma_store_{rank}d(const TensorMap* map, u32 src, {coords}) {{
+            asm volatile(
+                "cp.async.bulk.tensor.{rank}d.global.shared::cta.bulk_group [%0, {{{braces}}}], [%1];\\n"
+                :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(src), {inputs}
+                : "memory");
+        }}
+
+        __device__ __forceinline__ void bulk_commit() {{
+            asm volatile("cp.async.bulk.commit_group;\\n" ::: "memory");
+        }}
+
+        // Wait until at most the N latest bulk groups of this thread still read shared memory.
+        template <int N>
+        __device__ __forceinline__ void bulk_wait_read() {{
+            asm volatile("cp.async.bulk.wait_group.read %0;\\n" :: "n"(N) : "memory");
+        }}
+
+        // Wait until every bulk group of this thread has completed its writes.
+        __device__ __forceinline__ void bulk_wait_all() {{
+            asm volatile("cp.async.bulk.wait_group 0;\\n" ::: "memory");
         }}
         """
     )
