@@ -87,6 +87,12 @@ OVERLAP_GAIN_16_ROWS = 1.15     # 16-row warps: 305 -> 353 TFLOP/s on the seed
 PINGPONG_PENALTY = 0.85         # 297-326 against 354-389 plain on the seed
 MIN_BLOCKS_PENALTY = 0.80       # 3 blocks of 4 warps at 168 registers: 230-301 against 350-389
 CAUSAL_KV32_PENALTY = 0.88      # causal, 32-key tiles: 315-322 against 360-367 with 64-key tiles (B4 H16 4k)
+# K and V in one ring (joint) against separate rings (split): a joint ring has no barrier between
+# the softmax and P V, so with the lazy rescale's one branch before the exponentials the compiler
+# interleaves them (fifth session, same-process A/B of q128 kv64 s2 lazy: seed 385.2 joint vs 383.6
+# split, 4k causal 381.8 vs 375.9 TFLOP/s); without the lazy rescale split rings lead.
+JOINT_PLAIN_FACTOR = 0.98
+JOINT_LAZY_FACTOR = 1.01
 
 
 @dataclass(frozen=True)
@@ -202,7 +208,8 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     if not schedule.swizzle:
         smem_ratio /= UNSWIZZLED_SMEM_PENALTY
     smem_bound = min(1.0, smem_ratio)
-    pipeline = PIPELINE_EFFICIENCY[schedule.stages] * (1.0 if schedule.kv_split else 0.98)
+    joint = JOINT_LAZY_FACTOR if schedule.lazy_rescale else JOINT_PLAIN_FACTOR
+    pipeline = PIPELINE_EFFICIENCY[schedule.stages] * (1.0 if schedule.kv_split else joint)
     if schedule.ldmatrix_x == 2:
         pipeline /= LDMATRIX_X2_PENALTY
     q_tiles = math.ceil(problem.seq_q / schedule.block_q)

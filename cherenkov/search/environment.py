@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TARGET = "sm_120"
 _TARGET_OF_CAPABILITY = {"8.0": "sm_80", "8.6": "sm_86", "8.7": "sm_86", "8.9": "sm_89", "9.0": "sm_90a",
                          "12.0": "sm_120", "12.1": "sm_120"}  # fmt: skip
+# Other targets whose code a GPU of that capability runs (an sm_90a GPU runs plain sm_90 code:
+# asking for the portable mma.sync family on a Hopper GPU still measures it there).
+_ALSO_RUNS = {"9.0": ("sm_90",)}
 
 
 @dataclass(frozen=True)
@@ -99,13 +102,14 @@ def detect(target: str = "auto") -> Capabilities:
     gpus = visible_gpus()
     local_target = _TARGET_OF_CAPABILITY.get(gpus[0].compute_capability) if gpus else None
     chosen = target if target != "auto" else (local_target or DEFAULT_TARGET)
+    runnable = {local_target, *_ALSO_RUNS.get(gpus[0].compute_capability, ())} if gpus else set()
     limitations = []
     compiler = toolkit()
     if compiler == "none":
         limitations.append("no CUDA compiler (nvcc or cupy's NVRTC): kernels are generated but not compiled")
     if not gpus:
         limitations.append("no GPU: candidates are ranked by the cost model, not measured")
-    elif local_target != chosen:
+    elif chosen not in runnable:
         limitations.append(
             f"target {chosen} is not the local GPU ({gpus[0].name}, {local_target or 'unsupported'}): "
             "candidates are ranked by the cost model, not measured"
@@ -114,7 +118,7 @@ def detect(target: str = "auto") -> Capabilities:
     if gpus and (torch_version is None or cupy is None):
         missing = " and ".join(name for name, v in (("torch", torch_version), ("cupy", cupy)) if v is None)
         limitations.append(f"{missing} not installed: candidates are ranked by the cost model, not measured")
-    measured = bool(gpus) and local_target == chosen and compiler != "none" and torch_version and cupy
+    measured = chosen in runnable and compiler != "none" and torch_version and cupy
     environment = Environment(
         target=chosen,
         gpu=gpus[0].name if measured else None,

@@ -67,9 +67,8 @@ def emit_online_softmax(lazy: bool = False) -> str:
             // Fold one tile of raw scores s into the running softmax state of this thread's rows,
             // lazily: the offsets (row maxima) move only when a row's max rises by more than
             // {RESCALE_THRESHOLD:g} in log2 units somewhere in the warp (one vote); then O and the row sums
-            // are rescaled. The exponentials are straight-line code (the offsets are selected, not
-            // branched on), so they can interleave with independent mmas; the rescale is the one
-            // warp-uniform branch, at the end.
+            // are rescaled, in the one warp-uniform branch, before the exponentials: those and the
+            // P V mmas after them are then one straight-line block the compiler can interleave.
             __device__ __forceinline__ void online_softmax(float (&s)[M_TILES][KV_NTILES][4],
                                                            float (&o)[M_TILES][D_NTILES][4],
                                                            float (&row_max)[M_TILES][2],
@@ -92,28 +91,6 @@ def emit_online_softmax(lazy: bool = False) -> str:
                     }}
                 }}
                 raise = __any_sync(0xffffffffu, raise);
-
-                // Probabilities against the selected offsets: one FMA + ex2 each.
-                float tile_sum[M_TILES][2];
-                #pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {{
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {{
-                        const float row_offset = raise ? new_max[m][h] : row_max[m][h];
-                        const float offset = row_offset == neg_inf() ? 0.0f : row_offset * SCALE_LOG2;
-                        float sum = 0.0f;
-                        #pragma unroll
-                        for (int n = 0; n < KV_NTILES; ++n) {{
-                            #pragma unroll
-                            for (int e = 0; e < 2; ++e) {{
-                                const float p = fast_exp2(fmaf(s[m][n][2 * h + e], SCALE_LOG2, -offset));
-                                s[m][n][2 * h + e] = p;
-                                sum += p;
-                            }}
-                        }}
-                        tile_sum[m][h] = sum;
-                    }}
-                }}
                 if (raise) {{
                     // Move every row of the warp to its new max; rescale O and the partial sums.
                     #pragma unroll
@@ -132,10 +109,26 @@ def emit_online_softmax(lazy: bool = False) -> str:
                         }}
                     }}
                 }}
+
+                // Probabilities against the offsets (one FMA + ex2 each), after the branch: one
+                // straight-line block with the P V mmas that follow, so they can interleave.
                 #pragma unroll
                 for (int m = 0; m < M_TILES; ++m) {{
-                    row_sum[m][0] += tile_sum[m][0];
-                    row_sum[m][1] += tile_sum[m][1];
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {{
+                        const float offset = row_max[m][h] == neg_inf() ? 0.0f : row_max[m][h] * SCALE_LOG2;
+                        float sum = 0.0f;
+                        #pragma unroll
+                        for (int n = 0; n < KV_NTILES; ++n) {{
+                            #pragma unroll
+                            for (int e = 0; e < 2; ++e) {{
+                                const float p = fast_exp2(fmaf(s[m][n][2 * h + e], SCALE_LOG2, -offset));
+                                s[m][n][2 * h + e] = p;
+                                sum += p;
+                            }}
+                        }}
+                        row_sum[m][h] += sum;
+                    }}
                 }}
             }}
             """
