@@ -41,6 +41,9 @@ from cherenkov.search.space import Candidate, SearchSpace, search_space
 log = logging.getLogger(__name__)
 
 MIN_NOISE = 0.005  # medians closer than 0.5% always tie
+# Of a measured search's time budget, the share after which no new compile chunk starts: the
+# rest is the GPU's (on a cold compile cache the compiles alone could take the whole budget).
+COMPILE_SHARE = 0.6
 Progress = Callable[..., None]
 
 
@@ -286,12 +289,20 @@ class _Search:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def compile(self, candidates: list[Candidate]) -> dict[str, CompiledKernel | CompileError]:
-        """Compile in parallel, most promising first, in chunks so the budget can stop it."""
+        """Compile in parallel, most promising first, in chunks so the budget can stop it:
+        where candidates will be measured, no chunk after the first starts once
+        ``COMPILE_SHARE`` of the budget is spent."""
         ordered = sorted(candidates, key=lambda c: (predict_plan(c.plan).ms, c.id))
         chunk = 2 * (os.cpu_count() or 1)
         compiled: dict[str, CompiledKernel | CompileError] = {}
+        stop = self.deadline
+        if stop is not None and self.env.measured:
+            stop = self.start + COMPILE_SHARE * (self.deadline - self.start)
         for start in range(0, len(ordered), chunk):
-            if self.out_of_time():
+            if self.out_of_time() or (stop is not None and compiled and time.monotonic() >= stop):
+                if not self.out_of_time():
+                    self.notes.append(f"compiled {len(compiled)} of {len(ordered)} candidates, the most promising, "
+                                      f"leaving the rest of the time budget to measuring")
                 break
             group = ordered[start : start + chunk]
             sources = {c.id: inject_fault(c.source, self.faults[c.id]) for c in group if c.id in self.faults}
@@ -497,7 +508,9 @@ def optimize(
 ) -> OptimizeResult:
     """Search for the fastest correct kernels of ``graph`` on ``target`` (``auto``: the local
     GPU, else sm_120). ``out`` receives report.json and report.html; ``budget_s`` bounds the
-    wall time; ``force`` searches again even when the tuning database knows the answer.
+    wall time (compiling, most promising first, stops starting at ``COMPILE_SHARE`` of it
+    when candidates are measured, leaving the rest to the GPU); ``force`` searches again
+    even when the tuning database knows the answer.
     ``cluster`` (a Dask scheduler address, a ``distributed.Client`` or ``"local-gpus"``)
     compiles on the cluster's workers and measures on its GPU workers.
     ``_faults`` (tests only) maps candidate ids to a fault to inject into their source."""

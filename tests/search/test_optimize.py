@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import cherenkov as ck
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
-from cherenkov.codegen import compile_plan, valid_flash_plans
+from cherenkov.codegen import CompileError, compile_plan, valid_flash_plans
 from cherenkov.rewrites.plan import TARGETS
 from cherenkov.search import optimize as optimize_module
 from cherenkov.search.database import TuningDatabase
-from cherenkov.search.records import CandidateResult, Timing
+from cherenkov.search.environment import Capabilities
+from cherenkov.search.records import CandidateResult, Environment, Timing
 from cherenkov.search.report import read_json
 from cherenkov.search.space import search_space
 
@@ -43,6 +45,30 @@ def counting_compiles(monkeypatch):
 
     monkeypatch.setattr(optimize_module, "compile_plans", counted)
     return calls
+
+
+@pytest.mark.parametrize("measured, chunks", [(True, 2), (False, 3)])
+def test_a_measured_search_leaves_part_of_its_budget_to_the_gpu(monkeypatch, measured, chunks) -> None:
+    """Compiles stop starting at COMPILE_SHARE of the budget when candidates will be timed
+    (a fake clock: each chunk of 4 compiles takes 4 s of a 10 s budget), and run to the
+    deadline when the ranking is modelled."""
+    clock = {"t": 100.0}
+    monkeypatch.setattr(optimize_module, "time", SimpleNamespace(monotonic=lambda: clock["t"]))
+    monkeypatch.setattr(optimize_module.os, "cpu_count", lambda: 2)
+    sizes = []
+
+    def fake_compile(plans, sources=None):
+        sizes.append(len(plans))
+        clock["t"] += 4.0
+        return [CompileError("not compiled in this test") for _ in plans]
+
+    monkeypatch.setattr(optimize_module, "compile_plans", fake_compile)
+    caps = Capabilities(Environment("sm_90", toolkit="13.0", measured=measured), (0,) if measured else (), ())
+    search = optimize_module._Search(seed_graph(), caps, 10.0, lambda *a, **k: None, 30.0, {})
+    candidates = search_space(ck.derive(seed_graph()), "sm_90").all()
+    compiled = search.compile(candidates)
+    assert optimize_module.COMPILE_SHARE == 0.6 and sizes == [4] * chunks and len(compiled) == 4 * chunks
+    assert any("leaving the rest of the time budget to measuring" in n for n in search.notes) == measured
 
 
 def test_derived_plans_are_the_valid_plans_of_the_seed_problem() -> None:
