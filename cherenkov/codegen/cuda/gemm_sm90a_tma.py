@@ -366,8 +366,9 @@ def gemm_sm90a_tma_source(plan) -> str:
     scale = " * row_scale[mi][e >> 1]" if norm else ""  # columns e, e + 1 share a row
     if s.store_boxes:  # the output's rows are 16-byte aligned: columns n, n + 1 are one word
         paired = False
+        chunk = "STORE_BOX / 8 * j + c"  # the n8 tile of chunk c of box j
         lines, values, _ = epilogue_pair_values(em, plan, layout, batch_env, (
-            f"acc[mi][4 * (8 * j + c) + e]{scale}", f"acc[mi][4 * (8 * j + c) + e + 1]{scale}"))
+            f"acc[mi][4 * ({chunk}) + e]{scale}", f"acc[mi][4 * ({chunk}) + e + 1]{scale}"))
         epilogue = _staged_epilogue(lines, values)
     else:
         paired, stores = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][4 * c + e]{scale}",
