@@ -78,7 +78,9 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
     "Expr": EXPR_CONSTRUCTORS,
     "Schedule": (
         Constructor(
-            "FlashSchedule", ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64"), 0
+            "FlashSchedule",
+            ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64", "bool", "bool"),
+            0,
         ),
         Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool", "i64"), 0),
     ),

@@ -129,6 +129,14 @@ class FlashSchedule:
     barriers; ``lazy_rescale`` keeps a stale row max while a tile raises it by at most
     2^8 (skips the O rescale, exact after the final normalisation); ``head_major`` orders
     the grid heads-fastest so that every head's longest causal tile runs first.
+
+    Two knobs of the joint K/V ring (lazy rescale, at least 2 stages): ``late_copy`` issues
+    the copy of tile ``j + stages − 1`` after tile ``j``'s softmax instead of before its
+    scores (the scores' ldmatrix no longer queue behind the copies); ``mbarrier_ring``
+    replaces the block barrier of every tile by per-stage mbarriers — a stage is *full*
+    when every thread's copies into it have landed (``cp.async.mbarrier.arrive``) and
+    *empty* when every warp has done its P·V with it — so warps wait only for the data they
+    read and the stage they refill.
     """
 
     block_q: int = 128
@@ -143,6 +151,8 @@ class FlashSchedule:
     head_major: bool = False
     overlap: bool = False
     min_blocks: int = 1
+    late_copy: bool = False
+    mbarrier_ring: bool = False
 
     @property
     def threads(self) -> int:
@@ -154,8 +164,10 @@ class FlashSchedule:
 
     @property
     def plain(self) -> bool:
-        """No knob of issue 6 (pingpong, lazy rescale, head-major grid, overlap, min_blocks) is on."""
-        return not (self.pingpong or self.lazy_rescale or self.head_major or self.overlap or self.min_blocks > 1)
+        """No knob of issue 6 (pingpong, lazy rescale, head-major grid, overlap, min_blocks, late
+        copy, mbarrier ring) is on."""
+        return not (self.pingpong or self.lazy_rescale or self.head_major or self.overlap or self.min_blocks > 1
+                    or self.late_copy or self.mbarrier_ring)
 
     @property
     def register_cap(self) -> int:
@@ -164,14 +176,15 @@ class FlashSchedule:
 
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv64_w4_s2_split_swz_x4`` (``_pp``, ``_lazy``, ``_hm``,
-        ``_ov``, ``_mb3`` appended for pingpong, lazy rescale, head-major order, overlap and
-        a minimum of 3 blocks per SM)."""
+        ``_ov``, ``_mb3``, ``_late``, ``_mbar`` appended for pingpong, lazy rescale, head-major
+        order, overlap, a minimum of 3 blocks per SM, late copies and the mbarrier ring)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_w{self.warps}_s{self.stages}"
             f"_{'split' if self.kv_split else 'joint'}_{'swz' if self.swizzle else 'lin'}"
             f"_x{self.ldmatrix_x}{'_pp' if self.pingpong else ''}{'_lazy' if self.lazy_rescale else ''}"
             f"{'_hm' if self.head_major else ''}{'_ov' if self.overlap else ''}"
             f"{f'_mb{self.min_blocks}' if self.min_blocks > 1 else ''}"
+            f"{'_late' if self.late_copy else ''}{'_mbar' if self.mbarrier_ring else ''}"
         )
 
 
@@ -188,6 +201,8 @@ FLASH_KNOBS: dict[str, tuple] = {
     "head_major": (False, True),
     "overlap": (False, True),
     "min_blocks": (1, 3),
+    "late_copy": (False, True),
+    "mbarrier_ring": (False, True),
 }
 
 def flash_smem_bytes(schedule: FlashSchedule, head_dim: int, dtype: str) -> int:
@@ -247,7 +262,10 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
       schedule); it runs on the unit ring of the pingpong (joint groups, at least 2 stages);
     * ``min_blocks`` above 1 only for 4-warp blocks, where it caps registers below 255 (else
       it is the same kernel) and the blocks fit the SM's shared memory and threads; 8-warp
-      blocks at 2 per SM get 128 registers and spill (ptxas: 96 B).
+      blocks at 2 per SM get 128 registers and spill (ptxas: 96 B);
+    * ``late_copy`` and ``mbarrier_ring`` only on the joint ring (one copy group a tile, at
+      least 2 stages) with the lazy rescale, the form of every joint winner they were
+      measured with (H200: each of the four combinations wins on some tile size).
     """
     reasons = []
     if problem.dtype not in ATTENTION_DTYPES:
@@ -274,6 +292,11 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
     if schedule.overlap and (schedule.pingpong or schedule.stages < 2 or schedule.kv_split
                              or schedule.rows_per_warp != 16):
         reasons.append("the overlap needs 16 rows a warp, at least 2 stages and joint K/V groups")
+    if (schedule.late_copy or schedule.mbarrier_ring) and (
+        schedule.kv_split or schedule.stages < 2 or schedule.pingpong or schedule.overlap or not schedule.lazy_rescale
+    ):
+        reasons.append("late copies and the mbarrier ring need the joint ring (2+ stages, no pingpong or overlap) "
+                       "with the lazy rescale")
     if schedule.min_blocks > 1 and schedule.warps != 4:
         reasons.append("min_blocks above 1 only for 4-warp blocks (8-warp blocks get 128 registers and spill)")
     smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype)

@@ -93,6 +93,16 @@ CAUSAL_KV32_PENALTY = 0.88      # causal, 32-key tiles: 315-322 against 360-367 
 # split, 4k causal 381.8 vs 375.9 TFLOP/s); without the lazy rescale split rings lead.
 JOINT_PLAIN_FACTOR = 0.98
 JOINT_LAZY_FACTOR = 1.01
+# The joint lazy ring's late copy and mbarrier ring, by key-tile size: (block_kv, late_copy,
+# mbarrier_ring) -> ratio to the same plan with neither (sixth session, one process on the
+# H200, five shapes each). 32-key tiles gain most from moving the copies out of the scores;
+# 64-key tiles lose that way with a block barrier (ptxas schedules the scores worse) and gain
+# with the mbarriers; 128-key tiles (D = 64) only with the mbarriers and early copies.
+RING_FACTORS = {
+    (32, True, False): 1.05, (32, False, True): 1.04, (32, True, True): 1.01,
+    (64, True, False): 0.93, (64, False, True): 1.0, (64, True, True): 1.03,
+    (128, True, False): 0.96, (128, False, True): 1.02, (128, True, True): 1.0,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,8 @@ def schedule_factor(plan: KernelPlan) -> float:
         factor *= MIN_BLOCKS_PENALTY
     if plan.problem.causal and schedule.block_kv == 32:
         factor *= CAUSAL_KV32_PENALTY
+    if schedule.late_copy or schedule.mbarrier_ring:
+        factor *= RING_FACTORS.get((schedule.block_kv, schedule.late_copy, schedule.mbarrier_ring), 1.0)
     return factor
 
 

@@ -41,6 +41,11 @@ from cherenkov.search.space import Candidate, SearchSpace, search_space
 log = logging.getLogger(__name__)
 
 MIN_NOISE = 0.005  # medians closer than 0.5% always tie
+# ... and never farther than 2% apart: the spread between a candidate's fastest and median
+# samples also holds clock changes (a GPU left idle by the compiles boosts for its first
+# samples), 8% on a 5 ms kernel of the 2026-11-30 H200 run, where the old uncapped band
+# let a candidate 7.7% slower than the fastest win on its id.
+MAX_NOISE = 0.02
 # Of a measured search's time budget, the share after which no new compile chunk starts: the
 # rest is the GPU's (on a cold compile cache the compiles alone could take the whole budget).
 COMPILE_SHARE = 0.6
@@ -218,8 +223,9 @@ class CapturedRun:
 
 
 def _rank(results: list[CandidateResult], credit: Mapping[str, float] | None = None) -> CandidateResult | None:
-    """Fastest usable candidate; medians within the winner's noise tie and the smallest
-    id among them wins, so the same measurements always pick the same winner. ``credit``
+    """Fastest usable candidate; medians within the winner's noise (its median − min spread,
+    between ``MIN_NOISE`` and ``MAX_NOISE``) tie and the smallest id among them wins, so the
+    same measurements always pick the same winner. ``credit``
     (by id): time a candidate saves elsewhere — the producer kernel it absorbs."""
     usable = [r for r in results if r.status in ("ok", "modelled") and r.time_ms]
     if not usable:
@@ -232,7 +238,8 @@ def _rank(results: list[CandidateResult], credit: Mapping[str, float] | None = N
     fastest = min(usable, key=lambda r: (cost(r), r.id))
     noise = MIN_NOISE
     if fastest.timing is not None:
-        noise = max(MIN_NOISE, (fastest.timing.median_ms - fastest.timing.min_ms) / fastest.timing.median_ms)
+        spread = (fastest.timing.median_ms - fastest.timing.min_ms) / fastest.timing.median_ms
+        noise = min(MAX_NOISE, max(MIN_NOISE, spread))
     tied = [r for r in usable if cost(r) <= cost(fastest) + fastest.time_ms * noise]
     return min(tied, key=lambda r: r.id)
 

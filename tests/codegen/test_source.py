@@ -62,6 +62,15 @@ def test_knob_specific_code(seed_problem):
     causal = dataclasses.replace(seed_problem, causal=True)
     assert "HEAD_MAJOR = true" in cuda_source(plan_of(causal, FlashSchedule(head_major=True)))
     assert "HEAD_MAJOR = false" in swz_x4
+    ring = FlashSchedule(128, 64, 4, 2, False, lazy_rescale=True)
+    plain_ring, late, mbar = (cuda_source(plan_of(seed_problem, dataclasses.replace(ring, **knobs)))
+                              for knobs in ({}, {"late_copy": True}, {"mbarrier_ring": True}))
+    wait_v = "void pipeline_wait_v("
+    assert "issue_kv" in late.split(wait_v)[1].split("}")[0]  # the late copy is issued before P V
+    assert "issue_kv" not in plain_ring.split(wait_v)[1].split("}")[0]
+    assert "cp.async.mbarrier.arrive.noinc" in mbar and "pipeline_release(slot, lane);" in mbar
+    assert "__syncthreads" not in mbar.split("void attend_tile")[0].split("void pipeline_wait_k")[1]
+    assert "mbarrier.arrive" not in plain_ring and "mbarrier.arrive" not in late
     fp16 = cuda_source(plan_of(dataclasses.replace(seed_problem, dtype="fp16")))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fp16
     assert "cvt.rn.f16x2.f32" in fp16
@@ -107,6 +116,8 @@ def test_identifier_and_comment_helpers():
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(block_q=64, warps=8)),  # 8 rows a warp
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(pingpong=True)),  # pingpong with 4 warps
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(head_major=True)),  # head-major, not causal
+        (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(lazy_rescale=True, late_copy=True)),  # split ring
+        (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(kv_split=False, mbarrier_ring=True)),  # not lazy
         (AttentionProblem(1, 6, 4, 64, 64, 64), FlashSchedule()),  # kv_heads does not divide heads
         (AttentionProblem(1, 2, 2, 0, 64, 64), FlashSchedule()),  # empty sequence
         (AttentionProblem(1, 2, 2, 64, 64, 64, scale=-1.0), FlashSchedule()),  # negative scale

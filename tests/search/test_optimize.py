@@ -230,3 +230,19 @@ def test_a_stored_answer_for_another_search_space_is_not_served(tmp_path, monkey
         second = ck.optimize(graph, target="sm_90", out=tmp_path / "b", database=db)
     assert first.best is not None and second.best is not None
     assert not second.from_database and len(second.candidates) == len(first.candidates) - 1
+
+
+def test_a_wide_sample_spread_ties_at_most_two_percent() -> None:
+    """The winner's median − min spread sets the tie band, capped at MAX_NOISE: a candidate
+    5% slower does not win on its smaller id, one 1% slower does."""
+
+    def result(id: str, median: float, low: float) -> CandidateResult:
+        return CandidateResult(id, "flash_attention", "flash_attention", {}, "", "ok",
+                               timing=Timing(low, median, median * 1.1, 20))
+
+    fastest = result("b-fastest", 1.00, 0.90)  # 10% spread: a boost-clock first sample
+    assert optimize_module._rank([fastest, result("a-slower", 1.05, 1.0)]) is fastest
+    near = result("a-near", 1.01, 1.0)
+    assert optimize_module._rank([fastest, near]) is near
+    steady = result("b-steady", 1.00, 0.999)
+    assert optimize_module._rank([steady, near]) is steady  # 0.1% spread: MIN_NOISE, 1% apart

@@ -21,7 +21,7 @@ arguments ``(q, k, v, o)`` device pointers.
 from __future__ import annotations
 
 from cherenkov.codegen.cuda import cp_async, ldmatrix, mma, softmax, swizzle
-from cherenkov.codegen.cuda.pipeline import KvPipeline, UnitPipeline
+from cherenkov.codegen.cuda.pipeline import KvPipeline, MbarrierKvPipeline, UnitPipeline
 from cherenkov.codegen.cuda.text import (
     block,
     bool_literal,
@@ -69,10 +69,16 @@ def flash_attention_source(plan: KernelPlan) -> str:
         pipeline_title = (f"cp.async pipeline: {schedule.stages} stage(s) of units (K_j, V_(j-1)), "
                           f"{'pingpong' if schedule.pingpong else 'overlap'}")
         step_parts = (_unit_phases(),) + ((_overlap_steps(),) if schedule.overlap else ())
+    elif schedule.mbarrier_ring:
+        pipeline = MbarrierKvPipeline(schedule.stages, schedule.late_copy)
+        pipeline_title = (f"cp.async pipeline: {schedule.stages} stages, K/V joint, full/empty mbarriers"
+                          f"{', late copy' if schedule.late_copy else ''}")
+        step_parts = (pipeline.emit_release(), _attend_tile(release=True))
     else:
-        pipeline = KvPipeline(schedule.stages, schedule.kv_split)
-        pipeline_title = f"cp.async pipeline: {schedule.stages} stage(s), K/V {'split' if schedule.kv_split else 'joint'}"
-        step_parts = (_attend_tile(),)
+        pipeline = KvPipeline(schedule.stages, schedule.kv_split, schedule.late_copy)
+        pipeline_title = (f"cp.async pipeline: {schedule.stages} stage(s), K/V {'split' if schedule.kv_split else 'joint'}"
+                          f"{', late copy' if schedule.late_copy else ''}")
+        step_parts = (_attend_tile(release=False),)
     dtype = plan.problem.dtype
     parts = [
         _header(plan, layout, tiling),
@@ -122,7 +128,8 @@ def _header(plan: KernelPlan, layout: FlashLayout, tiling: FlashTiling) -> str:
         problem_summary(p),
         f"Schedule: {s.key()}: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} warps={s.warps} stages={s.stages} "
         f"kv_split={s.kv_split} swizzle={s.swizzle} ldmatrix x{s.ldmatrix_x} pingpong={s.pingpong} "
-        f"lazy_rescale={s.lazy_rescale} head_major={s.head_major} overlap={s.overlap} min_blocks={s.min_blocks}; "
+        f"lazy_rescale={s.lazy_rescale} head_major={s.head_major} overlap={s.overlap} min_blocks={s.min_blocks} "
+        f"late_copy={s.late_copy} mbarrier_ring={s.mbarrier_ring}; "
         f"Q fragments in {'registers' if tiling.q_in_registers else 'shared memory'}.",
         f"Shared memory: {layout.total_bytes} bytes, layout {layout.swizzle_pattern}.",
         "Every problem and schedule value is a compile-time constant: this kernel serves one shape.",
@@ -378,8 +385,9 @@ def _accumulate_values() -> str:
     )
 
 
-def _attend_tile() -> str:
-    return block(
+def _attend_tile(release: bool) -> str:
+    """``attend_tile``; ``release``: the warp frees the tile's stage after its P·V (mbarrier ring)."""
+    text = block(
         """
         // One main-loop step: key tile j (in pipeline stage `slot`) folded into the state.
         // MASK: apply the causal / Skv-tail mask (diagonal and tail tiles only).
@@ -401,10 +409,11 @@ def _attend_tile() -> str:
             pack_probabilities(s, p);
 
             pipeline_wait_v(smem, k_head, v_head, j, slot, n_tiles);
-            accumulate_values(state.o, p, v_tile, lane);
+            accumulate_values(state.o, p, v_tile, lane);@RELEASE@
         }
         """
     )
+    return text.replace("@RELEASE@", "\n    pipeline_release(slot, lane);" if release else "")
 
 
 def _unit_phases() -> str:

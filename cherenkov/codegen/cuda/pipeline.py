@@ -16,6 +16,17 @@ cp.async group. Two choreographies (the ``kv_split`` knob):
 
 Tiles at or past ``n_tiles`` (the causal or sequence end) are never loaded; their groups are
 committed empty so that the wait counts stay compile-time constants.
+
+Two variants of the joint ring (``S ≥ 2``). **Late copy**: tile ``j+S−1`` is issued after
+tile j's softmax (in ``pipeline_wait_v``) rather than after its wait. **mbarrier ring**
+(:class:`MbarrierKvPipeline`): no block barrier and no commit groups; stage ``s`` has a
+*full* mbarrier (count ``THREADS``: each thread arrives with ``cp.async.mbarrier.arrive.noinc``
+once its copies into the stage have landed) and an *empty* one (count ``WARPS``: each warp
+arrives once its P·V of the stage's tile is done, in ``pipeline_release``). Tile ``t`` is
+use ``t / S`` of stage ``t % S``: readers wait for phase parity ``(t / S) & 1`` of *full*,
+and a thread refilling the stage with tile ``t ≥ S`` first waits for parity
+``(t / S − 1) & 1`` of *empty*. The Q tile's copies come before every thread's first
+arrival, so tile 0's *full* phase also covers Q.
 Needs ``load_tile``, the cp.async primitives and the layout/problem constants.
 """
 
@@ -23,17 +34,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cherenkov.codegen.cuda import tma
 from cherenkov.codegen.cuda.text import block
 
 _SIGNATURE = "u32 smem, const elem_t* k_head, const elem_t* v_head, int j, int slot, int n_tiles"
 
 
+def _emit_load_kv_tile() -> str:
+    return block(
+        """
+        // Copy K or V tile `tile` of one head into a stage buffer (no commit).
+        __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
+            load_tile<BLOCK_KV, KV_TAIL>(stage_tile, head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);
+        }
+        """
+    )
+
+
 @dataclass(frozen=True)
 class KvPipeline:
-    """Wait counts and device functions of one (stages, kv_split) choreography."""
+    """Wait counts and device functions of one (stages, kv_split, late_copy) choreography."""
 
     stages: int
     kv_split: bool
+    late_copy: bool = False
 
     @property
     def groups_after_q(self) -> int:
@@ -45,15 +69,12 @@ class KvPipeline:
         ``pipeline_wait_v`` (called before the scores and before P·V of each step)."""
         return "\n\n".join([self._emit_issuers(), self._emit_prologue(), self._emit_waits()])
 
+    def emit_release(self) -> str:
+        """The end of a step: nothing to signal (the next step's block barrier orders reuse)."""
+        return ""
+
     def _emit_issuers(self) -> str:
-        copy = block(
-            """
-            // Copy K or V tile `tile` of one head into a stage buffer (no commit).
-            __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
-                load_tile<BLOCK_KV, KV_TAIL>(stage_tile, head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);
-            }
-            """
-        )
+        copy = _emit_load_kv_tile()
         if self.kv_split:
             return copy + "\n\n" + block(
                 """
@@ -150,6 +171,23 @@ class KvPipeline:
                 }}
                 """
             )
+        elif self.late_copy:
+            return block(
+                f"""
+                // Before the scores of step j: tile j (K and V) has landed for every thread (and all
+                // warps are past step j-1, so the stage it used is free).
+                __device__ __forceinline__ void pipeline_wait_k(u32, const elem_t*, const elem_t*, int, int, int) {{
+                    cp_async_wait<{s - 2}>();
+                    __syncthreads();
+                }}
+
+                // Before P*V of step j (late copy): V_j arrived with K_j; tile j+S-1 starts into the
+                // stage step j-1 used, now that the scores' ldmatrix are done.
+                __device__ __forceinline__ void pipeline_wait_v({_SIGNATURE}) {{
+                    issue_kv(smem, k_head, v_head, j + {s - 1}, {prev_slot}, n_tiles);
+                }}
+                """
+            )
         else:
             wait_k = block(
                 f"""
@@ -166,6 +204,130 @@ class KvPipeline:
             """
             // Before P*V of step j: V_j arrived with K_j, nothing to wait for.
             __device__ __forceinline__ void pipeline_wait_v(u32, const elem_t*, const elem_t*, int, int, int) {}
+            """
+        )
+
+
+@dataclass(frozen=True)
+class MbarrierKvPipeline:
+    """The joint ring synchronised by per-stage full/empty mbarriers (``stages ≥ 2``), with
+    the next tile's copies issued before the scores or, ``late_copy``, before P·V."""
+
+    stages: int
+    late_copy: bool = False
+
+    def emit(self) -> str:
+        """Barrier primitives, ``issue_kv``, ``pipeline_prologue`` (initialises the barriers),
+        ``pipeline_wait_q``, ``pipeline_wait_k`` and ``pipeline_wait_v``."""
+        s = self.stages
+        return "\n\n".join([
+            tma.emit_mbarrier_basics(),
+            _emit_load_kv_tile(),
+            block(
+                """
+                // The ring's barriers: full[s] then empty[s], one 64-bit mbarrier each.
+                __shared__ __align__(8) unsigned long long ring_barriers[2 * STAGES];
+
+                __device__ __forceinline__ u32 full_barrier(int slot) {
+                    return u32(__cvta_generic_to_shared(&ring_barriers[slot]));
+                }
+
+                __device__ __forceinline__ u32 empty_barrier(int slot) {
+                    return u32(__cvta_generic_to_shared(&ring_barriers[STAGES + slot]));
+                }
+
+                // One arrival on `bar` once every earlier cp.async of this thread has landed.
+                __device__ __forceinline__ void cp_async_arrive(u32 bar) {
+                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\\n" :: "r"(bar) : "memory");
+                }
+
+                // Start copying K and V tile `tile` into stage `slot` (= tile % STAGES) once every warp
+                // has released the tile STAGES before it; the stage's full barrier counts the copies.
+                // Tiles past n_tiles are never read, so they are neither copied nor counted.
+                __device__ __forceinline__ void issue_kv(u32 smem, const elem_t* k_head, const elem_t* v_head,
+                                                         int tile, int slot, int n_tiles) {
+                    if (tile < n_tiles) {
+                        if (tile >= STAGES) {
+                            mbar_wait(empty_barrier(slot), (tile / STAGES - 1) & 1);
+                        }
+                        load_kv_tile(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                        load_kv_tile(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                        cp_async_arrive(full_barrier(slot));
+                    }
+                }
+                """
+            ),
+            block(
+                f"""
+                // Thread 0 initialises the barriers; then the first STAGES - 1 tiles start.
+                __device__ __forceinline__ void pipeline_prologue(u32 smem, const elem_t* k_head, const elem_t* v_head,
+                                                                  int n_tiles) {{
+                    if (threadIdx.x == 0) {{
+                        #pragma unroll
+                        for (int s = 0; s < STAGES; ++s) {{
+                            mbar_init(full_barrier(s), THREADS);
+                            mbar_init(empty_barrier(s), WARPS);
+                        }}
+                    }}
+                    __syncthreads();
+                    #pragma unroll
+                    for (int t = 0; t < STAGES - 1; ++t) {{
+                        issue_kv(smem, k_head, v_head, t, t, n_tiles);
+                    }}
+                }}
+
+                // The Q tile has landed for the whole block: every thread copied its part of Q before
+                // arriving on tile 0's full barrier.
+                __device__ __forceinline__ void pipeline_wait_q() {{
+                    mbar_wait(full_barrier(0), 0);
+                }}
+                """
+            ),
+            self._emit_waits(),
+        ])
+
+    def _emit_waits(self) -> str:
+        issue_next = f"issue_kv(smem, k_head, v_head, j + {self.stages - 1}, slot == 0 ? STAGES - 1 : slot - 1, n_tiles);"
+        if self.late_copy:
+            return block(
+                f"""
+                // Before the scores of step j: tile j has landed for every thread.
+                __device__ __forceinline__ void pipeline_wait_k(u32, const elem_t*, const elem_t*, int j, int slot, int) {{
+                    mbar_wait(full_barrier(slot), (j / STAGES) & 1);
+                }}
+
+                // Before P*V of step j (late copy): V_j arrived with K_j; tile j+S-1 starts into the
+                // stage step j-1 used, now that the scores' ldmatrix are done.
+                __device__ __forceinline__ void pipeline_wait_v({_SIGNATURE}) {{
+                    {issue_next}
+                }}
+                """
+            )
+        return block(
+            f"""
+            // Before the scores of step j: tile j has landed for every thread; tile j+S-1 starts
+            // into the stage step j-1 used.
+            __device__ __forceinline__ void pipeline_wait_k({_SIGNATURE}) {{
+                mbar_wait(full_barrier(slot), (j / STAGES) & 1);
+                {issue_next}
+            }}
+
+            // Before P*V of step j: V_j arrived with K_j, nothing to wait for.
+            __device__ __forceinline__ void pipeline_wait_v(u32, const elem_t*, const elem_t*, int, int, int) {{}}
+            """
+        )
+
+    def emit_release(self) -> str:
+        """``pipeline_release``: after its P·V of a stage's tile, the warp frees the stage."""
+        return block(
+            """
+            // After P*V of step j: this warp is done with stage `slot`.
+            __device__ __forceinline__ void pipeline_release(int slot, int lane) {
+                __syncwarp();
+                if (lane == 0) {
+                    mbar_arrive(empty_barrier(slot));
+                }
+            }
             """
         )
 
@@ -194,13 +356,8 @@ class UnitPipeline:
     def emit(self) -> str:
         s = self.stages
         issues = "\n".join(f"    issue_unit(smem, k_head, v_head, {u}, {u}, n_tiles);" for u in range(s - 1))
-        return block(
+        return _emit_load_kv_tile() + "\n\n" + block(
             """
-            // Copy K or V tile `tile` of one head into a stage buffer (no commit).
-            __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
-                load_tile<BLOCK_KV, KV_TAIL>(stage_tile, head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);
-            }
-
             // Start copying unit u (K tile u, V tile u - 1) into stage `slot` (= u % STAGES) as one
             // cp.async group.
             __device__ __forceinline__ void issue_unit(u32 smem, const elem_t* k_head, const elem_t* v_head,

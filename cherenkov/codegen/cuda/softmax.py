@@ -3,7 +3,8 @@
 A thread holds two rows per m16 tile (``g`` and ``g + 8``) and, of each row, two columns
 per n8 tile; the other columns of the row sit in the 3 other lanes of its quad. Per tile:
 
-* row max over the tile: local max, then two ``shfl.xor`` (1, 2) across the quad;
+* row max over the tile: the thread's columns as a tree, then two ``shfl.xor`` (1, 2) across
+  the quad (the lazy form votes on the thread's maxima and shuffles only when it rescales);
 * ``p = 2^(s·c − m·c)`` with ``c = scale·log2 e``: one FMA and one ``ex2.approx`` per score
   (scores stay unscaled; the max is tracked unscaled, valid because ``c > 0``);
 * running state ``(m, l, O)``: ``alpha = 2^((m_old − m_new)·c)`` rescales the thread's
@@ -47,6 +48,33 @@ def emit_math_helpers() -> str:
     )
 
 
+def _emit_thread_row_max() -> str:
+    return block(
+        """
+        // Max of this thread's 2 * KV_NTILES scores of row half h (row g or g + 8) of m16 tile m,
+        // as a tree (depth log2(2 * KV_NTILES), not a chain of 2 * KV_NTILES dependent FMNMX).
+        __device__ __forceinline__ float thread_row_max(const float (&s)[M_TILES][KV_NTILES][4], int m, int h) {
+            static_assert((KV_NTILES & (KV_NTILES - 1)) == 0, "the tree halves KV_NTILES");
+            float x[KV_NTILES];
+            #pragma unroll
+            for (int n = 0; n < KV_NTILES; ++n) {
+                x[n] = fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]);
+            }
+            #pragma unroll
+            for (int width = KV_NTILES / 2; width > 0; width /= 2) {
+                #pragma unroll
+                for (int n = 0; n < KV_NTILES / 2; ++n) {  // a constant trip count: x stays in registers
+                    if (n < width) {
+                        x[n] = fmaxf(x[n], x[n + width]);
+                    }
+                }
+            }
+            return x[0];
+        }
+        """
+    )
+
+
 RESCALE_THRESHOLD = 8.0
 """Lazy rescale: the row max (in log2 units) may rise this much before O is rescaled."""
 
@@ -62,7 +90,7 @@ def emit_online_softmax(lazy: bool = False) -> str:
     row sum (accumulated against the same offsets) cancels the offset either way.
     """
     if lazy:
-        return block(
+        return _emit_thread_row_max() + "\n\n" + block(
             f"""
             // Fold one tile of raw scores s into the running softmax state of this thread's rows,
             // lazily: the offsets (row maxima) move only when a row's max rises by more than
@@ -74,32 +102,31 @@ def emit_online_softmax(lazy: bool = False) -> str:
                                                            float (&row_max)[M_TILES][2],
                                                            float (&row_sum)[M_TILES][2]) {{
                 constexpr float RESCALE_THRESHOLD = {RESCALE_THRESHOLD:.1f}f;
-                float new_max[M_TILES][2];
+                // The vote needs no quad shuffles: a row's max rises too far exactly when one of
+                // its four lanes holds a score that far above it, and every lane votes.
+                float thread_max[M_TILES][2];
                 bool raise = false;
                 #pragma unroll
                 for (int m = 0; m < M_TILES; ++m) {{
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {{
-                        float x = row_max[m][h];
-                        #pragma unroll
-                        for (int n = 0; n < KV_NTILES; ++n) {{
-                            x = fmaxf(x, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
-                        }}
-                        new_max[m][h] = quad_max(x);
+                        thread_max[m][h] = thread_row_max(s, m, h);
                         // -inf - (-inf) is NaN and compares false: an all-masked row never raises.
-                        raise |= (new_max[m][h] - row_max[m][h]) * SCALE_LOG2 > RESCALE_THRESHOLD;
+                        raise |= (thread_max[m][h] - row_max[m][h]) * SCALE_LOG2 > RESCALE_THRESHOLD;
                     }}
                 }}
                 raise = __any_sync(0xffffffffu, raise);
                 if (raise) {{
-                    // Move every row of the warp to its new max; rescale O and the partial sums.
+                    // Move every row of the warp to its new max (now across the quad); rescale O and
+                    // the partial sums.
                     #pragma unroll
                     for (int m = 0; m < M_TILES; ++m) {{
                         #pragma unroll
                         for (int h = 0; h < 2; ++h) {{
-                            const float offset = new_max[m][h] == neg_inf() ? 0.0f : new_max[m][h] * SCALE_LOG2;
+                            const float new_max = quad_max(fmaxf(row_max[m][h], thread_max[m][h]));
+                            const float offset = new_max == neg_inf() ? 0.0f : new_max * SCALE_LOG2;
                             const float alpha = fast_exp2(row_max[m][h] * SCALE_LOG2 - offset);
-                            row_max[m][h] = new_max[m][h];
+                            row_max[m][h] = new_max;
                             row_sum[m][h] *= alpha;
                             #pragma unroll
                             for (int d = 0; d < D_NTILES; ++d) {{
@@ -133,7 +160,7 @@ def emit_online_softmax(lazy: bool = False) -> str:
             }}
             """
         )
-    return block(
+    return _emit_thread_row_max() + "\n\n" + block(
         """
         // Fold one tile of raw scores s into the running softmax state of this thread's rows:
         // s becomes p = 2^((s - m_new) * SCALE_LOG2), O and the partial row sums are rescaled.
@@ -146,12 +173,7 @@ def emit_online_softmax(lazy: bool = False) -> str:
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     // New row max: this thread's columns, then the quad.
-                    float new_max = row_max[m][h];
-                    #pragma unroll
-                    for (int n = 0; n < KV_NTILES; ++n) {
-                        new_max = fmaxf(new_max, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
-                    }
-                    new_max = quad_max(new_max);
+                    const float new_max = quad_max(fmaxf(row_max[m][h], thread_row_max(s, m, h)));
                     const float offset = new_max == neg_inf() ? 0.0f : new_max * SCALE_LOG2;
                     const float alpha = fast_exp2(row_max[m][h] * SCALE_LOG2 - offset);
                     row_max[m][h] = new_max;

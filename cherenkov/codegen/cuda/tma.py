@@ -8,7 +8,9 @@
   will deliver; the phase completes when every arrival and every byte are in),
   ``mbar_arrive`` and ``mbar_wait`` (spin on ``try_wait.parity`` until the phase of the
   given parity has completed; a fresh barrier counts its phase of parity 1 as complete, so
-  a producer's first wait on an "empty" barrier passes at once).
+  a producer's first wait on an "empty" barrier passes at once). The init, arrive and wait
+  alone (:func:`emit_mbarrier_basics`) also serve the sm_80+ cp.async ring of the
+  ``mma.sync`` flash kernel, where the wait polls with ``test_wait`` below sm_90.
 * ``tma_load_3d``: ``cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes``,
   one box of the tensor map at the given coordinates (innermost first) into shared memory,
   completing on an mbarrier; ``tma_store_3d`` the other way, from shared memory, tracked
@@ -46,14 +48,44 @@ def emit_tensor_map_type() -> str:
     )
 
 
-def emit_mbarrier() -> str:
-    """mbarrier init / arrive / arrive.expect_tx / parity wait, and the init fence."""
+def emit_mbarrier_basics() -> str:
+    """mbarrier init / arrive / parity wait (sm_80 and later: the wait polls with ``try_wait``
+    from sm_90, ``test_wait`` before)."""
     return block(
         """
         __device__ __forceinline__ void mbar_init(u32 bar, u32 arrivals) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n" :: "r"(bar), "r"(arrivals) : "memory");
         }
 
+        __device__ __forceinline__ void mbar_arrive(u32 bar) {
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" :: "r"(bar) : "memory");
+        }
+
+        // Spin until the barrier's phase of parity `parity` has completed: try_wait (which may
+        // suspend the thread for a while) from sm_90, test_wait before.
+        #if __CUDA_ARCH__ >= 900
+        #define MBAR_POLL "mbarrier.try_wait.parity.shared::cta.b64"
+        #else
+        #define MBAR_POLL "mbarrier.test_wait.parity.shared::cta.b64"
+        #endif
+        __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+            asm volatile(
+                "{\\n"
+                ".reg .pred done;\\n"
+                "WAIT:\\n"
+                MBAR_POLL " done, [%0], %1;\\n"
+                "@!done bra WAIT;\\n"
+                "}\\n"
+                :: "r"(bar), "r"(parity) : "memory");
+        }
+        """
+    )
+
+
+def emit_mbarrier() -> str:
+    """:func:`emit_mbarrier_basics`, ``mbar_arrive_expect_tx`` and the init fence (sm_90)."""
+    return emit_mbarrier_basics() + "\n\n" + block(
+        """
         // Make the initialised barriers visible to the other threads and to the async proxy.
         __device__ __forceinline__ void fence_barrier_init() {
             asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");
@@ -62,22 +94,6 @@ def emit_mbarrier() -> str:
         // One arrival that also expects `bytes` more bytes from the copy engine in this phase.
         __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\\n" :: "r"(bar), "r"(bytes) : "memory");
-        }
-
-        __device__ __forceinline__ void mbar_arrive(u32 bar) {
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" :: "r"(bar) : "memory");
-        }
-
-        // Spin until the barrier's phase of parity `parity` has completed.
-        __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-            asm volatile(
-                "{\\n"
-                ".reg .pred done;\\n"
-                "WAIT:\\n"
-                "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\\n"
-                "@!done bra WAIT;\\n"
-                "}\\n"
-                :: "r"(bar), "r"(parity) : "memory");
         }
         """
     )
