@@ -41,10 +41,10 @@ from cherenkov.search.space import Candidate, SearchSpace, search_space
 log = logging.getLogger(__name__)
 
 MIN_NOISE = 0.005  # medians closer than 0.5% always tie
-# ... and never farther than 2% apart: the spread between a candidate's fastest and median
-# samples also holds clock changes (a GPU left idle by the compiles boosts for its first
-# samples), 8% on a 5 ms kernel of the 2026-11-30 H200 run, where the old uncapped band
-# let a candidate 7.7% slower than the fastest win on its id.
+# Medians more than 2% apart never tie: a candidate's median - min spread also holds clock
+# changes (a GPU left idle by the compiles boosts for its first samples), 8% on a 5 ms kernel
+# of the 2026-11-30 H200 run, where an uncapped band let a candidate 7.7% slower than the
+# fastest win on its id.
 MAX_NOISE = 0.02
 # Of a measured search's time budget, the share after which no new compile chunk starts: the
 # rest is the GPU's (on a cold compile cache the compiles alone could take the whole budget).

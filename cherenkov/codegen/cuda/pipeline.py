@@ -69,10 +69,6 @@ class KvPipeline:
         ``pipeline_wait_v`` (called before the scores and before P·V of each step)."""
         return "\n\n".join([self._emit_issuers(), self._emit_prologue(), self._emit_waits()])
 
-    def emit_release(self) -> str:
-        """The end of a step: nothing to signal (the next step's block barrier orders reuse)."""
-        return ""
-
     def _emit_issuers(self) -> str:
         copy = _emit_load_kv_tile()
         if self.kv_split:
@@ -219,7 +215,6 @@ class MbarrierKvPipeline:
     def emit(self) -> str:
         """Barrier primitives, ``issue_kv``, ``pipeline_prologue`` (initialises the barriers),
         ``pipeline_wait_q``, ``pipeline_wait_k`` and ``pipeline_wait_v``."""
-        s = self.stages
         return "\n\n".join([
             tma.emit_mbarrier_basics(),
             _emit_load_kv_tile(),
@@ -258,29 +253,29 @@ class MbarrierKvPipeline:
                 """
             ),
             block(
-                f"""
+                """
                 // Thread 0 initialises the barriers; then the first STAGES - 1 tiles start.
                 __device__ __forceinline__ void pipeline_prologue(u32 smem, const elem_t* k_head, const elem_t* v_head,
-                                                                  int n_tiles) {{
-                    if (threadIdx.x == 0) {{
+                                                                  int n_tiles) {
+                    if (threadIdx.x == 0) {
                         #pragma unroll
-                        for (int s = 0; s < STAGES; ++s) {{
+                        for (int s = 0; s < STAGES; ++s) {
                             mbar_init(full_barrier(s), THREADS);
                             mbar_init(empty_barrier(s), WARPS);
-                        }}
-                    }}
+                        }
+                    }
                     __syncthreads();
                     #pragma unroll
-                    for (int t = 0; t < STAGES - 1; ++t) {{
+                    for (int t = 0; t < STAGES - 1; ++t) {
                         issue_kv(smem, k_head, v_head, t, t, n_tiles);
-                    }}
-                }}
+                    }
+                }
 
                 // The Q tile has landed for the whole block: every thread copied its part of Q before
                 // arriving on tile 0's full barrier.
-                __device__ __forceinline__ void pipeline_wait_q() {{
+                __device__ __forceinline__ void pipeline_wait_q() {
                     mbar_wait(full_barrier(0), 0);
-                }}
+                }
                 """
             ),
             self._emit_waits(),
