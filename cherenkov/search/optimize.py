@@ -302,14 +302,15 @@ class _Search:
         ordered = sorted(candidates, key=lambda c: (predict_plan(c.plan).ms, c.id))
         chunk = 2 * (os.cpu_count() or 1)
         compiled: dict[str, CompiledKernel | CompileError] = {}
-        stop = self.deadline
-        if stop is not None and self.env.measured:
+        stop = None  # the time after which no further chunk starts, where the GPU needs the rest
+        if self.deadline is not None and self.env.measured:
             stop = self.start + COMPILE_SHARE * (self.deadline - self.start)
         for start in range(0, len(ordered), chunk):
-            if self.out_of_time() or (stop is not None and compiled and time.monotonic() >= stop):
-                if not self.out_of_time():
-                    self.notes.append(f"compiled {len(compiled)} of {len(ordered)} candidates, the most promising, "
-                                      f"leaving the rest of the time budget to measuring")
+            if self.out_of_time():
+                break
+            if compiled and stop is not None and time.monotonic() >= stop:
+                self.notes.append(f"compiled {len(compiled)} of {len(ordered)} candidates, the most promising, "
+                                  f"leaving the rest of the time budget to measuring")
                 break
             group = ordered[start : start + chunk]
             sources = {c.id: inject_fault(c.source, self.faults[c.id]) for c in group if c.id in self.faults}
