@@ -13,7 +13,7 @@ from cherenkov.codegen.compile import compile_plan, compile_plans, find_compiler
 from cherenkov.codegen.compile import plan_source as cuda_source
 from cherenkov.codegen.cuda.flash_attention import kernel_name
 from cherenkov.codegen.errors import CodegenError, CompileError
-from cherenkov.codegen.launch import FlashAttentionKernel, HopperFlashKernel, TermKernel, load_kernel
+from cherenkov.codegen.launch import FlashAttentionKernel, HopperFlashKernel, TermKernel, TmaFlashKernel, load_kernel
 from cherenkov.codegen.plan import (
     CompiledKernel,
     FlashLayout,
@@ -45,6 +45,7 @@ __all__ = [
     "RowSchedule",
     "TermKernel",
     "TermKernelPlan",
+    "TmaFlashKernel",
     "compile_plan",
     "compile_plans",
     "cuda_source",

@@ -3,9 +3,9 @@ without copies.
 
 The cubin is loaded with ``cupy.RawModule(path=...)``; tensors are passed by
 ``data_ptr()`` and the kernel is launched on torch's current stream (wrapped as a cupy
-``ExternalStream``), so it orders with the surrounding torch work. The sm_90a family
-takes TMA tensor maps by value and is launched through ``cuLaunchKernel``
-(:mod:`cherenkov.codegen.tensor_map`). cupy and torch are imported on first use only.
+``ExternalStream``), so it orders with the surrounding torch work. The sm_90a family, and
+``mma.sync`` flash plans whose K/V ring is fed by TMA (``tma_kv``), take TMA tensor maps by
+value and are launched through ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`). cupy and torch are imported on first use only.
 """
 
 from __future__ import annotations
@@ -270,6 +270,30 @@ def _check_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_
         raise CodegenError(f"{role} for {kernel}: {', '.join(problems)}")
 
 
+class TmaFlashKernel(FlashAttentionKernel):
+    """:class:`FlashAttentionKernel` for an ``mma.sync`` plan with TMA K/V copies (``tma_kv``).
+
+    Same contract; k and v reach the kernel as tensor maps (boxes of 64 columns by
+    ``block_kv`` rows, encoded per data pointers and cached) next to the q and o pointers,
+    through ``cuLaunchKernel``."""
+
+    def __init__(self, compiled: CompiledKernel, device: int = 0):
+        super().__init__(compiled, device)
+        self._maps: dict[tuple[int, int], tuple[tensor_map.TensorMap, ...]] = {}
+
+    def _launch(self, q, k, v, out, stream: int) -> None:
+        import torch
+
+        dtype, rows = self.problem.dtype, self.compiled.plan.schedule.block_kv
+        maps = _cached_tensor_maps(self._maps, (k.data_ptr(), v.data_ptr()), lambda: (
+            tensor_map.bhsd_tensor_map(k.data_ptr(), tuple(k.shape), dtype, rows),
+            tensor_map.bhsd_tensor_map(v.data_ptr(), tuple(v.shape), dtype, rows),
+        ))  # fmt: skip
+        with torch.cuda.device(self.device):
+            tensor_map.launch(self._function.kernel.ptr, self.grid, self.block, self.smem_bytes, stream,
+                              (ctypes.c_uint64(q.data_ptr()), ctypes.c_uint64(out.data_ptr()), *maps))  # fmt: skip
+
+
 class HopperFlashKernel(FlashAttentionKernel):
     """``kernel(q, k, v, out=None) -> out`` for a compiled sm_90a flash-attention plan.
 
@@ -317,7 +341,8 @@ class HopperFlashKernel(FlashAttentionKernel):
 def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKernel | TermKernel:
     """Load a compiled kernel onto CUDA device ``device`` and return it as a callable:
     a :class:`FlashAttentionKernel` (``kernel(q, k, v)``) for a flash-attention plan (a
-    :class:`HopperFlashKernel` for the sm_90a family), a :class:`TermKernel`
+    :class:`HopperFlashKernel` for the sm_90a family, a :class:`TmaFlashKernel` for TMA K/V
+    copies), a :class:`TermKernel`
     (``kernel(**tensors)``) for a term plan."""
     from cherenkov.codegen.term_plan import TermKernelPlan
     from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
@@ -326,4 +351,6 @@ def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKern
         return TermKernel(compiled, device)
     if isinstance(compiled.plan.schedule, HopperFlashSchedule):
         return HopperFlashKernel(compiled, device)
+    if compiled.plan.schedule.tma_kv:
+        return TmaFlashKernel(compiled, device)
     return FlashAttentionKernel(compiled, device)

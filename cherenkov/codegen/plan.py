@@ -20,6 +20,8 @@ from cherenkov.rewrites.plan import (
     AttentionProblem,
     FlashSchedule,
     KernelPlan,
+    TMA_ALIGN_BYTES,
+    TMA_BOX_COLUMNS,
     Target,
     flash_register_estimate,
     flash_schedule_problems,
@@ -63,6 +65,11 @@ class FlashLayout:
     ``swizzle`` the 16-byte chunk ``c`` of row ``r`` sits at chunk position
     ``c ^ (r % 8)`` of its row; without, at ``c``. The Q tile is reused to stage the
     output for 16-byte stores once the main loop is done.
+
+    With ``tma_kv`` each K and V tile is ``kv_boxes`` TMA boxes of 64 columns instead: box
+    ``b`` holds columns ``[64 b, 64 b + 64)`` as ``block_kv`` rows of 128 bytes with the
+    copy engine's 128-byte swizzle (chunk ``c`` of row ``r`` at ``c ^ (r % 8)``), and the
+    launch asks for ``TMA_ALIGN_BYTES`` more so that the kernel can align the base.
     """
 
     block_q: int
@@ -71,11 +78,12 @@ class FlashLayout:
     stages: int
     element_bytes: int
     swizzle: bool
+    tma_kv: bool = False
 
     @classmethod
     def from_plan(cls, plan: KernelPlan) -> FlashLayout:
         s, p = plan.schedule, plan.problem
-        return cls(s.block_q, s.block_kv, p.head_dim, s.stages, ELEMENT_BYTES[p.dtype], s.swizzle)
+        return cls(s.block_q, s.block_kv, p.head_dim, s.stages, ELEMENT_BYTES[p.dtype], s.swizzle, s.tma_kv)
 
     @property
     def row_bytes(self) -> int:
@@ -113,8 +121,32 @@ class FlashLayout:
         return self.k_offset(stage) + self.kv_tile_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def tiles_bytes(self) -> int:
+        """The packed tiles, from the (aligned) base."""
         return self.kv_offset + self.stages * self.stage_bytes
+
+    @property
+    def align_slack(self) -> int:
+        """Bytes the launch adds so that the kernel can align its base for TMA boxes."""
+        return TMA_ALIGN_BYTES if self.tma_kv else 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Dynamic shared memory of one block (``flash_smem_bytes``)."""
+        return self.tiles_bytes + self.align_slack
+
+    @property
+    def box_row_bytes(self) -> int:
+        return TMA_BOX_COLUMNS * self.element_bytes
+
+    @property
+    def kv_boxes(self) -> int:
+        """TMA boxes per K or V tile (``tma_kv``): one per 64 columns."""
+        return self.head_dim // TMA_BOX_COLUMNS
+
+    @property
+    def kv_box_bytes(self) -> int:
+        return self.block_kv * self.box_row_bytes
 
     @property
     def swizzle_pattern(self) -> str:
@@ -124,6 +156,14 @@ class FlashLayout:
         """Byte offset of 16-byte chunk ``chunk`` of row ``row`` inside a tile."""
         position = chunk ^ (row % SWIZZLE_ROWS) if self.swizzle else chunk
         return row * self.row_bytes + position * CHUNK_BYTES
+
+    def kv_chunk_offset(self, row: int, chunk: int) -> int:
+        """Byte offset of 16-byte chunk ``chunk`` of row ``row`` inside a K or V tile."""
+        if not self.tma_kv:
+            return self.chunk_offset(row, chunk)
+        per_box = self.box_row_bytes // CHUNK_BYTES
+        box, position = divmod(chunk, per_box)
+        return box * self.kv_box_bytes + row * self.box_row_bytes + (position ^ (row % SWIZZLE_ROWS)) * CHUNK_BYTES
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,11 @@ class Target:
         return self.smem_per_sm or self.smem_per_block + 1024
 
     @property
+    def has_tma(self) -> bool:
+        """The target has the tensor memory accelerator (``cp.async.bulk.tensor``: sm_90 and later)."""
+        return self.compute_capability >= 90
+
+    @property
     def arch_flag(self) -> str:
         """The nvcc/NVRTC architecture flag (``sm_90``, ``sm_90a``, ...)."""
         return self.name
@@ -136,7 +141,10 @@ class FlashSchedule:
     replaces the block barrier of every tile by per-stage mbarriers — a stage is *full*
     when every thread's copies into it have landed (``cp.async.mbarrier.arrive``) and
     *empty* when every warp has done its P·V with it — so warps wait only for the data they
-    read and the stage they refill.
+    read and the stage they refill. ``tma_kv`` (mbarrier ring, sm_90 and later) fills each stage
+    with TMA boxes issued by one thread (K and V tiles stored as 64-column boxes with the
+    128-byte swizzle; one ``expect_tx`` arrival a stage) instead of every thread's cp.async
+    copies.
     """
 
     block_q: int = 128
@@ -153,6 +161,7 @@ class FlashSchedule:
     min_blocks: int = 1
     late_copy: bool = False
     mbarrier_ring: bool = False
+    tma_kv: bool = False
 
     @property
     def threads(self) -> int:
@@ -165,9 +174,9 @@ class FlashSchedule:
     @property
     def plain(self) -> bool:
         """No knob of issue 6 (pingpong, lazy rescale, head-major grid, overlap, min_blocks, late
-        copy, mbarrier ring) is on."""
+        copy, mbarrier ring, TMA copies) is on."""
         return not (self.pingpong or self.lazy_rescale or self.head_major or self.overlap or self.min_blocks > 1
-                    or self.late_copy or self.mbarrier_ring)
+                    or self.late_copy or self.mbarrier_ring or self.tma_kv)
 
     @property
     def register_cap(self) -> int:
@@ -176,8 +185,9 @@ class FlashSchedule:
 
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv64_w4_s2_split_swz_x4`` (``_pp``, ``_lazy``, ``_hm``,
-        ``_ov``, ``_mb3``, ``_late``, ``_mbar`` appended for pingpong, lazy rescale, head-major
-        order, overlap, a minimum of 3 blocks per SM, late copies and the mbarrier ring)."""
+        ``_ov``, ``_mb3``, ``_late``, ``_mbar``, ``_tma`` appended for pingpong, lazy rescale,
+        head-major order, overlap, a minimum of 3 blocks per SM, late copies, the mbarrier ring
+        and TMA copies)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_w{self.warps}_s{self.stages}"
             f"_{'split' if self.kv_split else 'joint'}_{'swz' if self.swizzle else 'lin'}"
@@ -185,6 +195,7 @@ class FlashSchedule:
             f"{'_hm' if self.head_major else ''}{'_ov' if self.overlap else ''}"
             f"{f'_mb{self.min_blocks}' if self.min_blocks > 1 else ''}"
             f"{'_late' if self.late_copy else ''}{'_mbar' if self.mbarrier_ring else ''}"
+            f"{'_tma' if self.tma_kv else ''}"
         )
 
 
@@ -203,14 +214,24 @@ FLASH_KNOBS: dict[str, tuple] = {
     "min_blocks": (1, 3),
     "late_copy": (False, True),
     "mbarrier_ring": (False, True),
+    "tma_kv": (False, True),
 }
 
+TMA_BOX_COLUMNS = 64
+"""Elements of one TMA box row: 128 bytes, the widest the 128-byte swizzle allows."""
+
+TMA_ALIGN_BYTES = 1024
+"""Alignment of a 128-byte-swizzled TMA box in shared memory (one swizzle atom of 8 rows);
+a TMA flash kernel rounds its dynamic shared-memory base up to it, so it asks for that
+much more."""
+
 def flash_smem_bytes(schedule: FlashSchedule, head_dim: int, dtype: str) -> int:
-    """Shared memory of one block: the Q tile plus ``stages`` (K tile + V tile) buffers."""
+    """Shared memory of one block: the Q tile plus ``stages`` (K tile + V tile) buffers (and,
+    with TMA copies, the slack that aligns the base to a swizzle atom)."""
     elem = ELEMENT_BYTES[dtype]
     q_tile = schedule.block_q * head_dim * elem
     kv_tiles = 2 * schedule.block_kv * head_dim * elem
-    return q_tile + schedule.stages * kv_tiles
+    return q_tile + schedule.stages * kv_tiles + (TMA_ALIGN_BYTES if schedule.tma_kv else 0)
 
 
 def flash_register_estimate(schedule: FlashSchedule, head_dim: int) -> int:
@@ -265,7 +286,10 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
       blocks at 2 per SM get 128 registers and spill (ptxas: 96 B);
     * ``late_copy`` and ``mbarrier_ring`` only on the joint ring (one copy group a tile, at
       least 2 stages) with the lazy rescale, the form of every joint winner they were
-      measured with (H200: each of the four combinations wins on some tile size).
+      measured with (H200: each of the four combinations wins on some tile size);
+    * ``tma_kv`` only on the mbarrier ring (its full barrier counts the boxes' bytes) and on
+      targets with TMA (sm_90 and later), with a head dim that is a whole number of 64-column
+      boxes.
     """
     reasons = []
     if problem.dtype not in ATTENTION_DTYPES:
@@ -297,6 +321,12 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
     ):
         reasons.append("late copies and the mbarrier ring need the joint ring (2+ stages, no pingpong or overlap) "
                        "with the lazy rescale")
+    if schedule.tma_kv and not schedule.mbarrier_ring:
+        reasons.append("TMA copies need the mbarrier ring")
+    if schedule.tma_kv and not target.has_tma:
+        reasons.append(f"TMA copies need sm_90 or later ({target.name} has no TMA)")
+    if schedule.tma_kv and problem.head_dim % TMA_BOX_COLUMNS:
+        reasons.append(f"TMA copies need head_dim a multiple of {TMA_BOX_COLUMNS} (got {problem.head_dim})")
     if schedule.min_blocks > 1 and schedule.warps != 4:
         reasons.append("min_blocks above 1 only for 4-warp blocks (8-warp blocks get 128 registers and spill)")
     smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype)

@@ -29,6 +29,7 @@ from cherenkov.rewrites.terms import literal
 KNOB_ORDER = (
     "block_q", "block_kv", "warps", "stages", "kv_split", "swizzle", "ldmatrix_x", "pingpong", "lazy_rescale",
     "head_major", "overlap", "min_blocks", "late_copy", "mbarrier_ring",
+    "tma_kv",
 )
 _VARIABLES = " ".join(KNOB_ORDER)
 HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers")

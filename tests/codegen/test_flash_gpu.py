@@ -19,13 +19,13 @@ TOLERANCE = 2e-2
 def schedule(key: str) -> FlashSchedule:
     """``"q64 kv128 w4 s2 split lin x2"`` → FlashSchedule; optional trailing flags ``pp`` (pingpong),
     ``lazy`` (lazy rescale), ``hm`` (head-major grid order), ``ov`` (overlap), ``mb3`` (min_blocks 3),
-    ``late`` (late copy), ``mbar`` (mbarrier ring)."""
+    ``late`` (late copy), ``mbar`` (mbarrier ring), ``tma`` (TMA K/V copies)."""
     q, kv, w, s, split, layout, x, *flags = key.split()
-    assert set(flags) <= {"pp", "lazy", "hm", "ov", "mb3", "late", "mbar"}, flags
+    assert set(flags) <= {"pp", "lazy", "hm", "ov", "mb3", "late", "mbar", "tma"}, flags
     return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", layout == "swz", int(x[1:]),
                          pingpong="pp" in flags, lazy_rescale="lazy" in flags, head_major="hm" in flags,
                          overlap="ov" in flags, min_blocks=3 if "mb3" in flags else 1, late_copy="late" in flags,
-                         mbarrier_ring="mbar" in flags)
+                         mbarrier_ring="mbar" in flags, tma_kv="tma" in flags)
 
 
 def problem(b, h, hkv, sq, skv, d, **kw) -> AttentionProblem:
@@ -99,6 +99,17 @@ CASES = [
     (problem(1, 3, 3, 77, 1, 128, causal=True), "q128 kv64 w4 s3 joint swz x4 lazy late mbar"),
     (problem(3, 2, 2, 129, 255, 128, causal=True), "q128 kv32 w4 s2 joint swz x4 lazy late"),
     (problem(1, 8, 1, 200, 333, 128, causal=True), "q128 kv32 w8 s2 joint swz x4 lazy late mbar"),
+    # seventh session: the mbarrier ring fed by TMA boxes (tails read as zeros, GQA planes, fp16 maps)
+    (SEED, "q128 kv64 w4 s2 joint swz x4 lazy late mbar tma"),
+    (SEED, "q128 kv64 w4 s2 joint swz x4 lazy mbar tma"),
+    (SEED, "q128 kv32 w4 s3 joint swz x4 lazy mbar tma"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q128 kv128 w4 s2 joint swz x4 lazy mbar tma"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q128 kv64 w4 s2 joint swz x4 lazy hm late mbar tma"),
+    (problem(2, 32, 8, 512, 1536, 128), "q64 kv64 w4 s3 joint swz x4 lazy late mbar tma"),
+    (problem(2, 4, 4, 513, 1000, 64, dtype="fp16", causal=True), "q128 kv64 w4 s2 joint swz x4 lazy late mbar tma"),
+    (problem(1, 3, 3, 77, 1, 128, causal=True), "q128 kv64 w4 s3 joint swz x4 lazy mbar tma"),
+    (problem(3, 2, 2, 129, 255, 128, causal=True), "q128 kv32 w8 s2 joint swz x4 lazy late mbar tma"),
+    (problem(1, 8, 1, 200, 333, 128, causal=True), "q64 kv32 w4 s2 joint swz x4 lazy hm mbar tma"),
 ]
 PLANS = [KernelPlan("flash_attention", p, schedule(key), TARGETS["sm_90"]) for p, key in CASES]
 

@@ -36,7 +36,46 @@ def test_tiles_are_contiguous_and_disjoint(seed_problem):
         for start, size in spans:
             assert start == position and start % 128 == 0
             position += size
-        assert position == layout.total_bytes
+        assert position == layout.tiles_bytes
+        assert layout.total_bytes == layout.tiles_bytes + layout.align_slack
+        if plan.schedule.tma_kv:  # every box on a 1024-byte swizzle atom
+            assert layout.align_slack == 1024
+            assert all(start % 1024 == 0 for start, _ in spans[1:]) and layout.kv_box_bytes % 1024 == 0
+
+
+def tma_swizzle_128b(offset: int) -> int:
+    """The copy engine's 128-byte swizzle inside a 1024-byte aligned atom: address bits 4-6 XOR bits 7-9."""
+    return offset ^ (((offset >> 7) & 7) << 4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_kv", [32, 64, 128])
+def test_kv_boxes_are_the_tma_128_byte_swizzle(head_dim, block_kv):
+    """K/V chunk offsets of a TMA layout: box c // 8, inside it the hardware's 128-byte swizzle."""
+    layout = FlashLayout(128, block_kv, head_dim, 2, 2, True, tma_kv=True)
+    assert layout.kv_boxes == head_dim // 64 and layout.kv_box_bytes == block_kv * 128
+    offsets = set()
+    for row, chunk in itertools.product(range(block_kv), range(layout.chunks_per_row)):
+        box, column = divmod(chunk, 8)
+        offset = layout.kv_chunk_offset(row, chunk)
+        assert offset == box * layout.kv_box_bytes + tma_swizzle_128b(row * 128 + column * CHUNK_BYTES)
+        offsets.add(offset)
+    assert offsets == set(range(0, layout.kv_tile_bytes, CHUNK_BYTES))  # a permutation of the tile
+    if head_dim == 64:  # one box: the cp.async layout, read by the plain loaders
+        assert all(layout.kv_chunk_offset(r, c) == layout.chunk_offset(r, c) for r in range(block_kv) for c in range(8))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_boxed_k_steps_are_a_box_offset_and_the_same_xor(head_dim):
+    """The boxed loaders reach chunk c + 2·kk (K: k-step kk; V: dims 16·kk) as box kk / 4 plus the
+    first offset XOR (kk % 4) << 5, and an ldmatrix phase (8 rows, one chunk) hits 8 bank groups."""
+    layout = FlashLayout(128, 64, head_dim, 2, 2, True, tma_kv=True)
+    for row, chunk, kk in itertools.product(range(64), (0, 1), range(head_dim // 16)):
+        expected = (kk >> 2) * layout.kv_box_bytes + (layout.kv_chunk_offset(row, chunk) ^ ((kk & 3) << 5))
+        assert layout.kv_chunk_offset(row, chunk + 2 * kk) == expected
+    for first_row, chunk in itertools.product(range(0, 64, 8), range(layout.chunks_per_row)):
+        rows = range(first_row, first_row + 8)
+        assert len({(layout.kv_chunk_offset(r, chunk) // CHUNK_BYTES) % 8 for r in rows}) == 8
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

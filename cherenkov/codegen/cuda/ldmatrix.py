@@ -20,12 +20,19 @@ That is exact for both layouts: the swizzle is itself an XOR of the chunk bits w
 multiples of 8 apart (``row0``, ``key0``, ``16·kk`` add whole rows without changing
 ``row % 8``). So the per-step offsets are register-free immediates or one LOP3.
 
-Needs ``smem_offset`` and ``ROW_BYTES``.
+K and V tiles in 64-column TMA boxes (rows of 128 bytes with the same XOR swizzle, see
+:meth:`cherenkov.codegen.plan.FlashLayout.kv_chunk_offset`): k-step ``kk`` of K reads box
+``kk / 4`` at chunk ``2·(kk % 4)``, head dims ``dim0`` of V box ``dim0 / 64`` at chunk
+``(dim0 % 64) / 8``: a whole-box offset plus the same XOR inside the box.
+
+Needs ``smem_offset`` and ``ROW_BYTES`` (and ``BOX_ROW_BYTES``, ``KV_BOX_BYTES`` for boxed
+K/V tiles).
 """
 
 from __future__ import annotations
 
 from cherenkov.codegen.cuda.text import block
+from cherenkov.codegen.errors import CodegenError
 
 
 def emit_ldmatrix_primitives(width: int) -> str:
@@ -49,16 +56,28 @@ def emit_ldmatrix_primitives(width: int) -> str:
     )
 
 
-def emit_fragment_loaders(width: int) -> str:
-    """``load_a``, ``load_b_k`` and ``load_b_v``: mma operands of 16×16 tiles of a shared tile."""
-    if width == 4:
-        return block(
-            """
-            // A operand: rows [row0, row0 + 16) x columns [16 * kk, 16 * kk + 16), one ldmatrix.x4.
-            __device__ __forceinline__ void load_a(u32 (&a)[4], u32 tile, int row0, int kk, int lane) {
-                ldmatrix_x4(a, tile + row0 * ROW_BYTES + (smem_offset(lane & 15, lane >> 4) ^ (kk << 5)));
-            }
+_LOAD_A_X4 = block(
+    """
+    // A operand: rows [row0, row0 + 16) x columns [16 * kk, 16 * kk + 16), one ldmatrix.x4.
+    __device__ __forceinline__ void load_a(u32 (&a)[4], u32 tile, int row0, int kk, int lane) {
+        ldmatrix_x4(a, tile + row0 * ROW_BYTES + (smem_offset(lane & 15, lane >> 4) ^ (kk << 5)));
+    }
+    """
+)
 
+
+def emit_fragment_loaders(width: int, kv_boxes: int = 0) -> str:
+    """``load_a``, ``load_b_k`` and ``load_b_v``: mma operands of 16×16 tiles of a shared tile;
+    ``kv_boxes`` (x4 only): K and V tiles are that many 64-column TMA boxes. One box (head dim
+    64) is laid out like a cp.async tile (128-byte rows, the same swizzle), so it is read
+    with the plain loaders."""
+    if kv_boxes > 1:
+        if width != 4:
+            raise CodegenError(f"K/V tiles in TMA boxes are read with ldmatrix x4 (got x{width})")
+        return _LOAD_A_X4 + "\n\n" + _emit_boxed_b_loaders()
+    if width == 4:
+        return _LOAD_A_X4 + "\n\n" + block(
+            """
             // B operands of the two n8 tiles of keys [key0, key0 + 16) at k-step kk (K is stored
             // keys x dims, which is the "col" layout mma wants): b[0..1] tile key0, b[2..3] key0 + 8.
             __device__ __forceinline__ void load_b_k(u32 (&b)[4], u32 tile, int key0, int kk, int lane) {
@@ -102,6 +121,30 @@ def emit_fragment_loaders(width: int) -> str:
             ldmatrix_x2_trans(n0, rows + (smem_offset(lane & 15, 0) ^ (dim0 << 1)));
             ldmatrix_x2_trans(n1, rows + (smem_offset(lane & 15, 1) ^ (dim0 << 1)));
             b[0] = n0[0]; b[1] = n0[1]; b[2] = n1[0]; b[3] = n1[1];
+        }
+        """
+    )
+
+
+def _emit_boxed_b_loaders() -> str:
+    return block(
+        """
+        // B operands of the two n8 tiles of keys [key0, key0 + 16) at k-step kk, from the K tile's
+        // 64-column boxes (k-step kk: box kk / 4, chunks 2 (kk % 4) and 2 (kk % 4) + 1 of its rows):
+        // b[0..1] tile key0, b[2..3] key0 + 8.
+        __device__ __forceinline__ void load_b_k(u32 (&b)[4], u32 tile, int key0, int kk, int lane) {
+            const int row = (lane & 7) + ((lane >> 4) << 3);
+            const u32 lane_offset = u32(row) * BOX_ROW_BYTES + (u32(((lane >> 3) & 1) ^ (row & 7)) << 4);
+            ldmatrix_x4(b, tile + (kk >> 2) * KV_BOX_BYTES + key0 * BOX_ROW_BYTES + (lane_offset ^ ((kk & 3) << 5)));
+        }
+
+        // B operands of the two n8 tiles of head dims [dim0, dim0 + 16) over keys
+        // [16 * kk, 16 * kk + 16), loaded transposed from the V tile's box dim0 / 64.
+        __device__ __forceinline__ void load_b_v(u32 (&b)[4], u32 tile, int kk, int dim0, int lane) {
+            const int row = lane & 15;
+            const int dp = dim0 >> 4;
+            const u32 lane_offset = u32(row) * BOX_ROW_BYTES + (u32((lane >> 4) ^ (row & 7)) << 4);
+            ldmatrix_x4_trans(b, tile + (dp >> 2) * KV_BOX_BYTES + 16 * kk * BOX_ROW_BYTES + (lane_offset ^ ((dp & 3) << 5)));
         }
         """
     )

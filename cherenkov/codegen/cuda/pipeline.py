@@ -26,7 +26,9 @@ arrives once its P·V of the stage's tile is done, in ``pipeline_release``). Til
 use ``t / S`` of stage ``t % S``: readers wait for phase parity ``(t / S) & 1`` of *full*,
 and a thread refilling the stage with tile ``t ≥ S`` first waits for parity
 ``(t / S − 1) & 1`` of *empty*. The Q tile's copies come before every thread's first
-arrival, so tile 0's *full* phase also covers Q.
+arrival, so tile 0's *full* phase also covers Q. Its **TMA** form fills a stage with the
+boxes of K and V (thread 0, one ``expect_tx`` arrival, *full* counts 1) and waits for Q's
+cp.async copies once in the prologue.
 Needs ``load_tile``, the cp.async primitives and the layout/problem constants.
 """
 
@@ -207,30 +209,52 @@ class KvPipeline:
 @dataclass(frozen=True)
 class MbarrierKvPipeline:
     """The joint ring synchronised by per-stage full/empty mbarriers (``stages ≥ 2``), with
-    the next tile's copies issued before the scores or, ``late_copy``, before P·V."""
+    the next tile's copies issued before the scores or, ``late_copy``, before P·V; ``tma``:
+    the copies are TMA boxes issued by thread 0 (see :meth:`emit`)."""
 
     stages: int
     late_copy: bool = False
+    tma: bool = False
+
+    @property
+    def source(self) -> str:
+        """The C++ type the ring reads a head's K or V from: its first row (cp.async) or its
+        ``KvSource`` (TMA: tensor map and plane)."""
+        return "KvSource" if self.tma else "const elem_t*"
 
     def emit(self) -> str:
         """Barrier primitives, ``issue_kv``, ``pipeline_prologue`` (initialises the barriers),
-        ``pipeline_wait_q``, ``pipeline_wait_k`` and ``pipeline_wait_v``."""
-        return "\n\n".join([
+        ``pipeline_wait_q``, ``pipeline_wait_k`` and ``pipeline_wait_v``.
+
+        With ``tma`` a stage's *full* barrier has one arrival (thread 0's ``expect_tx`` of
+        both tiles' bytes) and completes when the copy engine has written them; the Q tile
+        (cp.async) is waited for once, at the end of the prologue."""
+        ring = self._emit_tma_ring() if self.tma else self._emit_cp_async_ring()
+        return "\n\n".join([*ring, self._emit_waits()])
+
+    @staticmethod
+    def _emit_barriers() -> str:
+        return block(
+            """
+            // The ring's barriers: full[s] then empty[s], one 64-bit mbarrier each.
+            __shared__ __align__(8) unsigned long long ring_barriers[2 * STAGES];
+
+            __device__ __forceinline__ u32 full_barrier(int slot) {
+                return u32(__cvta_generic_to_shared(&ring_barriers[slot]));
+            }
+
+            __device__ __forceinline__ u32 empty_barrier(int slot) {
+                return u32(__cvta_generic_to_shared(&ring_barriers[STAGES + slot]));
+            }
+            """
+        )
+
+    def _emit_cp_async_ring(self) -> list[str]:
+        return [
             tma.emit_mbarrier_basics(),
             _emit_load_kv_tile(),
-            block(
+            self._emit_barriers() + "\n\n" + block(
                 """
-                // The ring's barriers: full[s] then empty[s], one 64-bit mbarrier each.
-                __shared__ __align__(8) unsigned long long ring_barriers[2 * STAGES];
-
-                __device__ __forceinline__ u32 full_barrier(int slot) {
-                    return u32(__cvta_generic_to_shared(&ring_barriers[slot]));
-                }
-
-                __device__ __forceinline__ u32 empty_barrier(int slot) {
-                    return u32(__cvta_generic_to_shared(&ring_barriers[STAGES + slot]));
-                }
-
                 // One arrival on `bar` once every earlier cp.async of this thread has landed.
                 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
                     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\\n" :: "r"(bar) : "memory");
@@ -278,22 +302,81 @@ class MbarrierKvPipeline:
                 }
                 """
             ),
-            self._emit_waits(),
-        ])
+        ]
+
+    def _emit_tma_ring(self) -> list[str]:
+        return [
+            tma.emit_mbarrier(),
+            tma.emit_tma_load(3),
+            self._emit_barriers() + "\n\n" + block(
+                """
+                // Thread 0 starts the TMA boxes of K and V tile `tile` into stage `slot` (= tile % STAGES)
+                // once every warp has released the tile STAGES before it; the stage's full barrier
+                // expects their bytes (rows past SEQ_KV arrive as zeros and count too). Tiles past
+                // n_tiles are never read, so they are neither copied nor counted.
+                __device__ __forceinline__ void issue_kv(u32 smem, KvSource k_head, KvSource v_head, int tile, int slot,
+                                                         int n_tiles) {
+                    if (threadIdx.x == 0 && tile < n_tiles) {
+                        if (tile >= STAGES) {
+                            mbar_wait(empty_barrier(slot), (tile / STAGES - 1) & 1);
+                        }
+                        const u32 full = full_barrier(slot);
+                        mbar_arrive_expect_tx(full, 2 * KV_BOXES * KV_BOX_BYTES);
+                        #pragma unroll
+                        for (int box = 0; box < KV_BOXES; ++box) {
+                            const u32 offset = u32(slot) * STAGE_BYTES + u32(box) * KV_BOX_BYTES;
+                            tma_load_3d(smem + K_SMEM + offset, k_head.map, full, 64 * box, tile * BLOCK_KV, k_head.plane);
+                            tma_load_3d(smem + V_SMEM + offset, v_head.map, full, 64 * box, tile * BLOCK_KV, v_head.plane);
+                        }
+                    }
+                }
+                """
+            ),
+            block(
+                """
+                // Thread 0 fetches the tensor maps and initialises the barriers (full: its own arrival;
+                // empty: one per warp), visible to the copy engine; the first STAGES - 1 tiles start,
+                // then the block waits for its Q copies (cp.async).
+                __device__ __forceinline__ void pipeline_prologue(u32 smem, KvSource k_head, KvSource v_head, int n_tiles) {
+                    if (threadIdx.x == 0) {
+                        tma_prefetch_map(k_head.map);
+                        tma_prefetch_map(v_head.map);
+                        #pragma unroll
+                        for (int s = 0; s < STAGES; ++s) {
+                            mbar_init(full_barrier(s), 1);
+                            mbar_init(empty_barrier(s), WARPS);
+                        }
+                        fence_barrier_init();
+                    }
+                    __syncthreads();
+                    #pragma unroll
+                    for (int t = 0; t < STAGES - 1; ++t) {
+                        issue_kv(smem, k_head, v_head, t, t, n_tiles);
+                    }
+                    cp_async_wait<0>();
+                    __syncthreads();
+                }
+
+                // The Q tile has landed: the prologue waited for it.
+                __device__ __forceinline__ void pipeline_wait_q() {}
+                """
+            ),
+        ]
 
     def _emit_waits(self) -> str:
+        signature = _SIGNATURE.replace("const elem_t*", self.source)
         issue_next = f"issue_kv(smem, k_head, v_head, j + {self.stages - 1}, slot == 0 ? STAGES - 1 : slot - 1, n_tiles);"
         if self.late_copy:
             return block(
                 f"""
                 // Before the scores of step j: tile j has landed for every thread.
-                __device__ __forceinline__ void pipeline_wait_k(u32, const elem_t*, const elem_t*, int j, int slot, int) {{
+                __device__ __forceinline__ void pipeline_wait_k(u32, {self.source}, {self.source}, int j, int slot, int) {{
                     mbar_wait(full_barrier(slot), (j / STAGES) & 1);
                 }}
 
                 // Before P*V of step j (late copy): V_j arrived with K_j; tile j+S-1 starts into the
                 // stage step j-1 used, now that the scores' ldmatrix are done.
-                __device__ __forceinline__ void pipeline_wait_v({_SIGNATURE}) {{
+                __device__ __forceinline__ void pipeline_wait_v({signature}) {{
                     {issue_next}
                 }}
                 """
@@ -302,13 +385,13 @@ class MbarrierKvPipeline:
             f"""
             // Before the scores of step j: tile j has landed for every thread; tile j+S-1 starts
             // into the stage step j-1 used.
-            __device__ __forceinline__ void pipeline_wait_k({_SIGNATURE}) {{
+            __device__ __forceinline__ void pipeline_wait_k({signature}) {{
                 mbar_wait(full_barrier(slot), (j / STAGES) & 1);
                 {issue_next}
             }}
 
             // Before P*V of step j: V_j arrived with K_j, nothing to wait for.
-            __device__ __forceinline__ void pipeline_wait_v(u32, const elem_t*, const elem_t*, int, int, int) {{}}
+            __device__ __forceinline__ void pipeline_wait_v(u32, {self.source}, {self.source}, int, int, int) {{}}
             """
         )
 
