@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -224,9 +225,11 @@ class CapturedRun:
 
 def _rank(results: list[CandidateResult], credit: Mapping[str, float] | None = None) -> CandidateResult | None:
     """Fastest usable candidate; medians within the winner's noise (its median − min spread,
-    between ``MIN_NOISE`` and ``MAX_NOISE``) tie and the smallest id among them wins, so the
-    same measurements always pick the same winner. ``credit``
-    (by id): time a candidate saves elsewhere — the producer kernel it absorbs."""
+    between ``MIN_NOISE`` and ``MAX_NOISE``) tie, and among them the cost model's favourite
+    (smallest ``predicted_ms``, then the smallest id) wins: where the samples cannot order
+    two plans, the model fitted to same-process A/Bs can, and the same measurements always
+    pick the same winner. ``credit`` (by id): time a candidate saves elsewhere — the
+    producer kernel it absorbs."""
     usable = [r for r in results if r.status in ("ok", "modelled") and r.time_ms]
     if not usable:
         return None
@@ -241,7 +244,7 @@ def _rank(results: list[CandidateResult], credit: Mapping[str, float] | None = N
         spread = (fastest.timing.median_ms - fastest.timing.min_ms) / fastest.timing.median_ms
         noise = min(MAX_NOISE, max(MIN_NOISE, spread))
     tied = [r for r in usable if cost(r) <= cost(fastest) + fastest.time_ms * noise]
-    return min(tied, key=lambda r: r.id)
+    return min(tied, key=lambda r: (math.inf if r.predicted_ms is None else r.predicted_ms, r.id))
 
 
 def _peak(plan: KernelPlan | TermKernelPlan) -> float:

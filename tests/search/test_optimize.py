@@ -246,3 +246,24 @@ def test_a_wide_sample_spread_ties_at_most_two_percent() -> None:
     assert optimize_module._rank([fastest, near]) is near
     steady = result("b-steady", 1.00, 0.999)
     assert optimize_module._rank([steady, near]) is steady  # 0.1% spread: MIN_NOISE, 1% apart
+
+
+def test_ties_go_to_the_cost_models_favourite() -> None:
+    """Within the tie band the smaller predicted time wins (then the smaller id); outside it
+    the measurement decides whatever the model says. (H200, 2026-11-30: the 1k search's
+    leader, a TMA ring at 361 TFLOP/s predicted 420, lost on its id to a 32-key split plan at
+    356 predicted 373, which timed 348 in the final round.)"""
+
+    def result(id: str, median: float, predicted: float | None) -> CandidateResult:
+        return CandidateResult(id, "flash_attention", "flash_attention", {}, "", "ok",
+                               timing=Timing(median * 0.97, median, median * 1.1, 20), predicted_ms=predicted)
+
+    leader = result("b-tma", 1.000, 0.86)  # 3% spread: a 2% band
+    tied = result("a-split", 1.016, 0.97)
+    assert optimize_module._rank([leader, tied]) is leader  # tied; the smaller id would have won
+    assert optimize_module._rank([leader, result("a-split", 1.016, 0.80)]) is not leader
+    favoured = result("c-favoured", 1.015, 0.80)
+    assert optimize_module._rank([leader, tied, favoured]) is favoured
+    assert optimize_module._rank([leader, result("a-far", 1.05, 0.5)]) is leader  # 5% apart: no tie
+    unmodelled = result("a-unmodelled", 1.01, None)
+    assert optimize_module._rank([leader, unmodelled]) is leader

@@ -113,11 +113,20 @@ def emit_tma_load(rank: int = 3) -> str:
     coords, braces, inputs = _coordinates(rank, 3)
     return block(
         f"""
+        // The destination is this block's shared memory. sm_120 builds say so (.shared::cta, PTX
+        // 8.6, which every sm_120 toolkit has): with .shared::cluster ptxas guards each copy there
+        // with a cluster-rank check and a call (stack stores, spills); sm_90 compiles both alike.
+        #if __CUDA_ARCH__ >= 1200
+        #define TMA_LOAD_DST "shared::cta"
+        #else
+        #define TMA_LOAD_DST "shared::cluster"
+        #endif
+
         // Copy one box of `map` at coordinates (c0 innermost, ...) to shared memory at `dst`;
         // the bytes are counted on mbarrier `bar`.
         __device__ __forceinline__ void tma_load_{rank}d(u32 dst, const TensorMap* map, u32 bar, {coords}) {{
             asm volatile(
-                "cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "cp.async.bulk.tensor.{rank}d." TMA_LOAD_DST ".global.mbarrier::complete_tx::bytes "
                 "[%0], [%1, {{{braces}}}], [%2];\\n"
                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), {inputs}
                 : "memory");
