@@ -5,7 +5,8 @@ The cubin is loaded with ``cupy.RawModule(path=...)``; tensors are passed by
 ``data_ptr()`` and the kernel is launched on torch's current stream (wrapped as a cupy
 ``ExternalStream``), so it orders with the surrounding torch work. The sm_90a family, and
 ``mma.sync`` flash plans whose K/V ring is fed by TMA (``tma_kv``), take TMA tensor maps by
-value and are launched through ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`). cupy and torch are imported on first use only.
+value and are launched through ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`).
+cupy and torch are imported on first use only.
 """
 
 from __future__ import annotations

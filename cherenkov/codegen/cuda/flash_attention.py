@@ -15,7 +15,8 @@ scale) and every schedule value is a compile-time constant, so a kernel serves e
 problem shape; tail handling compiles away when the lengths are multiples of the tiles.
 Launch: grid ``(ceil(Sq / BLOCK_Q), H, B)`` (causal: block x takes the query tile counted
 from the end, longest first), ``THREADS`` threads, ``SMEM_BYTES`` of dynamic shared memory,
-arguments ``(q, k, v, o)`` device pointers.
+arguments ``(q, k, v, o)`` device pointers — or, for a ring fed by TMA (``tma_kv``),
+``(q, o, k_map, v_map)``: K and V as tensor maps (``launch.TmaFlashKernel`` encodes them).
 """
 
 from __future__ import annotations
