@@ -550,7 +550,7 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
     prologue = block(
         """
         extern __shared__ __align__(128) unsigned char smem_raw[];
-        const u32 smem = u32(__cvta_generic_to_shared(smem_raw));
+        @SMEM_BASE@
         const int lane = int(threadIdx.x) & 31;
         const int warp_row0 = (int(threadIdx.x) >> 5) * ROWS_PER_WARP;
 
@@ -573,8 +573,7 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         const int kv_head = head / GROUP;
         const int q0 = q_tile * BLOCK_Q;
         const size_t q_rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
-        const elem_t* k_head = k + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
-        const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;
+        @KV_SOURCES@
 
         // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
         // how many of them need no mask (wholly below the diagonal and inside SEQ_KV).
@@ -591,8 +590,8 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         state.init();
         """
     ).replace("@Q_INIT@", q_init)
-    if plan.schedule.tma_kv:
-        prologue = _tma_sources(prologue)
+    for placeholder, text in zip(("@SMEM_BASE@", "@KV_SOURCES@"), _smem_base_and_kv_sources(plan.schedule.tma_kv)):
+        prologue = prologue.replace(placeholder, text)
     if plan.schedule.pingpong:
         main_loop = _pingpong_loop()
     elif plan.schedule.overlap:
@@ -609,24 +608,23 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
     return head + indent(prologue + "\n\n" + main_loop + "\n" + epilogue) + "\n}"
 
 
-def _tma_sources(prologue: str) -> str:
-    """The kernel prologue of a TMA ring: the layout starts at the first aligned address of
-    the dynamic shared memory, and K/V come from the tensor maps (plane of the K/V head)."""
-    base = "const u32 smem = u32(__cvta_generic_to_shared(smem_raw));\n"
-    sources = (
+def _smem_base_and_kv_sources(tma_kv: bool) -> tuple[str, str]:
+    """The kernel's shared-memory base and where the ring reads K and V: the dynamic shared
+    memory and the heads' first rows; for a TMA ring the first 1024-byte aligned address in
+    it and the tensor maps (plane of the K/V head)."""
+    if tma_kv:
+        return (
+            "// TMA boxes land on SMEM_ALIGN-byte swizzle atoms: the layout starts at the first such\n"
+            "// address (the launch adds SMEM_ALIGN bytes of slack).\n"
+            "const u32 smem = (u32(__cvta_generic_to_shared(smem_raw)) + SMEM_ALIGN - 1) & ~(SMEM_ALIGN - 1);",
+            "const KvSource k_head = {&k_map, batch * KV_HEADS + kv_head};\n"
+            "const KvSource v_head = {&v_map, batch * KV_HEADS + kv_head};",
+        )
+    return (
+        "const u32 smem = u32(__cvta_generic_to_shared(smem_raw));",
         "const elem_t* k_head = k + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;\n"
-        "const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;\n"
+        "const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;",
     )
-    if base not in prologue or sources not in prologue:
-        raise CodegenError("the flash kernel prologue lost its smem base or K/V head lines")
-    return prologue.replace(base, (
-        "// TMA boxes land on SMEM_ALIGN-byte swizzle atoms: the layout starts at the first such\n"
-        "// address (the launch adds SMEM_ALIGN bytes of slack).\n"
-        "const u32 smem = (u32(__cvta_generic_to_shared(smem_raw)) + SMEM_ALIGN - 1) & ~(SMEM_ALIGN - 1);\n"
-    )).replace(sources, (
-        "const KvSource k_head = {&k_map, batch * KV_HEADS + kv_head};\n"
-        "const KvSource v_head = {&v_map, batch * KV_HEADS + kv_head};\n"
-    ))
 
 
 def _plain_loop() -> str:
