@@ -79,7 +79,8 @@ def hopper_key(schedule: HopperFlashSchedule) -> str:
 
 
 def schedule_of(text: str) -> FlashSchedule | HopperFlashSchedule:
-    """``"q128 kv64 w4 s2 split [lin] [x2] [pp] [lazy] [hm] [ov] [mb3] [late] [mbar] [tma]"`` → FlashSchedule
+    """``"q128 kv64 w4 s2 split [lin] [x2] [pp] [lazy] [hm] [ov] [mb3] [late] [mbar] [tma] [rs] [qs] [lwr]"`` →
+    FlashSchedule
     (swz x4 unless said); ``"sm90a kv128 s3 c2 [pp] [ps] [q2]"`` → HopperFlashSchedule."""
     if text.startswith("sm90a "):
         _, kv, s, c, *flags = text.split()
@@ -89,7 +90,8 @@ def schedule_of(text: str) -> FlashSchedule | HopperFlashSchedule:
     min_blocks = next((int(f[2:]) for f in flags if f[:2] == "mb" and f[2:].isdigit()), 1)
     return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", "lin" not in flags,
                          2 if "x2" in flags else 4, "pp" in flags, "lazy" in flags, "hm" in flags, "ov" in flags,
-                         min_blocks, "late" in flags, "mbar" in flags, "tma" in flags)
+                         min_blocks, "late" in flags, "mbar" in flags, "tma" in flags, "rs" in flags, "qs" in flags,
+                         "lwr" in flags)
 
 
 def problem_of(shape: str) -> AttentionProblem:

@@ -79,7 +79,8 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
     "Schedule": (
         Constructor(
             "FlashSchedule",
-            ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64", "bool", "bool", "bool"),
+            ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64", "bool", "bool", "bool",
+             "bool", "bool", "bool"),
             0,
         ),
         Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool", "i64"), 0),

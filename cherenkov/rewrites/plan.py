@@ -145,6 +145,16 @@ class FlashSchedule:
     with TMA boxes issued by one thread (K and V tiles stored as 64-column boxes with the
     128-byte swizzle; one ``expect_tx`` arrival a stage) instead of every thread's cp.async
     copies.
+
+    Three knobs of the mbarrier ring's tile step: ``row_sums_mma`` sums each row's
+    probabilities on the tensor cores (P, already the A operand of P·V, times a B operand of
+    ones: one more mma per m16 tile and k16 step instead of an FADD per probability);
+    ``q_prescaled`` (TMA rings, with ``row_sums_mma``) multiplies the Q tile by
+    ``scale·log2 e`` once, in shared memory, and starts each tile's first QKᵀ mma from the
+    rows' negated offsets, so the scores arrive as exponents (no FMA per score);
+    ``last_warp_refill`` (TMA rings with ``q_prescaled``, early copies) drops the *empty*
+    barriers: the last warp to release a stage starts the tile ``stages`` ahead into it at
+    once, so no thread waits for the others to refill the ring.
     """
 
     block_q: int = 128
@@ -162,6 +172,9 @@ class FlashSchedule:
     late_copy: bool = False
     mbarrier_ring: bool = False
     tma_kv: bool = False
+    row_sums_mma: bool = False
+    q_prescaled: bool = False
+    last_warp_refill: bool = False
 
     @property
     def threads(self) -> int:
@@ -174,9 +187,10 @@ class FlashSchedule:
     @property
     def plain(self) -> bool:
         """No knob of issue 6 (pingpong, lazy rescale, head-major grid, overlap, min_blocks, late
-        copy, mbarrier ring, TMA copies) is on."""
+        copy, mbarrier ring, TMA copies and the ring's step knobs) is on."""
         return not (self.pingpong or self.lazy_rescale or self.head_major or self.overlap or self.min_blocks > 1
-                    or self.late_copy or self.mbarrier_ring or self.tma_kv)
+                    or self.late_copy or self.mbarrier_ring or self.tma_kv or self.row_sums_mma
+                    or self.q_prescaled or self.last_warp_refill)
 
     @property
     def register_cap(self) -> int:
@@ -185,9 +199,10 @@ class FlashSchedule:
 
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv64_w4_s2_split_swz_x4`` (``_pp``, ``_lazy``, ``_hm``,
-        ``_ov``, ``_mb3``, ``_late``, ``_mbar``, ``_tma`` appended for pingpong, lazy rescale,
-        head-major order, overlap, a minimum of 3 blocks per SM, late copies, the mbarrier ring
-        and TMA copies)."""
+        ``_ov``, ``_mb3``, ``_late``, ``_mbar``, ``_tma``, ``_rs``, ``_qs``, ``_lwr`` appended for
+        pingpong, lazy rescale, head-major order, overlap, a minimum of 3 blocks per SM, late
+        copies, the mbarrier ring, TMA copies, row sums on the tensor cores, a pre-scaled Q and
+        the last warp's refill)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_w{self.warps}_s{self.stages}"
             f"_{'split' if self.kv_split else 'joint'}_{'swz' if self.swizzle else 'lin'}"
@@ -195,7 +210,8 @@ class FlashSchedule:
             f"{'_hm' if self.head_major else ''}{'_ov' if self.overlap else ''}"
             f"{f'_mb{self.min_blocks}' if self.min_blocks > 1 else ''}"
             f"{'_late' if self.late_copy else ''}{'_mbar' if self.mbarrier_ring else ''}"
-            f"{'_tma' if self.tma_kv else ''}"
+            f"{'_tma' if self.tma_kv else ''}{'_rs' if self.row_sums_mma else ''}"
+            f"{'_qs' if self.q_prescaled else ''}{'_lwr' if self.last_warp_refill else ''}"
         )
 
 
@@ -215,7 +231,13 @@ FLASH_KNOBS: dict[str, tuple] = {
     "late_copy": (False, True),
     "mbarrier_ring": (False, True),
     "tma_kv": (False, True),
+    "row_sums_mma": (False, True),
+    "q_prescaled": (False, True),
+    "last_warp_refill": (False, True),
 }
+
+RING_STEP_KNOBS = ("row_sums_mma", "q_prescaled", "last_warp_refill")
+"""The knobs of the TMA ring's tile step (all False elsewhere)."""
 
 TMA_BOX_COLUMNS = 64
 """Elements of one TMA box row: 128 bytes, the widest the 128-byte swizzle allows."""
@@ -265,8 +287,11 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
       stages only and never crossed with the issue-6 knobs;
     * one stage with joint K/V groups loads each tile while nothing computes; the split
       choreography of one stage overlaps K_(j+1) with P·V and V_j with QKᵀ, so it wins;
-    * a 256-row block only runs as a pingpong of two 4-warp groups: without the pingpong it
-      is two q128/w4 blocks fused by barriers, with the same residency and no overlap gain;
+    * a 256-row block runs as a pingpong of two 4-warp groups or on the TMA ring: with block
+      barriers or the cp.async mbarrier ring it is two q128/w4 blocks fused by barriers, with
+      the same residency and no gain (H200, sixth session: 398 against 407 TFLOP/s); on the
+      TMA ring its one block an SM holds 3 stages, slack the 2-stage rings of two 128-row
+      blocks lack (seventh session: 427 against 399 with early copies);
     * the pingpong needs 8 warps (two per scheduler partition, one of each group) and at
       least 2 stages (its ring buffers K_j with V_(j-1)); its pipeline has no separate K/V
       groups, so ``kv_split`` is fixed to False there (one plan, not two identical ones).
@@ -289,7 +314,13 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
       measured with (H200: each of the four combinations wins on some tile size);
     * ``tma_kv`` only on the mbarrier ring (its full barrier counts the boxes' bytes) and on
       targets with TMA (sm_90 and later), with a head dim that is a whole number of 64-column
-      boxes.
+      boxes;
+    * the three step knobs only on the TMA ring, where they were measured (H200, eighth
+      session): ``row_sums_mma`` there; ``q_prescaled`` with ``row_sums_mma`` (its softmax
+      form is written for it) and early copies (late: no gain); ``last_warp_refill`` with
+      ``q_prescaled`` (a late copy has no place in it anyway) — alone it measured 1 % under
+      the empty barriers, and ``q_prescaled`` without it 1 % under the plain ring, while the
+      two together gain 3 %.
     """
     reasons = []
     if problem.dtype not in ATTENTION_DTYPES:
@@ -304,8 +335,8 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
         reasons.append("the unswizzled layout and ldmatrix x2 are baselines: 2 stages, split, no issue-6 knob")
     if schedule.stages == 1 and not schedule.kv_split:
         reasons.append("one stage with joint K/V groups overlaps no copy with compute (split does)")
-    if schedule.block_q == 256 and not schedule.pingpong:
-        reasons.append("a 256-row block needs the pingpong")
+    if schedule.block_q == 256 and not (schedule.pingpong or schedule.tma_kv):
+        reasons.append("a 256-row block needs the pingpong or the TMA ring")
     if schedule.pingpong and (schedule.warps != 8 or schedule.stages != 2 or schedule.kv_split
                               or schedule.block_kv != 1024 // schedule.rows_per_warp or schedule.overlap
                               or schedule.min_blocks > 1 or schedule.lazy_rescale):
@@ -327,6 +358,12 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
         reasons.append(f"TMA copies need sm_90 or later ({target.name} has no TMA)")
     if schedule.tma_kv and problem.head_dim % TMA_BOX_COLUMNS:
         reasons.append(f"TMA copies need head_dim a multiple of {TMA_BOX_COLUMNS} (got {problem.head_dim})")
+    if schedule.row_sums_mma and not schedule.tma_kv:
+        reasons.append("row sums on the tensor cores need the TMA ring")
+    if schedule.q_prescaled and not (schedule.row_sums_mma and not schedule.late_copy):
+        reasons.append("a pre-scaled Q needs row sums on the tensor cores and early copies")
+    if schedule.last_warp_refill and not schedule.q_prescaled:
+        reasons.append("the last warp's refill needs a pre-scaled Q")
     if schedule.min_blocks > 1 and schedule.warps != 4:
         reasons.append("min_blocks above 1 only for 4-warp blocks (8-warp blocks get 128 registers and spill)")
     smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype)

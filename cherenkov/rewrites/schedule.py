@@ -12,11 +12,13 @@ one resource model.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from cherenkov.rewrites.plan import (
     ATTENTION_HEAD_DIMS,
     FLASH_KNOBS,
+    RING_STEP_KNOBS,
     AttentionProblem,
     FlashSchedule,
     Target,
@@ -29,7 +31,7 @@ from cherenkov.rewrites.terms import literal
 KNOB_ORDER = (
     "block_q", "block_kv", "warps", "stages", "kv_split", "swizzle", "ldmatrix_x", "pingpong", "lazy_rescale",
     "head_major", "overlap", "min_blocks", "late_copy", "mbarrier_ring",
-    "tma_kv",
+    "tma_kv", "row_sums_mma", "q_prescaled", "last_warp_refill",
 )
 _VARIABLES = " ".join(KNOB_ORDER)
 HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers")
@@ -67,11 +69,24 @@ def flash_schedules(head_dim: int, target: Target) -> list[FlashSchedule]:
         AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=1, seq_kv=1, head_dim=head_dim, causal=causal)
         for causal in (False, True)
     ]
+    # The TMA ring's step knobs (the last, fastest-varying ones) only add restrictions, so
+    # they are crossed with the schedules that are valid without them: the same schedules, in
+    # the same order, as the full product.
+    base_knobs = KNOB_ORDER[: -len(RING_STEP_KNOBS)]
+    assert KNOB_ORDER[-len(RING_STEP_KNOBS):] == RING_STEP_KNOBS, "step knobs vary fastest"
     schedules = []
-    for values in itertools.product(*(FLASH_KNOBS[k] for k in KNOB_ORDER)):
-        schedule = FlashSchedule(**dict(zip(KNOB_ORDER, values)))
-        if any(not flash_schedule_problems(schedule, probe, target) for probe in probes):
-            schedules.append(schedule)
+    for values in itertools.product(*(FLASH_KNOBS[k] for k in base_knobs)):
+        base = FlashSchedule(**dict(zip(base_knobs, values)))
+        if not any(not flash_schedule_problems(base, probe, target) for probe in probes):
+            continue
+        schedules.append(base)
+        if not base.tma_kv:
+            continue
+        for step in itertools.product(*(FLASH_KNOBS[k] for k in RING_STEP_KNOBS)):
+            if any(step):
+                schedule = dataclasses.replace(base, **dict(zip(RING_STEP_KNOBS, step)))
+                if any(not flash_schedule_problems(schedule, probe, target) for probe in probes):
+                    schedules.append(schedule)
     return schedules
 
 

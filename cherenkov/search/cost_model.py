@@ -15,7 +15,9 @@ derating factors, each a named term:
   (benchmarks/NOTES.md, sweeps of 2026-11-29): the lazy rescale saves the O rescale on most
   tiles, the head-major order balances causal grids, the overlap hides the softmax of
   16-row warps behind the next tile's QKᵀ, the pingpong concentrates shared-memory reads
-  into half-steps, and ``min_blocks`` caps registers below what the kernel needs.
+  into half-steps, ``min_blocks`` caps registers below what the kernel needs, and the ring
+  knobs (late copy, mbarriers, TMA, the TMA ring's step knobs and 256-row blocks) carry
+  their same-process A/B ratios.
 
 Occupancy matters less than a square root would say (H200: one 4-warp block per SM ran at
 0.85 of two, not 0.71), so the occupancy term is a fourth root of the resident warps.
@@ -111,6 +113,17 @@ RING_FACTORS = {
 # TMA boxes instead of every thread's cp.async copies on the mbarrier ring (seventh session,
 # same-process A/B on the H200: 1.01-1.05 over six shapes, late or early copies alike).
 TMA_KV_GAIN = 1.03
+# The TMA ring's step knobs and its 256-row blocks (eighth session, same-process A/Bs on the H200;
+# keys: late_copy). Row sums on the tensor cores: +4-5 % with early copies (seed 399 -> 417,
+# b16h16s1k 391 -> 410), -1 % with late ones. A pre-scaled Q with the last warp's refill: +3 %
+# over the row sums alone (q256 seed 443 -> 457); a pre-scaled Q alone -1 %. One 256-row block of 8
+# warps an SM against two 128-row blocks (keys: block_kv, late_copy): +3-10 % with early copies
+# (seed 399 -> 427, D = 64 362 -> 371), -2 % late; with 32-key tiles 0.87 of 64-key ones.
+ROW_SUMS_MMA_FACTORS = {False: 1.045, True: 0.99}
+Q_PRESCALED_FACTORS = {False: 0.99, True: 1.03}  # keys: last_warp_refill
+TMA_BLOCK_256_FACTORS = {
+    (32, False): 0.9, (32, True): 0.9, (64, False): 1.05, (64, True): 0.975, (128, False): 1.05, (128, True): 0.975,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -164,6 +177,12 @@ def schedule_factor(plan: KernelPlan) -> float:
         factor *= RING_FACTORS.get((schedule.block_kv, schedule.late_copy, schedule.mbarrier_ring), 1.0)
     if schedule.tma_kv:
         factor *= TMA_KV_GAIN
+        if schedule.block_q == 256:
+            factor *= TMA_BLOCK_256_FACTORS[schedule.block_kv, schedule.late_copy]
+    if schedule.row_sums_mma:
+        factor *= ROW_SUMS_MMA_FACTORS[schedule.late_copy]
+    if schedule.q_prescaled:
+        factor *= Q_PRESCALED_FACTORS[schedule.last_warp_refill]
     return factor
 
 

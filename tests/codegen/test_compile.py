@@ -21,6 +21,10 @@ from cherenkov.rewrites.plan import TARGETS, FlashSchedule, KernelPlan
 ARCHS = ("sm_80", "sm_90", "sm_120")
 DEFAULT_KEY = FlashSchedule().key()
 TMA_SEED_WINNER_KEY = "q128_kv64_w4_s2_joint_swz_x4_lazy_late_mbar_tma"
+# The H200 seed winner of the eighth session (256 rows, 129 KB of shared memory: not an sm_120
+# plan) and its 128-row twin, which sm_120's 99 KB a block hold.
+ROWS_SEED_WINNER_KEY = "q256_kv64_w8_s2_joint_swz_x4_lazy_mbar_tma_rs_qs_lwr"
+ROWS_SM120_TWIN_KEY = "q128_kv64_w4_s2_joint_swz_x4_lazy_mbar_tma_rs_qs_lwr"
 
 PTXAS_LOG = """\
 ptxas info    : 0 bytes gmem
@@ -108,11 +112,15 @@ def test_every_seed_plan_compiles_with_mma_cp_async_ldmatrix(seed_kernels, seed_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", [DEFAULT_KEY, TMA_SEED_WINNER_KEY])
-@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
-def test_default_plan_and_the_tma_winner_do_not_spill(seed_kernels, arch, key):
-    """No local memory: the default plan, and the H200 seed winner of 2026-11-30 (TMA ring),
-    whose sm_120 build once spilled around a cluster-rank check of its TMA copies."""
+@pytest.mark.parametrize(
+    ("arch", "key"),
+    [(arch, key) for arch in ("sm_90", "sm_120") for key in (DEFAULT_KEY, TMA_SEED_WINNER_KEY)]
+    + [("sm_90", ROWS_SEED_WINNER_KEY), ("sm_120", ROWS_SM120_TWIN_KEY)],
+)
+def test_default_plan_and_the_seed_winners_do_not_spill(seed_kernels, arch, key):
+    """No local memory: the default plan, the H200 seed winners of 2026-11-30 (the TMA ring,
+    whose sm_120 build once spilled around a cluster-rank check of its TMA copies; the 256-row
+    ring with the step knobs) and that one's 128-row twin on sm_120."""
     kernel = seed_kernels[(arch, key)]
     assert kernel.report.spill_bytes == 0 and kernel.report.stack_frame == 0, kernel.report
     if kernel.plan.schedule.tma_kv:

@@ -19,13 +19,15 @@ TOLERANCE = 2e-2
 def schedule(key: str) -> FlashSchedule:
     """``"q64 kv128 w4 s2 split lin x2"`` → FlashSchedule; optional trailing flags ``pp`` (pingpong),
     ``lazy`` (lazy rescale), ``hm`` (head-major grid order), ``ov`` (overlap), ``mb3`` (min_blocks 3),
-    ``late`` (late copy), ``mbar`` (mbarrier ring), ``tma`` (TMA K/V copies)."""
+    ``late`` (late copy), ``mbar`` (mbarrier ring), ``tma`` (TMA K/V copies), ``rs`` (row sums on the
+    tensor cores), ``qs`` (pre-scaled Q), ``lwr`` (the last warp refills the ring)."""
     q, kv, w, s, split, layout, x, *flags = key.split()
-    assert set(flags) <= {"pp", "lazy", "hm", "ov", "mb3", "late", "mbar", "tma"}, flags
+    assert set(flags) <= {"pp", "lazy", "hm", "ov", "mb3", "late", "mbar", "tma", "rs", "qs", "lwr"}, flags
     return FlashSchedule(int(q[1:]), int(kv[2:]), int(w[1:]), int(s[1:]), split == "split", layout == "swz", int(x[1:]),
                          pingpong="pp" in flags, lazy_rescale="lazy" in flags, head_major="hm" in flags,
                          overlap="ov" in flags, min_blocks=3 if "mb3" in flags else 1, late_copy="late" in flags,
-                         mbarrier_ring="mbar" in flags, tma_kv="tma" in flags)
+                         mbarrier_ring="mbar" in flags, tma_kv="tma" in flags, row_sums_mma="rs" in flags,
+                         q_prescaled="qs" in flags, last_warp_refill="lwr" in flags)
 
 
 def problem(b, h, hkv, sq, skv, d, **kw) -> AttentionProblem:
@@ -110,6 +112,20 @@ CASES = [
     (problem(1, 3, 3, 77, 1, 128, causal=True), "q128 kv64 w4 s3 joint swz x4 lazy mbar tma"),
     (problem(3, 2, 2, 129, 255, 128, causal=True), "q128 kv32 w8 s2 joint swz x4 lazy late mbar tma"),
     (problem(1, 8, 1, 200, 333, 128, causal=True), "q64 kv32 w4 s2 joint swz x4 lazy hm mbar tma"),
+    # The TMA ring's step knobs (row sums on the tensor cores, pre-scaled Q, the last warp's
+    # refill) and its 256-row blocks: tails, causal, GQA, fp16, D = 64, Q in registers, a
+    # sequence shorter than the ring.
+    (SEED, "q256 kv64 w8 s2 joint swz x4 lazy mbar tma rs qs lwr"),
+    (SEED, "q256 kv64 w8 s3 joint swz x4 lazy mbar tma rs"),
+    (problem(16, 16, 16, 1024, 1024, 128), "q128 kv64 w4 s2 joint swz x4 lazy mbar tma rs"),
+    (problem(4, 16, 16, 4096, 4096, 128, causal=True), "q256 kv64 w8 s2 joint swz x4 lazy hm mbar tma rs qs lwr"),
+    (problem(2, 16, 16, 1000, 3000, 64), "q256 kv128 w8 s2 joint swz x4 lazy mbar tma rs qs lwr"),
+    (problem(1, 32, 32, 2048, 2048, 128, causal=True), "q256 kv64 w8 s3 joint swz x4 lazy hm mbar tma rs qs lwr"),
+    (problem(2, 4, 4, 513, 1000, 64, dtype="fp16", causal=True), "q128 kv64 w4 s2 joint swz x4 lazy mbar tma rs qs lwr"),
+    (problem(1, 8, 1, 200, 333, 128, causal=True), "q128 kv32 w4 s2 joint swz x4 lazy late mbar tma rs"),
+    (problem(1, 3, 3, 77, 1, 128, causal=True), "q256 kv64 w8 s2 joint swz x4 lazy mbar tma rs qs lwr"),
+    (problem(3, 2, 2, 129, 255, 128), "q64 kv64 w4 s3 joint swz x4 lazy mbar tma rs qs"),
+    (problem(2, 8, 2, 1024, 777, 128, dtype="fp16"), "q256 kv32 w8 s3 joint swz x4 lazy mbar tma rs qs"),
 ]
 PLANS = [KernelPlan("flash_attention", p, schedule(key), TARGETS["sm_90"]) for p, key in CASES]
 

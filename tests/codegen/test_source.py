@@ -80,6 +80,39 @@ def test_knob_specific_code(seed_problem):
     assert "cvt.rn.f16x2.f32" in fp16
 
 
+def test_ring_step_knobs_change_the_step_they_name(seed_problem):
+    """Row sums on the tensor cores, a pre-scaled Q and the last warp's refill, each against
+    the TMA ring without it."""
+    tma = FlashSchedule(128, 64, 4, 2, False, lazy_rescale=True, mbarrier_ring=True, tma_kv=True)
+    base, rows, scaled, refill = (cuda_source(plan_of(seed_problem, dataclasses.replace(tma, **knobs))) for knobs in (
+        {}, {"row_sums_mma": True}, {"row_sums_mma": True, "q_prescaled": True},
+        {"row_sums_mma": True, "q_prescaled": True, "last_warp_refill": True}))
+    softmax = "void online_softmax("
+    assert "sum += p;" in base.split(softmax)[1] and "sum += p;" not in rows.split(softmax)[1]
+    assert "mma_16816(row_sum[m], p[m][kk], ONE_PAIR, ONE_PAIR);" in rows and "ONE_PAIR" not in base
+    assert "constexpr u32 ONE_PAIR = 0x3f803f80u;" in rows
+    assert "quad_sum(row_sum" in base and "const float total = row_sum[m][2 * h];" in rows
+    assert "SCALE_LOG2" in rows.split(softmax)[1].split("\n}\n")[0]
+    assert "SCALE_LOG2" not in scaled.split(softmax)[1].split("\n}\n")[0]  # scores arrive as exponents
+    assert "scale_q_rows(smem + Q_SMEM, warp_row0, lane);" in scaled and "scale_q_rows" not in rows
+    assert "mma_16816_from(s[m][2 * np], a[m], b[0], b[1], start[m][0], start[m][1]);" in scaled
+    assert "empty_barrier" in scaled and "empty_barrier" not in refill and "ring_releases" not in scaled
+    assert "atomicAdd(&ring_releases[slot], 1) == WARPS - 1" in refill
+    assert "pipeline_release(smem, k_head, v_head, j, slot, n_tiles, lane);" in refill
+    assert "for (int t = 0; t < STAGES; ++t)" in refill and "for (int t = 0; t < STAGES - 1; ++t)" in scaled
+    fp16 = cuda_source(plan_of(dataclasses.replace(seed_problem, dtype="fp16"), dataclasses.replace(
+        tma, row_sums_mma=True, q_prescaled=True)))
+    assert "constexpr u32 ONE_PAIR = 0x3c003c00u;" in fp16 and "cvt.f32.f16" in fp16
+
+
+def test_256_row_blocks_run_on_the_tma_ring(seed_problem):
+    schedule = FlashSchedule(256, 64, 8, 2, False, lazy_rescale=True, mbarrier_ring=True, tma_kv=True)
+    source = cuda_source(plan_of(seed_problem, schedule))
+    assert "constexpr int WARPS = 8;" in source and "ROWS_PER_WARP = 32;" in source
+    with pytest.raises(CodegenError, match="256-row block"):
+        cuda_source(plan_of(seed_problem, dataclasses.replace(schedule, tma_kv=False)))
+
+
 def test_problem_values_are_compile_time_constants():
     problem = AttentionProblem(3, 32, 8, 1000, 3000, 64, causal=True, scale=0.25)
     source = cuda_source(plan_of(problem))
@@ -123,6 +156,16 @@ def test_identifier_and_comment_helpers():
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(lazy_rescale=True, late_copy=True)),  # split ring
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(kv_split=False, mbarrier_ring=True)),  # not lazy
         (AttentionProblem(1, 2, 2, 64, 64, 64), FlashSchedule(kv_split=False, lazy_rescale=True, tma_kv=True)),  # no ring
+        (AttentionProblem(1, 2, 2, 64, 64, 64),
+         FlashSchedule(kv_split=False, lazy_rescale=True, mbarrier_ring=True, row_sums_mma=True)),  # cp.async ring
+        (AttentionProblem(1, 2, 2, 64, 64, 64),
+         FlashSchedule(kv_split=False, lazy_rescale=True, mbarrier_ring=True, tma_kv=True, q_prescaled=True)),  # no rs
+        (AttentionProblem(1, 2, 2, 64, 64, 64),
+         FlashSchedule(kv_split=False, lazy_rescale=True, late_copy=True, mbarrier_ring=True, tma_kv=True,
+                       row_sums_mma=True, q_prescaled=True)),  # pre-scaled Q with a late copy
+        (AttentionProblem(1, 2, 2, 64, 64, 64),
+         FlashSchedule(kv_split=False, lazy_rescale=True, mbarrier_ring=True, tma_kv=True, row_sums_mma=True,
+                       last_warp_refill=True)),  # refill without the pre-scaled Q
         (AttentionProblem(1, 6, 4, 64, 64, 64), FlashSchedule()),  # kv_heads does not divide heads
         (AttentionProblem(1, 2, 2, 0, 64, 64), FlashSchedule()),  # empty sequence
         (AttentionProblem(1, 2, 2, 64, 64, 64, scale=-1.0), FlashSchedule()),  # negative scale

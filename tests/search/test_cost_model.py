@@ -61,13 +61,13 @@ def test_two_q_buffers_pay_off_on_short_keys_not_on_long_causal() -> None:
 
 def test_the_latest_h200_leaders_rank_near_the_top() -> None:
     """Each shape's fastest measured plan in the committed mma.sync run's search is among the
-    model's first twelve (out of 236-448), so a search with little time measures it early. In
-    h200-2026-11-30-tma.json they rank 0, 0, 0, 11 (D = 64: a 128-key early-copy ring the model
-    puts behind the 64-key TMA rings), 0, 0."""
+    model's first twelve (out of 332-640), so a search with little time measures it early. In
+    h200-2026-11-30-rows.json they rank 1, 1, 6, 0, 11 (B16 H16 1k: a 128-row ring without the
+    pre-scaled Q, which the model puts behind the 256-row rings), 0."""
     import json
     from pathlib import Path
 
-    run = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "h200-2026-11-30-tma.json").read_text())
+    run = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "h200-2026-11-30-rows.json").read_text())
     for row in run["rows"]:
         shape = row["shape"]
         problem = AttentionProblem(shape["B"], shape["H"], shape["H_KV"], shape["SQ"], shape["SKV"], shape["D"],

@@ -9,6 +9,10 @@ online softmax (:mod:`.softmax`), re-packs the probabilities as the A operands o
 without leaving registers and accumulates O in fp32. Causal blocks visit key tiles up to
 their diagonal only, and apply per-element masks only on the diagonal (and Skv-tail) tiles.
 The output is normalised, staged in the (now free) Q tile and written with 16-byte stores.
+On the TMA ring three step knobs change a tile step: the row sums ride on P·V as one more
+mma with a B operand of ones (``row_sums_mma``), Q is scaled by ``scale·log2 e`` in shared
+memory once and each row's offset starts the first QKᵀ mma (``q_prescaled``), and the last
+warp out of a stage refills it (``last_warp_refill``, in :mod:`.pipeline`).
 
 Specialisation: every problem value (B, H, Hkv, Sq, Skv, D, dtype, causal, GQA group,
 scale) and every schedule value is a compile-time constant, so a kernel serves exactly one
@@ -71,15 +75,16 @@ def flash_attention_source(plan: KernelPlan) -> str:
                           f"{'pingpong' if schedule.pingpong else 'overlap'}")
         step_parts = (_unit_phases(),) + ((_overlap_steps(),) if schedule.overlap else ())
     elif schedule.mbarrier_ring:
-        pipeline = MbarrierKvPipeline(schedule.stages, schedule.late_copy, schedule.tma_kv)
+        pipeline = MbarrierKvPipeline(schedule.stages, schedule.late_copy, schedule.tma_kv, schedule.last_warp_refill)
+        barriers = "full mbarriers, the last warp refills" if schedule.last_warp_refill else "full/empty mbarriers"
         pipeline_title = (f"{'TMA' if schedule.tma_kv else 'cp.async'} pipeline: {schedule.stages} stages, K/V joint, "
-                          f"full/empty mbarriers{', late copy' if schedule.late_copy else ''}")
-        step_parts = (pipeline.emit_release(), _attend_tile(release=True, source=pipeline.source))
+                          f"{barriers}{', late copy' if schedule.late_copy else ''}")
+        step_parts = (pipeline.emit_release(), _attend_tile(pipeline.release_call, pipeline.source, schedule))
     else:
         pipeline = KvPipeline(schedule.stages, schedule.kv_split, schedule.late_copy)
         pipeline_title = (f"cp.async pipeline: {schedule.stages} stage(s), K/V {'split' if schedule.kv_split else 'joint'}"
                           f"{', late copy' if schedule.late_copy else ''}")
-        step_parts = (_attend_tile(release=False, source="const elem_t*"),)
+        step_parts = (_attend_tile("", "const elem_t*", schedule),)
     dtype = plan.problem.dtype
     parts = [
         _header(plan, layout, tiling),
@@ -91,16 +96,32 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section("ldmatrix fragments", ldmatrix.emit_ldmatrix_primitives(plan.schedule.ldmatrix_x),
                 ldmatrix.emit_fragment_loaders(plan.schedule.ldmatrix_x,
                                                kv_boxes=layout.kv_boxes if layout.tma_kv else 0)),
-        section("tensor-core mma", mma.emit_mma(dtype), mma.emit_pack(dtype)),
-        section("online softmax", softmax.emit_math_helpers(), softmax.emit_online_softmax(schedule.lazy_rescale),
-                softmax.emit_row_finish()),
+        section("tensor-core mma", *_mma_helpers(dtype, schedule)),
+        section("online softmax", softmax.emit_math_helpers(),
+                softmax.emit_online_softmax(schedule.lazy_rescale, schedule.row_sums_mma, schedule.q_prescaled),
+                softmax.emit_row_finish(schedule.row_sums_mma)),
         section(pipeline_title, pipeline.emit()),
-        section("one key tile", _q_fragments(tiling), _row_state(), _compute_scores(), _mask_scores(),
-                _pack_probabilities(), _accumulate_values(), *step_parts),
+        section("one key tile", _q_fragments(tiling), *([_scale_q_rows()] if schedule.q_prescaled else []),
+                _row_state(schedule.row_sums_mma), _compute_scores(schedule.q_prescaled), _mask_scores(),
+                _pack_probabilities(), _accumulate_values(schedule.row_sums_mma), *step_parts),
         section("epilogue", _store_output()),
         section("kernel", _kernel(plan, tiling)),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+def _mma_helpers(dtype: str, schedule) -> list[str]:
+    """The mma and packing helpers a schedule uses: a pre-scaled Q adds the mma from given
+    initial values and the unpacking of Q's pairs, row sums on the tensor cores the ones."""
+    parts = [mma.emit_mma(dtype)]
+    if schedule.q_prescaled:
+        parts.append(mma.emit_mma_from(dtype))
+    parts.append(mma.emit_pack(dtype))
+    if schedule.q_prescaled:
+        parts.append(mma.emit_unpack(dtype))
+    if schedule.row_sums_mma:
+        parts.append(mma.emit_one_pair(dtype))
+    return parts
 
 
 def _check(plan: KernelPlan) -> None:
@@ -131,7 +152,9 @@ def _header(plan: KernelPlan, layout: FlashLayout, tiling: FlashTiling) -> str:
         f"Schedule: {s.key()}: BLOCK_Q={s.block_q} BLOCK_KV={s.block_kv} warps={s.warps} stages={s.stages} "
         f"kv_split={s.kv_split} swizzle={s.swizzle} ldmatrix x{s.ldmatrix_x} pingpong={s.pingpong} "
         f"lazy_rescale={s.lazy_rescale} head_major={s.head_major} overlap={s.overlap} min_blocks={s.min_blocks} "
-        f"late_copy={s.late_copy} mbarrier_ring={s.mbarrier_ring}{' tma_kv=True' if s.tma_kv else ''}; "
+        f"late_copy={s.late_copy} mbarrier_ring={s.mbarrier_ring}{' tma_kv=True' if s.tma_kv else ''}"
+        f"{' row_sums_mma=True' if s.row_sums_mma else ''}{' q_prescaled=True' if s.q_prescaled else ''}"
+        f"{' last_warp_refill=True' if s.last_warp_refill else ''}; "
         f"Q fragments in {'registers' if tiling.q_in_registers else 'shared memory'}.",
         f"Shared memory: {layout.total_bytes} bytes, layout {layout.swizzle_pattern}"
         + (f"; K/V tiles in {layout.kv_boxes} TMA box(es) of 64 columns each, {layout.swizzle_pattern} "
@@ -292,39 +315,93 @@ def _q_fragments(tiling: FlashTiling) -> str:
     )
 
 
-def _row_state() -> str:
+def _scale_q_rows() -> str:
     return block(
         """
-        // This thread's running softmax state: O accumulators (fp32), row max, partial row sum.
-        struct RowState {
-            float o[M_TILES][D_NTILES][4];
-            float row_max[M_TILES][2];
-            float row_sum[M_TILES][2];
+        // Pre-scaled Q: the warp's own rows of the Q tile times SCALE_LOG2 (scale * log2 e), in
+        // place, once a block; the scores then come out of the mma as base-2 exponents.
+        __device__ __forceinline__ u32 scale_pair(u32 pair) {
+            return pack2(unpack_lo(pair) * SCALE_LOG2, unpack_hi(pair) * SCALE_LOG2);
+        }
 
-            __device__ __forceinline__ void init() {
-                #pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {
-                    #pragma unroll
-                    for (int d = 0; d < D_NTILES; ++d) {
-                        o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.0f;
-                    }
-                    row_max[m][0] = row_max[m][1] = neg_inf();
-                    row_sum[m][0] = row_sum[m][1] = 0.0f;
-                }
+        __device__ __forceinline__ void st_shared_v4(u32 addr, uint4 v) {
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\\n" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                         : "memory");
+        }
+
+        __device__ __forceinline__ void scale_q_rows(u32 q_tile, int warp_row0, int lane) {
+            #pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP * CHUNKS_PER_ROW / 32; ++i) {
+                const u32 addr = q_tile + u32(warp_row0) * ROW_BYTES + u32(32 * i + lane) * 16;
+                const uint4 v = ld_shared_v4(addr);
+                st_shared_v4(addr, make_uint4(scale_pair(v.x), scale_pair(v.y), scale_pair(v.z), scale_pair(v.w)));
             }
-        };
+            __syncwarp();
+        }
         """
     )
 
 
-def _compute_scores() -> str:
+def _row_state(row_sums_mma: bool) -> str:
+    if row_sums_mma:
+        what, columns = "the row sums' m16 x n8 accumulator (P times ones)", 4
+        zero = "row_sum[m][0] = row_sum[m][1] = row_sum[m][2] = row_sum[m][3] = 0.0f;"
+    else:
+        what, columns, zero = "partial row sum", 2, "row_sum[m][0] = row_sum[m][1] = 0.0f;"
     return block(
+        f"""
+        // This thread's running softmax state: O accumulators (fp32), row max, {what}.
+        struct RowState {{
+            float o[M_TILES][D_NTILES][4];
+            float row_max[M_TILES][2];
+            float row_sum[M_TILES][{columns}];
+
+            __device__ __forceinline__ void init() {{
+                #pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {{
+                    #pragma unroll
+                    for (int d = 0; d < D_NTILES; ++d) {{
+                        o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.0f;
+                    }}
+                    row_max[m][0] = row_max[m][1] = neg_inf();
+                    @ZERO@
+                }}
+            }}
+        }};
         """
-        // S = Q K^T (raw, unscaled) for the warp's rows and the BLOCK_KV keys of `k_tile`.
-        // Each K fragment pair is loaded once and used by every m16 tile of the warp; the first
-        // k16 step starts the accumulators from zero (no separate zeroing).
+    ).replace("@ZERO@", zero)
+
+
+def _compute_scores(q_prescaled: bool) -> str:
+    if q_prescaled:
+        what = ("S = Q K^T - offsets (Q pre-scaled: exponents) for the warp's rows and the BLOCK_KV keys of\n"
+                "// `k_tile`. Each K fragment pair is loaded once and used by every m16 tile of the warp; the\n"
+                "// first k16 step starts each row from its negated offset (0 for a fresh row).")
+        params = "u32 k_tile, int lane, const float (&row_max)[M_TILES][2]"
+        start = ("mma_16816_from(s[m][2 * np], a[m], b[0], b[1], start[m][0], start[m][1]);",
+                 "mma_16816_from(s[m][2 * np + 1], a[m], b[2], b[3], start[m][0], start[m][1]);")
+        prelude = block(
+            """
+            float start[M_TILES][2];
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                start[m][0] = row_max[m][0] == neg_inf() ? 0.0f : -row_max[m][0];
+                start[m][1] = row_max[m][1] == neg_inf() ? 0.0f : -row_max[m][1];
+            }
+            """
+        )
+    else:
+        what = ("S = Q K^T (raw, unscaled) for the warp's rows and the BLOCK_KV keys of `k_tile`.\n"
+                "// Each K fragment pair is loaded once and used by every m16 tile of the warp; the first\n"
+                "// k16 step starts the accumulators from zero (no separate zeroing).")
+        params = "u32 k_tile, int lane"
+        start = ("mma_16816_zero(s[m][2 * np], a[m], b[0], b[1]);", "mma_16816_zero(s[m][2 * np + 1], a[m], b[2], b[3]);")
+        prelude = ""
+    text = block(
+        """
+        // @WHAT@
         __device__ __forceinline__ void compute_scores(float (&s)[M_TILES][KV_NTILES][4], const QFragments& q,
-                                                       u32 k_tile, int lane) {
+                                                       @PARAMS@) {@PRELUDE@
             #pragma unroll
             for (int kk = 0; kk < D_STEPS; ++kk) {
                 u32 a[M_TILES][4];
@@ -339,8 +416,8 @@ def _compute_scores() -> str:
                     #pragma unroll
                     for (int m = 0; m < M_TILES; ++m) {
                         if (kk == 0) {
-                            mma_16816_zero(s[m][2 * np], a[m], b[0], b[1]);
-                            mma_16816_zero(s[m][2 * np + 1], a[m], b[2], b[3]);
+                            @START0@
+                            @START1@
                         } else {
                             mma_16816(s[m][2 * np], a[m], b[0], b[1]);
                             mma_16816(s[m][2 * np + 1], a[m], b[2], b[3]);
@@ -351,6 +428,9 @@ def _compute_scores() -> str:
         }
         """
     )
+    prelude = "".join("\n    " + line for line in prelude.splitlines())
+    return (text.replace("@WHAT@", what).replace("@PARAMS@", params).replace("@PRELUDE@", prelude)
+            .replace("@START0@", start[0]).replace("@START1@", start[1]))
 
 
 def _mask_scores() -> str:
@@ -405,14 +485,14 @@ def _pack_probabilities() -> str:
     )
 
 
-def _accumulate_values() -> str:
-    return block(
+def _accumulate_values(row_sums_mma: bool) -> str:
+    text = block(
         """
-        // O += P V for the BLOCK_KV keys of `v_tile`; each V fragment pair serves every m16 tile.
+        // O += P V for the BLOCK_KV keys of `v_tile`; each V fragment pair serves every m16 tile.@SUMS_NOTE@
         __device__ __forceinline__ void accumulate_values(float (&o)[M_TILES][D_NTILES][4],
-                                                          const u32 (&p)[M_TILES][KV_STEPS][4], u32 v_tile, int lane) {
+                                                          const u32 (&p)[M_TILES][KV_STEPS][4], u32 v_tile, int lane@SUMS_PARAM@) {
             #pragma unroll
-            for (int kk = 0; kk < KV_STEPS; ++kk) {
+            for (int kk = 0; kk < KV_STEPS; ++kk) {@SUMS_MMA@
                 #pragma unroll
                 for (int dp = 0; dp < D_NTILES / 2; ++dp) {
                     u32 b[4];
@@ -427,11 +507,25 @@ def _accumulate_values() -> str:
         }
         """
     )
+    sums = {"@SUMS_NOTE@": "", "@SUMS_PARAM@": "", "@SUMS_MMA@": ""}
+    if row_sums_mma:
+        sums = {
+            "@SUMS_NOTE@": "\n// The row sums ride along: P times a B operand of ones adds each row's probabilities to"
+                           "\n// every column of its accumulator (one mma per m16 tile and k16 step).",
+            "@SUMS_PARAM@": ",\n" + " " * 50 + "float (&row_sum)[M_TILES][4]",
+            "@SUMS_MMA@": "\n        #pragma unroll\n        for (int m = 0; m < M_TILES; ++m) {"
+                          "\n            mma_16816(row_sum[m], p[m][kk], ONE_PAIR, ONE_PAIR);\n        }",
+        }
+    for placeholder, value in sums.items():
+        text = text.replace(placeholder, value)
+    return text
 
 
-def _attend_tile(release: bool, source: str) -> str:
-    """``attend_tile``; ``release``: the warp frees the tile's stage after its P·V (mbarrier ring);
-    ``source``: the C++ type the pipeline reads a head's K or V from."""
+def _attend_tile(release: str, source: str, schedule) -> str:
+    """``attend_tile``; ``release``: the statement that frees the tile's stage after the warp's
+    P·V (mbarrier ring; empty elsewhere); ``source``: the C++ type the pipeline reads a head's
+    K or V from; the schedule's step knobs pass the offsets to the scores (pre-scaled Q) and
+    the row sums to P·V (row sums on the tensor cores)."""
     text = block(
         """
         // One main-loop step: key tile j (in pipeline stage `slot`) folded into the state.
@@ -445,7 +539,7 @@ def _attend_tile(release: bool, source: str) -> str:
 
             pipeline_wait_k(smem, k_head, v_head, j, slot, n_tiles);
             float s[M_TILES][KV_NTILES][4];
-            compute_scores(s, q, k_tile, lane);
+            compute_scores(s, q, k_tile, lane@OFFSETS@);
             if constexpr (MASK) {
                 mask_scores(s, row0, j * BLOCK_KV, lane);
             }
@@ -454,11 +548,15 @@ def _attend_tile(release: bool, source: str) -> str:
             pack_probabilities(s, p);
 
             pipeline_wait_v(smem, k_head, v_head, j, slot, n_tiles);
-            accumulate_values(state.o, p, v_tile, lane);@RELEASE@
+            accumulate_values(state.o, p, v_tile, lane@SUMS@);@RELEASE@
         }
         """
     )
-    return text.replace("@RELEASE@", "\n    pipeline_release(slot, lane);" if release else "").replace("@SOURCE@", source)
+    for placeholder, value in (("@RELEASE@", "\n    " + release if release else ""), ("@SOURCE@", source),
+                               ("@OFFSETS@", ", state.row_max" if schedule.q_prescaled else ""),
+                               ("@SUMS@", ", state.row_sum" if schedule.row_sums_mma else "")):
+        text = text.replace(placeholder, value)
+    return text
 
 
 def _unit_phases() -> str:
@@ -532,6 +630,8 @@ def _store_output() -> str:
 
 def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
     q_init = "q_frags.init(smem + Q_SMEM, warp_row0, lane);"
+    if plan.schedule.q_prescaled:  # the TMA ring's prologue waited for Q
+        q_init = "scale_q_rows(smem + Q_SMEM, warp_row0, lane);\n" + q_init
     if tiling.q_in_registers:
         q_init = "pipeline_wait_q();  // Q fragments are read once, into registers\n" + q_init
     elif plan.schedule.pingpong or plan.schedule.overlap:

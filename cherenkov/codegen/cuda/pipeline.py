@@ -28,7 +28,10 @@ and a thread refilling the stage with tile ``t ≥ S`` first waits for parity
 ``(t / S − 1) & 1`` of *empty*. The Q tile's copies come before every thread's first
 arrival, so tile 0's *full* phase also covers Q. Its **TMA** form fills a stage with the
 boxes of K and V (thread 0, one ``expect_tx`` arrival, *full* counts 1) and waits for Q's
-cp.async copies once in the prologue.
+cp.async copies once in the prologue. With the **last warp's refill** the TMA ring has no
+*empty* barriers: each warp's lane 0 counts itself out of a stage (a shared counter) after
+its P·V, and the warp that completes the count starts tile ``t + S`` into the stage at
+once, so no thread waits for the others; the prologue starts all ``S`` stages.
 Needs ``load_tile``, the cp.async primitives and the layout/problem constants.
 """
 
@@ -206,6 +209,26 @@ class KvPipeline:
         )
 
 
+def _emit_start_kv() -> str:
+    return block(
+        """
+        // Start the TMA boxes of K and V tile `tile` into stage `slot` (= tile % STAGES), which
+        // no warp reads any more; the stage's full barrier expects their bytes (rows past
+        // SEQ_KV arrive as zeros and count too).
+        __device__ __forceinline__ void start_kv(u32 smem, KvSource k_head, KvSource v_head, int tile, int slot) {
+            const u32 full = full_barrier(slot);
+            mbar_arrive_expect_tx(full, 2 * KV_BOXES * KV_BOX_BYTES);
+            #pragma unroll
+            for (int box = 0; box < KV_BOXES; ++box) {
+                const u32 offset = u32(slot) * STAGE_BYTES + u32(box) * KV_BOX_BYTES;
+                tma_load_3d(smem + K_SMEM + offset, k_head.map, full, 64 * box, tile * BLOCK_KV, k_head.plane);
+                tma_load_3d(smem + V_SMEM + offset, v_head.map, full, 64 * box, tile * BLOCK_KV, v_head.plane);
+            }
+        }
+        """
+    )
+
+
 @dataclass(frozen=True)
 class MbarrierKvPipeline:
     """The joint ring synchronised by per-stage full/empty mbarriers (``stages ≥ 2``), with
@@ -215,6 +238,15 @@ class MbarrierKvPipeline:
     stages: int
     late_copy: bool = False
     tma: bool = False
+    last_warp_refill: bool = False
+
+    @property
+    def release_call(self) -> str:
+        """The statement that ends a warp's tile step: it releases the stage (and, with the
+        last warp's refill, may start the tile ``stages`` ahead into it)."""
+        if self.last_warp_refill:
+            return "pipeline_release(smem, k_head, v_head, j, slot, n_tiles, lane);"
+        return "pipeline_release(slot, lane);"
 
     @property
     def source(self) -> str:
@@ -229,6 +261,8 @@ class MbarrierKvPipeline:
         With ``tma`` a stage's *full* barrier has one arrival (thread 0's ``expect_tx`` of
         both tiles' bytes) and completes when the copy engine has written them; the Q tile
         (cp.async) is waited for once, at the end of the prologue."""
+        if self.last_warp_refill:
+            return "\n\n".join(self._emit_refill_ring())
         ring = self._emit_tma_ring() if self.tma else self._emit_cp_async_ring()
         return "\n\n".join([*ring, self._emit_waits()])
 
@@ -308,26 +342,18 @@ class MbarrierKvPipeline:
         return [
             tma.emit_mbarrier(),
             tma.emit_tma_load(3),
-            self._emit_barriers() + "\n\n" + block(
+            self._emit_barriers() + "\n\n" + _emit_start_kv() + "\n\n" + block(
                 """
-                // Thread 0 starts the TMA boxes of K and V tile `tile` into stage `slot` (= tile % STAGES)
-                // once every warp has released the tile STAGES before it; the stage's full barrier
-                // expects their bytes (rows past SEQ_KV arrive as zeros and count too). Tiles past
-                // n_tiles are never read, so they are neither copied nor counted.
+                // Thread 0 starts tile `tile` into stage `slot` once every warp has released the tile
+                // STAGES before it. Tiles past n_tiles are never read, so they are neither copied nor
+                // counted.
                 __device__ __forceinline__ void issue_kv(u32 smem, KvSource k_head, KvSource v_head, int tile, int slot,
                                                          int n_tiles) {
                     if (threadIdx.x == 0 && tile < n_tiles) {
                         if (tile >= STAGES) {
                             mbar_wait(empty_barrier(slot), (tile / STAGES - 1) & 1);
                         }
-                        const u32 full = full_barrier(slot);
-                        mbar_arrive_expect_tx(full, 2 * KV_BOXES * KV_BOX_BYTES);
-                        #pragma unroll
-                        for (int box = 0; box < KV_BOXES; ++box) {
-                            const u32 offset = u32(slot) * STAGE_BYTES + u32(box) * KV_BOX_BYTES;
-                            tma_load_3d(smem + K_SMEM + offset, k_head.map, full, 64 * box, tile * BLOCK_KV, k_head.plane);
-                            tma_load_3d(smem + V_SMEM + offset, v_head.map, full, 64 * box, tile * BLOCK_KV, v_head.plane);
-                        }
+                        start_kv(smem, k_head, v_head, tile, slot);
                     }
                 }
                 """
@@ -359,6 +385,62 @@ class MbarrierKvPipeline:
 
                 // The Q tile has landed: the prologue waited for it.
                 __device__ __forceinline__ void pipeline_wait_q() {}
+                """
+            ),
+        ]
+
+    def _emit_refill_ring(self) -> list[str]:
+        return [
+            tma.emit_mbarrier(),
+            tma.emit_tma_load(3),
+            block(
+                """
+                // The ring's full barriers and, per stage, how many warps are done with its tile.
+                __shared__ __align__(8) unsigned long long ring_barriers[STAGES];
+                __shared__ int ring_releases[STAGES];
+
+                __device__ __forceinline__ u32 full_barrier(int slot) {
+                    return u32(__cvta_generic_to_shared(&ring_barriers[slot]));
+                }
+                """
+            ),
+            _emit_start_kv(),
+            block(
+                """
+                // Thread 0 fetches the tensor maps, initialises the barriers (one arrival: its
+                // expect_tx) and the release counts, and starts the first STAGES tiles; then the block
+                // waits for its Q copies (cp.async).
+                __device__ __forceinline__ void pipeline_prologue(u32 smem, KvSource k_head, KvSource v_head, int n_tiles) {
+                    if (threadIdx.x == 0) {
+                        tma_prefetch_map(k_head.map);
+                        tma_prefetch_map(v_head.map);
+                        #pragma unroll
+                        for (int s = 0; s < STAGES; ++s) {
+                            mbar_init(full_barrier(s), 1);
+                            ring_releases[s] = 0;
+                        }
+                        fence_barrier_init();
+                        #pragma unroll
+                        for (int t = 0; t < STAGES; ++t) {
+                            if (t < n_tiles) {
+                                start_kv(smem, k_head, v_head, t, t);
+                            }
+                        }
+                    }
+                    cp_async_wait<0>();
+                    __syncthreads();
+                }
+
+                // The Q tile has landed: the prologue waited for it.
+                __device__ __forceinline__ void pipeline_wait_q() {}
+
+                // Before the scores of step j: tile j has landed.
+                __device__ __forceinline__ void pipeline_wait_k(u32, KvSource, KvSource, int j, int slot, int) {
+                    mbar_wait(full_barrier(slot), (j / STAGES) & 1);
+                }
+
+                // Before P*V of step j: V_j arrived with K_j, nothing to wait for.
+                __device__ __forceinline__ void pipeline_wait_v(u32, KvSource, KvSource, int, int, int) {}
                 """
             ),
         ]
@@ -397,6 +479,28 @@ class MbarrierKvPipeline:
 
     def emit_release(self) -> str:
         """``pipeline_release``: after its P·V of a stage's tile, the warp frees the stage."""
+        if self.last_warp_refill:
+            return block(
+                """
+                // After P*V of step j: this warp is done with stage `slot`. The warp that completes the
+                // stage's count (fenced: every warp's reads of the stage come before its count, the
+                // count before the copy engine's writes) resets it and starts tile j + STAGES.
+                __device__ __forceinline__ void pipeline_release(u32 smem, KvSource k_head, KvSource v_head, int j, int slot,
+                                                                 int n_tiles, int lane) {
+                    __syncwarp();
+                    if (lane == 0) {
+                        __threadfence_block();
+                        if (atomicAdd(&ring_releases[slot], 1) == WARPS - 1) {
+                            __threadfence_block();
+                            ring_releases[slot] = 0;
+                            if (j + STAGES < n_tiles) {
+                                start_kv(smem, k_head, v_head, j + STAGES, slot);
+                            }
+                        }
+                    }
+                }
+                """
+            )
         return block(
             """
             // After P*V of step j: this warp is done with stage `slot`.

@@ -12,6 +12,11 @@ per n8 tile; the other columns of the row sit in the 3 other lanes of its quad. 
   (every lane of a quad applies the same alpha) and is reduced across the quad once, at
   the end, by :func:`emit_row_finish`.
 
+Two forms of the lazy fold serve the TMA ring's step knobs: with the row sums on the tensor
+cores the fold only rescales the sums' accumulator (P·V's extra mma with ones adds to it),
+and with a pre-scaled Q the scores arrive as exponents ``s·c − m·c`` (no FMA; ``m·c`` is
+the first mma's initial value), so the offsets are kept in log2 units.
+
 A row that has seen only masked (−inf) scores keeps offset 0 so ``exp2`` gives 0, not NaN.
 Needs ``M_TILES``, ``KV_NTILES``, ``D_NTILES`` and ``SCALE_LOG2``.
 """
@@ -79,7 +84,7 @@ RESCALE_THRESHOLD = 8.0
 """Lazy rescale: the row max (in log2 units) may rise this much before O is rescaled."""
 
 
-def emit_online_softmax(lazy: bool = False) -> str:
+def emit_online_softmax(lazy: bool = False, row_sums_mma: bool = False, q_prescaled: bool = False) -> str:
     """``online_softmax``: scores → probabilities in place, running max/sum and O rescaled.
 
     ``lazy`` (the ``lazy_rescale`` knob): the running max is only moved, and O and the row
@@ -88,78 +93,16 @@ def emit_online_softmax(lazy: bool = False) -> str:
     stale max stays the exponent offset: probabilities are then at most 2^8, which bf16 /
     fp16 and the fp32 accumulators hold exactly as well, and the final division by the
     row sum (accumulated against the same offsets) cancels the offset either way.
+
+    Two forms of the lazy fold (the TMA ring's step knobs): ``row_sums_mma`` leaves the row
+    sums to the tensor cores (``row_sum`` is then the m16×n8 accumulator of ``P · ones``,
+    every column a full row sum; the fold only rescales it), and ``q_prescaled`` takes
+    scores that are already exponents, ``x = c·s − offset`` (Q pre-scaled by ``c``, the
+    offset the first mma's initial value): ``row_max`` then holds the offset in log2 units,
+    and a raise also shifts the tile's exponents to the new offset.
     """
     if lazy:
-        return _emit_thread_row_max() + "\n\n" + block(
-            f"""
-            // Fold one tile of raw scores s into the running softmax state of this thread's rows,
-            // lazily: the offsets (row maxima) move only when a row's max rises by more than
-            // {RESCALE_THRESHOLD:g} in log2 units somewhere in the warp (one vote); then O and the row sums
-            // are rescaled, in the one warp-uniform branch, before the exponentials: those and the
-            // P V mmas after them are then one straight-line block the compiler can interleave.
-            __device__ __forceinline__ void online_softmax(float (&s)[M_TILES][KV_NTILES][4],
-                                                           float (&o)[M_TILES][D_NTILES][4],
-                                                           float (&row_max)[M_TILES][2],
-                                                           float (&row_sum)[M_TILES][2]) {{
-                constexpr float RESCALE_THRESHOLD = {RESCALE_THRESHOLD:.1f}f;
-                // The vote needs no quad shuffles: a row's max rises too far exactly when one of
-                // its four lanes holds a score that far above it, and every lane votes.
-                float thread_max[M_TILES][2];
-                bool raise = false;
-                #pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {{
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {{
-                        thread_max[m][h] = thread_row_max(s, m, h);
-                        // -inf - (-inf) is NaN and compares false: an all-masked row never raises.
-                        raise |= (thread_max[m][h] - row_max[m][h]) * SCALE_LOG2 > RESCALE_THRESHOLD;
-                    }}
-                }}
-                raise = __any_sync(0xffffffffu, raise);
-                if (raise) {{
-                    // Move every row of the warp to its new max (now across the quad); rescale O and
-                    // the partial sums.
-                    #pragma unroll
-                    for (int m = 0; m < M_TILES; ++m) {{
-                        #pragma unroll
-                        for (int h = 0; h < 2; ++h) {{
-                            const float new_max = quad_max(fmaxf(row_max[m][h], thread_max[m][h]));
-                            const float offset = new_max == neg_inf() ? 0.0f : new_max * SCALE_LOG2;
-                            const float alpha = fast_exp2(row_max[m][h] * SCALE_LOG2 - offset);
-                            row_max[m][h] = new_max;
-                            row_sum[m][h] *= alpha;
-                            #pragma unroll
-                            for (int d = 0; d < D_NTILES; ++d) {{
-                                o[m][d][2 * h] *= alpha;
-                                o[m][d][2 * h + 1] *= alpha;
-                            }}
-                        }}
-                    }}
-                }}
-
-                // Probabilities against the offsets (one FMA + ex2 each), after the branch: one
-                // straight-line block with the P V mmas that follow, so they can interleave.
-                #pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {{
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {{
-                        const float offset = row_max[m][h] == neg_inf() ? 0.0f : row_max[m][h] * SCALE_LOG2;
-                        float sum = 0.0f;
-                        #pragma unroll
-                        for (int n = 0; n < KV_NTILES; ++n) {{
-                            #pragma unroll
-                            for (int e = 0; e < 2; ++e) {{
-                                const float p = fast_exp2(fmaf(s[m][n][2 * h + e], SCALE_LOG2, -offset));
-                                s[m][n][2 * h + e] = p;
-                                sum += p;
-                            }}
-                        }}
-                        row_sum[m][h] += sum;
-                    }}
-                }}
-            }}
-            """
-        )
+        return _emit_thread_row_max() + "\n\n" + _emit_lazy_fold(row_sums_mma, q_prescaled)
     return _emit_thread_row_max() + "\n\n" + block(
         """
         // Fold one tile of raw scores s into the running softmax state of this thread's rows:
@@ -204,21 +147,134 @@ def emit_online_softmax(lazy: bool = False) -> str:
     )
 
 
-def emit_row_finish() -> str:
-    """``row_inverse_sums``: quad-reduce the partial row sums and invert them."""
+def _emit_lazy_fold(row_sums_mma: bool, q_prescaled: bool) -> str:
+    """The lazy ``online_softmax`` in one of its four forms (see :func:`emit_online_softmax`)."""
+    if q_prescaled:
+        what = "exponents x = c*s - offset"
+        vote = [
+            "// Scores arrive relative to the offsets: a row raises when one reaches the threshold;",
+            "// a fresh row (offset 0, max -inf) on its first score, an all-masked row never.",
+            "raise |= thread_max[m][h] > (row_max[m][h] == neg_inf() ? neg_inf() : RESCALE_THRESHOLD);",
+        ]
+        new_offset = [
+            "const float old_offset = row_max[m][h] == neg_inf() ? 0.0f : row_max[m][h];",
+            "const float new_max = quad_max(fmaxf(row_max[m][h], thread_max[m][h] + old_offset));",
+            "const float offset = new_max == neg_inf() ? 0.0f : new_max;",
+            "const float alpha = fast_exp2(row_max[m][h] - offset);",
+        ]
+        shift = [
+            "#pragma unroll",
+            "for (int n = 0; n < KV_NTILES; ++n) {  // the tile's exponents to the new offset",
+            "    s[m][n][2 * h] -= offset - old_offset;",
+            "    s[m][n][2 * h + 1] -= offset - old_offset;",
+            "}",
+        ]
+        offset, exponent = [], "s[m][n][2 * h + e]"
+    else:
+        what = "raw scores s"
+        vote = [
+            "// -inf - (-inf) is NaN and compares false: an all-masked row never raises.",
+            "raise |= (thread_max[m][h] - row_max[m][h]) * SCALE_LOG2 > RESCALE_THRESHOLD;",
+        ]
+        new_offset = [
+            "const float new_max = quad_max(fmaxf(row_max[m][h], thread_max[m][h]));",
+            "const float offset = new_max == neg_inf() ? 0.0f : new_max * SCALE_LOG2;",
+            "const float alpha = fast_exp2(row_max[m][h] * SCALE_LOG2 - offset);",
+        ]
+        shift = []
+        offset = ["const float offset = row_max[m][h] == neg_inf() ? 0.0f : row_max[m][h] * SCALE_LOG2;"]
+        exponent = "fmaf(s[m][n][2 * h + e], SCALE_LOG2, -offset)"
+    if row_sums_mma:
+        rescale_sum = ["row_sum[m][2 * h] *= alpha;", "row_sum[m][2 * h + 1] *= alpha;"]
+        sum_start, sum_add, sum_end = [], [], []
+    else:
+        rescale_sum = ["row_sum[m][h] *= alpha;"]
+        sum_start, sum_add, sum_end = ["float sum = 0.0f;"], ["sum += p;"], ["row_sum[m][h] += sum;"]
+    cost = "one FMA + ex2 each" if not q_prescaled else "one ex2 each"
+    sums_note = "\n            // (The row sums are P V's: one more mma, with a B operand of ones.)" if row_sums_mma else ""
+
+    def lines(texts: list[str], spaces: int) -> str:
+        return "".join("\n" + " " * spaces + t for t in texts)
+
+    exponentials = (
+        lines([*offset, *sum_start, "#pragma unroll", "for (int n = 0; n < KV_NTILES; ++n) {"], 12)
+        + lines(["#pragma unroll", "for (int e = 0; e < 2; ++e) {"], 16)
+        + lines([f"const float p = fast_exp2({exponent});", "s[m][n][2 * h + e] = p;", *sum_add], 20)
+        + lines(["}"], 16) + lines(["}", *sum_end], 12)
+    )
     return block(
-        """
-        // 1 / (full row sum) for this thread's rows; 0 for a row that saw no key.
-        __device__ __forceinline__ void row_inverse_sums(const float (&row_sum)[M_TILES][2],
-                                                         float (&inv_sum)[M_TILES][2]) {
+        f"""
+        // Fold one tile of {what} into the running softmax state of this thread's rows,
+        // lazily: the offsets (row maxima) move only when a row's max rises by more than
+        // {RESCALE_THRESHOLD:g} in log2 units somewhere in the warp (one vote); then O and the row sums
+        // are rescaled, in the one warp-uniform branch, before the exponentials: those and the
+        // P V mmas after them are then one straight-line block the compiler can interleave.
+        __device__ __forceinline__ void online_softmax(float (&s)[M_TILES][KV_NTILES][4],
+                                                       float (&o)[M_TILES][D_NTILES][4],
+                                                       float (&row_max)[M_TILES][2],
+                                                       float (&row_sum)[M_TILES][{4 if row_sums_mma else 2}]) {{
+            constexpr float RESCALE_THRESHOLD = {RESCALE_THRESHOLD:.1f}f;
+            // The vote needs no quad shuffles: a row's max rises too far exactly when one of
+            // its four lanes holds a score that far above it, and every lane votes.
+            float thread_max[M_TILES][2];
+            bool raise = false;
             #pragma unroll
-            for (int m = 0; m < M_TILES; ++m) {
+            for (int m = 0; m < M_TILES; ++m) {{
                 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float total = quad_sum(row_sum[m][h]);
+                for (int h = 0; h < 2; ++h) {{
+                    thread_max[m][h] = thread_row_max(s, m, h);@VOTE@
+                }}
+            }}
+            raise = __any_sync(0xffffffffu, raise);
+            if (raise) {{
+                // Move every row of the warp to its new max (now across the quad); rescale O and
+                // the partial sums.
+                #pragma unroll
+                for (int m = 0; m < M_TILES; ++m) {{
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {{@NEW_OFFSET@
+                        row_max[m][h] = new_max;@RESCALE_SUM@
+                        #pragma unroll
+                        for (int d = 0; d < D_NTILES; ++d) {{
+                            o[m][d][2 * h] *= alpha;
+                            o[m][d][2 * h + 1] *= alpha;
+                        }}@SHIFT@
+                    }}
+                }}
+            }}
+
+            // Probabilities against the offsets ({cost}), after the branch: one
+            // straight-line block with the P V mmas that follow, so they can interleave.{sums_note}
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {{
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {{@EXPONENTIALS@
+                }}
+            }}
+        }}
+        """
+    ).replace("@VOTE@", lines(vote, 12)).replace("@NEW_OFFSET@", lines(new_offset, 16)).replace(
+        "@RESCALE_SUM@", lines(rescale_sum, 16)).replace("@SHIFT@", lines(shift, 16)).replace(
+        "@EXPONENTIALS@", exponentials)
+
+
+def emit_row_finish(row_sums_mma: bool = False) -> str:
+    """``row_inverse_sums``: quad-reduce the partial row sums and invert them (``row_sums_mma``:
+    the sums' accumulator already holds full rows, column 0 of each half is read)."""
+    columns, total = (4, "row_sum[m][2 * h]") if row_sums_mma else (2, "quad_sum(row_sum[m][h])")
+    return block(
+        f"""
+        // 1 / (full row sum) for this thread's rows; 0 for a row that saw no key.
+        __device__ __forceinline__ void row_inverse_sums(const float (&row_sum)[M_TILES][{columns}],
+                                                         float (&inv_sum)[M_TILES][2]) {{
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {{
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {{
+                    const float total = {total};
                     inv_sum[m][h] = total > 0.0f ? 1.0f / total : 0.0f;
-                }
-            }
-        }
+                }}
+            }}
+        }}
         """
     )
