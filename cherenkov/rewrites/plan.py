@@ -146,15 +146,15 @@ class FlashSchedule:
     128-byte swizzle; one ``expect_tx`` arrival a stage) instead of every thread's cp.async
     copies.
 
-    Three knobs of the mbarrier ring's tile step: ``row_sums_mma`` sums each row's
-    probabilities on the tensor cores (P, already the A operand of P·V, times a B operand of
-    ones: one more mma per m16 tile and k16 step instead of an FADD per probability);
-    ``q_prescaled`` (TMA rings, with ``row_sums_mma``) multiplies the Q tile by
-    ``scale·log2 e`` once, in shared memory, and starts each tile's first QKᵀ mma from the
-    rows' negated offsets, so the scores arrive as exponents (no FMA per score);
-    ``last_warp_refill`` (TMA rings with ``q_prescaled``, early copies) drops the *empty*
-    barriers: the last warp to release a stage starts the tile ``stages`` ahead into it at
-    once, so no thread waits for the others to refill the ring.
+    Three knobs of the TMA ring's tile step: ``row_sums_mma`` sums each row's probabilities
+    on the tensor cores (P, already the A operand of P·V, times a B operand of ones: one more
+    mma per m16 tile and k16 step instead of an FADD per probability); ``q_prescaled`` (with
+    ``row_sums_mma``, early copies) multiplies the Q tile by ``scale·log2 e`` once, in shared
+    memory, and starts each tile's first QKᵀ mma from the rows' negated offsets, so the
+    scores arrive as exponents (no FMA per score); ``last_warp_refill`` (with
+    ``q_prescaled``) drops the *empty* barriers: the last warp to release a stage starts the
+    tile ``stages`` ahead into it at once, so no thread waits for the others to refill the
+    ring. On the TMA ring a block may also hold 256 rows (8 warps of 32).
     """
 
     block_q: int = 128
@@ -290,8 +290,8 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
     * a 256-row block runs as a pingpong of two 4-warp groups or on the TMA ring: with block
       barriers or the cp.async mbarrier ring it is two q128/w4 blocks fused by barriers, with
       the same residency and no gain (H200, sixth session: 398 against 407 TFLOP/s); on the
-      TMA ring its one block an SM holds 3 stages, slack the 2-stage rings of two 128-row
-      blocks lack (seventh session: 427 against 399 with early copies);
+      TMA ring, one block an SM whose K/V tiles serve 8 warps, it gains 3-10 % with early
+      copies (eighth session: seed 427 against 399);
     * the pingpong needs 8 warps (two per scheduler partition, one of each group) and at
       least 2 stages (its ring buffers K_j with V_(j-1)); its pipeline has no separate K/V
       groups, so ``kv_split`` is fixed to False there (one plan, not two identical ones).

@@ -38,7 +38,7 @@ from cherenkov.codegen.cuda.text import (
 )
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import FlashLayout, FlashTiling, KernelPlan
-from cherenkov.rewrites.plan import TMA_ALIGN_BYTES, AttentionProblem, flash_schedule_problems
+from cherenkov.rewrites.plan import TMA_ALIGN_BYTES, AttentionProblem, FlashSchedule, flash_schedule_problems
 
 LOG2E = 1.4426950408889634
 
@@ -110,7 +110,7 @@ def flash_attention_source(plan: KernelPlan) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def _mma_helpers(dtype: str, schedule) -> list[str]:
+def _mma_helpers(dtype: str, schedule: FlashSchedule) -> list[str]:
     """The mma and packing helpers a schedule uses: a pre-scaled Q adds the mma from given
     initial values and the unpacking of Q's pairs, row sums on the tensor cores the ones."""
     parts = [mma.emit_mma(dtype)]
@@ -521,7 +521,7 @@ def _accumulate_values(row_sums_mma: bool) -> str:
     return text
 
 
-def _attend_tile(release: str, source: str, schedule) -> str:
+def _attend_tile(release: str, source: str, schedule: FlashSchedule) -> str:
     """``attend_tile``; ``release``: the statement that frees the tile's stage after the warp's
     P·V (mbarrier ring; empty elsewhere); ``source``: the C++ type the pipeline reads a head's
     K or V from; the schedule's step knobs pass the offsets to the scores (pre-scaled Q) and

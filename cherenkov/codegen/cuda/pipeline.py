@@ -233,7 +233,8 @@ def _emit_start_kv() -> str:
 class MbarrierKvPipeline:
     """The joint ring synchronised by per-stage full/empty mbarriers (``stages ≥ 2``), with
     the next tile's copies issued before the scores or, ``late_copy``, before P·V; ``tma``:
-    the copies are TMA boxes issued by thread 0 (see :meth:`emit`)."""
+    the copies are TMA boxes issued by thread 0 (see :meth:`emit`); ``last_warp_refill``
+    (TMA): no *empty* barriers, the last warp to release a stage refills it."""
 
     stages: int
     late_copy: bool = False
