@@ -123,8 +123,15 @@ class _SearchProgress:
                 f"derived {', '.join(map(str, info['kernels']))} "  # type: ignore[call-overload]
                 f"({stats.enodes} e-nodes, {stats.iterations} passes, {stats.seconds:.2f} s)"  # type: ignore[attr-defined]
             )
+        elif event == "first_round":
+            self.console.print(
+                f"budget: first {info['candidates']} candidates (each of {info['kernels']} kernels' favourite and "
+                f"safest plan), then the rest of {info['total']} shared by each kernel's share of the time"
+            )
         elif event == "answered":
-            self.console.print("answered from the tuning database (use --force to search again)")
+            how = ("a partial search's answer (--resume or a larger --budget measures the rest, --force starts over)"
+                   if info.get("partial") else "use --force to search again")
+            self.console.print(f"answered from the tuning database ({how})")
         elif event in ("compiled", "measured"):
             if not self.tasks:
                 self.bars.start()
@@ -151,27 +158,30 @@ def command_optimize(args: argparse.Namespace, console: Console) -> int:
     try:
         cluster = "local-gpus" if args.local_gpus else args.cluster
         result = optimize(graph, target=args.target, out=out, budget_s=args.budget, force=args.force,
-                          progress=progress, cluster=cluster)  # fmt: skip
+                          resume=args.resume, progress=progress, cluster=cluster)  # fmt: skip
     finally:
         progress.close()
     env = result.environment
     for note in result.summary.notes:
         console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
     how = f"measured on {env.gpu}" if env.measured else "[bold]modelled[/bold] by the cost model (not measured)"
-    console.print(f"target {env.target}, {how}; {len(result.candidates)} candidates")
-    table = Table("rank", "candidate", "status", "ms", "TFLOP/s", "% peak", "regs", "smem KB")
+    summary = result.summary
+    partial = f" (partial: measured {summary.measured} of them)" if summary.partial else ""
+    console.print(f"target {env.target}, {how}; {len(result.candidates)} candidates{partial}")
+    table = Table("rank", "status", "ms", "TFLOP/s", "% peak", "regs", "smem KB")
+    table.add_column("candidate", overflow="fold")  # whole keys, folded over lines where the console is narrow
     ranked = sorted(result.candidates, key=lambda r: (r.status not in ("ok", "modelled"), r.time_ms or 1e9, r.id))
     for rank, r in enumerate(ranked[: args.top], start=1):
         table.add_row(
-            str(rank), r.id.removeprefix(f"{r.kind}_"), r.status, f"{r.time_ms:.4f}" if r.time_ms else "-",
+            str(rank), r.status, f"{r.time_ms:.4f}" if r.time_ms else "-",
             f"{r.tflops:.1f}" if r.tflops else "-", f"{r.percent_of_peak:.0f}" if r.percent_of_peak else "-",
-            str(r.registers or "-"), f"{r.smem_bytes / 1024:.0f}" if r.smem_bytes else "-",
+            str(r.registers or "-"), f"{r.smem_bytes / 1024:.0f}" if r.smem_bytes else "-", r.id,
         )  # fmt: skip
     console.print(table)
     for name, tflops in result.summary.references.items():
         console.print(f"  reference {name}: {tflops:.1f} TFLOP/s (same run)")
     console.print(f"report: {result.report_html}")
-    return 0 if result.best is not None else 1
+    return 0
 
 
 def _read_report(directory: Path) -> dict:
@@ -246,8 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--target", default="auto",
                         help="auto (the local GPU: sm_90a on Hopper; else sm_120), sm_80, sm_86, sm_89, sm_90, sm_90a, sm_120")
     search.add_argument("--out", type=Path, help="directory for report.json and report.html (default runs/NAME)")
-    search.add_argument("--budget", type=float, help="wall-time budget in seconds")
-    search.add_argument("--force", action="store_true", help="search again even if the tuning database knows the answer")
+    search.add_argument("--budget", type=float,
+                        help="wall-time budget in seconds: every kernel's favourite and safest plan first, the rest "
+                             "shared by each kernel's share of the graph's time; the answer is remembered as partial")
+    search.add_argument("--resume", action="store_true",
+                        help="continue a partial (budgeted) search: measure only the candidates not yet measured")
+    search.add_argument("--force", action="store_true",
+                        help="search again, measuring every candidate, even if the tuning database knows the answer")
     search.add_argument("--top", type=int, default=10, help="rows of the final table")
     spread = search.add_mutually_exclusive_group()
     spread.add_argument("--cluster", help="Dask scheduler address (tcp://host:8786): compile and measure on its workers")

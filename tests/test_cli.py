@@ -9,6 +9,7 @@ import pytest
 import cherenkov as ck
 from cherenkov import cli
 from cherenkov.search import environment
+from cherenkov.search.report import read_json
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -74,3 +75,21 @@ def test_dump_and_report_read_a_finished_search(capsys, tmp_path, monkeypatch) -
         rows = list(csv.DictReader(handle))
     times = [float(r["time_ms"]) for r in rows]
     assert rows and times == sorted(times)
+
+
+def test_the_result_table_shows_whole_candidate_keys_and_partial_answers(capsys, tmp_path, monkeypatch) -> None:
+    """An 80-column console folds the keys over lines instead of cutting them; a repeated
+    budgeted search says it was answered from the database."""
+    monkeypatch.setattr(environment, "visible_gpus", lambda: [])
+    monkeypatch.setattr(environment, "toolkit", lambda: "none")
+    argv = ("optimize", "--example", "attention", "--shape", "1,2,64,96,64", "--out", str(tmp_path), "--budget", "30")
+    code, out = run(capsys, *argv)
+    assert code == 0
+    last_cells = [line.split("│")[-2].strip() for line in out.splitlines() if line.count("│") >= 3]
+    folded = "".join(last_cells)
+    ranked = sorted(read_json(tmp_path / "report.json")["candidates"], key=lambda c: (c["time_ms"], c["id"]))
+    assert all(c["id"] in folded for c in ranked[:10]), folded
+    code, out = run(capsys, *argv)
+    assert code == 0 and "answered from the tuning database" in out
+    code, out = run(capsys, *argv, "--resume")
+    assert code == 0 and "answered from the tuning database" in out, "a complete search answers a resume too"

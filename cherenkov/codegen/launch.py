@@ -41,6 +41,22 @@ def _cached_tensor_maps(cache: dict, key: tuple[int, ...], encode) -> tuple:
             cache.clear()
         cache[key] = encode()
     return cache[key]
+def operand_view(problem, role: str, tensor):
+    """The ``(B, H, S, D)`` view of an attention operand in its stored torch tensor (its
+    layout's strides and offset: no copy)."""
+    import torch
+
+    layout = problem.layout(role)
+    return torch.as_strided(tensor, problem.logical_shape(role), (*layout.strides(), 1), layout.offset)
+
+
+def operand_map(problem, role: str, address: int, box_rows: int) -> tensor_map.TensorMap:
+    """The TMA tensor map of one attention operand at its layout's strides (both families)."""
+    layout = problem.layout(role)
+    return tensor_map.operand_tensor_map(address, problem.logical_shape(role), layout.strides(), layout.offset,
+                                         problem.dtype, box_rows)  # fmt: skip
+
+
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool"}
 
 
@@ -63,8 +79,11 @@ class _StreamCache:
 class FlashAttentionKernel(_StreamCache):
     """``kernel(q, k, v, out=None) -> out``: one compiled flash-attention plan as a callable.
 
-    q, k, v (and out, if given) must be contiguous CUDA tensors on one device, of the plan's
-    dtype and exact BHSD shapes, 16-byte aligned. Returns ``out`` (allocated if None).
+    q, k, v (and out, if given) are the stored tensors the operands are read from (the same
+    one more than once for slices of a fused projection): contiguous CUDA tensors on one
+    device, of the plan's dtype and of the shapes its layouts name
+    (:meth:`~cherenkov.rewrites.plan.AttentionProblem.stored_shapes`; BHSD for a plain
+    problem), 16-byte aligned. Returns ``out`` (allocated if None).
     """
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
@@ -88,9 +107,9 @@ class FlashAttentionKernel(_StreamCache):
 
         p = self.problem
         if out is None:
-            out = torch.empty(p.shapes()[p.out], dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
-        for role, name, tensor in (("q", p.q, q), ("k", p.k, k), ("v", p.v, v), ("out", p.out, out)):
-            self._check(role, tensor, p.shapes()[name])
+            out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
+        for role, tensor in (("q", q), ("k", k), ("v", v), ("o", out)):
+            self._check(role, tensor, p.layout(role).shape)
         self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream)
         return out
 
@@ -116,7 +135,7 @@ class FlashAttentionKernel(_StreamCache):
         if tuple(tensor.shape) != shape:
             problems.append(f"shape {tuple(tensor.shape)} (expected {shape})")
         if not tensor.is_contiguous():
-            problems.append("not contiguous (BHSD contiguous expected)")
+            problems.append("not contiguous (the kernel reads it at its plan's strides)")
         if tensor.data_ptr() % 16:
             problems.append("data pointer not 16-byte aligned")
         if problems:
@@ -285,10 +304,9 @@ class TmaFlashKernel(FlashAttentionKernel):
     def _launch(self, q, k, v, out, stream: int) -> None:
         import torch
 
-        dtype, rows = self.problem.dtype, self.compiled.plan.schedule.block_kv
+        rows = self.compiled.plan.schedule.block_kv
         maps = _cached_tensor_maps(self._maps, (k.data_ptr(), v.data_ptr()), lambda: (
-            tensor_map.bhsd_tensor_map(k.data_ptr(), tuple(k.shape), dtype, rows),
-            tensor_map.bhsd_tensor_map(v.data_ptr(), tuple(v.shape), dtype, rows),
+            operand_map(self.problem, "k", k.data_ptr(), rows), operand_map(self.problem, "v", v.data_ptr(), rows),
         ))  # fmt: skip
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function.kernel.ptr, self.grid, self.block, self.smem_bytes, stream,
@@ -324,10 +342,8 @@ class HopperFlashKernel(FlashAttentionKernel):
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
         p, s = self.problem, self.schedule
         return _cached_tensor_maps(self._maps, key, lambda: (
-            tensor_map.bhsd_tensor_map(key[0], tuple(q.shape), p.dtype, s.block_q),
-            tensor_map.bhsd_tensor_map(key[1], tuple(k.shape), p.dtype, s.block_kv),
-            tensor_map.bhsd_tensor_map(key[2], tuple(v.shape), p.dtype, s.block_kv),
-            tensor_map.bhsd_tensor_map(key[3], tuple(out.shape), p.dtype, s.block_q // s.consumer_warpgroups),
+            operand_map(p, "q", key[0], s.block_q), operand_map(p, "k", key[1], s.block_kv),
+            operand_map(p, "v", key[2], s.block_kv), operand_map(p, "o", key[3], s.block_q // s.consumer_warpgroups),
         ))  # fmt: skip
 
     def _launch(self, q, k, v, out, stream: int) -> None:

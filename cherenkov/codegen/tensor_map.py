@@ -2,10 +2,11 @@
 
 The CUDA driver (``libcuda.so.1``) is loaded on first use; without it every call raises
 :class:`CodegenError`. :func:`encode_tiled` wraps ``cuTensorMapEncodeTiled`` for 16-bit
-tensors with the 128-byte swizzle; :func:`bhsd_tensor_map` views a contiguous
-``(B, H, S, D)`` tensor as the 3-D tensor ``(D, S, B·H)`` (innermost first) read in boxes
-of ``64 × rows × 1`` — 64 elements (128 bytes) is the widest box the 128-byte swizzle
-allows, so a 128-wide head dim takes two boxes. :func:`launch` calls ``cuLaunchKernel``
+tensors with the 128-byte swizzle; :func:`operand_tensor_map` views an attention operand
+at its strides (a BHSD tensor, a transposed view, a slice of a fused projection) as the
+4-D tensor ``(D, S, H, B)`` (innermost first) read in boxes of ``64 × rows × 1 × 1`` — 64
+elements (128 bytes) is the widest box the 128-byte swizzle allows, so a 128-wide head dim
+takes two boxes. :func:`launch` calls ``cuLaunchKernel``
 with a CUfunction handle from cupy (``RawModule(...).get_function(name).kernel.ptr``): each
 argument is a ctypes value (``c_uint64`` for a device pointer, :class:`TensorMap` by
 value), and ``kernelParams`` is the array of their addresses. Any ``CUresult`` other
@@ -113,14 +114,22 @@ def encode_tiled(
     return tensor_map
 
 
-def bhsd_tensor_map(address: int, shape: Sequence[int], dtype: str, box_rows: int) -> TensorMap:
-    """The tensor map of a contiguous ``(B, H, S, D)`` tensor as 3-D ``(D, S, B·H)`` with
-    boxes of ``64 × box_rows × 1`` (coordinates ``(d, s, b·H + h)`` in the kernel)."""
-    batch, heads, seq, head_dim = shape
+def operand_tensor_map(address: int, logical: Sequence[int], strides: Sequence[int], offset: int, dtype: str,
+                       box_rows: int) -> TensorMap:  # fmt: skip
+    """The tensor map of an attention operand of ``logical`` shape ``(B, H, S, D)`` whose
+    element ``(b, h, s, d)`` lies at ``offset + b·strides[0] + h·strides[1] + s·strides[2] +
+    d`` elements from ``address``: 4-D ``(D, S, H, B)`` with boxes of ``64 × box_rows × 1 × 1``
+    (coordinates ``(d, s, h, b)`` in the kernel). An axis of extent 1 gets a stride that
+    never moves (its coordinate is always 0)."""
+    batch, heads, seq, head_dim = logical
     elem = ELEMENT_BYTES.get(dtype, 2)
+    sizes = {"b": batch, "h": heads, "s": seq}
+    byte_strides = dict(zip("bhs", (stride * elem for stride in strides)))
+    still = max(16, *(byte_strides[axis] * sizes[axis] for axis in "bhs"))  # multiples of 16 already
+    moving = {axis: byte_strides[axis] if sizes[axis] > 1 else still for axis in "bhs"}
     return encode_tiled(
-        address, dtype, (head_dim, seq, batch * heads), (head_dim * elem, seq * head_dim * elem),
-        (SWIZZLE_BYTES // elem, box_rows, 1),
+        address + offset * elem, dtype, (head_dim, seq, heads, batch), (moving["s"], moving["h"], moving["b"]),
+        (SWIZZLE_BYTES // elem, box_rows, 1, 1),
     )  # fmt: skip
 
 

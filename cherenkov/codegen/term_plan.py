@@ -368,7 +368,7 @@ class TermKernelPlan:
                 "output": self.kernel.output,
                 "axes": list(self.kernel.axes),
                 "term": t.show(self.kernel.term)[:2000],
-                "term_sha256": hashlib.sha256(repr(self.kernel.term).encode()).hexdigest()[:16],
+                "term_sha256": term_digest(self.kernel),
             },
             "schedule": {"family": self.family, **asdict(self.schedule)},
             "tensors": {info.name: {"shape": list(info.shape), "dtype": info.dtype} for info in self.tensors},
@@ -380,6 +380,11 @@ class TermKernelPlan:
         """A stable identifier: kind, schedule key and a short hash of everything."""
         digest = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode()).hexdigest()[:10]
         return f"{self.kind}_{self.schedule.key()}_{digest}"
+
+
+def term_digest(kernel: FusedKernel) -> str:
+    """16 hex digits of sha256 over the kernel's term: what a plan's ``params`` record of it."""
+    return hashlib.sha256(repr(kernel.term).encode()).hexdigest()[:16]
 
 
 def term_flops(term: Term) -> float:
@@ -778,11 +783,13 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
     reasons = []
     if plan.kind not in TERM_KINDS:
         reasons.append(f"unknown kernel kind {plan.kind!r}")
-    if plan.output.shape != kernel.shape:
-        reasons.append(f"output {plan.output.name} has shape {plan.output.shape}, the kernel computes {kernel.shape}")
+    if plan.output.shape != kernel.stored_shape:
+        reasons.append(f"output {plan.output.name} has shape {plan.output.shape}, the kernel writes {kernel.stored_shape}")
     missing = sorted(set(kernel.reads) - {i.name for i in plan.inputs})
     if missing:
         reasons.append(f"no shape/dtype for tensors {missing}")
+    if kernel.buffer is not None and not (isinstance(s, PointwiseSchedule) and s.vector == 1):
+        reasons.append("a buffer laid out for its consumer is written by the unvectorised pointwise family only")
     if isinstance(s, PointwiseSchedule):
         if s.block not in (32, 64, 128, 256, 512, 1024):
             reasons.append(f"block {s.block}")
@@ -864,7 +871,7 @@ def kernel_tensors(
         raise CodegenError(f"kernel {kernel.output}: no shape/dtype for {missing}")
     names = sorted(kernel.reads)
     infos = [TensorInfo(identifier(n), tuple(shapes[n]), dtypes[n]) for n in names]
-    infos.append(TensorInfo(identifier(kernel.output), tuple(kernel.shape), dtypes[kernel.output]))
+    infos.append(TensorInfo(identifier(kernel.output), tuple(kernel.stored_shape), dtypes[kernel.output]))
     return tuple(infos)
 
 

@@ -5,6 +5,13 @@
 bound is hit. The result answers which fused forms exist (``found``), which cover the
 graph best (``kernels``), which rules lead to them (``trace``), and which schedules each
 admits on a target (``plans``).
+
+A fused form that no kernel family can plan is not what the graph runs on: where a
+flash-attention kernel has no plan (its q, k or v are not tensors a flash kernel reads, or
+no schedule fits its head dimension on the target), the kernels come from the cheapest
+extraction *without* the streaming forms (``STREAMING_FORMS`` subsumed in a scope of the
+e-graph): contraction, softmax rows, contraction. ``kernels`` applies the first test,
+``kernels_for(target)`` both.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ from cherenkov.graph import Graph, GraphError
 from cherenkov.graph.evaluate import check_inputs
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.algebra import ALGEBRA
+from cherenkov.rewrites.casts import CASTS
 from cherenkov.rewrites.contraction import CONTRACTION
 from cherenkov.rewrites.fusion import FUSION
-from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem, partition
-from cherenkov.rewrites.language import prelude
+from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem
+from cherenkov.rewrites.kernels import partition as partition_kernels
+from cherenkov.rewrites.language import EXPR_CONSTRUCTORS, prelude
 from cherenkov.rewrites.lower import Lowered, lower
 from cherenkov.rewrites.masks import MASKS
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, Target, flash_schedule_problems
@@ -40,9 +49,12 @@ from cherenkov.rewrites.terms import Term
 
 log = logging.getLogger(__name__)
 
-RULESETS: tuple[Ruleset, ...] = (ALGEBRA, MASKS, CONTRACTION, SOFTMAX, STREAMING, FUSION)
+RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, STREAMING, FUSION)
 MAX_PASSES = 24
 MAX_ENODES = 200_000
+
+# The one-pass streaming forms of attention: left out of the extraction where they cannot be planned.
+STREAMING_FORMS = ("FlashAttention", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL")
 
 # Fused-form names accepted by ``Derivation.found`` and the constructors behind them.
 FORMS = {
@@ -165,11 +177,26 @@ class Derivation:
     @functools.cached_property
     def extracted(self) -> dict[str, Term]:
         """The cheapest term of each root (intermediate tensors first, then outputs)."""
-        result = {}
-        for name, root in self.roots.items():
-            best = self._run(f"(extract {root})")[-1]
-            result[name] = t.from_termdag(best.termdag, best.term)
-        return result
+        return self._extract(())
+
+    def _extract(self, excluded: tuple[str, ...]) -> dict[str, Term]:
+        """The cheapest term of each root with the e-nodes of the ``excluded`` constructors
+        subsumed (in a pushed scope: the e-graph is unchanged afterwards)."""
+        if excluded:
+            rules = ["(push)", "(ruleset exclude)"]
+            for constructor in (c for c in EXPR_CONSTRUCTORS if c.name in excluded):
+                node = f"({constructor.name}{''.join(f' x{i}' for i in range(len(constructor.args)))})"
+                rules.append(f"(rule ((= e {node})) ((subsume {node})) :ruleset exclude)")
+            self._run("\n".join([*rules, "(run exclude 1)"]))
+        try:
+            result = {}
+            for name, root in self.roots.items():
+                best = self._run(f"(extract {root})")[-1]
+                result[name] = t.from_termdag(best.termdag, best.term)
+            return result
+        finally:
+            if excluded:
+                self._run("(pop)")
 
     def found(self, kind: str) -> bool:
         """Whether a valid fused form of ``kind`` (e.g. ``"flash_attention"``) is in the e-graph."""
@@ -177,35 +204,70 @@ class Derivation:
             raise GraphError(f"found: unknown fused form {kind!r}; known: {sorted(FORMS)}")
         if kind != "flash_attention":
             return bool(self.forms_of(FORMS[kind]))
-        candidates = self.forms_of("FlashAttention") + [k.core for k in self.kernels if k.kind == kind]
-        return any(self._attention_problem(form) is not None for form in candidates)
+        kernels = self.partition(streaming=True)
+        flash = [k for k in kernels if k.kind == kind]
+        return any(self._attention_problem(k.core, kernels, k) is not None for k in flash) or any(
+            self._attention_problem(form, kernels) is not None for form in self.forms_of("FlashAttention")
+        )
 
-    def tensor_types(self) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-        """Shapes and dtypes of every tensor kernels read: inputs and intermediate buffers."""
+    def tensor_types(self, kernels: list[FusedKernel] | None = None) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+        """Shapes and dtypes of every tensor kernels read: inputs and intermediate buffers
+        (of ``kernels``, by default :attr:`kernels`)."""
         shapes = dict(self.lowered.input_shapes)
         dtypes = dict(self.lowered.input_dtypes)
         for name in self.lowered.roots:
             shapes[name] = self.lowered.shape(name)
             dtypes[name] = self.lowered.buffer_dtype
-        for kernel in self.kernels:
-            shapes[kernel.output] = kernel.shape
+        for kernel in self.kernels if kernels is None else kernels:
+            shapes[kernel.output] = kernel.stored_shape
             dtypes[kernel.output] = self.lowered.buffer_dtype
         return shapes, dtypes
 
-    def _attention_problem(self, form: Term) -> AttentionProblem | None:
+    def _attention_problem(self, form: Term, kernels: list[FusedKernel],
+                           kernel: FusedKernel | None = None) -> AttentionProblem | None:  # fmt: skip
+        """The problem of a flash form (of ``kernel``, writing its output buffer), or None."""
         try:
-            return attention_problem(form, *self.tensor_types())
+            if kernel is None:
+                return attention_problem(form, *self.tensor_types(kernels))
+            return attention_problem(form, *self.tensor_types(kernels), kernel.axes, kernel.buffer)
         except KernelError:
             return None
+
+    def partition(self, streaming: bool = True) -> list[FusedKernel]:
+        """The kernels of the cheapest extraction, without their traces; ``streaming=False``
+        leaves the streaming forms (flash attention, the online-softmax folds) out of it."""
+        return self._partition(bool(streaming))
+
+    @functools.cache
+    def _partition(self, streaming: bool) -> list[FusedKernel]:
+        return partition_kernels(self._extract(() if streaming else STREAMING_FORMS), self.lowered)
 
     @functools.cached_property
     def kernels(self) -> list[FusedKernel]:
         """The fused kernels covering the graph (from the cheapest extraction), each with
-        the rules its fused form needs."""
-        return [
-            dataclasses.replace(k, trace=self._needed_rules(k.source[0]) if k.source else ())
-            for k in partition(self.extracted, self.lowered)
-        ]
+        the rules its fused form needs; :attr:`unfused_kernels` where a flash-attention
+        kernel's operands are not tensors any flash kernel reads."""
+        fused = self.partition(streaming=True)
+        if any(k.kind == "flash_attention" and self._attention_problem(k.core, fused, k) is None for k in fused):
+            return self.unfused_kernels
+        return self._traced(fused)
+
+    @functools.cached_property
+    def unfused_kernels(self) -> list[FusedKernel]:
+        """The kernels of the cheapest extraction without the streaming forms (attention as
+        a contraction, softmax rows and a contraction), each with its trace."""
+        return self._traced(self.partition(streaming=False))
+
+    def kernels_for(self, target: str | Target) -> list[FusedKernel]:
+        """The kernels the graph runs on ``target``: :attr:`kernels`, or :attr:`unfused_kernels`
+        where a flash-attention kernel has no plan there."""
+        planned = {plan.problem.out for plan in self.plans(target)}
+        if any(k.kind == "flash_attention" and k.output not in planned for k in self.kernels):
+            return self.unfused_kernels
+        return self.kernels
+
+    def _traced(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
+        return [dataclasses.replace(k, trace=self._needed_rules(k.source[0]) if k.source else ()) for k in kernels]
 
     @functools.cache
     def _needed_rules(self, constructor: str) -> tuple[str, ...]:
@@ -238,10 +300,12 @@ class Derivation:
     @functools.cached_property
     def trace(self) -> tuple[str, ...]:
         """The rules each fused kernel needs, in the order they first fired."""
-        ordered: list[str] = []
-        for kernel in self.kernels:
-            ordered.extend(rule for rule in kernel.trace if rule not in ordered)
-        return tuple(ordered)
+        return self.trace_of(self.kernels)
+
+    @staticmethod
+    def trace_of(kernels: list[FusedKernel] | tuple[FusedKernel, ...]) -> tuple[str, ...]:
+        """The rules ``kernels`` need, each once, kernel by kernel in their order."""
+        return tuple(dict.fromkeys(rule for kernel in kernels for rule in kernel.trace))
 
     def plans(self, target: str | Target = "sm_120") -> list[KernelPlan]:
         """Every valid (flash-attention form × schedule) for ``target``."""
@@ -256,7 +320,7 @@ class Derivation:
         for kernel in self.kernels:
             if kernel.kind != "flash_attention":
                 continue
-            problem = self._attention_problem(kernel.core)
+            problem = self._attention_problem(kernel.core, self.kernels, kernel)
             if problem is None:
                 continue
             problem = dataclasses.replace(problem, out=kernel.output)

@@ -5,23 +5,29 @@ contraction) or a plain reduction — wrapped in the elementwise work around it 
 epilogue) and fed by elementwise work on tensors it reads (its prologue). Elementwise
 terms with no core form elementwise kernels. Where a core's operand holds another core,
 that operand is materialised by an earlier kernel into an intermediate buffer, and the
-consumer reads the buffer instead. Flash attention reads plain BHSD tensors only, so
-anything else feeding it is materialised first. A contraction may also *absorb* the
-RMSNorm kernel that feeds it (:func:`absorbed`): the search weighs that form against the
-two kernels.
+consumer reads the buffer instead. Flash attention reads q, k and v in place wherever they
+are affine views of stored tensors (:mod:`cherenkov.rewrites.access`: heads split from a
+projection, slices of a fused QKV, a K/V head repeated for its query heads); a computed
+operand (RoPE) is materialised first, over the K/V heads where it is shared by a group.
+A flash kernel's output read through a view by one consumer (the merge of heads before the
+output projection) is laid out for that consumer (:func:`laid_out_for_consumers`). A
+contraction may also *absorb* the RMSNorm kernel that feeds it (:func:`absorbed`): the
+search weighs that form against the two kernels.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from cherenkov.rewrites import dag
 from cherenkov.rewrites import terms as t
+from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.lower import Lowered
-from cherenkov.rewrites.plan import AttentionProblem
+from cherenkov.rewrites.plan import AttentionProblem, OperandLayout
 from cherenkov.rewrites.reference import evaluate_term
 from cherenkov.rewrites.terms import Term
 
@@ -65,8 +71,19 @@ class KernelError(ValueError):
 
 
 @dataclass(frozen=True)
+class BufferLayout:
+    """How a kernel's output lies in its buffer when not row-major over the kernel's axes:
+    the buffer's ``shape`` and the element stride of each axis (a producer that writes in
+    the order its one consumer reads, e.g. attention's output as ``B, S, H·D``)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class FusedKernel:
-    """One kernel: computes ``term`` over ``axes`` and writes it to the buffer ``output``."""
+    """One kernel: computes ``term`` over ``axes`` and writes it to the buffer ``output``
+    (row-major over ``axes``, or as ``buffer`` says)."""
 
     kind: str
     term: Term
@@ -75,10 +92,16 @@ class FusedKernel:
     reads: tuple[str, ...]
     source: Term | None = field(default=None, compare=False)  # the core as extracted
     trace: tuple[str, ...] = field(default=(), compare=False)
+    buffer: BufferLayout | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(t.extent(a) for a in self.axes)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of the output buffer as consumers read it."""
+        return self.buffer.shape if self.buffer is not None else self.shape
 
     @property
     def core(self) -> Term | None:
@@ -87,9 +110,15 @@ class FusedKernel:
         return cores[0] if cores else None
 
     def evaluate(self, buffers: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The kernel's output in float64, computed the way its fused form streams."""
+        """The kernel's output buffer in float64, computed the way its fused form streams."""
         extents = {a: t.extent(a) for a in self.axes}
-        return evaluate_term(self.term, {n: buffers[n] for n in self.reads}, self.axes, extents)
+        values = evaluate_term(self.term, {n: buffers[n] for n in self.reads}, self.axes, extents)
+        if self.buffer is None:
+            return values
+        stored = np.zeros(self.buffer.shape)
+        view = np.lib.stride_tricks.as_strided(stored, self.shape, tuple(8 * s for s in self.buffer.strides))
+        view[...] = values
+        return stored
 
     def describe(self) -> str:
         return f"{self.kind} -> {self.output}{list(self.shape)}: {t.show(self.term)}"
@@ -118,14 +147,19 @@ def _reads(term: Term) -> tuple[str, ...]:
     return tuple(sorted({s[1] for s in t.subterms(term) if s[0] == "Tensor"}))
 
 
-def _is_bhsd_read(term: Term, query: bool) -> bool:
-    """A read of a whole stored tensor by plain axes (k and v may index heads by h // G)."""
-    if term[0] != "Tensor":
-        return False
-    items = t.ix_items(term[2])
-    heads_ok = len(items) == 4 and (query or items[1][0] != "IxDiv" or items[1][1][0] == "Ax")
-    plain = all(ix[0] == "Ax" or ix == t.ix_lit(0) for i, ix in enumerate(items) if i != 1 or query)
-    return heads_ok and plain and (query or items[1][0] in ("Ax", "IxLit", "IxDiv"))
+def _kv_head_split(operand: Term, batch: set[str]) -> tuple[str, Term, str] | None:
+    """``(h, h // G, fresh axis)`` when a k/v operand varies along the query-head axis ``h``
+    only through ``h // G`` (a K/V head repeated for G query heads), else None: then the
+    operand is materialised over the ``H / G`` K/V heads, not repeated for every query head."""
+    divided = {s for s in t.subterms(operand) if s[0] == "IxDiv" and s[1][0] == "Ax" and s[1][1] in batch}
+    if len(divided) != 1:
+        return None
+    (split,) = divided
+    head, group = split[1][1], split[2]
+    fresh = f"{head.rsplit(':', 1)[0]}_kv{group}:{-(-t.extent(head) // group)}"
+    if head in t.free_axes(t.replace(operand, split, t.ax(fresh))):
+        return None
+    return head, split, fresh
 
 
 def _axis_order(axes: frozenset[str], output_axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -196,8 +230,11 @@ class _Partition:
         return tuple(result)
 
     def prepare_flash(self, core: Term) -> Term:
-        """Flash attention reads whole BHSD tensors: anything else feeding q, k or v
-        (a computation, a reshaped or transposed read) is materialised in BHSD order."""
+        """Flash attention reads q, k and v in place where they are affine views of stored
+        tensors (:func:`~cherenkov.rewrites.access.strided_read`: transposes, head splits,
+        slices of a fused projection, repeated K/V heads); anything else feeding them (a
+        computation such as RoPE) is materialised in BHSD order — k and v over their K/V
+        heads where they vary along the query head only as ``h // G``."""
         core = canonical_flash(core)
         key, _, dim, _, q, k, v = core[1:8]
         batch = (t.free_axes(q) & t.free_axes(k)) - {dim, key}
@@ -213,9 +250,31 @@ class _Partition:
         }
         result = list(core)
         for position, (layout, operand) in layouts.items():
-            if not _is_bhsd_read(operand, position == 5):
+            if self.readable_in_place(operand):
+                continue
+            split = _kv_head_split(operand, batch) if position > 5 else None
+            if split is None:
                 result[position] = self.materialise(operand, layout)
+                continue
+            head, divided, fresh = split
+            per_kv_head = t.replace(operand, divided, t.ax(fresh))
+            buffer = self.materialise(per_kv_head, tuple(fresh if a == head else a for a in layout))
+            result[position] = t.replace(buffer, t.ax(fresh), divided)
         return tuple(result)
+
+    def readable_in_place(self, operand: Term) -> bool:
+        """Whether ``operand`` is an affine view of a stored tensor (input or buffer)."""
+        if operand[0] != "Tensor":
+            return False
+        shape = self.stored_shapes().get(operand[1])
+        return shape is not None and strided_read(operand, shape) is not None
+
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the tensors kernels may read so far: inputs, roots and buffers."""
+        shapes = {name: tuple(shape) for name, shape in self.lowered.input_shapes.items()}
+        shapes.update((name, tuple(self.lowered.shape(name))) for name in self.lowered.roots)
+        shapes.update((k.output, k.shape) for k in self.kernels)
+        return shapes
 
 
 def _stored_whole(operand: Term, nested: list[Term]) -> bool:
@@ -236,7 +295,96 @@ def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKern
     for name, term in extracted.items():
         plan.output_axes = lowered.root_axes[name]
         plan.emit(term, name, lowered.root_axes[name])
-    return plan.kernels
+    return laid_out_for_consumers(plan.kernels, frozenset(lowered.outputs))
+
+
+# ------------------------------------------------------------------ output layouts
+
+RELAID_KINDS = frozenset({"flash_attention"})
+"""Kernels that write their output at any strides (the others write row-major)."""
+
+
+def laid_out_for_consumers(kernels: list[FusedKernel], outputs: frozenset[str]) -> list[FusedKernel]:
+    """Each intermediate buffer of a ``RELAID_KINDS`` producer that exactly one access of
+    one consumer reads through a view (a permute, a merge of heads: attention's output as
+    ``transpose(1, 2).reshape(B, S, H·D)``) is laid out in the order that consumer reads it:
+    the producer writes at the view's strides and the consumer reads a plain tensor (the
+    GEMM after attention a row-major matrix)."""
+    result = list(kernels)
+    kernel_graph = dag.kernel_dag(kernels)
+    position_of = {k.output: i for i, k in enumerate(kernels)}
+    for position, producer in enumerate(kernels):
+        if producer.kind not in RELAID_KINDS or producer.output in outputs or producer.buffer is not None:
+            continue
+        readers = dag.readers(kernel_graph, producer.output)
+        if len(readers) != 1:
+            continue
+        index = position_of[readers[0]]
+        consumer = result[index]
+        accesses = {s for s in t.subterms(consumer.term) if s[0] == "Tensor" and s[1] == producer.output}
+        if len(accesses) != 1:
+            continue
+        (access,) = accesses
+        relaid = consumer_order(access, producer.axes)
+        if relaid is None:
+            continue
+        layout, plain = relaid
+        result[position] = replace(producer, buffer=layout)
+        result[index] = replace(consumer, term=t.replace(consumer.term, access, plain))
+    return result
+
+
+def consumer_order(access: Term, axes: tuple[str, ...]) -> tuple[BufferLayout, Term] | None:
+    """The buffer layout in which ``access`` (a consumer's read of a buffer written over
+    ``axes``) is a plain read ``buffer[c₀, c₁, …]`` of its own axes, and that read; None
+    when the access is not a permutation of whole axes and ``(x // n, x % n)`` splits, or is
+    plain already.
+
+    Each consumer axis ``c`` reads one buffer axis (``Ax c``) or two (``c // n`` the outer,
+    ``c % n`` the inner, of extent ``n``); the new buffer has one dimension per consumer
+    axis, ordered by the position of the last buffer axis each reads."""
+    items = t.ix_items(access[2])
+    if len(items) != len(axes):
+        return None
+    groups: dict[str, dict[str, int]] = {}  # consumer axis -> {"whole" | "outer" | "inner": buffer position}
+    splits: dict[str, int] = {}
+    for position, (ix, axis) in enumerate(zip(items, axes)):
+        if ix == t.ix_lit(0) and t.extent(axis) == 1:
+            continue
+        if ix[0] == "Ax":
+            part, name = "whole", ix[1]
+        elif ix[0] in ("IxDiv", "IxMod") and ix[1][0] == "Ax":
+            part, name = ("outer" if ix[0] == "IxDiv" else "inner"), ix[1][1]
+            if splits.setdefault(name, ix[2]) != ix[2]:
+                return None
+        else:
+            return None
+        if part in groups.setdefault(name, {}):
+            return None
+        groups[name][part] = position
+    for name, parts in groups.items():
+        if set(parts) not in ({"whole"}, {"outer", "inner"}):
+            return None
+        if "inner" in parts and (t.extent(axes[parts["inner"]]) != splits[name] or parts["outer"] > parts["inner"]
+                                 or t.extent(axes[parts["outer"]]) * splits[name] != t.extent(name)):  # fmt: skip
+            return None
+    order = sorted(groups, key=lambda name: max(groups[name].values()))
+    if all(set(groups[n]) == {"whole"} for n in order) and [groups[n]["whole"] for n in order] == sorted(
+        groups[n]["whole"] for n in order
+    ):
+        return None  # already a plain read in the buffer's own order
+    shape = tuple(t.extent(name) for name in order)
+    group_strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        group_strides[k] = group_strides[k + 1] * shape[k + 1]
+    strides = [0] * len(axes)
+    for name, stride in zip(order, group_strides):
+        parts = groups[name]
+        if "whole" in parts:
+            strides[parts["whole"]] = stride
+        else:
+            strides[parts["outer"]], strides[parts["inner"]] = stride * splits[name], stride
+    return BufferLayout(shape, tuple(strides)), t.access(access[1], (t.ax(name) for name in order))
 
 
 # ------------------------------------------------------------------ absorbing a producer
@@ -271,16 +419,13 @@ def absorptions(kernels: list[FusedKernel], outputs: frozenset[str]) -> dict[str
     """For each kernel that can absorb its producer: ``consumer output -> (producer output,
     absorbed kernel)``. Only producers whose buffer no other kernel reads and that are not
     graph outputs qualify: absorbing one must leave it with nothing to do."""
-    readers: dict[str, int] = {}
-    for kernel in kernels:
-        for name in kernel.reads:
-            readers[name] = readers.get(name, 0) + 1
+    kernel_graph = dag.kernel_dag(kernels)
     producers = {k.output: k for k in kernels}
     result = {}
     for consumer in kernels:
         for name in consumer.reads:
             producer = producers.get(name)
-            if producer is None or readers[name] != 1 or name in outputs:
+            if producer is None or len(dag.readers(kernel_graph, name)) != 1 or name in outputs:
                 continue
             fused = absorbed(consumer, producer)
             if fused is not None:
@@ -301,66 +446,115 @@ def canonical_flash(form: Term) -> Term:
     return form
 
 
-def _simple(ix: Term) -> bool:
-    """A named axis, or the index 0 of an axis of extent 1."""
-    return ix[0] == "Ax" or ix == t.ix_lit(0)
-
-
-def _plain_axes(term: Term, role: str) -> tuple[str, ...]:
+def _flash_read(term: Term, role: str, shapes: Mapping[str, tuple[int, ...]]) -> StridedRead:
+    """A flash operand as a strided read of a stored tensor, or ``KernelError``."""
     if term[0] != "Tensor":
-        raise KernelError(f"flash attention: {role} is computed ({t.show(term)}); it must be a stored tensor")
-    items = t.ix_items(term[2])
-    if len(items) != 4:
-        raise KernelError(f"flash attention: {role} {term[1]} has {len(items)} axes; the kernel reads BHSD tensors")
-    return items
+        raise KernelError(f"flash attention: {role} is computed ({t.show(term)[:300]}); it must be a stored tensor")
+    shape = shapes.get(term[1])
+    read = None if shape is None else strided_read(term, shape)
+    if read is None:
+        raise KernelError(f"flash attention: {role} is read as {t.show(term)}, not an affine view of a stored tensor")
+    return read
+
+
+def _head_atom(read: StridedRead, shared: set[str]) -> dict[str, Term]:
+    """For each axis a k/v read shares with q: the atom it reads it through (``Ax h`` or ``h // G``)."""
+    atoms: dict[str, Term] = {}
+    for atom in read.strides:
+        name = atom[1] if atom[0] == "Ax" else atom[1][1]
+        if name in shared:
+            if name in atoms:
+                raise KernelError(f"flash attention: {read.tensor} reads axis {name} twice")
+            atoms[name] = atom
+    return atoms
 
 
 def attention_problem(
-    form: Term, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]
+    form: Term, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
+    output_axes: tuple[str, ...] | None = None, buffer: BufferLayout | None = None,
 ) -> AttentionProblem:
     """The :class:`AttentionProblem` a flash-attention form computes, or ``KernelError``.
 
-    q must be ``q[b, h, i, d]``, k ``k[b, h // G, j, d]`` and v ``v[b, h // G, j, e]`` with
-    ``e`` of the head dimension's extent, all whole stored tensors of ``shapes``.
+    q, k and v must be affine views of stored tensors (:func:`~cherenkov.rewrites.access.strided_read`)
+    with a contiguous head dimension: ``q[b, h, i, d]``, ``k[b, h // G, j, d]``,
+    ``v[b, h // G, j, e]`` at any strides — BSHD, slices of one fused projection, a K/V
+    head repeated for ``G`` query heads (GQA) — where ``b`` and ``h`` are the axes q shares
+    with k (absent when of extent 1; with two, ``h`` is the one k divides by the group, or
+    the one q strides least). The output is written over ``output_axes`` (the kernel's
+    axes; default ``b, h, i, e``), row-major or as ``buffer`` lays it out.
     """
     if form[0] == "Scheduled":
         form = form[1]
     key, n_keys, dim, n_dim, q, k, v, scale, mask = canonical_flash(form)[1:]
-    qb, qh, qi, qd = _plain_axes(q, "q")
-    kb, kh, kj, kd = _plain_axes(k, "k")
-    vb, vh, vj, ve = _plain_axes(v, "v")
-    if qi[0] != "Ax" or qd != t.ax(dim) or not all(_simple(ix) for ix in (qb, qh)):
+    q_read, k_read, v_read = (_flash_read(term, role, shapes) for role, term in (("q", q), ("k", k), ("v", v)))
+    if any(atom[0] != "Ax" for atom in q_read.strides):
         raise KernelError(f"flash attention: q is indexed {t.show(q)}; expected q[b, h, i, {dim}]")
-    if kb != qb or vb != qb or kj != t.ax(key) or vj != t.ax(key) or kd != t.ax(dim):
-        raise KernelError(f"flash attention: k {t.show(k)} / v {t.show(v)} do not match q {t.show(q)}")
-    if kh != vh:
-        raise KernelError("flash attention: k and v use different heads")
-    q_shape, k_shape, v_shape = shapes.get(q[1]), shapes.get(k[1]), shapes.get(v[1])
-    if q_shape is None or len(q_shape) != 4 or any(
-        ix[0] == "Ax" and t.extent(ix[1]) != size for ix, size in zip((qb, qh, qi, qd), q_shape)
-    ):
-        raise KernelError(f"flash attention: q {q[1]} of shape {q_shape} is not read whole")
-    batch, heads, seq_q = q_shape[:3]
-    group = 1
-    if kh != qh:
-        if kh[0] != "IxDiv" or kh[1] != qh:
-            raise KernelError(f"flash attention: k's head index {t.show(kh)} is not h or h // group")
-        group = kh[2]
-    if ve[0] != "Ax" or t.extent(ve[1]) != n_dim or ve in (qb, qh, qi):
-        raise KernelError("flash attention: v's last axis must be an output axis of the head dimension")
-    if mask[0] == "CausalMask" and mask[1] != qi:
+    q_axes = {atom[1] for atom in q_read.strides}
+    if q_read.strides.get(t.ax(dim)) != 1 or k_read.strides.get(t.ax(dim)) != 1:
+        raise KernelError(f"flash attention: the head dimension {dim} of q and k must be contiguous (stride 1)")
+    if t.ax(key) not in k_read.strides or t.ax(key) not in v_read.strides:
+        raise KernelError(f"flash attention: k {t.show(k)} and v {t.show(v)} must both vary along the key axis {key}")
+    shared = q_axes - {dim}
+    k_heads, v_heads = _head_atom(k_read, shared), _head_atom(v_read, shared)
+    if k_heads != v_heads:
+        raise KernelError(f"flash attention: k and v use different heads ({t.show(k)} / {t.show(v)})")
+    others = [a for a in k_read.strides if a != t.ax(key) and a != t.ax(dim) and a not in k_heads.values()]
+    if others:
+        raise KernelError(f"flash attention: k {t.show(k)} varies along {[t.show(a) for a in others]}, which q does not")
+    values = [a for a in v_read.strides if a != t.ax(key) and a not in v_heads.values()]
+    if len(values) != 1 or values[0][0] != "Ax" or v_read.strides[values[0]] != 1 or t.extent(values[0][1]) != n_dim:
+        raise KernelError(f"flash attention: v {t.show(v)} must have one contiguous value axis of extent {n_dim}")
+    value_axis = values[0][1]
+    query = sorted(q_axes - {dim} - set(k_heads))
+    if len(query) > 1 or len(k_heads) > 2:
+        raise KernelError(f"flash attention: q {t.show(q)} has more than one query axis and two batch/head axes")
+    grouped = [name for name, atom in k_heads.items() if atom[0] == "IxDiv"]
+    if len(grouped) > 1:
+        raise KernelError("flash attention: k and v divide two axes by a group size")
+    names = sorted(k_heads, key=lambda a: (a not in grouped, -q_read.strides[t.ax(a)]))
+    head = names[0] if grouped else (names[-1] if names else None)
+    batch = next((a for a in names if a != head), None)
+    group = k_heads[head][2] if grouped else 1
+    heads = t.extent(head) if head else 1
+    if heads % group:
+        raise KernelError(f"flash attention: {heads} heads are not a multiple of the group size {group}")
+    query_axis = query[0] if query else None
+    if mask[0] == "CausalMask" and (query_axis is None or mask[1] != t.ax(query_axis)):
         raise KernelError("flash attention: the causal mask does not compare the query axis with the key axis")
-    kv_shape = (batch, heads // group, n_keys, n_dim)
-    if heads % group or k_shape != kv_shape or v_shape != kv_shape:
-        raise KernelError(f"flash attention: k {k_shape} / v {v_shape} are not {kv_shape}")
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:
         raise KernelError(f"flash attention: q, k, v have different dtypes {sorted(operand_dtypes)}")
-    return AttentionProblem(
-        batch=batch,
+
+    def layout(shape: tuple[int, ...], strides: Mapping[Term, int], offset: int, head_atom: Term | None,
+               seq: str | None) -> OperandLayout:  # fmt: skip
+        def stride(atom: Term | None) -> int:
+            return strides.get(atom, 0) if atom is not None else 0
+
+        return OperandLayout(tuple(shape), stride(batch and t.ax(batch)), stride(head_atom), stride(seq and t.ax(seq)),
+                             offset)  # fmt: skip
+
+    if output_axes is None:
+        output_axes = tuple(a for a in (batch, head, query_axis, value_axis) if a is not None)
+    if buffer is None:
+        out_shape = tuple(t.extent(a) for a in output_axes)
+        out_strides = strided_read(t.access("o", (t.ax(a) for a in output_axes)), out_shape).strides
+    else:
+        out_shape, out_strides = buffer.shape, {t.ax(a): stride for a, stride in zip(output_axes, buffer.strides)}
+    if out_strides.get(t.ax(value_axis)) != 1:
+        raise KernelError(f"flash attention: the output's innermost axis must be the value axis {value_axis}")
+    head_atom = k_heads.get(head) if head else None
+    q_head = t.ax(head) if head else None
+    layouts = (
+        layout(q_read.shape, q_read.strides, q_read.offset, q_head, query_axis),
+        layout(k_read.shape, k_read.strides, k_read.offset, head_atom, key),
+        layout(v_read.shape, v_read.strides, v_read.offset, head_atom, key),
+        layout(out_shape, out_strides, 0, q_head, query_axis),
+    )
+    problem = AttentionProblem(
+        batch=t.extent(batch) if batch else 1,
         heads=heads,
         kv_heads=heads // group,
-        seq_q=seq_q,
+        seq_q=t.extent(query_axis) if query_axis else 1,
         seq_kv=n_keys,
         head_dim=n_dim,
         dtype=operand_dtypes.pop(),
@@ -369,4 +563,6 @@ def attention_problem(
         q=q[1],
         k=k[1],
         v=v[1],
+        layouts=layouts,
     )
+    return problem if problem.strided else replace(problem, layouts=())  # contiguous: one canonical plan name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -68,15 +69,54 @@ SMEM_RESERVED_PER_BLOCK = 1024
 """Shared memory the driver reserves per resident block (sm_80 and later)."""
 
 
+ATTENTION_ROLES = ("q", "k", "v", "o")
+LAYOUT_ALIGN = 8
+"""Elements (16 bytes of 16-bit data) every operand stride and offset is a multiple of: the
+unit of a cp.async copy and of a TMA descriptor's strides."""
+
+
+@dataclass(frozen=True)
+class OperandLayout:
+    """Where one attention operand lives in its stored tensor (of ``shape``, row-major):
+    element ``(b, h, s, d)`` at ``offset + b·batch + h·head + s·seq + d`` — the head
+    dimension contiguous, every other axis at any stride. A slice of a fused QKV
+    projection is an offset, ``view(B, S, H, D).transpose(1, 2)`` a head stride of ``D``
+    and a sequence stride of ``H·D``; for k and v, ``h`` is the K/V head."""
+
+    shape: tuple[int, ...]
+    batch: int
+    head: int
+    seq: int
+    offset: int = 0
+
+    @classmethod
+    def contiguous(cls, shape: tuple[int, int, int, int]) -> OperandLayout:
+        """The layout of a contiguous ``(B, H, S, D)`` tensor."""
+        _, heads, seq, dim = shape
+        return cls(tuple(shape), heads * seq * dim, seq * dim, dim)
+
+    def strides(self) -> tuple[int, int, int]:
+        return self.batch, self.head, self.seq
+
+    def addresses_like(self, other: OperandLayout, logical: tuple[int, int, int, int]) -> bool:
+        """Whether both place every element of a ``logical`` (B, H, S, D) operand at the same
+        offset in tensors of as many elements (strides of axes of extent 1 do not matter)."""
+        same = all(mine == theirs or size == 1
+                   for mine, theirs, size in zip(self.strides(), other.strides(), logical[:3]))  # fmt: skip
+        return same and self.offset == other.offset and math.prod(self.shape) == math.prod(other.shape)
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
     """One flash-attention kernel: ``o = softmax(scale · q kᵀ [+ causal mask]) v``.
 
-    Layout is BHSD contiguous for q, k, v and o. ``kv_heads`` divides ``heads``; query
-    head ``h`` reads K/V head ``h // (heads // kv_heads)`` (GQA/MQA). Causal follows
-    PyTorch's ``is_causal``: query ``i`` sees keys ``j <= i``. ``scale`` 0 means
-    ``head_dim ** -0.5``; a negative scale is not supported. The tensor names are
-    validated identifiers of the user's graph.
+    ``kv_heads`` divides ``heads``; query head ``h`` reads K/V head ``h // (heads //
+    kv_heads)`` (GQA/MQA). Causal follows PyTorch's ``is_causal``: query ``i`` sees keys
+    ``j <= i``. ``scale`` 0 means ``head_dim ** -0.5``; a negative scale is not supported.
+    The tensor names are validated identifiers of the user's graph (q, k and v may name
+    one tensor: slices of a fused projection). ``layouts`` places q, k, v and o in their
+    stored tensors (:class:`OperandLayout`, in ``ATTENTION_ROLES`` order); empty: each is
+    a contiguous BHSD tensor of its own.
     """
 
     batch: int
@@ -92,10 +132,58 @@ class AttentionProblem:
     k: str = "k"
     v: str = "v"
     out: str = "o"
+    layouts: tuple[OperandLayout, ...] = ()
 
     @property
     def group_size(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def strided(self) -> bool:
+        """Whether any operand is other than a contiguous BHSD tensor of its own."""
+        return any(
+            not self.layout(role).addresses_like(OperandLayout.contiguous(self.logical_shape(role)), self.logical_shape(role))
+            for role in ATTENTION_ROLES
+        )
+
+    def logical_shape(self, role: str) -> tuple[int, int, int, int]:
+        """The ``(B, H, S, D)`` shape of an operand (``H`` the K/V heads for k and v)."""
+        if role in ("k", "v"):
+            return self.batch, self.kv_heads, self.seq_kv, self.head_dim
+        return self.batch, self.heads, self.seq_q, self.head_dim
+
+    def name(self, role: str) -> str:
+        """The tensor holding the operand ``role`` (``q``, ``k``, ``v`` or ``o``)."""
+        return {"q": self.q, "k": self.k, "v": self.v, "o": self.out}[role]
+
+    def layout(self, role: str) -> OperandLayout:
+        """Where the operand ``role`` lives in its stored tensor."""
+        if self.layouts:
+            return self.layouts[ATTENTION_ROLES.index(role)]
+        return OperandLayout.contiguous(self.logical_shape(role))
+
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Stored tensor name -> shape, inputs and output (one entry for a shared tensor)."""
+        return {self.name(role): self.layout(role).shape for role in ATTENTION_ROLES}
+
+    def layout_problems(self) -> list[str]:
+        """Why the layouts cannot be read with 16-byte copies; empty when they can."""
+        reasons = []
+        for role in ATTENTION_ROLES:
+            layout = self.layout(role)
+            if any(v % LAYOUT_ALIGN for v in (*layout.strides(), layout.offset)):
+                reasons.append(f"{role}'s strides {layout.strides()} and offset {layout.offset} are not multiples of "
+                               f"{LAYOUT_ALIGN} elements (16-byte copies)")
+        return reasons
+
+    @classmethod
+    def from_json(cls, data: dict) -> AttentionProblem:
+        """The problem of its ``asdict`` JSON form (as a plan's ``params`` record it)."""
+        values = dict(data)
+        values["layouts"] = tuple(
+            OperandLayout(**{**layout, "shape": tuple(layout["shape"])}) for layout in values.get("layouts", ())
+        )
+        return cls(**values)
 
     @property
     def flops(self) -> float:
@@ -104,14 +192,8 @@ class AttentionProblem:
         return full / 2 if self.causal else full
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Tensor name -> shape for the kernel's inputs and its output."""
-        b, h, hk, d = self.batch, self.heads, self.kv_heads, self.head_dim
-        return {
-            self.q: (b, h, self.seq_q, d),
-            self.k: (b, hk, self.seq_kv, d),
-            self.v: (b, hk, self.seq_kv, d),
-            self.out: (b, h, self.seq_q, d),
-        }
+        """Tensor name -> logical BHSD shape of the kernel's inputs and its output."""
+        return {self.name(role): self.logical_shape(role) for role in ATTENTION_ROLES}
 
 
 @dataclass(frozen=True)
@@ -323,7 +405,7 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
       exponentials burst on the SFU while the empty barrier keeps the warps in step), while
       the two together gain 3 %.
     """
-    reasons = []
+    reasons = problem.layout_problems()
     if problem.dtype not in ATTENTION_DTYPES:
         reasons.append(f"dtype {problem.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
     if problem.head_dim not in ATTENTION_HEAD_DIMS:

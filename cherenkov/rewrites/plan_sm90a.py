@@ -160,8 +160,8 @@ def hopper_schedule_problems(
 
     Sequence lengths need not be multiples of the tiles: the kernel masks key tails and
     skips the stores of query rows past the end."""
-    reasons = []
     s, p = schedule, problem
+    reasons = p.layout_problems()
     if target.family != "wgmma":
         reasons.append(f"{target.name} has no wgmma (the sm_90a family needs sm_90a)")
     if p.dtype not in ATTENTION_DTYPES:

@@ -26,7 +26,9 @@ class Rule:
     """``lhs = rhs`` when ``where`` holds; the e-class of ``lhs`` gains ``rhs``.
 
     With ``union=False`` the rule only creates ``rhs`` (schedule alternatives, which are
-    plans about an expression rather than expressions equal to it).
+    plans about an expression rather than expressions equal to it). ``tolerance`` is how
+    closely both sides agree on random inputs (relative): 1e-9 for an exact identity; a
+    rule that drops a rounding the kernels do anyway states that rounding's size.
     """
 
     name: str
@@ -36,6 +38,7 @@ class Rule:
     where: tuple[str, ...] = ()
     example: Example | None = field(default=None, compare=False)
     union: bool = True
+    tolerance: float = 1e-9
 
     def egglog(self, ruleset: str) -> str:
         facts = " ".join((f"(= __lhs {self.lhs})", *self.where))

@@ -13,6 +13,7 @@ one resource model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 from cherenkov.rewrites.plan import (
@@ -103,9 +104,10 @@ def hopper_schedules(head_dim: int, target: Target) -> list[HopperFlashSchedule]
     return [s for s in HOPPER_SCHEDULES if any(not hopper_schedule_problems(s, probe, target) for probe in probes)]
 
 
+@functools.cache
 def schedule_facts(target: Target) -> str:
     """``FlashScheduleFits`` and ``HopperScheduleFits`` facts for every supported head
-    dimension on ``target``."""
+    dimension on ``target`` (enumerated once a process: seconds for the whole knob space)."""
     lines = []
     for head_dim in ATTENTION_HEAD_DIMS:
         for schedule in flash_schedules(head_dim, target):

@@ -4,8 +4,10 @@ One SQLite file, by default ``user_cache_dir("cherenkov")/tuning.sqlite`` (the f
 ``$CHERENKOV_CACHE_DIR`` when that is set), holds two kinds of record:
 
 * a **winner** per :class:`WinnerKey` — graph structural hash, shapes-and-dtypes
-  signature, target, GPU, compute capability, toolkit, cherenkov version — whose value is
-  the JSON of the winning search's summary;
+  signature, target, GPU, compute capability, toolkit, cherenkov version and the digest
+  of the code that generated the candidates — whose value is the JSON of the search's
+  summary (a budgeted search's too, marked partial when the budget left candidates
+  unmeasured);
 * a **candidate measurement** per :class:`CandidateKey` — candidate source hash, shapes
   signature, target, GPU, toolkit — whose value is a :class:`CandidateResult`, failures
   included (the caller decides not to retry a status in ``FINAL_FAILURES``).
@@ -137,7 +139,10 @@ def _environment_gpu(env: Environment) -> str | None:
 
 @dataclass(frozen=True)
 class WinnerKey:
-    """What a search's winner depends on. ``gpu`` None: ranked by the cost model."""
+    """What a search's winner depends on. ``gpu`` None: ranked by the cost model.
+    ``generators``: the digest of the code that derived, enumerated and generated the
+    candidates (:func:`cherenkov.search.space.generator_digest`), so that an answer is
+    never served to code that would search another space."""
 
     graph_hash: str
     signature: str
@@ -146,6 +151,7 @@ class WinnerKey:
     compute_capability: str | None
     toolkit: str
     cherenkov: str
+    generators: str = ""
 
     def __post_init__(self) -> None:
         _check_key_fields(self, frozenset({"gpu", "compute_capability"}))
@@ -155,10 +161,10 @@ class WinnerKey:
         return self.gpu is not None
 
     @classmethod
-    def from_environment(cls, graph_hash: str, signature: str, env: Environment) -> WinnerKey:
+    def from_environment(cls, graph_hash: str, signature: str, env: Environment, generators: str = "") -> WinnerKey:
         gpu = _environment_gpu(env)
         capability = env.compute_capability if gpu is not None else None
-        return cls(graph_hash, signature, env.target, gpu, capability, env.toolkit, env.cherenkov)
+        return cls(graph_hash, signature, env.target, gpu, capability, env.toolkit, env.cherenkov, generators)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from cherenkov.codegen.launch import operand_view
 from cherenkov.codegen.plan import CompiledKernel
 from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.rewrites.plan import AttentionProblem
@@ -71,16 +72,19 @@ class Measurement:
 # --------------------------------------------------------------------- in the worker
 
 
-def _inputs(problem: AttentionProblem, seed: int, device: int) -> tuple[Any, Any, Any]:
+def _inputs(problem: AttentionProblem, seed: int, device: int) -> dict[str, Any]:
+    """Standard-normal stored tensors of q, k and v (one for a name they share), by name."""
     import torch
 
     generator = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
-    shapes = problem.shapes()
-    return tuple(
-        torch.randn(shapes[name], generator=generator, device=f"cuda:{device}", dtype=torch.float32).to(dtype)
-        for name in (problem.q, problem.k, problem.v)
-    )
+    stored = {}
+    for role in ("q", "k", "v"):
+        name = problem.name(role)
+        if name not in stored:
+            shape = problem.layout(role).shape
+            stored[name] = torch.randn(shape, generator=generator, device=f"cuda:{device}").to(dtype)
+    return stored
 
 
 def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any) -> Any:
@@ -168,7 +172,7 @@ def verify_term(launch: Callable[[dict[str, Any], Any], Any], plan: TermKernelPl
     import torch
 
     from cherenkov.codegen.launch import TORCH_DTYPES
-    from cherenkov.search.torch_eval import evaluate_term_torch
+    from cherenkov.search.torch_eval import evaluate_kernel_torch
 
     inputs = term_inputs(plan, seed, device)
     dtype = getattr(torch, TORCH_DTYPES[plan.output.dtype])
@@ -178,8 +182,7 @@ def verify_term(launch: Callable[[dict[str, Any], Any], Any], plan: TermKernelPl
     if out.is_cuda:
         torch.cuda.synchronize(out.device)
     working = torch.float32 if plan.output.dtype in ("bf16", "fp16") else torch.float64
-    reference = evaluate_term_torch(plan.kernel.term, {n: x.to(working) for n, x in inputs.items()},
-                                    plan.kernel.axes, working)  # fmt: skip
+    reference = evaluate_kernel_torch(plan.kernel, {n: x.to(working) for n, x in inputs.items()}, working)
     error, failure = term_error(out, reference)
     return error, failure, inputs, out
 
@@ -209,14 +212,16 @@ def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
         return _measure_term(task, device, flush)
     problem = task.compiled.plan.problem
     kernel = load_kernel(task.compiled, device)
-    q, k, v = _inputs(problem, task.seed, device)
-    out = torch.full(problem.shapes()[problem.out], float("nan"), dtype=q.dtype, device=q.device)
+    stored = _inputs(problem, task.seed, device)
+    q, k, v = (stored[problem.name(role)] for role in ("q", "k", "v"))
+    out = torch.full(problem.layout("o").shape, float("nan"), dtype=q.dtype, device=q.device)
     kernel(q, k, v, out)
     torch.cuda.synchronize()
-    reference = _reference(problem, q, k, v)
-    error = float((out.float() - reference).norm() / reference.norm())
+    reference = _reference(problem, *(operand_view(problem, role, stored[problem.name(role)]) for role in "qkv"))
+    got = operand_view(problem, "o", out)
+    error = float((got.float() - reference).norm() / reference.norm())
     if not error <= TOLERANCE[problem.dtype]:  # NaN fails too
-        unwritten = int(torch.isnan(out).sum())
+        unwritten = int(torch.isnan(got).sum())
         reason = f"relative error {error:.3g} > {TOLERANCE[problem.dtype]}" + (
             f"; {unwritten} output elements NaN (unwritten or invalid)" if unwritten else ""
         )
@@ -231,7 +236,8 @@ def _references(problem: AttentionProblem, device: int, flush: Any) -> dict[str,
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = _inputs(problem, 0, device)
+    stored = _inputs(problem, 0, device)
+    q, k, v = (operand_view(problem, role, stored[problem.name(role)]).contiguous() for role in "qkv")
     result = {}
     for name, backend in SDPA_BACKENDS.items():
         def launch(backend=backend):

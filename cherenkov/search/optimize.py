@@ -1,20 +1,27 @@
 """``ck.optimize``: from a graph to its fastest correct kernels, with a report.
 
-derive → enumerate candidates → compile (all cores) → verify and time in worker
-processes (or rank by the cost model where nothing can be measured) → rank → store in
-the tuning database → write ``report.json`` and ``report.html``. A repeated search on
-the same GPU and toolkit answers from the database without compiling; candidates the
-database already knows (including failures) are not compiled or measured again.
+derive → (a remembered answer?) → enumerate candidates → compile (all cores) → verify
+and time in worker processes (or rank by the cost model where nothing can be measured) →
+rank → store in the tuning database → write ``report.json`` and ``report.html``. A
+repeated search on the same GPU, toolkit and code answers from the database: the winners'
+plans are rebuilt from their records and their sources read back, so no candidate is
+enumerated, generated or compiled. Candidates the database already knows (failures
+included) are not compiled or measured again, which is how a partial (budgeted) search
+resumes. Under a budget every kernel gets a first round before anything else
+(:mod:`cherenkov.search.budget`), so a budgeted search always ends with a winner for
+every kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,13 +29,16 @@ from typing import Any
 import platformdirs
 
 from cherenkov.codegen import CompileError, compile_plan, compile_plans, load_kernel
+from cherenkov.codegen.cache import sha256_hex
 from cherenkov.codegen.plan import CompiledKernel
 from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.graph import Graph, GraphError
+from cherenkov.rewrites import dag
 from cherenkov.rewrites.derive import Derivation, derive
 from cherenkov.rewrites.kernels import FusedKernel
-from cherenkov.rewrites.plan import KernelPlan
+from cherenkov.rewrites.plan import TARGETS, KernelPlan
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+from cherenkov.search import budget
 from cherenkov.search.cost_model import GPUS, predict_plan
 from cherenkov.search.database import CandidateKey, TuningDatabase, WinnerKey
 from cherenkov.search.distributed import DaskExecutor
@@ -37,7 +47,7 @@ from cherenkov.search.faults import inject_fault
 from cherenkov.search.measure import MeasurementPool, MeasureTask
 from cherenkov.search.records import CandidateResult, Environment, Timing
 from cherenkov.search.report import SearchSummary, write_html, write_json
-from cherenkov.search.space import Candidate, SearchSpace, search_space
+from cherenkov.search.space import Candidate, SearchSpace, generator_digest, search_space, stored_plan
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +57,6 @@ MIN_NOISE = 0.005  # medians closer than 0.5% always tie
 # of the 2026-11-30 H200 run, where an uncapped band let a candidate 7.7% slower than the
 # fastest win on its id.
 MAX_NOISE = 0.02
-# Of a measured search's time budget, the share after which no new compile chunk starts: the
-# rest is the GPU's (on a cold compile cache the compiles alone could take the whole budget).
-COMPILE_SHARE = 0.6
 Progress = Callable[..., None]
 
 
@@ -85,14 +92,19 @@ class BestKernel:
 
 
 class OptimizeResult:
-    """What a search found: the winners, every candidate, the reports."""
+    """What a search found: the winners, every candidate, the reports.
+
+    ``partition`` holds the kernels the graph runs on for the search's target (the
+    derivation's, or its unfused kernels where flash attention has no plan there);
+    ``kernels`` maps each to its winner."""
 
     def __init__(
-        self, graph: Graph, derivation: Derivation, summary: SearchSummary, winners: dict[str, BestKernel],
-        report_json: Path, report_html: Path, from_database: bool,
+        self, graph: Graph, derivation: Derivation, partition: list[FusedKernel], summary: SearchSummary,
+        winners: dict[str, BestKernel], report_json: Path, report_html: Path, from_database: bool,
     ) -> None:
         self.graph = graph
         self.derivation = derivation
+        self.partition = partition
         self.summary = summary
         self.kernels = winners
         self.report_json = report_json
@@ -109,16 +121,12 @@ class OptimizeResult:
         return list(self.summary.candidates)
 
     @property
-    def best(self) -> BestKernel | None:
-        """The winner of the graph's costliest searched kernel (for attention, the only one)."""
-        if not self.kernels:
-            return None
+    def best(self) -> BestKernel:
+        """The winner of the graph's costliest kernel (for attention, the only one)."""
         return max(self.kernels.values(), key=lambda w: w.result.flops)
 
     def dump(self, path: str | os.PathLike[str]) -> Path:
         """Write the best kernel's CUDA source to ``path``."""
-        if self.best is None:
-            raise GraphError(f"dump: the search of {self.graph.name!r} produced no kernel")
         target = Path(path)
         target.write_text(self.best.source)
         return target
@@ -126,7 +134,7 @@ class OptimizeResult:
     def run(self, **tensors: Any) -> dict[str, Any]:
         """Run the graph with the winning kernels: torch CUDA tensors in, ``{output: tensor}`` out.
 
-        Every kernel of ``derivation.kernels`` runs in order on the current stream (except a
+        Every kernel of ``partition`` runs in order on the current stream (except a
         producer whose consumer's winner absorbed it: :func:`launched_kernels`); the
         intermediate buffers they write stay in device memory and are freed when the last
         kernel reading them is done. Inputs must be contiguous CUDA tensors of the graph's
@@ -179,7 +187,7 @@ class OptimizeResult:
                     f"run: kernel {kernel.output} ({kernel.kind}) has no winning CUDA kernel; the search report "
                     f"({self.report_json}) says why (no plan fits, or every candidate failed)"
                 )
-            launcher = load_kernel(compile_plan(winner.plan), device)
+            launcher = load_kernel(compile_plan(winner.plan, source=winner.source), device)
             problem = None if isinstance(winner.plan, TermKernelPlan) else winner.plan.problem
             launchers.append((kernel, launcher, problem))
         self._loaded[device] = launchers
@@ -187,20 +195,21 @@ class OptimizeResult:
 
     @functools.cached_property
     def launched(self) -> list[FusedKernel]:
-        """The kernels :meth:`run` launches, in order: the derivation's, less any producer
+        """The kernels :meth:`run` launches, in order: the partition's, less any producer
         that its consumer's winner absorbed (:func:`launched_kernels`)."""
-        return launched_kernels(self.derivation.kernels, frozenset(self.graph.outputs), self.kernels)
+        return launched_kernels(self.partition, frozenset(self.graph.outputs), self.kernels)
 
     @functools.cached_property
     def _dead_after(self) -> list[list[str]]:
         """For each launched kernel's position, the intermediate buffers no later kernel reads."""
-        reads = [winner_reads(k, self.kernels.get(k.output)) for k in self.launched]
-        last_use = {name: i for i, names in enumerate(reads) for name in names}
+        kernel_graph = dag.kernel_dag(self.launched, lambda k: winner_reads(k, self.kernels.get(k.output)))
+        order = [k.output for k in self.launched]
         keep = set(self.graph.outputs) | set(self.graph.inputs)
-        return [
-            sorted({name for name in names if last_use[name] == position and name not in keep})
-            for position, names in enumerate(reads)
-        ]
+        dead = [[] for _ in order]
+        for buffer, reader in sorted(dag.last_readers(kernel_graph, order).items()):
+            if buffer not in keep:
+                dead[order.index(reader)].append(buffer)
+        return dead
 
 
 class CapturedRun:
@@ -279,7 +288,12 @@ def _compiled_values(compiled: CompiledKernel) -> dict[str, Any]:
 
 
 class _Search:
-    """One search: the state shared by its steps."""
+    """One search: the state shared by its steps.
+
+    :meth:`evaluate` gives every candidate a result: those the tuning database knows keep
+    theirs; the rest are compiled (in parallel chunks, most promising first), then verified
+    and timed in worker processes (or ranked by the cost model where nothing can be
+    measured) — under a budget in the rounds of :mod:`cherenkov.search.budget`."""
 
     def __init__(self, graph: Graph, caps: Capabilities, budget_s: float | None, progress: Progress,
                  timeout_s: float, faults: Mapping[str, str], cluster: DaskExecutor | None = None) -> None:  # fmt: skip
@@ -288,144 +302,221 @@ class _Search:
         self.caps = caps
         self.env = caps.environment
         self.start = time.monotonic()
+        self.budget_s = budget_s
         self.deadline = None if budget_s is None else self.start + budget_s
         self.progress = progress
         self.timeout_s = timeout_s
         self.faults = faults
         self.notes = list(caps.limitations)
         self.references: dict[str, float] = {}
+        self.pool: MeasurementPool | None = None
+        self.counts = {"compiled": 0, "measured": 0}
+        self.totals = {"compiled": 0, "measured": 0}
 
-    def out_of_time(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
+    @property
+    def chunk(self) -> int:
+        """Candidates compiled together: two per core keep every core busy."""
+        return 2 * (os.cpu_count() or 1)
 
-    def compile(self, candidates: list[Candidate]) -> dict[str, CompiledKernel | CompileError]:
-        """Compile in parallel, most promising first, in chunks so the budget can stop it:
-        where candidates will be measured, no chunk after the first starts once
-        ``COMPILE_SHARE`` of the budget is spent."""
-        ordered = sorted(candidates, key=lambda c: (predict_plan(c.plan).ms, c.id))
-        chunk = 2 * (os.cpu_count() or 1)
-        compiled: dict[str, CompiledKernel | CompileError] = {}
-        stop = None  # the time after which no further chunk starts, where the GPU needs the rest
-        if self.deadline is not None and self.env.measured:
-            stop = self.start + COMPILE_SHARE * (self.deadline - self.start)
-        for start in range(0, len(ordered), chunk):
-            if self.out_of_time():
-                break
-            if compiled and stop is not None and time.monotonic() >= stop:
-                self.notes.append(f"compiled {len(compiled)} of {len(ordered)} candidates, the most promising, "
-                                  f"leaving the rest of the time budget to measuring")
-                break
-            group = ordered[start : start + chunk]
-            sources = {c.id: inject_fault(c.source, self.faults[c.id]) for c in group if c.id in self.faults}
-            plans, group_sources = [c.plan for c in group], [sources.get(c.id) for c in group]
-            if self.cluster is not None:
-                outputs = self.cluster.compile(plans, group_sources)
-            else:
-                outputs = compile_plans(plans, sources=group_sources)
-            compiled.update(zip((c.id for c in group), outputs))
-            self.progress("compiled", done=len(compiled), total=len(ordered))
-        return compiled
-
-    def evaluate(self, candidates: list[Candidate]) -> list[CandidateResult]:
-        """Compile, then verify and time (or model) every candidate not yet known."""
-        if not candidates:
-            return []
+    def evaluate(self, space: SearchSpace, known: Mapping[str, CandidateResult]) -> dict[str, CandidateResult]:
+        """A result for every candidate of ``space`` (by id): ``known`` ones as they are."""
+        results = dict(known)
+        fresh = [c for c in space.all() if c.id not in results]
         if self.env.toolkit == "none":
-            return [
-                _base_result(c, "modelled", predicted_ms=predict_plan(c.plan).ms,
-                             reason="not compiled: no CUDA compiler")  # fmt: skip
-                for c in candidates
-            ]
-        compiled = self.compile(candidates)
-        results: dict[str, CandidateResult] = {}
-        ready: list[tuple[Candidate, CompiledKernel]] = []
-        for candidate in candidates:
-            outcome = compiled.get(candidate.id)
-            if outcome is None:
-                results[candidate.id] = _base_result(candidate, "unmeasured", reason="time budget spent before compiling")
-            elif isinstance(outcome, CompileError):
-                reason = f"{outcome}: {(outcome.log or '').strip()[:600]}"
-                results[candidate.id] = _base_result(candidate, "compile_error", reason=reason)
-            elif self.env.measured:
-                ready.append((candidate, outcome))
+            for c in fresh:
+                results[c.id] = _base_result(c, "modelled", predicted_ms=predict_plan(c.plan).ms,
+                                             reason="not compiled: no CUDA compiler")  # fmt: skip
+            return results
+        self.totals = {"compiled": len(fresh), "measured": len(fresh) if self.env.measured else 0}
+        ordered = {k: sorted(group, key=lambda c: (_predicted(c), c.id)) for k, group in space.candidates.items()}
+        first = [c for group in ordered.values() for c in budget.first_round(group, _predicted) if c.id not in results]
+        if self.deadline is not None:
+            self._check_first_round(first)
+            self.progress("first_round", candidates=len(first), kernels=len(ordered), total=len(fresh))
+        with self._measurement_pool():
+            self._run(first, results, deadline=None)
+            for kernel, group in ordered.items():  # a kernel whose first picks all failed: its next ones
+                rest = [c for c in group if c.id not in results]
+                while rest and not any(_usable(results[c.id]) for c in group if c.id in results):
+                    self._run(rest[: self.chunk], results, deadline=None)
+                    rest = rest[self.chunk :]
+            if self.deadline is None:
+                self._run([c for group in ordered.values() for c in group if c.id not in results], results, None)
             else:
-                results[candidate.id] = _base_result(candidate, "modelled", **_compiled_values(outcome))
-        if ready:
-            results.update(self.measure(ready))
-        return [results[c.id] for c in candidates]
+                self._share_the_rest(ordered, results)
+            self._measure_references(space, results)
+        for c in fresh:
+            if c.id not in results:
+                results[c.id] = _base_result(c, "unmeasured", reason="time budget spent before compiling")
+        unmeasured = sum(1 for c in fresh if results[c.id].status == "unmeasured")
+        if unmeasured:
+            self.notes.append(f"partial: {unmeasured} of {len(space.all())} candidates left unmeasured when the "
+                              f"time budget ran out (resume=True or --resume measures them)")
+        return results
 
-    def measure(self, ready: list[tuple[Candidate, CompiledKernel]]) -> dict[str, CandidateResult]:
-        by_id = {c.id: (c, k) for c, k in ready}
+    def _check_first_round(self, first: list[Candidate]) -> None:
+        """Refuse, before starting, a budget that cannot cover the first round."""
+        cores = os.cpu_count() or 1
+        need = budget.first_round_seconds(len(first), len(first) if self.env.measured else 0, cores)
+        if need > self.budget_s:
+            kernels = len({c.kernel for c in first})
+            raise GraphError(
+                f"optimize: a budget of {self.budget_s:g} s cannot cover the first round of {self.graph.name!r}: "
+                f"{len(first)} candidates (each of {kernels} kernels' cost-model favourite and safest plan) to "
+                f"compile on {cores} cores{' and verify on the GPU' if self.env.measured else ''} need about "
+                f"{need:.0f} s here; give budget_s >= {math.ceil(need)} or None (no budget)"
+            )
+
+    def _share_the_rest(self, ordered: Mapping[str, list[Candidate]], results: dict[str, CandidateResult]) -> None:
+        """The budget left after the first round, shared by the kernels' predicted time."""
+        rest = {k: [c for c in group if c.id not in results] for k, group in ordered.items()}
+        times = {k: _kernel_ms(group, results) for k, group in ordered.items() if rest[k]}
+        for kernel, share in budget.shares(times):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._run(rest[kernel], results, deadline=time.monotonic() + share * left)
+
+    @contextlib.contextmanager
+    def _measurement_pool(self) -> Iterator[None]:
+        """One pool of measurement workers for the whole search (none on a cluster or
+        where nothing is measured)."""
+        if not self.env.measured or self.cluster is not None:
+            yield
+            return
+        with MeasurementPool(self.caps.devices, self.timeout_s) as pool:
+            self.pool = pool
+            try:
+                yield
+            finally:
+                self.pool = None
+
+    def _run(self, candidates: list[Candidate], results: dict[str, CandidateResult], deadline: float | None) -> None:
+        """Compile ``candidates`` chunk by chunk, measuring (or modelling) each chunk, until
+        done or ``deadline``; results land in ``results``."""
+        for start in range(0, len(candidates), self.chunk):
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            group = candidates[start : start + self.chunk]
+            ready = []
+            for candidate, outcome in zip(group, self._compile(group)):
+                if isinstance(outcome, CompileError):
+                    reason = f"{outcome}: {(outcome.log or '').strip()[:600]}"
+                    results[candidate.id] = _base_result(candidate, "compile_error", reason=reason)
+                elif self.env.measured:
+                    ready.append((candidate, outcome))
+                else:
+                    results[candidate.id] = _base_result(candidate, "modelled", **_compiled_values(outcome))
+            if ready:
+                results.update(self._measure(ready, deadline))
+
+    def _compile(self, group: list[Candidate]) -> list[CompiledKernel | CompileError]:
+        sources = [inject_fault(c.source, self.faults[c.id]) if c.id in self.faults else None for c in group]
+        plans = [c.plan for c in group]
+        outputs = self.cluster.compile(plans, sources) if self.cluster is not None else compile_plans(plans, sources=sources)
+        self.counts["compiled"] += len(group)
+        self.progress("compiled", done=self.counts["compiled"], total=self.totals["compiled"])
+        return outputs
+
+    def _measure(self, ready: list[tuple[Candidate, CompiledKernel]], deadline: float | None) -> dict[str, CandidateResult]:
         ordered = sorted(ready, key=lambda ck: (_compiled_values(ck[1])["predicted_ms"], ck[0].id))
-        tasks = [MeasureTask(c.id, k, seed=i + 1, group=c.kernel) for i, (c, k) in enumerate(ordered)]
-        results: dict[str, CandidateResult] = {}
-
-        finished = 0
+        seed = self.counts["measured"]
+        tasks = [MeasureTask(c.id, k, seed=seed + i + 1, group=c.kernel) for i, (c, k) in enumerate(ordered)]
 
         def done(measurement: Any) -> None:
-            nonlocal finished
-            finished += 1
+            self.counts["measured"] += 1
             times = sorted(measurement.times_ms)
             median = times[len(times) // 2] if times else None
             self.progress("measured", candidate=measurement.candidate, status=measurement.status,
-                          time_ms=median, done=finished, total=len(tasks))  # fmt: skip
+                          time_ms=median, done=self.counts["measured"], total=self.totals["measured"])  # fmt: skip
 
         if self.cluster is not None:
             measurements = self.cluster.measure(tasks, self.timeout_s)
             for measurement in measurements.values():
                 done(measurement)
-            self.notes.append("measured on the Dask cluster's GPU workers; SDPA references not measured")
+            note = "measured on the Dask cluster's GPU workers; SDPA references not measured"
+            if note not in self.notes:
+                self.notes.append(note)
         else:
-            measurements = self._measure_locally(tasks, done, ready)
-        self._record(by_id, measurements, results)
-        unmeasured = sum(1 for r in results.values() if r.status == "unmeasured")
-        if unmeasured:
-            self.notes.append(f"{unmeasured} candidates left unmeasured when the time budget ran out")
-        return results
+            assert self.pool is not None, "measuring needs the search's measurement pool"
+            measurements = self.pool.measure_all(tasks, done, deadline)
+        return {c.id: _measured_result(c, k, measurements.get(c.id)) for c, k in ready}
 
-    def _measure_locally(self, tasks: list[MeasureTask], done: Callable[[Any], None],
-                         ready: list[tuple[Candidate, CompiledKernel]]) -> dict[str, Any]:  # fmt: skip
-        """Measure in local worker processes, then time PyTorch's SDPA backends as references."""
-        with MeasurementPool(self.caps.devices, self.timeout_s) as pool:
-            measurements = pool.measure_all(tasks, done, self.deadline)
-            problems = {k.plan.problem for _, k in ready if isinstance(k.plan, KernelPlan)}
-            for problem in problems:
-                for name, ms in pool.references(problem).items():
-                    self.references[f"{name}:{problem.out}" if len(problems) > 1 else name] = problem.flops / (ms * 1e9)
-        return measurements
-
-    @staticmethod
-    def _record(by_id: dict[str, tuple[Candidate, CompiledKernel]], measurements: Mapping[str, Any],
-                results: dict[str, CandidateResult]) -> None:  # fmt: skip
-        for candidate_id, (candidate, compiled) in by_id.items():
-            m = measurements.get(candidate_id)
-            values = _compiled_values(compiled)
-            if m is None:
-                results[candidate_id] = _base_result(candidate, "unmeasured", reason="time budget spent", **values)
-                continue
-            timing = None
-            if m.times_ms:
-                ordered_times = sorted(m.times_ms)
-                timing = Timing(ordered_times[0], ordered_times[len(ordered_times) // 2], ordered_times[-1],
-                                len(ordered_times))  # fmt: skip
-            results[candidate_id] = _base_result(
-                candidate, m.status, reason=m.reason, rel_error=m.rel_error, timing=timing, **values
-            )
+    def _measure_references(self, space: SearchSpace, results: Mapping[str, CandidateResult]) -> None:
+        """Time PyTorch's SDPA backends on each measured attention problem (time permitting)."""
+        if self.pool is None or (self.deadline is not None and time.monotonic() >= self.deadline):
+            return
+        problems = {c.plan.problem for c in space.all()
+                    if isinstance(c.plan, KernelPlan) and c.id in results and results[c.id].status == "ok"}  # fmt: skip
+        for problem in problems:
+            for name, ms in self.pool.references(problem).items():
+                self.references[f"{name}:{problem.out}" if len(problems) > 1 else name] = problem.flops / (ms * 1e9)
 
 
-def _stored_answer(summary: SearchSummary, space: SearchSpace) -> tuple[SearchSummary, dict[str, BestKernel]] | None:
-    """The winners a stored search names, if this search space still holds exactly the same
-    candidates (new knobs or generators make an old answer incomplete: search again)."""
-    candidates = {c.id: c for c in space.all()}
-    if {r.id for r in summary.candidates} != set(candidates):
+def _predicted(candidate: Candidate) -> float:
+    return predict_plan(candidate.plan).ms
+
+
+def _usable(result: CandidateResult) -> bool:
+    return result.status in ("ok", "modelled") and bool(result.time_ms)
+
+
+def _kernel_ms(group: list[Candidate], results: Mapping[str, CandidateResult]) -> float:
+    """A kernel's time as the search knows it: its best result so far, else the model's
+    best prediction."""
+    times = [results[c.id].time_ms for c in group if c.id in results and _usable(results[c.id])]
+    return min(times) if times else min(_predicted(c) for c in group)
+
+
+def _measured_result(candidate: Candidate, compiled: CompiledKernel, measurement: Any) -> CandidateResult:
+    values = _compiled_values(compiled)
+    if measurement is None:
+        return _base_result(candidate, "unmeasured", reason="time budget spent", **values)
+    timing = None
+    if measurement.times_ms:
+        ordered = sorted(measurement.times_ms)
+        timing = Timing(ordered[0], ordered[len(ordered) // 2], ordered[-1], len(ordered))
+    return _base_result(candidate, measurement.status, reason=measurement.reason, rel_error=measurement.rel_error,
+                        timing=timing, **values)  # fmt: skip
+
+
+def _answers(summary: SearchSummary, budget_s: float | None, resume: bool) -> bool:
+    """Whether a stored search answers this one: a complete search always; a partial one
+    for the same or a smaller budget, unless resumed."""
+    if not summary.partial:
+        return True
+    if resume or budget_s is None or summary.budget_s is None:
+        return False
+    return budget_s <= summary.budget_s
+
+
+def _stored_answer(summary: SearchSummary, derivation: Derivation, target: str) -> tuple[list[FusedKernel], dict[str, BestKernel]] | None:
+    """The kernels and winners a stored search names, rebuilt from its records without
+    enumerating or generating the search space: None unless the derivation partitions the
+    graph into the same kernels and every winner's plan rebuilds under its recorded id with
+    its recorded source."""
+    recorded = [(k.name, k.kind, tuple(k.shape)) for k in summary.kernels]
+    for streaming in (True, False):
+        kernels = derivation.partition(streaming)
+        if [(k.output, k.kind, k.shape) for k in kernels] == recorded:
+            break
+    else:
         return None
     results = {r.id: r for r in summary.candidates}
-    winners = {
-        kernel: BestKernel(kernel, results[i], candidates[i].plan, candidates[i].source)
-        for kernel, i in summary.winners.items()
-        if i is not None
-    }
-    return summary, winners
+    winners = {}
+    for kernel, winner in summary.winners.items():
+        result, source = results.get(winner or ""), summary.sources.get(kernel)
+        if result is None or source is None or sha256_hex(source.encode()) != result.source_hash:
+            return None
+        try:
+            plan = stored_plan(result.params, kernels, derivation, TARGETS[target])
+        except (KeyError, TypeError, ValueError) as error:
+            log.info("stored winner %s does not rebuild: %s", winner, error)
+            return None
+        if plan.name != winner:
+            return None
+        winners[kernel] = BestKernel(kernel, result, plan, source)
+    return kernels, winners
 
 
 def _default_out(graph: Graph) -> Path:
@@ -462,18 +553,19 @@ def launched_kernels(kernels: list[FusedKernel], outputs: frozenset[str],
                      winners: Mapping[str, BestKernel]) -> list[FusedKernel]:  # fmt: skip
     """The kernels a run launches: those whose output the graph's outputs need through the
     winners' reads (a producer absorbed by its consumer's winner drops out)."""
-    needed = set(outputs)
-    for kernel in reversed(kernels):
-        if kernel.output in needed:
-            needed.update(winner_reads(kernel, winners.get(kernel.output)))
+    kernel_graph = dag.kernel_dag(kernels, lambda k: winner_reads(k, winners.get(k.output)))
+    needed = dag.needed(kernel_graph, outputs)
     return [k for k in kernels if k.output in needed]
 
 
 def _summary(graph: Graph, derivation: Derivation, search: _Search, space: SearchSpace,
              results: list[CandidateResult], winners: dict[str, BestKernel]) -> SearchSummary:  # fmt: skip
     notes = list(search.notes)
-    for kernel in space.ungenerated:
-        notes.append(f"kernel {kernel.output} ({kernel.kind}) has no CUDA generator yet; it was not searched")
+    unfused = [k for k in derivation.kernels if k.kind == "flash_attention" and k not in space.kernels]
+    for kernel in unfused:
+        kinds = ", ".join(k.kind for k in space.kernels if k not in derivation.kernels)
+        notes.append(f"kernel {kernel.output} (flash_attention, shape {list(kernel.shape)}) has no flash plan on "
+                     f"{search.env.target}: the graph runs on the unfused kernels ({kinds})")
     absorbed_by = {
         c.absorbs: kernel
         for kernel, candidates in space.candidates.items()
@@ -486,8 +578,8 @@ def _summary(graph: Graph, derivation: Derivation, search: _Search, space: Searc
         graph_name=graph.name,
         graph_hash=graph.structural_hash(),
         environment=search.env,
-        kernels=[{"name": k.output, "kind": k.kind, "shape": list(k.shape)} for k in derivation.kernels],
-        trace=derivation.trace,
+        kernels=[{"name": k.output, "kind": k.kind, "shape": list(k.shape)} for k in space.kernels],
+        trace=derivation.trace_of(space.kernels),
         stats={
             "eclasses": derivation.stats.eclasses, "enodes": derivation.stats.enodes,
             "iterations": derivation.stats.iterations, "seconds": derivation.stats.seconds,
@@ -501,6 +593,7 @@ def _summary(graph: Graph, derivation: Derivation, search: _Search, space: Searc
         unmeasured=sum(1 for r in results if r.status == "unmeasured"),
         notes=notes,
         inputs={name: f"{t.dtype}[{','.join(map(str, t.shape))}]" for name, t in graph.inputs.items()},
+        budget_s=search.budget_s,
     )
 
 
@@ -511,6 +604,7 @@ def optimize(
     budget_s: float | None = None,
     force: bool = False,
     *,
+    resume: bool = False,
     database: TuningDatabase | None = None,
     progress: Progress | None = None,
     timeout_s: float = 30.0,
@@ -518,13 +612,22 @@ def optimize(
     _faults: Mapping[str, str] | None = None,
 ) -> OptimizeResult:
     """Search for the fastest correct kernels of ``graph`` on ``target`` (``auto``: the local
-    GPU, else sm_120). ``out`` receives report.json and report.html; ``budget_s`` bounds the
-    wall time (compiling, most promising first, stops starting at ``COMPILE_SHARE`` of it
-    when candidates are measured, leaving the rest to the GPU); ``force`` searches again
-    even when the tuning database knows the answer.
+    GPU, else sm_120). ``out`` receives report.json and report.html.
+
+    ``budget_s`` bounds the wall time: every kernel's cost-model favourite and safest plan
+    are compiled and verified first (a ``GraphError`` names the minimum when the budget
+    cannot cover that), the rest is shared by the kernels' predicted share of the graph's
+    time (:mod:`cherenkov.search.budget`). The tuning database remembers every search, a
+    budgeted one as ``partial`` while candidates are left unmeasured: the same call again
+    (the same or a smaller budget) answers from it without generating or compiling any
+    candidate; a larger budget, no budget, or ``resume`` measures only the candidates not
+    yet measured; ``force`` measures everything again.
     ``cluster`` (a Dask scheduler address, a ``distributed.Client`` or ``"local-gpus"``)
     compiles on the cluster's workers and measures on its GPU workers.
-    ``_faults`` (tests only) maps candidate ids to a fault to inject into their source."""
+    ``_faults`` (tests only) maps candidate ids to a fault to inject into their source.
+
+    Every kernel of the returned result has a winner: where a kernel has no candidate, or
+    every candidate failed, ``GraphError`` names it and why."""
     if not isinstance(graph, Graph):
         raise GraphError(f"optimize: expected a ck.Graph, got {type(graph).__name__}")
     if budget_s is not None and not budget_s > 0:
@@ -534,33 +637,41 @@ def optimize(
     executor = DaskExecutor(cluster) if cluster is not None else None
     search = _Search(graph, caps, budget_s, progress, timeout_s, _faults or {}, executor)
     derivation = derive(graph)
-    progress("derived", stats=derivation.stats, kernels=[k.kind for k in derivation.kernels])
-    space = search_space(derivation, search.env.target)
+    progress("derived", stats=derivation.stats, kernels=[k.kind for k in derivation.partition()])
     out_dir = Path(out) if out is not None else _default_out(graph)
     out_dir.mkdir(parents=True, exist_ok=True)
     signature = input_signature(graph)
     owned = database is None
     db = TuningDatabase() if owned else database
     try:
-        winner_key = WinnerKey.from_environment(graph.structural_hash(), signature, search.env)
+        winner_key = WinnerKey.from_environment(graph.structural_hash(), signature, search.env, generator_digest())
         stored = None if force else db.lookup_winner(winner_key)
-        answer = None if stored is None else _stored_answer(SearchSummary.from_json(stored), space)
-        if answer is not None:
-            progress("answered", source="database")
-            return _finish(graph, derivation, answer[0], answer[1], out_dir, from_database=True)
+        if stored is not None:
+            summary = SearchSummary.from_json(stored)
+            answer = _stored_answer(summary, derivation, search.env.target) if _answers(summary, budget_s, resume) else None
+            if answer is not None:
+                progress("answered", source="database", partial=summary.partial)
+                kernels, winners = answer
+                return _finish(graph, derivation, kernels, summary, winners, out_dir, from_database=True)
+        space = search_space(derivation, search.env.target)
+        _check_generated(space, search.env.target)
         keys = {c.id: CandidateKey.from_environment(c.source_hash, signature, search.env) for c in space.all()}
-        known = db.lookup_candidates(list(keys.values()))
-        fresh = [c for c in space.all() if keys[c.id] not in known or force or c.id in search.faults]
-        new_results = search.evaluate(fresh)
+        stored_results = {} if force else db.lookup_candidates(list(keys.values()))
+        known = {i: stored_results[k] for i, k in keys.items() if k in stored_results and i not in search.faults}
+        by_id = search.evaluate(space, known)
         if not search.faults:  # injected faults (tests) must never reach the database
-            db.record_candidates((keys[r.id], r) for r in new_results if r.status != "unmeasured")
-        by_id = {r.id: r for r in new_results}
-        results = [by_id.get(c.id) or known[keys[c.id]] for c in space.all()]
+            db.record_candidates((keys[i], r) for i, r in by_id.items() if i not in known and r.status != "unmeasured")
+        results = [by_id[c.id] for c in space.all()]
         winners = _winners(space.candidates, results)
         summary = _summary(graph, derivation, search, space, results, winners)
-        if not search.faults and not summary.unmeasured:
+        missing = [k for k in launched_kernels(list(space.kernels), frozenset(graph.outputs), winners)
+                   if k.output not in winners]  # fmt: skip
+        if not search.faults and not missing:
             db.record_winner(winner_key, summary.to_json())
-        return _finish(graph, derivation, summary, winners, out_dir, from_database=False)
+        result = _finish(graph, derivation, list(space.kernels), summary, winners, out_dir, from_database=False)
+        if missing:
+            raise GraphError(_no_winner_message(missing[0], space, by_id, result.report_json))
+        return result
     finally:
         if owned:
             db.close()
@@ -568,11 +679,33 @@ def optimize(
             executor.close()
 
 
-def _finish(graph: Graph, derivation: Derivation, summary: SearchSummary, winners: dict[str, BestKernel],
-            out_dir: Path, from_database: bool) -> OptimizeResult:  # fmt: skip
+def _check_generated(space: SearchSpace, target: str) -> None:
+    """``GraphError`` for a kernel that no family can generate: the graph could not run."""
+    if space.ungenerated:
+        kernel = space.ungenerated[0]
+        raise GraphError(
+            f"optimize: kernel {kernel.output} ({kernel.kind}, shape {list(kernel.shape)}) has no CUDA plan on "
+            f"{target}: no kernel family generates {kernel.describe()[:300]}"
+        )
+
+
+def _no_winner_message(kernel: FusedKernel, space: SearchSpace, results: Mapping[str, CandidateResult],
+                       report: Path) -> str:  # fmt: skip
+    """Why a kernel has no winner: its candidates' outcomes, counted by status, and a reason."""
+    outcomes = [results[c.id] for c in space.candidates.get(kernel.output, ())]
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(Counter(r.status for r in outcomes).items()))
+    reason = " ".join(next((r.reason for r in outcomes if r.reason), "no reason recorded").split())
+    return (
+        f"optimize: kernel {kernel.output} ({kernel.kind}, shape {list(kernel.shape)}) has no correct CUDA kernel: "
+        f"of its {len(outcomes)} candidates {counts}; first reason: {reason[:300]}; report: {report}"
+    )
+
+
+def _finish(graph: Graph, derivation: Derivation, kernels: list[FusedKernel], summary: SearchSummary,
+            winners: dict[str, BestKernel], out_dir: Path, from_database: bool) -> OptimizeResult:  # fmt: skip
     report_json, report_html = out_dir / "report.json", out_dir / "report.html"
     write_json(summary, report_json)
     write_html(summary, report_html)
-    return OptimizeResult(graph, derivation, summary, winners, report_json, report_html, from_database)
+    return OptimizeResult(graph, derivation, kernels, summary, winners, report_json, report_html, from_database)
 
 

@@ -77,6 +77,8 @@ class SearchSummary:
     correct); ``sources`` maps each kernel to the winner's CUDA source. ``references`` are
     TFLOP/s of other implementations measured in the same run (e.g. PyTorch SDPA
     backends). ``inputs`` maps input names to a description such as ``bf16[1,8,4096,128]``.
+    ``budget_s`` is the search's time budget (None: unbounded); a search the budget stopped
+    before every candidate was measured (``unmeasured`` > 0) is :attr:`partial`.
     Sequences may be passed as lists and kernels as ``{"name", "kind", "shape"}`` dicts:
     they are stored as tuples and KernelSummary.
     """
@@ -95,6 +97,7 @@ class SearchSummary:
     unmeasured: int = 0
     notes: Sequence[str] = ()
     inputs: Mapping[str, str] = field(default_factory=dict)
+    budget_s: float | None = None
 
     def __post_init__(self) -> None:
         normal = {
@@ -126,8 +129,20 @@ class SearchSummary:
             "references": _sorted(self.references),
             "wall_seconds": self.wall_seconds,
             "unmeasured": self.unmeasured,
+            "budget_s": self.budget_s,
+            "partial": {"measured": self.measured, "of": len(self.candidates)} if self.partial else None,
             "notes": list(self.notes),
         })
+
+    @property
+    def measured(self) -> int:
+        """Candidates with a result (verified, timed, modelled or failed): all but the unmeasured."""
+        return len(self.candidates) - self.unmeasured
+
+    @property
+    def partial(self) -> bool:
+        """Whether the budget ran out before every candidate had a result."""
+        return self.unmeasured > 0
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SearchSummary:
@@ -149,6 +164,7 @@ class SearchSummary:
             wall_seconds=float(data["wall_seconds"]),
             unmeasured=int(data["unmeasured"]),
             notes=data["notes"],
+            budget_s=None if data.get("budget_s") is None else float(data["budget_s"]),
         )
 
     def winner_ids(self) -> frozenset[str]:
@@ -644,6 +660,10 @@ def _cards(s: SearchSummary) -> str:
     by_id = {c.id: c for c in s.candidates}
     failed = sum(is_failure(c) for c in s.candidates)
     cards = [_card("candidates", str(len(s.candidates)), f"{failed} failed · {s.unmeasured} unmeasured")]
+    if s.partial:
+        budget = f"the {_num(s.budget_s, 1)} s budget" if s.budget_s is not None else "the budget"
+        cards.append(_card("partial", f"measured {s.measured} of {len(s.candidates)}",
+                           f"{budget} ran out first; resume=True (--resume) measures the rest"))
     cards.append(_card("wall time", f"{_num(s.wall_seconds, 1)} s", "search, compile and measure"))
     for kernel, winner in s.by_kernel(s.winners):
         candidate = by_id.get(winner) if winner else None

@@ -66,3 +66,16 @@ def evaluate_term_torch(term: t.Term, inputs: Mapping[str, Any], axes: tuple[str
     device = next((x.device for x in inputs.values()), torch.device("cuda"))
     arrays = TorchArrays(dtype or torch.float32, device)
     return evaluate_with(arrays, term, inputs, axes, {a: t.extent(a) for a in axes}, fold_block=None)
+
+
+def evaluate_kernel_torch(kernel: Any, inputs: Mapping[str, Any], dtype: Any = None) -> Any:
+    """A fused kernel's output buffer: its term over its axes, laid out as its ``buffer``
+    says where that is not row-major (a flash output laid out for its consumer)."""
+    import torch
+
+    values = evaluate_term_torch(kernel.term, inputs, kernel.axes, dtype)
+    if kernel.buffer is None:
+        return values
+    stored = torch.zeros(kernel.buffer.shape, dtype=values.dtype, device=values.device)
+    torch.as_strided(stored, kernel.shape, kernel.buffer.strides).copy_(values)
+    return stored

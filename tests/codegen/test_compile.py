@@ -124,7 +124,7 @@ def test_default_plan_and_the_seed_winners_do_not_spill(seed_kernels, arch, key)
     kernel = seed_kernels[(arch, key)]
     assert kernel.report.spill_bytes == 0 and kernel.report.stack_frame == 0, kernel.report
     if kernel.plan.schedule.tma_kv:
-        assert "cp.async.bulk.tensor.3d" in kernel.ptx_path.read_text()
+        assert "cp.async.bulk.tensor.4d" in kernel.ptx_path.read_text()  # (d, s, h, b) at the operand strides
 
 
 def test_cache_hit_skips_the_compiler(seed_problem, compiler, kernel_cache):

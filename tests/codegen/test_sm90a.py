@@ -138,8 +138,8 @@ def test_persistent_grid_has_a_block_an_sm_at_most():
     # one Q buffer: a persistent block stores O from registers (Q is released before the epilogue),
     # a one-tile block through its Q tile and TMA stores
     one_tile = emit_flash_attention_sm90a(short, DEFAULT)
-    assert "O_THROUGH_SMEM = false" in source and "tma_store_3d(o_map" not in source and "out_row[" in source
-    assert "O_THROUGH_SMEM = true" in one_tile and "tma_store_3d(o_map" in one_tile and "out_row[" not in one_tile
+    assert "O_THROUGH_SMEM = false" in source and "tma_store_4d(o_map" not in source and "out_row[" in source
+    assert "O_THROUGH_SMEM = true" in one_tile and "tma_store_4d(o_map" in one_tile and "out_row[" not in one_tile
 
 
 def test_two_q_buffers_need_a_persistent_grid_and_split_the_two_stage_ring():

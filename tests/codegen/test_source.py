@@ -72,7 +72,7 @@ def test_knob_specific_code(seed_problem):
     assert "__syncthreads" not in mbar.split("void attend_tile")[0].split("void pipeline_wait_k")[1]
     assert "mbarrier.arrive" not in plain_ring and "mbarrier.arrive" not in late
     tma = cuda_source(plan_of(seed_problem, dataclasses.replace(ring, mbarrier_ring=True, tma_kv=True)))
-    assert "cp.async.bulk.tensor.3d" in tma and "cp.async.bulk.tensor" not in mbar
+    assert "cp.async.bulk.tensor.4d" in tma and "cp.async.bulk.tensor" not in mbar
     assert "cp.async.mbarrier.arrive" not in tma and "mbar_arrive_expect_tx(full, 2 * KV_BOXES * KV_BOX_BYTES)" in tma
     assert "const __grid_constant__ TensorMap k_map" in tma and "KV_BOXES = 2;" in tma
     fp16 = cuda_source(plan_of(dataclasses.replace(seed_problem, dtype="fp16")))

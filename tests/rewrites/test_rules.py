@@ -62,7 +62,7 @@ def test_rule_is_an_identity_on_random_inputs(ruleset: Ruleset, rule: Rule) -> N
             got = evaluate_term(form, inputs, axes, extents)
             assert np.array_equal(got[~finite], expected[~finite]), f"{rule.name}: masked entries differ"
             error = np.linalg.norm(got[finite] - expected[finite]) / np.linalg.norm(expected[finite])
-            assert error <= 1e-9, f"{rule.name}: {t.show(form)} differs by {error:.2e}"
+            assert error <= rule.tolerance, f"{rule.name}: {t.show(form)} differs by {error:.2e}"
 
 
 def test_rule_names_are_unique() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +14,9 @@ import pytest
 import cherenkov as ck
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 from cherenkov.codegen import CompileError, compile_plan, valid_flash_plans
-from cherenkov.rewrites.plan import TARGETS
+from cherenkov.codegen.plan import CompiledKernel, ResourceReport
+from cherenkov.rewrites.plan import TARGETS, KernelPlan
+from cherenkov.search import budget
 from cherenkov.search import optimize as optimize_module
 from cherenkov.search.database import TuningDatabase
 from cherenkov.search.environment import Capabilities
@@ -47,28 +50,42 @@ def counting_compiles(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("measured, chunks", [(True, 2), (False, 3)])
-def test_a_measured_search_leaves_part_of_its_budget_to_the_gpu(monkeypatch, measured, chunks) -> None:
-    """Compiles stop starting at COMPILE_SHARE of the budget when candidates will be timed
-    (a fake clock: each chunk of 4 compiles takes 4 s of a 10 s budget), and run to the
-    deadline when the ranking is modelled."""
+def fake_compiled(plan) -> CompiledKernel:
+    report = ResourceReport(registers=128, smem_static=0, smem_dynamic=0, spill_stores=0, spill_loads=0, stack_frame=0)
+    return CompiledKernel(plan, plan.target.name, "k", Path("k.cubin"), Path("k.ptx"), report, 0.1, "", "fake")
+
+
+def test_a_budget_is_shared_by_each_kernels_predicted_time(monkeypatch) -> None:
+    """A fake clock: each chunk of 2 compiles takes 1 s. After the first round (favourite and
+    safest of each kernel, 2 chunks), the 20 s left go to the kernels by their share of the
+    graph's predicted time, the costliest first — and no kernel starts a chunk past its turn."""
     clock = {"t": 100.0}
     monkeypatch.setattr(optimize_module, "time", SimpleNamespace(monotonic=lambda: clock["t"]))
-    monkeypatch.setattr(optimize_module.os, "cpu_count", lambda: 2)
-    sizes = []
+    monkeypatch.setattr(optimize_module.os, "cpu_count", lambda: 1)
+    chunks: list[set[str]] = []
 
     def fake_compile(plans, sources=None):
-        sizes.append(len(plans))
-        clock["t"] += 4.0
-        return [CompileError("not compiled in this test") for _ in plans]
+        chunks.append({p.problem.out if isinstance(p, KernelPlan) else p.kernel.output for p in plans})
+        clock["t"] += 1.0
+        return [fake_compiled(p) for p in plans]
 
     monkeypatch.setattr(optimize_module, "compile_plans", fake_compile)
-    caps = Capabilities(Environment("sm_90", toolkit="13.0", measured=measured), (0,) if measured else (), ())
-    search = optimize_module._Search(seed_graph(), caps, 10.0, lambda *a, **k: None, 30.0, {})
-    candidates = search_space(ck.derive(seed_graph()), "sm_90").all()
-    compiled = search.compile(candidates)
-    assert optimize_module.COMPILE_SHARE == 0.6 and sizes == [4] * chunks and len(compiled) == 4 * chunks
-    assert any("leaving the rest of the time budget to measuring" in n for n in search.notes) == measured
+    graph = rms_matmul_graph()
+    space = search_space(ck.derive(graph), "sm_90a")
+    caps = Capabilities(Environment("sm_90a", toolkit="13.0", measured=False), (), ())
+    search = optimize_module._Search(graph, caps, 22.0, lambda *a, **k: None, 30.0, {})
+    results = search.evaluate(space, {})
+    norm, matmul = (k.output for k in space.kernels)
+    first = {c.id for group in space.candidates.values() for c in
+             budget.first_round(sorted(group, key=optimize_module._predicted), optimize_module._predicted)}  # fmt: skip
+    assert len(first) == 4 and all(results[i].status == "modelled" for i in first)
+    times = {k: optimize_module._kernel_ms(list(g), results) for k, g in space.candidates.items()}
+    matmul_share = times[matmul] / (times[matmul] + times[norm])
+    rest = chunks[2:]
+    matmul_chunks = sum(1 for c in rest if c == {matmul})
+    assert rest[0] == {matmul}, "the costliest kernel goes first"
+    assert matmul_chunks == min(math.ceil(matmul_share * 20 / 1.0), math.ceil((len(space.candidates[matmul]) - 2) / 2))
+    assert search.notes and "partial:" in search.notes[-1]
 
 
 def test_derived_plans_are_the_valid_plans_of_the_seed_problem() -> None:
@@ -211,25 +228,21 @@ def test_gpu_faults_are_recorded_and_the_search_returns_the_correct_best(gpu, tm
     assert multiprocessing.active_children() == [], "measurement workers are all stopped"
 
 
-def test_a_stored_answer_for_another_search_space_is_not_served(tmp_path, monkeypatch) -> None:
+def test_a_stored_answer_of_other_generator_code_is_not_served(tmp_path, monkeypatch) -> None:
+    """Changed code may search another space: its winners are keyed by the digest of
+    cherenkov's sources, so a new digest searches again — reusing every candidate record
+    whose source did not change (here: all of them)."""
     from cherenkov.search import environment
 
     monkeypatch.setattr(environment, "toolkit", lambda: "none")
     graph = small_graph(causal=False)
     with TuningDatabase(tmp_path / "tuning.sqlite") as db:
         first = ck.optimize(graph, target="sm_90", out=tmp_path / "a", database=db)
-        real = optimize_module.search_space
-
-        def fewer(derivation, target):  # as if a knob had been removed since the first search
-            space = real(derivation, target)
-            return optimize_module.SearchSpace(
-                space.kernels, {k: group[1:] for k, group in space.candidates.items()}, space.ungenerated
-            )
-
-        monkeypatch.setattr(optimize_module, "search_space", fewer)
-        second = ck.optimize(graph, target="sm_90", out=tmp_path / "b", database=db)
-    assert first.best is not None and second.best is not None
-    assert not second.from_database and len(second.candidates) == len(first.candidates) - 1
+        assert ck.optimize(graph, target="sm_90", out=tmp_path / "b", database=db).from_database
+        monkeypatch.setattr(optimize_module, "generator_digest", lambda: "0123456789abcdef")
+        second = ck.optimize(graph, target="sm_90", out=tmp_path / "c", database=db)
+    assert not second.from_database and all(c.from_database for c in second.candidates)
+    assert second.best.result.id == first.best.result.id
 
 
 def test_a_wide_sample_spread_ties_at_most_two_percent() -> None:

@@ -43,17 +43,17 @@ def graphs() -> list[ck.Graph]:
 @pytest.mark.parametrize("graph", graphs(), ids=lambda g: g.name)
 def test_torch_evaluator_matches_the_float64_reference(graph) -> None:
     torch = pytest.importorskip("torch")
-    from cherenkov.search.torch_eval import evaluate_term_torch
+    from cherenkov.search.torch_eval import evaluate_kernel_torch
 
     rng = np.random.default_rng(0)
     buffers = {n: rng.standard_normal(t.shape) for n, t in graph.inputs.items()}
     for kernel in ck.derive(graph).kernels:
         reference = kernel.evaluate(buffers)
         inputs = {n: torch.tensor(buffers[n]) for n in kernel.reads}
-        got = evaluate_term_torch(kernel.term, inputs, kernel.axes, torch.float64).numpy()
+        got = evaluate_kernel_torch(kernel, inputs, torch.float64).numpy()
         assert got.shape == reference.shape
         np.testing.assert_allclose(got, reference, rtol=1e-10, atol=1e-10, err_msg=kernel.describe()[:200])
-        in_fp32 = evaluate_term_torch(kernel.term, {n: x.float() for n, x in inputs.items()}, kernel.axes).numpy()
+        in_fp32 = evaluate_kernel_torch(kernel, {n: x.float() for n, x in inputs.items()}).numpy()
         assert in_fp32.dtype == np.float32
         assert np.linalg.norm(in_fp32 - reference) <= 1e-5 * np.linalg.norm(reference)
         buffers[kernel.output] = reference
@@ -79,9 +79,13 @@ def test_search_space_covers_every_kernel() -> None:
     d = ck.derive(graph)
     space = search_space(d, "sm_90")
     assert not space.ungenerated
-    assert set(space.candidates) == {k.output for k in d.kernels}
+    assert set(space.candidates) == {k.output for k in d.kernels_for("sm_90")}
+    assert "flash_attention" in {k.kind for k in d.kernels}, "head dim 16: flash is derived but has no plan"
+    unfused = [k.kind for k in space.kernels]
+    assert "flash_attention" not in unfused and "softmax_rows" in unfused
+    assert unfused.count("contraction") == [k.kind for k in d.kernels].count("contraction") + 2
     families = {c.plan.params().get("family", "flash") for c in space.all()}
-    assert {"mma", "rows", "pointwise"} <= families
+    assert {"mma", "rows"} <= families and "pointwise" not in families, "no reduction is searched as a pointwise loop"
 
 
 def test_cpu_search_models_and_ranks_every_kernel(tmp_path) -> None:

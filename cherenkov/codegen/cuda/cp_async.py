@@ -40,35 +40,37 @@ def emit_cp_async() -> str:
 
 
 def emit_tile_loader() -> str:
-    """``load_tile<ROWS, GUARD>``: the whole block copies a ``ROWS × HEAD_DIM`` tile, coalesced."""
+    """``load_tile<ROWS, GUARD, ROW_STRIDE>``: the whole block copies a ``ROWS × HEAD_DIM`` tile
+    whose rows lie ``ROW_STRIDE`` elements apart, coalesced."""
     return block(
         """
-        // Copy rows [0, ROWS) of a row-major ROWS x HEAD_DIM tile into shared memory. Thread t
+        // Copy rows [0, ROWS) of a ROWS x HEAD_DIM tile, rows ROW_STRIDE elements apart (HEAD_DIM:
+        // row-major), into shared memory. Thread t
         // always copies chunk t % CHUNKS_PER_ROW of rows t / CHUNKS_PER_ROW + i * ROWS_PER_PASS:
         // consecutive threads read consecutive 16 bytes of a row (coalesced), and every address
         // is one per-thread base plus a compile-time offset. With GUARD, a tile that ends past
         // valid_rows takes a separate path that zero-fills the missing rows (reading nothing;
         // their source is clamped to row 0), so whole tiles pay nothing for the tail.
-        template <int ROWS, bool GUARD>
+        template <int ROWS, bool GUARD, int ROW_STRIDE>
         __device__ __forceinline__ void load_tile(u32 smem_tile, const elem_t* gmem_rows, int valid_rows) {
             constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
             static_assert(ROWS % ROWS_PER_PASS == 0, "tile rows must split evenly over threads");
             const int chunk = int(threadIdx.x) % CHUNKS_PER_ROW;
             const int first_row = int(threadIdx.x) / CHUNKS_PER_ROW;
-            const elem_t* first_src = gmem_rows + first_row * HEAD_DIM + 8 * chunk;
+            const elem_t* first_src = gmem_rows + first_row * ROW_STRIDE + 8 * chunk;
             if (GUARD && valid_rows < ROWS) {
                 #pragma unroll
                 for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
                     const int row = first_row + i * ROWS_PER_PASS;
                     const bool in_range = row < valid_rows;
-                    const elem_t* src = in_range ? first_src + i * ROWS_PER_PASS * HEAD_DIM : gmem_rows;
+                    const elem_t* src = in_range ? first_src + i * ROWS_PER_PASS * ROW_STRIDE : gmem_rows;
                     cp_async_16(smem_tile + smem_offset(row, chunk), src, in_range);
                 }
             } else {
                 #pragma unroll
                 for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
                     const int row = first_row + i * ROWS_PER_PASS;
-                    cp_async_16(smem_tile + smem_offset(row, chunk), first_src + i * ROWS_PER_PASS * HEAD_DIM, true);
+                    cp_async_16(smem_tile + smem_offset(row, chunk), first_src + i * ROWS_PER_PASS * ROW_STRIDE, true);
                 }
             }
         }

@@ -5,7 +5,9 @@ the kernel's term there (:class:`~cherenkov.codegen.cuda.term_expr.TermEmitter`:
 become serial loops, so this family runs any term — it is the fallback of reductions,
 contractions and flash attention) and stores the element. The vectorised variant gives
 each thread ``vector`` consecutive elements of the innermost axis: reads whose innermost
-index is that axis are loaded with one vector access, the results stored with one.
+index is that axis are loaded with one vector access, the results stored with one. A
+kernel whose buffer is laid out for its consumer (``FusedKernel.buffer``) stores each
+element at the buffer's strides (one element a thread).
 
 Launch: grid ``ceil(numel / (block · vector))``, ``block`` threads, no shared memory.
 """
@@ -18,6 +20,7 @@ from cherenkov.codegen.cuda.term_common import (
     decompose,
     indent_lines,
     kernel_name,
+    output_offset,
     safe_axis,
     tensor_infos,
     term_source,
@@ -56,7 +59,8 @@ def pointwise_source(plan) -> str:
     if vec == 1:
         value = em.value(kernel.term, env)
         top = em.pop()
-        body += ["// the element", *top, store(plan.output, "first", value)]
+        offset = "first" if kernel.buffer is None else output_offset(axes, env, itype, kernel.buffer.strides)
+        body += ["// the element", *top, store(plan.output, offset, value)]
     else:
         inner = axes[-1]
         base = env[inner]

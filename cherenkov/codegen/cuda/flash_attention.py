@@ -38,7 +38,13 @@ from cherenkov.codegen.cuda.text import (
 )
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import FlashLayout, FlashTiling, KernelPlan
-from cherenkov.rewrites.plan import TMA_ALIGN_BYTES, AttentionProblem, FlashSchedule, flash_schedule_problems
+from cherenkov.rewrites.plan import (
+    ATTENTION_ROLES,
+    TMA_ALIGN_BYTES,
+    AttentionProblem,
+    FlashSchedule,
+    flash_schedule_problems,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -181,11 +187,12 @@ def _types(dtype: str, tma_kv: bool) -> str:
         return text
     return text + "\n\n" + tma.emit_tensor_map_type() + "\n\n" + block(
         """
-        // Where the ring reads one head's K (or V) tiles: the tensor's map and the head's plane
-        // (batch * KV_HEADS + K/V head) of its (D, SEQ_KV, BATCH * KV_HEADS) view.
+        // Where the ring reads one head's K (or V) tiles: the tensor's map, a (D, SEQ_KV, KV_HEADS,
+        // BATCH) view at the operand's strides, and the K/V head and batch coordinates.
         struct KvSource {
             const TensorMap* map;
-            int plane;
+            int head;
+            int batch;
         };
         """
     )
@@ -226,7 +233,27 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr bool NEEDS_MASK = CAUSAL || KV_TAIL;
         static_assert(THREADS == 32 * WARPS && ROWS_PER_WARP * WARPS == BLOCK_Q, "warps split the query tile");
         """
-    )
+    ) + "\n\n" + operand_strides(p)
+
+
+def operand_strides(problem: AttentionProblem) -> str:
+    """Element strides of each operand's batch, head and sequence axes and the offset of its
+    element (0, 0, 0, 0) in its stored tensor (both flash families); the head dimension is
+    contiguous. K and V heads are K/V heads."""
+    lines = ["// Where q, k, v and o lie in their tensors: element (b, h, s, d) at",
+             "// OFFSET + b * BATCH_STRIDE + h * HEAD_STRIDE + s * ROW_STRIDE + d."]
+    for role in ATTENTION_ROLES:
+        layout = problem.layout(role)
+        prefix = role.upper()
+        if layout.seq >= 2**31:
+            raise CodegenError(f"{role}'s row stride {layout.seq} does not fit a 32-bit int")
+        lines += [
+            f"constexpr size_t {prefix}_BATCH_STRIDE = {layout.batch};",
+            f"constexpr size_t {prefix}_HEAD_STRIDE = {layout.head};",
+            f"constexpr int {prefix}_ROW_STRIDE = {layout.seq};",
+            f"constexpr size_t {prefix}_OFFSET = {layout.offset};",
+        ]
+    return "\n".join(lines)
 
 
 def _layout_constants(layout: FlashLayout) -> str:
@@ -620,7 +647,7 @@ def _store_output() -> str:
                 const int chunk = c % CHUNKS_PER_ROW;
                 if (!Q_TAIL || q0 + row < SEQ_Q) {
                     const uint4 value = ld_shared_v4(q_tile + smem_offset(row, chunk));
-                    *reinterpret_cast<uint4*>(o_block + size_t(row) * HEAD_DIM + 8 * chunk) = value;
+                    *reinterpret_cast<uint4*>(o_block + size_t(row) * O_ROW_STRIDE + 8 * chunk) = value;
                 }
             }
         }
@@ -672,7 +699,8 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         const int q_tile = CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
         const int kv_head = head / GROUP;
         const int q0 = q_tile * BLOCK_Q;
-        const size_t q_rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
+        const elem_t* q_block = q + Q_OFFSET + batch * Q_BATCH_STRIDE + head * Q_HEAD_STRIDE + size_t(q0) * Q_ROW_STRIDE;
+        elem_t* o_block = o + O_OFFSET + batch * O_BATCH_STRIDE + head * O_HEAD_STRIDE + size_t(q0) * O_ROW_STRIDE;
         @KV_SOURCES@
 
         // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
@@ -681,7 +709,7 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         const int n_unmasked = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
 
         // Prologue: Q tile (first group), then the pipeline's prefetch.
-        load_tile<BLOCK_Q, Q_TAIL>(smem + Q_SMEM, q + q_rows * HEAD_DIM, SEQ_Q - q0);
+        load_tile<BLOCK_Q, Q_TAIL, Q_ROW_STRIDE>(smem + Q_SMEM, q_block, SEQ_Q - q0);
         cp_async_commit();
         pipeline_prologue(smem, k_head, v_head, n_tiles);
         QFragments q_frags;
@@ -702,7 +730,7 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         """
         cp_async_wait<0>();  // only empty groups remain
 
-        store_output(state, smem + Q_SMEM, o + q_rows * HEAD_DIM, q0, warp_row0, lane);
+        store_output(state, smem + Q_SMEM, o_block, q0, warp_row0, lane);
         """
     )
     return head + indent(prologue + "\n\n" + main_loop + "\n" + epilogue) + "\n}"
@@ -711,19 +739,19 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
 def _smem_base_and_kv_sources(tma_kv: bool) -> tuple[str, str]:
     """The kernel's shared-memory base and where the ring reads K and V: the dynamic shared
     memory and the heads' first rows; for a TMA ring the first 1024-byte aligned address in
-    it and the tensor maps (plane of the K/V head)."""
+    it and the tensor maps (with the K/V head and batch coordinates)."""
     if tma_kv:
         return (
             "// TMA boxes land on SMEM_ALIGN-byte swizzle atoms: the layout starts at the first such\n"
             "// address (the launch adds SMEM_ALIGN bytes of slack).\n"
             "const u32 smem = (u32(__cvta_generic_to_shared(smem_raw)) + SMEM_ALIGN - 1) & ~(SMEM_ALIGN - 1);",
-            "const KvSource k_head = {&k_map, batch * KV_HEADS + kv_head};\n"
-            "const KvSource v_head = {&v_map, batch * KV_HEADS + kv_head};",
+            "const KvSource k_head = {&k_map, kv_head, batch};\n"
+            "const KvSource v_head = {&v_map, kv_head, batch};",
         )
     return (
         "const u32 smem = u32(__cvta_generic_to_shared(smem_raw));",
-        "const elem_t* k_head = k + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;\n"
-        "const elem_t* v_head = v + (size_t(batch) * KV_HEADS + kv_head) * SEQ_KV * HEAD_DIM;",
+        "const elem_t* k_head = k + K_OFFSET + batch * K_BATCH_STRIDE + kv_head * K_HEAD_STRIDE;\n"
+        "const elem_t* v_head = v + V_OFFSET + batch * V_BATCH_STRIDE + kv_head * V_HEAD_STRIDE;",
     )
 
 

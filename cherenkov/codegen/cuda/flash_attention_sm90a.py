@@ -37,10 +37,10 @@ crosses a consumer's diagonal. Tile order: the query tiles of one head are conse
 
 Launch: grid ``(schedule.grid_blocks(problem, SMs),)``, ``128 · (1 + CONSUMERS)`` threads,
 ``schedule.smem_bytes(D, dtype)`` bytes of dynamic shared memory, arguments
-``(q_map, k_map, v_map, o_map, o)``: four TensorMaps of 3-D views ``(D, S, B·H)`` with
-``64 × rows × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and v, 64 for o; see
-:func:`cherenkov.codegen.tensor_map.bhsd_tensor_map`) and the output pointer (the
-register-store epilogue's). Every problem and schedule value is a compile-time constant.
+``(q_map, k_map, v_map, o_map, o)``: four TensorMaps of 4-D views ``(D, S, H, B)`` at each
+operand's strides, with ``64 × rows × 1 × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and
+v, 64 for o; see :func:`cherenkov.codegen.tensor_map.operand_tensor_map`) and the output
+pointer (the register-store epilogue's, which writes at o's strides). Every problem and schedule value is a compile-time constant.
 Tails: boxes past the end of a sequence read as zero (the tensor map's out-of-bounds
 fill); scores of keys past ``SEQ_KV`` are masked in the last key tile, and rows past
 ``SEQ_Q`` are not stored (the o map clips them).
@@ -49,7 +49,7 @@ fill); scores of keys past ``SEQ_KV`` are masked in the last key tile, and rows 
 from __future__ import annotations
 
 from cherenkov.codegen.cuda import mma, softmax, tma, wgmma
-from cherenkov.codegen.cuda.flash_attention import problem_summary, softmax_scale
+from cherenkov.codegen.cuda.flash_attention import operand_strides, problem_summary, softmax_scale
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import AttentionProblem
@@ -95,8 +95,8 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
         section("types and helpers", _types(dtype)),
         section("problem and schedule constants", _constants(problem, schedule)),
         section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype))),
-        section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(3),
-                tma.emit_fence_proxy_async(), tma.emit_tma_store(3)),
+        section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(4),
+                tma.emit_fence_proxy_async(), tma.emit_tma_store(4)),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
         section("wgmma", wgmma.emit_descriptor(), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
                 wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(dtype)),
@@ -176,7 +176,7 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         constexpr int P_REGS = BLOCK_KV / 4;  // packed 16-bit pairs of P a thread
         static_assert(BLOCK_Q == {ROWS_PER_CONSUMER} * CONSUMERS && THREADS == 128 * (CONSUMERS + 1), "warp roles");
         """
-    )
+    ) + "\n\n" + operand_strides(p)
 
 
 def _layout_constants(smem_bytes: int) -> str:
@@ -283,8 +283,9 @@ def _work_tiles() -> str:
         // One work tile: BLOCK_Q query rows of one (batch, head) and the key tiles they attend to.
         struct WorkTile {
             int q0;        // first query row
-            int q_head;    // index of the (batch, head) slab of q and o
-            int kv_head;   // index of the (batch, K/V head) slab of k and v (GQA: query heads share it)
+            int head;      // query head (of q and o)
+            int kv_head;   // K/V head (of k and v; GQA: GROUP query heads share it)
+            int batch;
             int kv_tiles;  // key tiles visited
         };
 
@@ -295,8 +296,9 @@ def _work_tiles() -> str:
             const int slab = tile / Q_TILES;  // batch * HEADS + head
             WorkTile w;
             w.q0 = q_tile * BLOCK_Q;
-            w.q_head = slab;
-            w.kv_head = (slab / HEADS) * KV_HEADS + (slab % HEADS) / GROUP;
+            w.head = slab % HEADS;
+            w.kv_head = w.head / GROUP;
+            w.batch = slab / HEADS;
             // Causal: keys up to the tile's last row (top-left aligned, key j <= query i).
             w.kv_tiles = CAUSAL ? min(KV_TILES, (w.q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
             return w;
@@ -327,14 +329,14 @@ def _producer() -> str:
             mbar_arrive_expect_tx(k_bar, KV_TILE_BYTES);
             #pragma unroll
             for (int b = 0; b < D_BOXES; ++b)
-                tma_load_3d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, 64 * b,
-                            j * BLOCK_KV, w.kv_head);
+                tma_load_4d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, 64 * b,
+                            j * BLOCK_KV, w.kv_head, w.batch);
             if (SPLIT_RELEASE) mbar_wait(smem + V_EMPTY + 8 * stage, phase ^ 1);
             mbar_arrive_expect_tx(v_bar, KV_TILE_BYTES);
             #pragma unroll
             for (int b = 0; b < D_BOXES; ++b)
-                tma_load_3d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, 64 * b,
-                            j * BLOCK_KV, w.kv_head);
+                tma_load_4d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, 64 * b,
+                            j * BLOCK_KV, w.kv_head, w.batch);
             advance<STAGES>(stage, phase);
         }
 
@@ -346,8 +348,8 @@ def _producer() -> str:
             mbar_arrive_expect_tx(q_bar, Q_TILE_BYTES);
             #pragma unroll
             for (int b = 0; b < D_BOXES; ++b)
-                tma_load_3d(smem + Q_SMEM + q_slot * Q_TILE_BYTES + b * Q_BOX_BYTES, q_map, q_bar, 64 * b, w.q0,
-                            w.q_head);
+                tma_load_4d(smem + Q_SMEM + q_slot * Q_TILE_BYTES + b * Q_BOX_BYTES, q_map, q_bar, 64 * b, w.q0,
+                            w.head, w.batch);
             advance<Q_BUFFERS>(q_slot, q_phase);
         }
 
@@ -557,7 +559,8 @@ def _epilogue_from_registers() -> str:
             for (int r = 0; r < 2; ++r) {
                 const float inv = 1.0f / quad_sum(st.sum[r]);
                 if (Q_TAIL && row0 + 8 * r >= SEQ_Q) continue;
-                u32* out_row = reinterpret_cast<u32*>(o + ((size_t)w.q_head * SEQ_Q + row0 + 8 * r) * HEAD_DIM);
+                u32* out_row = reinterpret_cast<u32*>(o + O_OFFSET + w.batch * O_BATCH_STRIDE + w.head * O_HEAD_STRIDE
+                                                      + size_t(row0 + 8 * r) * O_ROW_STRIDE);
                 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 8; ++c)
                     out_row[4 * c + t] = pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv);
@@ -594,7 +597,7 @@ def _epilogue_through_smem() -> str:
             if (store_thread) {
                 #pragma unroll
                 for (int b = 0; b < D_BOXES; ++b)
-                    tma_store_3d(o_map, o_tile + b * Q_BOX_BYTES, 64 * b, w.q0 + consumer * 64, w.q_head);
+                    tma_store_4d(o_map, o_tile + b * Q_BOX_BYTES, 64 * b, w.q0 + consumer * 64, w.head, w.batch);
                 bulk_commit();
             }
         """

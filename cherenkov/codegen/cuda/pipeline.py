@@ -48,9 +48,12 @@ _SIGNATURE = "u32 smem, const elem_t* k_head, const elem_t* v_head, int j, int s
 def _emit_load_kv_tile() -> str:
     return block(
         """
-        // Copy K or V tile `tile` of one head into a stage buffer (no commit).
+        // Copy K or V tile `tile` of one head (rows ROW_STRIDE elements apart) into a stage buffer
+        // (no commit).
+        template <int ROW_STRIDE>
         __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
-            load_tile<BLOCK_KV, KV_TAIL>(stage_tile, head + size_t(tile) * BLOCK_KV * HEAD_DIM, SEQ_KV - tile * BLOCK_KV);
+            load_tile<BLOCK_KV, KV_TAIL, ROW_STRIDE>(stage_tile, head + size_t(tile) * BLOCK_KV * ROW_STRIDE,
+                                                     SEQ_KV - tile * BLOCK_KV);
         }
         """
     )
@@ -82,7 +85,7 @@ class KvPipeline:
                 // Start copying K tile `tile` into stage `slot` as one cp.async group (empty past n_tiles).
                 __device__ __forceinline__ void issue_k(u32 smem, const elem_t* k_head, int tile, int slot, int n_tiles) {
                     if (tile < n_tiles) {
-                        load_kv_tile(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                        load_kv_tile<K_ROW_STRIDE>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
                     }
                     cp_async_commit();
                 }
@@ -90,7 +93,7 @@ class KvPipeline:
                 // The same for V tile `tile`.
                 __device__ __forceinline__ void issue_v(u32 smem, const elem_t* v_head, int tile, int slot, int n_tiles) {
                     if (tile < n_tiles) {
-                        load_kv_tile(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                        load_kv_tile<V_ROW_STRIDE>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                     }
                     cp_async_commit();
                 }
@@ -102,8 +105,8 @@ class KvPipeline:
             __device__ __forceinline__ void issue_kv(u32 smem, const elem_t* k_head, const elem_t* v_head,
                                                      int tile, int slot, int n_tiles) {
                 if (tile < n_tiles) {
-                    load_kv_tile(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
-                    load_kv_tile(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                    load_kv_tile<K_ROW_STRIDE>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                    load_kv_tile<V_ROW_STRIDE>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                 }
                 cp_async_commit();
             }
@@ -221,8 +224,8 @@ def _emit_start_kv() -> str:
             #pragma unroll
             for (int box = 0; box < KV_BOXES; ++box) {
                 const u32 offset = u32(slot) * STAGE_BYTES + u32(box) * KV_BOX_BYTES;
-                tma_load_3d(smem + K_SMEM + offset, k_head.map, full, 64 * box, tile * BLOCK_KV, k_head.plane);
-                tma_load_3d(smem + V_SMEM + offset, v_head.map, full, 64 * box, tile * BLOCK_KV, v_head.plane);
+                tma_load_4d(smem + K_SMEM + offset, k_head.map, full, 64 * box, tile * BLOCK_KV, k_head.head, k_head.batch);
+                tma_load_4d(smem + V_SMEM + offset, v_head.map, full, 64 * box, tile * BLOCK_KV, v_head.head, v_head.batch);
             }
         }
         """
@@ -252,7 +255,7 @@ class MbarrierKvPipeline:
     @property
     def source(self) -> str:
         """The C++ type the ring reads a head's K or V from: its first row (cp.async) or its
-        ``KvSource`` (TMA: tensor map and plane)."""
+        ``KvSource`` (TMA: tensor map, K/V head and batch)."""
         return "KvSource" if self.tma else "const elem_t*"
 
     def emit(self) -> str:
@@ -304,8 +307,8 @@ class MbarrierKvPipeline:
                         if (tile >= STAGES) {
                             mbar_wait(empty_barrier(slot), (tile / STAGES - 1) & 1);
                         }
-                        load_kv_tile(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
-                        load_kv_tile(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                        load_kv_tile<K_ROW_STRIDE>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                        load_kv_tile<V_ROW_STRIDE>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                         cp_async_arrive(full_barrier(slot));
                     }
                 }
@@ -342,7 +345,7 @@ class MbarrierKvPipeline:
     def _emit_tma_ring(self) -> list[str]:
         return [
             tma.emit_mbarrier(),
-            tma.emit_tma_load(3),
+            tma.emit_tma_load(4),
             self._emit_barriers() + "\n\n" + _emit_start_kv() + "\n\n" + block(
                 """
                 // Thread 0 starts tile `tile` into stage `slot` once every warp has released the tile
@@ -393,7 +396,7 @@ class MbarrierKvPipeline:
     def _emit_refill_ring(self) -> list[str]:
         return [
             tma.emit_mbarrier(),
-            tma.emit_tma_load(3),
+            tma.emit_tma_load(4),
             block(
                 """
                 // The ring's full barriers and, per stage, how many warps are done with its tile.
@@ -547,10 +550,10 @@ class UnitPipeline:
                                                        int u, int slot, int n_tiles) {
                 const u32 stage = smem + u32(slot) * STAGE_BYTES;
                 if (u < n_tiles) {
-                    load_kv_tile(stage + K_SMEM, k_head, u);
+                    load_kv_tile<K_ROW_STRIDE>(stage + K_SMEM, k_head, u);
                 }
                 if (u >= 1 && u <= n_tiles) {
-                    load_kv_tile(stage + V_SMEM, v_head, u - 1);
+                    load_kv_tile<V_ROW_STRIDE>(stage + V_SMEM, v_head, u - 1);
                 }
                 cp_async_commit();
             }

@@ -82,17 +82,22 @@ def decompose(linear: str, axes: Sequence[str], depth: int, prefix: str) -> tupl
     return lines, env
 
 
-def output_offset(axes: Sequence[str], env: dict[str, Binding], index_type: str) -> str:
-    """The row-major offset of the output element at ``env``."""
+def output_offset(axes: Sequence[str], env: dict[str, Binding], index_type: str,
+                  strides: Sequence[int] | None = None) -> str:  # fmt: skip
+    """The offset of the output element at ``env``: row-major over ``axes``, or at the
+    element ``strides`` of a buffer laid out for its consumer."""
+    if strides is None:
+        running, row_major = 1, []
+        for axis in reversed(axes):
+            row_major.append(running)
+            running *= t.extent(axis)
+        strides = row_major[::-1]
     parts = []
-    stride = 1
-    for axis in reversed(axes):
-        extent = t.extent(axis)
-        if extent > 1:
+    for axis, stride in zip(axes, strides):
+        if t.extent(axis) > 1:
             var = env[axis].expr if index_type == "int" else f"({index_type})({env[axis].expr})"
             parts.append(var if stride == 1 else f"{var} * {stride}")
-        stride *= extent
-    return " + ".join(reversed(parts)) if parts else "0"
+    return " + ".join(parts) if parts else "0"
 
 
 def vector_helpers(dtypes_and_widths: Sequence[tuple[str, int]]) -> str:

@@ -11,10 +11,10 @@
   a producer's first wait on an "empty" barrier passes at once). The init, arrive and wait
   alone (:func:`emit_mbarrier_basics`) also serve the sm_80+ cp.async ring of the
   ``mma.sync`` flash kernel, where the wait polls with ``test_wait`` below sm_90.
-* ``tma_load_3d``: ``cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes``
+* ``tma_load_{rank}d``: ``cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes``
   (``.shared::cta`` in sm_120 builds),
   one box of the tensor map at the given coordinates (innermost first) into shared memory,
-  completing on an mbarrier; ``tma_store_3d`` the other way, from shared memory, tracked
+  completing on an mbarrier; ``tma_store_{rank}d`` the other way, from shared memory, tracked
   as bulk async-groups of the issuing thread.
 * ``fence_proxy_async``, ``fence_barrier_init``; ``reg_alloc<N>`` / ``reg_dealloc<N>``
   (``setmaxnreg``, sm_90a: a warpgroup's per-thread register budget); named barriers

@@ -1,0 +1,161 @@
+"""Real modules through cherenkov against the module itself and ``torch.compile``, one process.
+
+For each module (``tests/search/real_modules.py``: transformers' ``LlamaAttention`` on its
+SDPA and eager paths and ``LlamaDecoderLayer`` at Llama-3-8B dims, timm's ViT-B/16
+``Block``, nanoGPT's ``CausalSelfAttention``), in bf16 with random weights:
+
+1. capture it with ``ck.from_torch`` and search it with ``ck.optimize`` (``--budget`` per
+   module, a private tuning database unless ``--database`` names one);
+2. check ``res.run`` against the module (relative L2 error, float32 comparison);
+3. time four contenders on the same inputs — the module eager, ``torch.compile(module)``
+   (default mode: inductor), cherenkov's ``res.run`` and its CUDA-graph replay
+   (``res.capture``) — with CUDA events, round-robin, L2 flushed before every sample,
+   median of ``--samples``, the host's launch work hidden behind a GPU spin (device time).
+
+Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov``
+(the CUDA-graph replay), ``cherenkov_run``, ``eager``, ``inductor``}, ``speedup``
+{``vs_eager``, ``vs_inductor``} (baseline ms / cherenkov ms), ``rel_error``, ``winners``
+(kernel -> candidate id and kind) and the search's wall time; and prints a table.
+
+    python3 benchmarks/models.py [--modules llama_attention_sdpa,...] [--seq 2048,8192]
+                                 [--budget 120] [--samples 30] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "search"))
+
+import cherenkov as ck  # noqa: E402
+import real_modules  # noqa: E402
+from cherenkov.search.database import TuningDatabase  # noqa: E402
+from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+
+log = logging.getLogger("benchmarks.models")
+
+# (builder, options) per row: the real sizes of the issue's table.
+ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama_attention_sdpa": ("llama_attention_sdpa", {"small": False, "batch": 1}),
+    "llama_attention_eager": ("llama_attention_eager", {"small": False, "batch": 1}),
+    "llama_decoder_layer": ("llama_decoder_layer", {"small": False, "batch": 1}),
+    "vit_block": ("vit_block", {"small": False, "batch": 32}),
+    "nanogpt_attention": ("nanogpt_attention", {"small": False, "batch": 8}),
+}
+SEQUENCED = ("llama_attention_sdpa", "llama_attention_eager", "llama_decoder_layer")
+
+
+def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.Namespace, db: TuningDatabase,
+              torch: Any, flush: Any) -> dict[str, Any]:  # fmt: skip
+    torch.manual_seed(0)
+    real = real_modules.BUILDERS[builder](dtype=torch.bfloat16, device="cuda", **options)
+    graph = ck.from_torch(real.module, *real.inputs)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        result = ck.optimize(graph, out=out, database=db, budget_s=args.budget)
+    search_s = time.perf_counter() - start
+    inputs = {n: torch.from_numpy(a).to("cuda", torch.bfloat16) for n, a in graph.example_inputs().items()}
+    with torch.no_grad():
+        expected = real.module(*real.inputs).float()
+        (got,) = result.run(**inputs).values()
+        error = float((got.float() - expected).norm() / expected.norm())
+        captured = result.capture(**inputs)
+        compiled = torch.compile(real.module)
+        compiled(*real.inputs)  # compile outside the timing
+        launches = {
+            "eager": lambda: real.module(*real.inputs),
+            "inductor": lambda: compiled(*real.inputs),
+            "cherenkov_run": lambda: result.run(**inputs),
+            "cherenkov": captured,
+        }
+        ms = time_interleaved(torch, launches, flush, args.samples, spin=True)
+    winners = {k: {"id": w.result.id, "kind": w.result.kind, "ms": w.time_ms} for k, w in result.kernels.items()}
+    row = {
+        "name": label,
+        "module": real.name,
+        "options": options,
+        "ms": {name: round(value, 4) for name, value in ms.items()},
+        "speedup": {"vs_eager": round(ms["eager"] / ms["cherenkov"], 3),
+                    "vs_inductor": round(ms["inductor"] / ms["cherenkov"], 3)},  # fmt: skip
+        "rel_error": error,
+        "kernels": [k.kind for k in result.partition],
+        "winners": winners,
+        "search_s": round(search_s, 1),
+        "partial": result.summary.partial,
+        "measured": result.summary.measured,
+        "candidates": len(result.candidates),
+    }
+    log.warning("%s", json.dumps(row))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", default=",".join(ROWS))
+    parser.add_argument("--seq", default="2048,8192", help="sequence lengths of the Llama rows")
+    parser.add_argument("--budget", type=float, default=120.0, help="search budget per module, seconds")
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--database", type=Path, help="a tuning database to reuse (default: a private one)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    import torch
+    import timm
+    import transformers
+
+    flush = l2_flush_buffer(torch)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        db_path = args.database or Path(scratch) / "tuning.sqlite"
+        with TuningDatabase(db_path) as db:
+            for name in args.modules.split(","):
+                builder, options = ROWS[name]
+                for seq in [int(s) for s in args.seq.split(",")] if name in SEQUENCED else [None]:
+                    row_options = dict(options, **({"seq": seq} if seq else {}))
+                    label = f"{name}_s{seq}" if seq else name
+                    try:
+                        rows.append(benchmark(label, builder, row_options, args, db, torch, flush))
+                    except Exception as error:  # noqa: BLE001 - a failing row is reported, the rest still run
+                        log.warning("%s failed: %s", label, error)
+                        rows.append({"name": label, "error": f"{type(error).__name__}: {error}"[:2000]})
+                    torch.cuda.empty_cache()
+    today = datetime.date.today().isoformat()
+    gpu = torch.cuda.get_device_name(0)
+    document = {
+        "benchmark": "models",
+        "date": today,
+        "gpu": gpu,
+        "versions": {"cherenkov": ck.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "timm": timm.__version__, "cuda": torch.version.cuda},  # fmt: skip
+        "budget_s": args.budget,
+        "samples": args.samples,
+        "timing": "CUDA events, contenders round-robin, L2 flushed, median, host launch hidden behind a GPU spin",
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"models-{gpu.split()[-1].lower()}-{today}.json"
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {path}")
+    print(f"{'row':32} {'cherenkov':>10} {'eager':>8} {'inductor':>9} {'x eager':>8} {'x ind.':>7} {'error':>8}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['name']:32} failed: {row['error'][:120]}")
+            continue
+        ms, speedup = row["ms"], row["speedup"]
+        print(f"{row['name']:32} {ms['cherenkov']:10.3f} {ms['eager']:8.3f} {ms['inductor']:9.3f} "
+              f"{speedup['vs_eager']:8.2f} {speedup['vs_inductor']:7.2f} {row['rel_error']:8.2e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
