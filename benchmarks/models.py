@@ -17,8 +17,11 @@ Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov
 {``vs_eager``, ``vs_inductor``} (baseline ms / cherenkov ms), ``rel_error``, ``winners``
 (kernel -> candidate id and kind) and the search's wall time; and prints a table.
 
-    python3 benchmarks/models.py [--modules llama_attention_sdpa,...] [--seq 2048,8192]
+    python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,...]
                                  [--budget 120] [--samples 30] [--out DIR]
+
+A Llama row names its sequence length (``_s2048``); the JSON is rewritten after every row,
+so a run cut short keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -54,6 +57,20 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "nanogpt_attention": ("nanogpt_attention", {"small": False, "batch": 8}),
 }
 SEQUENCED = ("llama_attention_sdpa", "llama_attention_eager", "llama_decoder_layer")
+DEFAULT_ROWS = ",".join([f"{name}_s{seq}" for name in SEQUENCED for seq in (2048, 8192)] + ["vit_block",
+                                                                                            "nanogpt_attention"])
+
+
+def row_spec(label: str) -> tuple[str, dict[str, Any]]:
+    """``llama_decoder_layer_s8192`` -> its builder and options (the sequence length set)."""
+    name, _, seq = label.rpartition("_s")
+    if name in SEQUENCED and seq.isdigit():
+        builder, options = ROWS[name]
+        return builder, dict(options, seq=int(seq))
+    if label not in ROWS or label in SEQUENCED:
+        raise SystemExit(f"unknown row {label!r}: Llama rows end in _s<sequence length>; others: "
+                         f"{', '.join(n for n in ROWS if n not in SEQUENCED)}")  # fmt: skip
+    return ROWS[label]
 
 
 def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.Namespace, db: TuningDatabase,
@@ -102,8 +119,7 @@ def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modules", default=",".join(ROWS))
-    parser.add_argument("--seq", default="2048,8192", help="sequence lengths of the Llama rows")
+    parser.add_argument("--rows", default=DEFAULT_ROWS)
     parser.add_argument("--budget", type=float, default=120.0, help="search budget per module, seconds")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--database", type=Path, help="a tuning database to reuse (default: a private one)")
@@ -115,21 +131,7 @@ def main() -> None:
     import transformers
 
     flush = l2_flush_buffer(torch)
-    rows = []
-    with tempfile.TemporaryDirectory() as scratch:
-        db_path = args.database or Path(scratch) / "tuning.sqlite"
-        with TuningDatabase(db_path) as db:
-            for name in args.modules.split(","):
-                builder, options = ROWS[name]
-                for seq in [int(s) for s in args.seq.split(",")] if name in SEQUENCED else [None]:
-                    row_options = dict(options, **({"seq": seq} if seq else {}))
-                    label = f"{name}_s{seq}" if seq else name
-                    try:
-                        rows.append(benchmark(label, builder, row_options, args, db, torch, flush))
-                    except Exception as error:  # noqa: BLE001 - a failing row is reported, the rest still run
-                        log.warning("%s failed: %s", label, error)
-                        rows.append({"name": label, "error": f"{type(error).__name__}: {error}"[:2000]})
-                    torch.cuda.empty_cache()
+    specs = {label: row_spec(label) for label in args.rows.split(",")}
     today = datetime.date.today().isoformat()
     gpu = torch.cuda.get_device_name(0)
     document = {
@@ -141,11 +143,22 @@ def main() -> None:
         "budget_s": args.budget,
         "samples": args.samples,
         "timing": "CUDA events, contenders round-robin, L2 flushed, median, host launch hidden behind a GPU spin",
-        "rows": rows,
+        "rows": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"models-{gpu.split()[-1].lower()}-{today}.json"
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    rows = document["rows"]
+    with tempfile.TemporaryDirectory() as scratch:
+        db_path = args.database or Path(scratch) / "tuning.sqlite"
+        with TuningDatabase(db_path) as db:
+            for label, (builder, options) in specs.items():
+                try:
+                    rows.append(benchmark(label, builder, options, args, db, torch, flush))
+                except Exception as error:  # noqa: BLE001 - a failing row is reported, the rest still run
+                    log.warning("%s failed: %s", label, error)
+                    rows.append({"name": label, "error": f"{type(error).__name__}: {error}"[:2000]})
+                torch.cuda.empty_cache()
+                path.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {path}")
     print(f"{'row':32} {'cherenkov':>10} {'eager':>8} {'inductor':>9} {'x eager':>8} {'x ind.':>7} {'error':>8}")
     for row in rows:

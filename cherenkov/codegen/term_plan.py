@@ -686,12 +686,15 @@ def tma_matrix(operand: Term, rows: tuple[str, ...], k_axis: str, kmajor: bool,
                tensors: Mapping[str, TensorInfo]) -> tuple[int, int] | None:  # fmt: skip
     """``(inner, outer)`` extents of an operand read as a plain row-major matrix — its index
     is exactly its row axes then k (K-major) or k then its row axes (MN-major), over the
-    tensor's whole shape — for a 2-D TMA tensor map; None for any other read."""
+    tensor's whole shape, where dimensions of extent 1 read at 0 do not count (a batch of
+    one: ``x[0, s, k]``) — for a 2-D TMA tensor map; None for any other read."""
     if operand[0] != "Tensor":
         return None
     order = (*rows, k_axis) if kmajor else (k_axis, *rows)
     info = tensors[operand[1]]
-    if tuple(t.ix_items(operand[2])) != tuple(t.ax(x) for x in order) or info.shape != tuple(t.extent(x) for x in order):
+    unit = t.ix_lit(0)
+    kept = [(ix, size) for ix, size in zip(t.ix_items(operand[2]), info.shape) if not (ix == unit and size == 1)]
+    if [ix for ix, _ in kept] != [t.ax(x) for x in order] or [size for _, size in kept] != [t.extent(x) for x in order]:
         return None
     rows_extent = math.prod(t.extent(x) for x in rows)
     k = t.extent(k_axis)
@@ -725,7 +728,8 @@ def tma_store_problems(plan: TermKernelPlan, layout: GemmLayout) -> list[str]:
     elif (s.warpgroup_m // WGMMA_M) * (s.block_n // STORE_BOX) % s.store_boxes:
         reasons.append(f"a warpgroup's {s.warpgroup_m}x{s.block_n} tile is not a whole number of rounds of "
                        f"{s.store_boxes} {STORE_BOX}x{STORE_BOX} staging boxes")
-    if tuple(plan.kernel.axes) != (*layout.m_axes, *layout.n_axes):
+    if tuple(a for a in plan.kernel.axes if t.extent(a) > 1) != tuple(a for a in (*layout.m_axes, *layout.n_axes)
+                                                                  if t.extent(a) > 1):  # fmt: skip
         reasons.append("the output is not a row-major M x N matrix (TMA stores write a 2-D tensor map)")
     if layout.n * DTYPE_BYTES[plan.output.dtype] % 16:
         reasons.append(f"output rows of N {layout.n} are not a multiple of 16 bytes (a TMA store's row stride)")

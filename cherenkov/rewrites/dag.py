@@ -13,9 +13,10 @@ buffer is dead (:func:`last_readers`: when an intermediate can be freed).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 class Kernel(Protocol):
@@ -25,8 +26,12 @@ class Kernel(Protocol):
 
 def kernel_dag(kernels: Iterable[Kernel], reads: Callable[[Kernel], Iterable[str]] | None = None) -> nx.DiGraph:
     """The DAG of ``kernels`` (each node ``kernel`` attribute: the kernel writing it);
-    ``reads`` gives the buffers a kernel reads (default: its ``reads``)."""
-    dag = nx.DiGraph()
+    ``reads`` gives the buffers a kernel reads (default: its ``reads``). networkx is
+    imported here, on first use (it takes a noticeable part of a second), so a derivation
+    that asks the DAG nothing — a remembered answer of plain attention — never loads it."""
+    import networkx
+
+    dag = networkx.DiGraph()
     for kernel in kernels:
         dag.add_node(kernel.output, kernel=kernel)
         dag.add_edges_from((name, kernel.output) for name in (reads(kernel) if reads else kernel.reads))
@@ -40,9 +45,11 @@ def readers(dag: nx.DiGraph, buffer: str) -> list[str]:
 
 def needed(dag: nx.DiGraph, outputs: Iterable[str]) -> set[str]:
     """Every buffer the ``outputs`` depend on, themselves included."""
+    import networkx
+
     result = set(outputs)
     for output in list(result):
-        result |= nx.ancestors(dag, output)
+        result |= networkx.ancestors(dag, output)
     return result
 
 

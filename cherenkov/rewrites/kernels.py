@@ -311,11 +311,13 @@ def laid_out_for_consumers(kernels: list[FusedKernel], outputs: frozenset[str]) 
     the producer writes at the view's strides and the consumer reads a plain tensor (the
     GEMM after attention a row-major matrix)."""
     result = list(kernels)
+    producers = [(i, k) for i, k in enumerate(kernels)
+                 if k.kind in RELAID_KINDS and k.output not in outputs and k.buffer is None]  # fmt: skip
+    if not producers:
+        return result
     kernel_graph = dag.kernel_dag(kernels)
     position_of = {k.output: i for i, k in enumerate(kernels)}
-    for position, producer in enumerate(kernels):
-        if producer.kind not in RELAID_KINDS or producer.output in outputs or producer.buffer is not None:
-            continue
+    for position, producer in producers:
         readers = dag.readers(kernel_graph, producer.output)
         if len(readers) != 1:
             continue
@@ -419,18 +421,18 @@ def absorptions(kernels: list[FusedKernel], outputs: frozenset[str]) -> dict[str
     """For each kernel that can absorb its producer: ``consumer output -> (producer output,
     absorbed kernel)``. Only producers whose buffer no other kernel reads and that are not
     graph outputs qualify: absorbing one must leave it with nothing to do."""
-    kernel_graph = dag.kernel_dag(kernels)
     producers = {k.output: k for k in kernels}
+    pairs = [(consumer, producers[name]) for consumer in kernels if consumer.kind == "contraction"
+             for name in consumer.reads
+             if name in producers and producers[name].kind in ABSORBABLE_PRODUCERS and name not in outputs]  # fmt: skip
+    kernel_graph = dag.kernel_dag(kernels) if pairs else None  # only where there is something to ask
     result = {}
-    for consumer in kernels:
-        for name in consumer.reads:
-            producer = producers.get(name)
-            if producer is None or len(dag.readers(kernel_graph, name)) != 1 or name in outputs:
-                continue
-            fused = absorbed(consumer, producer)
-            if fused is not None:
-                result[consumer.output] = (name, fused)
-                break
+    for consumer, producer in pairs:
+        if consumer.output in result or len(dag.readers(kernel_graph, producer.output)) != 1:
+            continue
+        fused = absorbed(consumer, producer)
+        if fused is not None:
+            result[consumer.output] = (producer.output, fused)
     return result
 
 

@@ -186,6 +186,21 @@ def test_tma_tensor_maps_follow_the_layouts() -> None:
         assert tensor_maps(plans[2]) == (*expected, OperandMap("y", (328, 200), 656, (64, 64))), "the output's"
 
 
+def test_a_batch_of_one_is_a_plain_matrix_for_tma() -> None:
+    """A projection of ``x (1, S, K)`` (a captured module's input, read ``x[0, s, k]``) by an
+    ``nn.Linear`` weight ``(N, K)``: TMA maps of the matrices without the unit batch, and TMA
+    stores of the ``(1, S, N)`` output."""
+    g = ck.Graph("projection")
+    x, w = g.input("x", (1, 200, 136), "bf16"), g.input("w", (328, 136), "bf16")
+    g.output(x @ w.transpose(0, 1), "y")
+    plans = {p.schedule.store_boxes: p for p in wgmma_plans(g)
+             if isinstance(p.schedule, TmaGemmSchedule) and p.schedule.block_n == 256 and p.schedule.persistent}  # fmt: skip
+    assert set(plans) == {0, 1, 2}
+    maps = tensor_maps(plans[2])
+    assert {m.tensor for m in maps} == {"x", "w", "y"} and all(len(m.dims) == 2 for m in maps)
+    assert sorted(m.dims for m in maps) == sorted([(136, 200), (136, 328), (328, 200)])
+
+
 def test_split_k_only_for_few_tiles() -> None:
     def splits(m: int, n: int, k: int) -> dict[tuple[int, int], int]:
         plans = wgmma_plans(matmul_graph(False, False, m, n, k))
