@@ -100,14 +100,16 @@ def vit_block(small: bool = True, batch: int = 4, dtype: Any = None, device: str
     return RealModule("timm ViT Block", block, (x,), causal=False)
 
 
-def nanogpt_attention(small: bool = True, batch: int = 2, dtype: Any = None, device: str = "cpu") -> RealModule:
-    """nanoGPT's ``CausalSelfAttention`` (GPT-2 small: d 768, 12 heads, T 1024), its manual
-    path: a ``tril`` buffer, ``masked_fill``, softmax, ``@ v``."""
+def nanogpt_attention(small: bool = True, batch: int = 2, dtype: Any = None, device: str = "cpu",
+                      dims: tuple[int, int, int] | None = None) -> RealModule:  # fmt: skip
+    """nanoGPT's ``CausalSelfAttention`` (GPT-2 small: d 768, 12 heads, T 1024; ``dims``
+    overrides width, heads and tokens), its manual path: a ``tril`` buffer,
+    ``masked_fill``, softmax, ``@ v``."""
     import torch
     from torch import nn
     from torch.nn import functional
 
-    width, heads, tokens = (128, 2, 64) if small else (768, 12, 1024)
+    width, heads, tokens = dims or ((128, 2, 64) if small else (768, 12, 1024))
 
     class CausalSelfAttention(nn.Module):
         def __init__(self) -> None:

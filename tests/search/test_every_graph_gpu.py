@@ -215,28 +215,12 @@ def test_transformer_block(gpu, tmp_path) -> None:
 
 
 def test_captured_nanogpt_attention_derives_flash_and_matches_the_module(gpu, tmp_path) -> None:
+    import real_modules
+
     torch = gpu
-    nn, functional = torch.nn, torch.nn.functional
-
-    class CausalSelfAttention(nn.Module):
-        """nanoGPT's explicit attention: a tril buffer, masked_fill, softmax, @ v."""
-
-        def __init__(self, n_embd: int = 256, n_head: int = 4, block_size: int = 128) -> None:
-            super().__init__()
-            self.c_attn, self.c_proj, self.n_head = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd), n_head
-            self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
-
-        def forward(self, x):
-            b, t, c = x.size()
-            q, k, v = self.c_attn(x).split(c, dim=2)
-            q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-            att = (q @ k.transpose(-2, -1)) * (1.0 / (k.size(-1) ** 0.5))
-            att = functional.softmax(att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")), dim=-1)
-            return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
-
     torch.manual_seed(0)
-    module = CausalSelfAttention().to(torch.bfloat16).eval()
-    x = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    real = real_modules.nanogpt_attention(batch=2, dtype=torch.bfloat16, dims=(256, 4, 128))
+    module, (x,) = real.module, real.inputs
     graph = ck.from_torch(module, x)
     derivation = ck.derive(graph)
     assert derivation.found("flash_attention") and "flash_attention" in [k.kind for k in derivation.kernels]
