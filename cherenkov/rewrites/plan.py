@@ -10,6 +10,7 @@ shared-memory total equal to :func:`flash_smem_bytes`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -168,13 +169,18 @@ class AttentionProblem:
 
     def layout_problems(self) -> list[str]:
         """Why the layouts cannot be read with 16-byte copies; empty when they can."""
+        return list(self._layout_problems)
+
+    @functools.cached_property
+    def _layout_problems(self) -> tuple[str, ...]:
+        # once a problem: the schedule enumeration asks it for hundreds of thousands of schedules
         reasons = []
         for role in ATTENTION_ROLES:
             layout = self.layout(role)
             if any(v % LAYOUT_ALIGN for v in (*layout.strides(), layout.offset)):
                 reasons.append(f"{role}'s strides {layout.strides()} and offset {layout.offset} are not multiples of "
                                f"{LAYOUT_ALIGN} elements (16-byte copies)")
-        return reasons
+        return tuple(reasons)
 
     @classmethod
     def from_json(cls, data: dict) -> AttentionProblem:
