@@ -219,19 +219,35 @@ class TmaGemmSchedule(WgmmaTile):
     ``store_boxes`` > 0: the epilogue stages the output in that many ``STORE_BOX`` ×
     ``STORE_BOX`` boxes of shared memory a consumer warpgroup, each stored by the copy engine
     (a TMA store) while the warpgroup goes on to the next box and tile; the output must be
-    a plain row-major matrix too. 0: every thread stores its accumulators itself."""
+    a plain row-major matrix too. 0: every thread stores its accumulators itself.
+
+    ``staged_sources`` > 0 (with ``store_boxes``): the first that many of the epilogue's
+    source matrices (:func:`epilogue_sources`: ``M × N`` tensors the epilogue reads at the
+    output's own element, a residual or the other half of a gated product) come into
+    staging boxes of their own by TMA loads — issued when a tile starts, so they land while
+    its k steps run — instead of one global load per element after the last k step; the
+    result is written over the first source's box and stored from there."""
 
     persistent: bool = True
     store_boxes: int = 0
+    staged_sources: int = 0
     split_k: ClassVar[int] = 1  # no split-K: one block owns a tile
 
     @property
     def threads(self) -> int:
         return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
 
+    @property
+    def staging_boxes(self) -> int:
+        """``STORE_BOX × STORE_BOX`` boxes of shared memory a consumer warpgroup stages in: one
+        set of ``store_boxes`` for the output, or one a staged source (the output overwrites
+        the first source's)."""
+        return self.store_boxes * max(1, self.staged_sources)
+
     def key(self) -> str:
         stores = f"_o{self.store_boxes}" if self.store_boxes else ""
-        return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}{stores}"
+        sources = f"_src{self.staged_sources}" if self.staged_sources else ""
+        return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}{stores}{sources}"
 
 
 PERSISTENT_BLOCKS = 132  # SMs of an H100 SXM / H200: a persistent GEMM's grid (launch caps it at the device's)
@@ -249,7 +265,9 @@ def wgmma_smem_bytes(schedule: WgmmaGemmSchedule | TmaGemmSchedule) -> int:
     ring = s.stages * (s.block_m + s.block_n) * s.block_k * 2 + SWIZZLE_ALIGN
     if not isinstance(s, TmaGemmSchedule):
         return ring
-    return ring + 2 * s.stages * MBARRIER_BYTES + s.store_boxes * s.consumer_warpgroups * STORE_BOX_BYTES
+    source_barriers = s.store_boxes * s.consumer_warpgroups * MBARRIER_BYTES if s.staged_sources else 0
+    return (ring + 2 * s.stages * MBARRIER_BYTES + s.staging_boxes * s.consumer_warpgroups * STORE_BOX_BYTES
+            + source_barriers)  # fmt: skip
 
 
 Schedule = PointwiseSchedule | RowSchedule | GemmSchedule | WgmmaGemmSchedule | TmaGemmSchedule
@@ -312,6 +330,11 @@ TMA_GEMM_SCHEDULES = (
     TmaGemmSchedule(128, 256, 64, 2, 4, False),
     TmaGemmSchedule(128, 128, 64, 2, 6, True, 2),
     TmaGemmSchedule(128, 128, 64, 2, 6, True),
+    # epilogues that read M x N sources (valid only where the kernel has them)
+    TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, 1),
+    TmaGemmSchedule(128, 256, 64, 2, 3, True, 4, 1),
+    TmaGemmSchedule(128, 256, 64, 2, 3, True, 2, 2),
+    TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, 1),
 )
 
 
@@ -721,10 +744,10 @@ def tma_store_problems(plan: TermKernelPlan, layout: GemmLayout) -> list[str]:
     and a tile's boxes a whole number of rounds of the staging buffers."""
     s = plan.schedule
     if not s.store_boxes:
-        return []
+        return ["staged sources go through the output's staging boxes (store_boxes > 0)"] if s.staged_sources else []
     reasons = []
-    if s.store_boxes not in (1, 2):
-        reasons.append(f"store_boxes {s.store_boxes} (0, 1 or 2 staging boxes a warpgroup)")
+    if s.store_boxes not in (1, 2, 4):
+        reasons.append(f"store_boxes {s.store_boxes} (0, 1, 2 or 4 staging boxes a warpgroup)")
     elif (s.warpgroup_m // WGMMA_M) * (s.block_n // STORE_BOX) % s.store_boxes:
         reasons.append(f"a warpgroup's {s.warpgroup_m}x{s.block_n} tile is not a whole number of rounds of "
                        f"{s.store_boxes} {STORE_BOX}x{STORE_BOX} staging boxes")
@@ -733,7 +756,33 @@ def tma_store_problems(plan: TermKernelPlan, layout: GemmLayout) -> list[str]:
         reasons.append("the output is not a row-major M x N matrix (TMA stores write a 2-D tensor map)")
     if layout.n * DTYPE_BYTES[plan.output.dtype] % 16:
         reasons.append(f"output rows of N {layout.n} are not a multiple of 16 bytes (a TMA store's row stride)")
+    sources = epilogue_sources(plan.kernel, layout, plan.tensor_map)
+    if s.staged_sources > len(sources):
+        reasons.append(f"{s.staged_sources} staged sources, but the epilogue reads {len(sources)} M x N source "
+                       "matrices of the output's dtype")
     return reasons
+
+
+def epilogue_sources(kernel: FusedKernel, layout: GemmLayout, tensors: Mapping[str, TensorInfo]) -> tuple[Term, ...]:
+    """The reads of a GEMM kernel's epilogue that are whole row-major ``M × N`` matrices read
+    at the output's own element (``r[m, n]``; unit dimensions read at 0 do not count) in the
+    output's dtype — a residual, the other factor of a gated product — in a stable order:
+    what a TMA kernel can load as boxes shaped like its output's (``staged_sources``)."""
+    inside = set(t.subterms(layout.core))
+    order = [t.ax(x) for x in (*layout.m_axes, *layout.n_axes) if t.extent(x) > 1]
+    sizes = [t.extent(x) for x in (*layout.m_axes, *layout.n_axes) if t.extent(x) > 1]
+    output_dtype = tensors[identifier(kernel.output)].dtype
+    found = []
+    for read in _reads(kernel.term):
+        if read in inside or read in found:
+            continue
+        info = tensors[read[1]]
+        kept = [(ix, size) for ix, size in zip(t.ix_items(read[2]), info.shape)
+                if not (size == 1 and (ix == t.ix_lit(0) or (ix[0] == "Ax" and t.extent(ix[1]) == 1)))]  # fmt: skip
+        if ([ix for ix, _ in kept] == order and [size for _, size in kept] == sizes and info.dtype == output_dtype
+                and info.dtype in ("bf16", "fp16")):  # fmt: skip
+            found.append(read)
+    return tuple(sorted(found, key=repr))
 
 
 def norm_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:

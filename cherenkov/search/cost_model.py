@@ -291,7 +291,14 @@ WGMMA_TILE_EFFICIENCY = {(128, 256, 2, 4): 0.47, (256, 128, 2, 4): 0.45, (128, 1
 TMA_TILE_EFFICIENCY = {
     (128, 256, 4, True, 0): 0.70, (128, 256, 4, False, 0): 0.68, (128, 128, 6, True, 0): 0.64,
     (128, 256, 4, True, 2): 0.76, (128, 256, 4, True, 1): 0.755, (128, 128, 6, True, 2): 0.73,
+    (128, 256, 3, True, 4): 0.74, (128, 256, 3, True, 2): 0.74,  # the staged-source tiles (3 stages: guessed)
 }
+# An epilogue that loads M x N sources element by element (a residual, a gated product's
+# other factor) after the last k step exposes their latency once a 64x64 box: about this
+# many k steps' worth of time a tile (H200, Llama-3-8B MLP at S 8192: the gated GEMM at
+# K 4096 ran at 0.71x the plain one, the down GEMM with two residuals at K 14336 at 0.91x);
+# staged sources (TmaGemmSchedule.staged_sources) land during the k steps instead.
+UNSTAGED_SOURCE_STEPS = 24
 EVALUATED_OPERAND_PENALTY = 0.6  # a GEMM operand computed element by element instead of cp.async copies
 
 
@@ -307,8 +314,10 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     from cherenkov.codegen.cuda.term_kernels import term_grid
     from cherenkov.codegen.term_plan import (
         ROW_KINDS,
+        WGMMA_BLOCK_K,
         RowSchedule,
         TmaGemmSchedule,
+        epilogue_sources,
         gemm_layout,
         gemm_smem_bytes,
         wgmma_smem_bytes,
@@ -342,6 +351,10 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     elif family == "wgmma" and isinstance(schedule, TmaGemmSchedule):
         tile = (schedule.block_m, schedule.block_n, schedule.stages, schedule.persistent, schedule.store_boxes)
         efficiency = TMA_TILE_EFFICIENCY.get(tile, 0.5) * waves  # persistent grids: min(tiles, SMs) blocks
+        layout = gemm_layout(plan.kernel, plan.tensor_map)
+        if len(epilogue_sources(plan.kernel, layout, plan.tensor_map)) > schedule.staged_sources:
+            steps = math.ceil(layout.k / WGMMA_BLOCK_K)
+            efficiency *= steps / (steps + UNSTAGED_SOURCE_STEPS)
         compute_ms = flops / (gpu.wgmma_tflops * 1e12 * efficiency) * 1e3
         memory = MEMORY_EFFICIENCY["mma"]
     elif family == "wgmma":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,7 @@ from cherenkov.codegen.term_plan import (
     TermKernelPlan,
     TmaGemmSchedule,
     WgmmaGemmSchedule,
+    epilogue_sources,
     gemm_layout,
     term_plan_problems,
     wgmma_schedules,
@@ -75,6 +77,22 @@ def batched_bias_gelu_graph(batch: int = 2, m: int = 72, n: int = 200, k: int = 
     return g
 
 
+def gated_graph(m: int = 200, n: int = 328, k: int = 136) -> ck.Graph:
+    """A SwiGLU half: ``silu(a @ b) * u``, ``u`` an ``M × N`` source the epilogue reads."""
+    g = ck.Graph("gated")
+    a, b, u = g.input("a", (m, k), "bf16"), g.input("b", (k, n), "bf16"), g.input("u", (m, n), "bf16")
+    g.output(ck.nn.silu(a @ b) * u, "y")
+    return g
+
+
+def residuals_graph(m: int = 200, n: int = 328, k: int = 136) -> ck.Graph:
+    """A down projection and a decoder layer's two residuals: ``a @ b + r + s``."""
+    g = ck.Graph("residuals")
+    a, b = g.input("a", (m, k), "bf16"), g.input("b", (k, n), "bf16")
+    g.output(a @ b + g.input("r", (m, n), "bf16") + g.input("s", (m, n), "bf16"), "y")
+    return g
+
+
 def prologue_graph() -> ck.Graph:
     """A contraction whose A operand is evaluated (a scale and SiLU prologue)."""
     g = ck.Graph("prologue")
@@ -113,6 +131,8 @@ GRAPHS = {
     "split_tails": lambda: matmul_graph(False, False, 72, 328, 1000),
     "split_nt_odd_n": lambda: matmul_graph(False, True, 72, 327, 1000),
     "split_bmm_bias_gelu": batched_bias_gelu_graph,
+    "gated_tails": gated_graph,
+    "residuals_tails": residuals_graph,
 }  # fmt: skip
 
 
@@ -143,7 +163,8 @@ def test_every_schedule_is_offered_first_on_sm90a() -> None:
         ), name
         tma_offered = [s for s in valid if isinstance(s, TmaGemmSchedule)]
         stores = layout.n % 8 == 0  # 16-byte output rows: TMA stores
-        expected = [s for s in TMA_GEMM_SCHEDULES if stores or not s.store_boxes]
+        sources = len(epilogue_sources(plans[0].kernel, layout, plans[0].tensor_map))
+        expected = [s for s in TMA_GEMM_SCHEDULES if (stores or not s.store_boxes) and s.staged_sources <= sources]
         assert tma_offered == ([] if layout.batch_size > 1 else expected), name
         assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}, name
 
@@ -201,6 +222,56 @@ def test_a_batch_of_one_is_a_plain_matrix_for_tma() -> None:
     assert sorted(m.dims for m in maps) == sorted([(136, 200), (136, 328), (328, 200)])
 
 
+def test_epilogue_sources_are_output_shaped_reads() -> None:
+    """A residual or a gated product's other factor read at the output's own element is a
+    source; a bias vector, a transposed matrix or an operand of the contraction is not."""
+
+    def sources(graph: ck.Graph) -> list[str]:
+        plan = wgmma_plans(graph)[0]
+        return [r[1] for r in epilogue_sources(plan.kernel, gemm_layout(plan.kernel, plan.tensor_map),
+                                               plan.tensor_map)]  # fmt: skip
+
+    assert sources(gated_graph()) == ["u"]
+    assert sources(residuals_graph()) == ["r", "s"]
+    assert sources(bias_gelu_graph()) == [] and sources(matmul_graph(False, False, 200, 328, 136)) == []
+    g = ck.Graph("transposed_residual")
+    a, b, r = g.input("a", (200, 136), "bf16"), g.input("b", (136, 328), "bf16"), g.input("r", (328, 200), "bf16")
+    g.output(a @ b + r.transpose(0, 1), "y")
+    assert sources(g) == []
+
+
+@pytest.mark.parametrize(
+    "graph, schedule, reason",
+    [
+        ("nn_tails", TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, 1), "reads 0 M x N source"),
+        ("gated_tails", TmaGemmSchedule(128, 256, 64, 2, 3, True, 2, 2), "reads 1 M x N source"),
+        ("gated_tails", TmaGemmSchedule(128, 256, 64, 2, 4, True, 0, 1), "store_boxes > 0"),
+        ("residuals_tails", TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, 2), "shared memory"),
+    ],
+)
+def test_staged_sources_need_sources_staging_and_room(graph, schedule, reason) -> None:
+    plan = wgmma_plans(GRAPHS[graph]())[0]
+    bad = TermKernelPlan(plan.kind, plan.kernel, schedule, SM90A, plan.tensors)
+    assert any(reason in p for p in term_plan_problems(bad)), term_plan_problems(bad)
+
+
+def test_staged_sources_have_their_boxes_maps_and_loads() -> None:
+    one, two = TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, 1), TmaGemmSchedule(128, 256, 64, 2, 3, True, 2, 2)
+    assert one.key() == "wgmma_tma_m128_n256_k64_wg2_s4_p_o2_src1" and one.staging_boxes == 2
+    assert wgmma_smem_bytes(one) == wgmma_smem_bytes(replace(one, staged_sources=0)) + 2 * 2 * 8
+    assert wgmma_smem_bytes(two) == 3 * 384 * 64 * 2 + 1024 + 2 * 3 * 8 + 2 * 2 * 2 * 64 * 128 + 2 * 2 * 8
+    plans = {p.schedule: p for p in wgmma_plans(residuals_graph())}
+    y, r, s = (OperandMap(name, (328, 200), 656, (64, 64)) for name in "yrs")
+    assert tensor_maps(plans[one])[2:] == (y, r) and tensor_maps(plans[two])[2:] == (y, r, s)
+    text = cuda_source(plans[two])
+    assert "TensorMap s0_map" in text and "TensorMap s1_map" in text and "constexpr int SOURCES = 2;" in text
+    assert "tma_load_2d(source_box(1, buffer), &s1_map, bar, column, row);" in text
+    assert "unpack_lo(src0)" in text and "unpack_hi(src1)" in text
+    assert "ck_from_bf16(t_" not in text, "the staged sources are not read from global memory"
+    once = cuda_source(plans[one])
+    assert "unpack_lo(src0)" in once and "ck_from_bf16(t_s[" in once, "the second source is read as before"
+
+
 def test_split_k_only_for_few_tiles() -> None:
     def splits(m: int, n: int, k: int) -> dict[tuple[int, int], int]:
         plans = wgmma_plans(matmul_graph(False, False, m, n, k))
@@ -243,7 +314,8 @@ def test_not_offered_for_evaluated_operands() -> None:
 def test_an_absorbed_rms_norm_runs_in_the_tma_and_mma_families() -> None:
     plans = absorbed_plans(NORM_GRAPHS["weight_1024x1536x2048"]())
     # the weight (3 KiB of static shared memory) leaves room for one staging box a warpgroup
-    assert [p.schedule for p in plans if p.family == "wgmma"] == [s for s in TMA_GEMM_SCHEDULES if s.store_boxes < 2]
+    assert [p.schedule for p in plans if p.family == "wgmma"] == [s for s in TMA_GEMM_SCHEDULES
+                                                                  if s.store_boxes < 2 and not s.staged_sources]
     assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}
     layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
     assert layout.norm is not None and layout.norm_operand == "a" and layout.a == layout.norm.x
@@ -382,6 +454,15 @@ GPU_CASES = {
     "decode_64x2048x8192": (lambda: matmul_graph(False, False, 64, 2048, 8192), _matmul_reference(False, False)),
     # 256 tiles of 128x256: persistent blocks take two, the staging boxes and the ring run on across them
     "nn_2048x4096x512": (lambda: matmul_graph(False, False, 2048, 4096, 512), _matmul_reference(False, False)),
+    # staged sources: tails, and rounds of the source buffers running on across a block's tiles
+    "gated_tails": (gated_graph, lambda torch, x: torch.nn.functional.silu(x["a"].float() @ x["b"].float())
+                    * x["u"].float()),
+    "gated_2048x4096x512": (lambda: gated_graph(2048, 4096, 512), lambda torch, x: torch.nn.functional.silu(
+        x["a"].float() @ x["b"].float()) * x["u"].float()),
+    "residuals_tails": (residuals_graph, lambda torch, x: x["a"].float() @ x["b"].float() + x["r"].float()
+                        + x["s"].float()),
+    "residuals_2048x4096x512": (lambda: residuals_graph(2048, 4096, 512), lambda torch, x: x["a"].float()
+                                @ x["b"].float() + x["r"].float() + x["s"].float()),
 }  # fmt: skip
 
 

@@ -33,6 +33,7 @@ Launch: grid ``(ceil(N / BN), ceil(M / BM), BATCH)``, ``32 · warps`` threads,
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from cherenkov.codegen.cuda.term_common import (
     decompose,
@@ -51,6 +52,7 @@ from cherenkov.codegen.cuda.text import block
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.term_plan import GEMM_SMEM_PAD, GemmLayout, gemm_layout, gemm_smem_bytes, mma_problems
 from cherenkov.rewrites import terms as t
+from cherenkov.rewrites.terms import Term
 
 def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     layout = gemm_layout(plan.kernel, tensor_infos(plan))
@@ -307,16 +309,21 @@ def epilogue_pair_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: di
 
 
 def epilogue_pair_values(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
-                         accumulators: tuple[str, str]) -> tuple[list[str], list[str], dict[str, Binding]]:  # fmt: skip
+                         accumulators: tuple[str, str], sources: Mapping[Term, tuple[str, str]] | None = None,
+                         ) -> tuple[list[str], list[str], dict[str, Binding]]:  # fmt: skip
     """``(statements, values, env)``: the kernel's term at output columns ``n`` and ``n + 1``
-    of row ``m`` (both in range), with ``accumulators`` in place of its contraction — the
+    of row ``m`` (both in range), with ``accumulators`` in place of its contraction and each
+    read of ``sources`` by its two given fp32 values (a staged source's pair) — the
     statements that bind them, the two fp32 value expressions and column ``n``'s index
     bindings — for an epilogue that stores the pair itself."""
     depth = em.push()
     m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
     values, envs, lines = [], [], list(m_lines)
-    for accumulator, column, prefix in zip(accumulators, ("n", "(n + 1)"), ("en", "eo"), strict=True):
+    for half, (accumulator, column, prefix) in enumerate(zip(accumulators, ("n", "(n + 1)"), ("en", "eo"),
+                                                             strict=True)):  # fmt: skip
         em.overrides[layout.core] = lambda _env, accumulator=accumulator: accumulator
+        for read, pair in (sources or {}).items():
+            em.overrides[read] = lambda _env, value=pair[half]: value
         n_lines, n_env = decompose(column, layout.n_axes, depth, prefix)
         env = {**batch_env, **m_env, **n_env}
         lines += n_lines

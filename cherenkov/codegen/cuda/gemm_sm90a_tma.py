@@ -81,6 +81,7 @@ from cherenkov.codegen.term_plan import (
     SWIZZLE_ROW_BYTES,
     WGMMA_M,
     GemmLayout,
+    epilogue_sources,
     gemm_layout,
     term_plan_problems,
     tma_matrix,
@@ -119,7 +120,16 @@ def tensor_maps(plan) -> tuple[OperandMap, ...]:
         maps.append(OperandMap(plan.tensor_map[op[1]].name, dims, dims[0] * 2, box))
     if s.store_boxes:
         maps.append(OperandMap(plan.output.name, (layout.n, layout.m), layout.n * 2, (STORE_BOX, STORE_BOX)))
+    for read in staged_sources(plan, layout):
+        maps.append(OperandMap(plan.tensor_map[read[1]].name, (layout.n, layout.m), layout.n * 2,
+                               (STORE_BOX, STORE_BOX)))  # fmt: skip
     return tuple(maps)
+
+
+def staged_sources(plan, layout: GemmLayout) -> tuple:
+    """The epilogue sources a plan's consumers load into staging boxes (the first
+    ``staged_sources`` of :func:`~cherenkov.codegen.term_plan.epilogue_sources`)."""
+    return epilogue_sources(plan.kernel, layout, plan.tensor_map)[:plan.schedule.staged_sources]
 
 
 def grid(plan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -276,10 +286,86 @@ def _staged_epilogue(epilogue: list[str], values: list[str]) -> list[str]:
     ]
 
 
+def _sourced_epilogue(epilogue: list[str], values: list[str], sources: int) -> list[str]:
+    """The staged epilogue when the epilogue's sources come into staging boxes by TMA: per
+    box, wait for its sources (loaded when the tile started, or when the store that last
+    used the buffer had read it), read each thread's pairs from them (``src0``, ``src1``),
+    write the result over the first source's box, store it, and start the loads of the
+    box a round later into the same buffer."""
+    reads = [f"                    const u32 src{i} = ld_shared_u32(source_box({i}, buffer) + at);"
+             for i in range(sources)]  # fmt: skip
+    return [
+        "// epilogue through the sources' staging boxes, a 64x64 box at a time (the producer loads the next",
+        "// tile meanwhile): accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2),",
+        "// column 8c + 2 (lane % 4) + (e & 1); in a box, 16-byte chunk c of row r sits at chunk c ^ (r % 8);",
+        "// each thread reads its source pairs and writes its result pair at the same place",
+        "#pragma unroll",
+        "for (int mi = 0; mi < M_TILES; ++mi) {",
+        "    #pragma unroll",
+        "    for (int j = 0; j < BN / STORE_BOX; ++j) {",
+        "        const int b = mi * (BN / STORE_BOX) + j, buffer = b % STORE_BOXES;",
+        "        const u32 box = source_box(0, buffer);",
+        "        mbar_wait(source_barrier(buffer), source_phase);  // the box's sources have landed",
+        "        #pragma unroll",
+        "        for (int c = 0; c < STORE_BOX / 8; ++c) {",
+        "            #pragma unroll",
+        "            for (int e = 0; e < 4; e += 2) {",
+        "                const int r = 16 * warp + (lane >> 2) + 8 * (e >> 1);  // r % 8 == lane / 4",
+        "                const int m = m0 + warpgroup * WG_M + 64 * mi + r;",
+        "                const int n = n0 + STORE_BOX * j + 8 * c + 2 * (lane & 3);",
+        "                if (m < M && n < N) {",
+        "                    const u32 at = r * ROW_BYTES + ((c ^ (lane >> 2)) << 4) + 4 * (lane & 3);",
+        *reads,
+        *indent_lines(epilogue, 5),
+        f"                    st_shared_u32(box + at, pack2({values[0]}, {values[1]}));",
+        "                }",
+        "            }",
+        "        }",
+        "        fence_proxy_async();  // the generic-proxy accesses before the copy engine's",
+        "        named_barrier_sync(1 + warpgroup, 128);",
+        "        if (store_thread) {",
+        "            tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + warpgroup * WG_M + 64 * mi);",
+        "            bulk_commit();",
+        "            if (b + STORE_BOXES < BOXES) {  // the buffer's next box, once this store has read it",
+        "                bulk_wait_read<0>();",
+        "                load_sources(b + STORE_BOXES, m0, n0);",
+        "            }",
+        "        }",
+        "        if (buffer == STORE_BOXES - 1) source_phase ^= 1;  // a round of the buffers is done",
+        "    }",
+        "}",
+    ]
+
+
+def _source_loads(maps: int) -> list[str]:
+    """``load_sources(b, m0, n0)``: the TMA loads of box ``b`` of a tile (m64 tile ``b /
+    BOXES_N``, columns ``64 (b % BOXES_N)``) of every staged source into buffer ``b %
+    STORE_BOXES``, completing on the buffer's barrier — a lambda of the store thread."""
+    loads = [f"    tma_load_2d(source_box({i}, buffer), &s{i}_map, bar, column, row);" for i in range(maps)]
+    return [
+        "// this warpgroup's staging box of source i in buffer `buffer`, and the buffer's barrier",
+        "auto source_box = [&](int i, int buffer) -> u32 {",
+        "    return smem + STORE_SMEM + ((warpgroup * SOURCES + i) * STORE_BOXES + buffer) * BOX_BYTES;",
+        "};",
+        "auto source_barrier = [&](int buffer) -> u32 {",
+        "    return smem + SOURCE_BARRIERS + 8 * (warpgroup * STORE_BOXES + buffer);",
+        "};",
+        "// the staged sources of box b of the tile at (m0, n0), into buffer b % STORE_BOXES",
+        "auto load_sources = [&](int b, int m0, int n0) {",
+        "    const int buffer = b % STORE_BOXES;",
+        "    const int row = m0 + warpgroup * WG_M + 64 * (b / BOXES_N), column = n0 + STORE_BOX * (b % BOXES_N);",
+        "    const u32 bar = source_barrier(buffer);",
+        "    mbar_arrive_expect_tx(bar, SOURCES * BOX_BYTES);",
+        *loads,
+        "};",
+    ]
+
+
 def _signature(plan, name: str, threads: int) -> str:
     params = ["const __grid_constant__ TensorMap a_map", "const __grid_constant__ TensorMap b_map"]
     if plan.schedule.store_boxes:
         params.append("const __grid_constant__ TensorMap y_map")
+    params += [f"const __grid_constant__ TensorMap s{i}_map" for i in range(plan.schedule.staged_sources)]
     params += [f"const {i.c_type}* __restrict__ {i.param}" for i in plan.inputs]
     params.append(f"{plan.output.c_type}* __restrict__ {plan.output.param}")
     joined = ",\n    ".join(params)
@@ -302,6 +388,7 @@ def gemm_sm90a_tma_source(plan) -> str:
     smem_bytes = wgmma_smem_bytes(s)
     tiles_m, tiles_n = math.ceil(layout.m / s.block_m), math.ceil(layout.n / s.block_n)
     norm = layout.norm
+    sources = staged_sources(plan, layout)
     mma_name = wgmma.wgmma_name(s.block_n, dtype, norm is not None, not layout.b_kmajor, not layout.a_kmajor)
 
     def order(kmajor: bool) -> str:
@@ -314,7 +401,18 @@ def gemm_sm90a_tma_source(plan) -> str:
         "        constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES, STORE_SMEM = STAGES * STAGE_BYTES;\n"
         "        constexpr u32 BARRIERS = STORE_SMEM + CONSUMERS * STORE_BOXES * BOX_BYTES;"
     )  # fmt: skip
-    layout_note = "| output boxes of warpgroup 1, 2 " if s.store_boxes else ""
+    if sources:
+        ring_offsets = block(f"""
+            constexpr int STORE_BOX = {STORE_BOX}, STORE_BOXES = {s.store_boxes};  // staging buffers a warpgroup and source
+            constexpr int SOURCES = {len(sources)};  // staged epilogue sources; the result goes over source 0's box
+            constexpr int BOXES_N = BN / STORE_BOX, BOXES = M_TILES * BOXES_N;  // boxes of a warpgroup's tile
+            static_assert(BOXES % STORE_BOXES == 0, "a tile's boxes are whole rounds of the buffers");
+            constexpr u32 A_SMEM = 0, B_SMEM = STAGES * A_TILE_BYTES, STORE_SMEM = STAGES * STAGE_BYTES;
+            constexpr u32 BARRIERS = STORE_SMEM + CONSUMERS * SOURCES * STORE_BOXES * BOX_BYTES;
+            constexpr u32 SOURCE_BARRIERS = BARRIERS + 2 * STAGES * {MBARRIER_BYTES};  // one a warpgroup and buffer""").strip().replace("\n", "\n        ")
+    layout_note = ("| source boxes of warpgroup 1, 2 " if sources else
+                   "| output boxes of warpgroup 1, 2 " if s.store_boxes else "")  # fmt: skip
+    source_barrier_bytes = f" + CONSUMERS * STORE_BOXES * {MBARRIER_BYTES}" if sources else ""
     a_constants = (
         f"// A {order(layout.a_kmajor)}: fragments from registers" if norm else
         f"constexpr u32 A_K_STEP = {'32' if layout.a_kmajor else '16 * ROW_BYTES'}, "
@@ -333,13 +431,13 @@ def gemm_sm90a_tma_source(plan) -> str:
         static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "the register file");
 
         // Shared memory from a {SWIZZLE_ALIGN}-byte aligned base: [A stage 0..STAGES-1 | B stage 0..STAGES-1 {layout_note}|
-        // full mbarrier 0..STAGES-1 | empty mbarrier 0..STAGES-1].
+        // full mbarrier 0..STAGES-1 | empty mbarrier 0..STAGES-1{" | source mbarriers" if sources else ""}].
         constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};           // a swizzled row: 64 elements
         constexpr u32 BOX_BYTES = 64 * ROW_BYTES;     // 64 K-major rows, or one MN-major box of 64 k rows
         constexpr u32 A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = BN * BK * 2;
         constexpr u32 STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;  // what the TMA delivers a k step
         {ring_offsets}
-        static_assert(BARRIERS + 2 * STAGES * {MBARRIER_BYTES} + {SWIZZLE_ALIGN} == {smem_bytes}, "the plan's shared memory");
+        static_assert(BARRIERS + 2 * STAGES * {MBARRIER_BYTES}{source_barrier_bytes} + {SWIZZLE_ALIGN} == {smem_bytes}, "the plan's shared memory");
         {a_constants}
         constexpr u32 B_K_STEP = {"32" if layout.b_kmajor else "16 * ROW_BYTES"}, B_LBO = {"16" if layout.b_kmajor else "BOX_BYTES"};  // B {order(layout.b_kmajor)}
 
@@ -367,9 +465,10 @@ def gemm_sm90a_tma_source(plan) -> str:
     if s.store_boxes:  # the output's rows are 16-byte aligned: columns n, n + 1 are one word
         paired = False
         chunk = "STORE_BOX / 8 * j + c"  # the n8 tile of chunk c of box j
+        pairs = {read: (f"unpack_lo(src{i})", f"unpack_hi(src{i})") for i, read in enumerate(sources)}
         lines, values, _ = epilogue_pair_values(em, plan, layout, batch_env, (
-            f"acc[mi][4 * ({chunk}) + e]{scale}", f"acc[mi][4 * ({chunk}) + e + 1]{scale}"))
-        epilogue = _staged_epilogue(lines, values)
+            f"acc[mi][4 * ({chunk}) + e]{scale}", f"acc[mi][4 * ({chunk}) + e + 1]{scale}"), pairs)
+        epilogue = _sourced_epilogue(lines, values, len(sources)) if sources else _staged_epilogue(lines, values)
     else:
         paired, stores = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][4 * c + e]{scale}",
                                               f"acc[mi][4 * c + e + 1]{scale}")
@@ -426,11 +525,18 @@ def gemm_sm90a_tma_source(plan) -> str:
         *(["float row_ss[M_TILES][2][2];  // sums of x^2 over k, two chains: rows g and g + 8 of each m64 tile",
            "u32 frag[2][M_TILES][BK / 16][4] = {};  // A fragments of two consecutive k steps",
            *_norm_fragments(weight is not None)] if norm else []),
+        *(_source_loads(len(sources)) if sources else []),
+        *(["u32 source_phase = 0;  // parity of the source barriers' current round"] if sources else []),
         "int stage = 0;",
         "u32 phase = 0;",
         "for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {",
         "    int m0, n0;",
         "    tile_origin(tile, m0, n0);",
+        *(["    if (store_thread) {  // the tile's first round of source boxes: they land during its k steps",
+           "        bulk_wait_read<0>();  // the buffers' last stores have read them",
+           "        #pragma unroll",
+           "        for (int b = 0; b < STORE_BOXES; ++b) load_sources(b, m0, n0);",
+           "    }"] if sources else []),
         "    float acc[M_TILES][ACC];",
         "    #pragma unroll",
         "    for (int mi = 0; mi < M_TILES; ++mi) {",
@@ -460,6 +566,10 @@ def gemm_sm90a_tma_source(plan) -> str:
         "        mbar_init(smem + BARRIERS + 8 * s, 1);                     // full: the producer's arrival + bytes",
         "        mbar_init(smem + BARRIERS + 8 * (STAGES + s), 4 * CONSUMERS);  // empty: one arrival a consumer warp",
         "    }",
+        *(["    #pragma unroll",
+           "    for (int b = 0; b < CONSUMERS * STORE_BOXES; ++b)",
+           "        mbar_init(smem + SOURCE_BARRIERS + 8 * b, 1);  // a source box: the store thread's arrival + bytes"]
+          if sources else []),
         "    fence_barrier_init();",
         "}",
         *(["// the norm's weight, whole, in shared memory (the consumers read its pairs every k step)",
@@ -481,11 +591,15 @@ def gemm_sm90a_tma_source(plan) -> str:
         f"A {order(layout.a_kmajor)}, B {order(layout.b_kmajor)}."
         + (f" The output goes through {s.store_boxes} shared-memory box(es) a warpgroup and TMA stores."
            if s.store_boxes else "")
+        + (f" The epilogue's source{'s' if len(sources) > 1 else ''} "
+           f"{', '.join(plan.tensor_map[r[1]].name for r in sources)} come{'' if len(sources) > 1 else 's'} into "
+           "staging boxes by TMA loads issued when a tile starts." if sources else "")
         + (" A is an absorbed RMSNorm of x: fragments from registers (x * w), row sums of x^2, row scales in the "
            "epilogue." if norm else "")
     )
     launch = (f"grid ({blocks}, 1, 1), {s.threads} threads, {smem_bytes} bytes of dynamic shared memory; "
-              f"the tensor maps of A{', B and the output' if s.store_boxes else ' and B'} first")  # fmt: skip
+              f"the tensor maps of A{', B and the output' if s.store_boxes else ' and B'}"
+              f"{' and the staged sources' if sources else ''} first")  # fmt: skip
     helpers = [
         emit_prelude(),
         tma.emit_tensor_map_type(),
@@ -499,6 +613,8 @@ def gemm_sm90a_tma_source(plan) -> str:
     ]
     if s.store_boxes:
         helpers += [tma.emit_tma_store(2), tma.emit_fence_proxy_async(), tma.emit_named_barriers(), mma.emit_pack(dtype)]
+    if sources:
+        helpers += [tma.emit_ld_shared(), mma.emit_unpack(plan.output.dtype)]
     if norm is not None:
         helpers += [emit_ldmatrix_primitives(4), emit_norm_helpers(dtype)]
     if paired:

@@ -180,6 +180,19 @@ def emit_tma_store(rank: int) -> str:
     )
 
 
+def emit_ld_shared() -> str:
+    """``ld_shared_u32``: one 32-bit word of shared memory (a box the copy engine filled)."""
+    return block(
+        """
+        __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+            u32 value;
+            asm volatile("ld.shared.b32 %0, [%1];\\n" : "=r"(value) : "r"(addr) : "memory");
+            return value;
+        }
+        """
+    )
+
+
 def emit_fence_proxy_async() -> str:
     """``fence_proxy_async``: order this thread's generic-proxy shared-memory accesses with
     later async-proxy ones (copy engine, wgmma)."""
