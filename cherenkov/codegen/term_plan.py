@@ -714,14 +714,29 @@ def tma_matrix(operand: Term, rows: tuple[str, ...], k_axis: str, kmajor: bool,
     if operand[0] != "Tensor":
         return None
     order = (*rows, k_axis) if kmajor else (k_axis, *rows)
-    info = tensors[operand[1]]
-    unit = t.ix_lit(0)
-    kept = [(ix, size) for ix, size in zip(t.ix_items(operand[2]), info.shape) if not (ix == unit and size == 1)]
+    kept = matrix_items(operand, tensors[operand[1]])
     if [ix for ix, _ in kept] != [t.ax(x) for x in order] or [size for _, size in kept] != [t.extent(x) for x in order]:
         return None
     rows_extent = math.prod(t.extent(x) for x in rows)
     k = t.extent(k_axis)
     return (k, rows_extent) if kmajor else (rows_extent, k)
+
+
+def matrix_items(read: Term, info: TensorInfo) -> list[tuple[Term, int]]:
+    """A read's index items with the extent of the dimension each indexes, as a row-major
+    matrix sees them: dimensions of extent 1 read at 0 (or along an axis of extent 1) left
+    out, and a dimension read ``a·n + b`` (``b`` an axis of extent ``n``: heads split off a
+    projection's columns) counted as the two dimensions ``a`` and ``b``."""
+    kept = []
+    for ix, size in zip(t.ix_items(read[2]), info.shape):
+        if size == 1 and (ix == t.ix_lit(0) or (ix[0] == "Ax" and t.extent(ix[1]) == 1)):
+            continue
+        if ix[0] == "IxLin" and ix[1][0] == "Ax" and ix[3][0] == "Ax" and t.extent(ix[3][1]) == ix[2] and \
+                size == t.extent(ix[1][1]) * ix[2]:  # fmt: skip
+            kept += [(ix[1], t.extent(ix[1][1])), (ix[3], ix[2])]
+            continue
+        kept.append((ix, size))
+    return kept
 
 
 def tma_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
@@ -777,12 +792,53 @@ def epilogue_sources(kernel: FusedKernel, layout: GemmLayout, tensors: Mapping[s
         if read in inside or read in found:
             continue
         info = tensors[read[1]]
-        kept = [(ix, size) for ix, size in zip(t.ix_items(read[2]), info.shape)
-                if not (size == 1 and (ix == t.ix_lit(0) or (ix[0] == "Ax" and t.extent(ix[1]) == 1)))]  # fmt: skip
+        kept = matrix_items(read, info)
         if ([ix for ix, _ in kept] == order and [size for _, size in kept] == sizes and info.dtype == output_dtype
                 and info.dtype in ("bf16", "fp16")):  # fmt: skip
             found.append(read)
     return tuple(sorted(found, key=repr))
+
+
+def shifted_cores(kernel: FusedKernel, layout: GemmLayout) -> dict[Term, int]:
+    """Each ``Shifted(axis, δ, core)`` in a GEMM kernel's epilogue (an absorbed consumer's
+    read of the contraction a few columns on: RoPE's partner) and its offset along the
+    flattened N: ``δ`` times the extents of the N axes inside ``axis``."""
+    result = {}
+    for node in t.subterms(kernel.term):
+        if node[0] == "Shifted" and node[1] in layout.n_axes:
+            inner = layout.n_axes[layout.n_axes.index(node[1]) + 1:]
+            result[node] = node[2] * math.prod(t.extent(a) for a in inner)
+    return result
+
+
+def shifted_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
+    """Why a GEMM plan cannot find its epilogue's shifted contractions among its own
+    accumulators (none without any): only the TMA wgmma GEMM, whose thread holds whole
+    rows of its tile's columns, can — where the offset is whole n8 fragments, the tile
+    spans whole periods of the shifted axis (so the neighbour the guard admits is in the
+    same tile), and the columns are stored in pairs."""
+    shifted = [node for node in t.subterms(plan.kernel.term) if node[0] == "Shifted"]
+    if not shifted or layout is None:
+        return []
+    s = plan.schedule
+    if not isinstance(s, TmaGemmSchedule):
+        return ["a contraction read a few columns on (an absorbed RoPE's partner) runs in the TMA wgmma GEMM only, "
+                "whose threads hold whole rows of the tile"]
+    reasons = []
+    offsets = shifted_cores(plan.kernel, layout)
+    for node in shifted:
+        if node[3] != layout.core or node not in offsets:
+            reasons.append(f"Shifted({node[1]}, {node[2]}) is not the kernel's contraction along an N axis")
+            continue
+        axis = node[1]
+        period = math.prod(t.extent(a) for a in layout.n_axes[layout.n_axes.index(axis):])
+        if offsets[node] % 8 or s.block_n % period:
+            reasons.append(f"the contraction {node[2]:+d} along {axis} ({offsets[node]:+d} columns) is not whole n8 "
+                           f"fragments inside tiles of {s.block_n} columns spanning whole periods of {period}")
+    innermost = next((x for x in reversed(plan.kernel.axes) if t.extent(x) > 1), None)
+    if plan.output.dtype not in ("bf16", "fp16") or innermost != layout.n_axes[-1] or t.extent(innermost) % 2:
+        reasons.append("shifted contractions need the output's columns stored in 16-bit pairs")
+    return reasons
 
 
 def norm_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
@@ -871,6 +927,7 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
         reasons.extend(mma_problems(kernel, plan.tensor_map, plan.output))
         layout = gemm_layout(kernel, plan.tensor_map)
         reasons.extend(norm_problems(plan, layout))
+        reasons.extend(shifted_problems(plan, layout))
         if s.block_k % 16 or s.warp_m % 16 or s.warp_n % 16 or s.block_m % s.warps_m or s.block_n % s.warps_n:
             reasons.append(f"tile {s.key()} does not split into m16n8k16 tiles (warp tiles multiples of 16)")
         if s.stages < 2:
@@ -881,13 +938,16 @@ def term_plan_problems(plan: TermKernelPlan) -> list[str]:
         if layout is not None and math.ceil(layout.m / s.block_m) > MAX_GRID_YZ:
             reasons.append(f"M {layout.m} needs more than {MAX_GRID_YZ} row tiles")
     elif isinstance(s, WgmmaGemmSchedule):
+        layout = gemm_layout(kernel, plan.tensor_map)
         reasons.extend(wgmma_problems(plan))
-        reasons.extend(norm_problems(plan, gemm_layout(kernel, plan.tensor_map)))
+        reasons.extend(norm_problems(plan, layout))
+        reasons.extend(shifted_problems(plan, layout))
     elif isinstance(s, TmaGemmSchedule):
         layout = gemm_layout(kernel, plan.tensor_map)
         reasons.extend(wgmma_problems(plan))
         reasons.extend(tma_problems(plan, layout))
         reasons.extend(norm_problems(plan, layout))
+        reasons.extend(shifted_problems(plan, layout))
     else:
         reasons.append(f"unknown schedule {type(s).__name__}")
     return reasons

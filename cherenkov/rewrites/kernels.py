@@ -11,8 +11,14 @@ projection, slices of a fused QKV, a K/V head repeated for its query heads); a c
 operand (RoPE) is materialised first, over the K/V heads where it is shared by a group.
 A flash kernel's output read through a view by one consumer (the merge of heads before the
 output projection) is laid out for that consumer (:func:`laid_out_for_consumers`). A
-contraction may also *absorb* the RMSNorm kernel that feeds it (:func:`absorbed`): the
-search weighs that form against the two kernels.
+contraction may also *absorb* the RMSNorm kernel that feeds it, and an elementwise kernel
+may absorb the contraction that feeds it — RoPE run in the q/k projection's epilogue, its
+rotate-half partner read as the projection's own value a few columns on (``Shifted``)
+(:func:`absorbed`): the search weighs each such form against the two kernels.
+
+``("Shifted", axis, delta, x)`` is the value of ``x`` with ``axis`` read ``delta`` further
+on (:func:`~cherenkov.rewrites.terms.shifted`); it appears only in absorbed kernels, where
+a GEMM's epilogue finds it among its own accumulators.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.lower import Lowered
 from cherenkov.rewrites.plan import AttentionProblem, OperandLayout
+from cherenkov.rewrites.reference import axis_names as reference_axis_names
 from cherenkov.rewrites.reference import evaluate_term
 from cherenkov.rewrites.terms import Term
 
 ELEMENTWISE = frozenset(
     {
         "Tensor", "Num", "Flag", "Iota", "Cast", "Exp2", "Exp", "Log2", "Sin", "Sqrt", "Recip", "Neg",
-        "Add", "Mul", "Mod", "Lt", "Maximum", "Where", "PadAxis",
+        "Add", "Mul", "Mod", "Lt", "Maximum", "Where", "PadAxis", "Shifted",
     }
 )  # fmt: skip
 
@@ -391,7 +398,8 @@ def consumer_order(access: Term, axes: tuple[str, ...]) -> tuple[BufferLayout, T
 
 # ------------------------------------------------------------------ absorbing a producer
 
-ABSORBABLE_PRODUCERS = frozenset({"rms_norm_rows"})
+ABSORBABLE_PRODUCERS = {"contraction": frozenset({"rms_norm_rows"}), "elementwise": frozenset({"contraction"})}
+"""Consumer kind -> the producer kinds it may absorb."""
 
 
 def absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKernel | None:
@@ -400,12 +408,16 @@ def absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKernel | None
     A contraction whose operand is an RMSNorm kernel's output can run the norm in its
     main loop: ``Σ_k RmsNormRow_k(x, ε)·w_k·b = (Σ_k x²/n + ε)^{-1/2} · Σ_k x·w_k·b`` —
     the row scale does not depend on k, so it moves to the epilogue, and the sum of
-    squares accumulates from the same tiles of x the GEMM streams anyway. The result has
-    the consumer's output and axes and reads the norm's inputs instead of its buffer;
-    whether a GEMM family can run it is the code generator's to say, whether it is faster
-    than the two kernels the search's."""
-    if consumer.kind != "contraction" or producer.kind not in ABSORBABLE_PRODUCERS:
+    squares accumulates from the same tiles of x the GEMM streams anyway. An elementwise
+    kernel reading a contraction's output becomes that contraction with the elementwise
+    work as its epilogue (:func:`epilogue_absorbed`). The result has the consumer's output
+    and axes and reads the producer's inputs instead of its buffer; whether a GEMM family
+    can run it is the code generator's to say, whether it is faster than the two kernels
+    the search's."""
+    if producer.kind not in ABSORBABLE_PRODUCERS.get(consumer.kind, ()):
         return None
+    if consumer.kind == "elementwise":
+        return epilogue_absorbed(consumer, producer)
     accesses = {s for s in t.subterms(consumer.term) if s[0] == "Tensor" and s[1] == producer.output}
     if len(accesses) != 1:
         return None
@@ -417,14 +429,84 @@ def absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKernel | None
                        consumer.trace)  # fmt: skip
 
 
+def epilogue_absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKernel | None:
+    """An elementwise ``consumer`` of a contraction ``producer`` as one contraction kernel:
+    each read of the producer's buffer becomes the producer's term at that index, or None.
+
+    Every read must index the buffer alike (``p[0, s, h·D + d]``: the producer's axes
+    through one affine map), except that a read may step one axis by a constant
+    (``d + D/2``, RoPE's rotate-half partner) where a ``PadAxis`` guard on that axis keeps
+    the step inside the axis (``d < D/2``): that read becomes ``Shifted(d, D/2, core)``, the
+    same contraction one step on, which a GEMM holds in its own tile."""
+    accesses = sorted({s for s in t.subterms(consumer.term) if s[0] == "Tensor" and s[1] == producer.output}, key=repr)
+    if not accesses:
+        return None
+    steps = {access: _step(access) for access in accesses}
+    if any(step is None for step in steps.values()) or len({base for base, _ in steps.values()}) != 1:
+        return None
+    base = next(iter(steps.values()))[0]
+    items = t.ix_items(base[2])
+    if len(items) != len(producer.axes) or any(ix[0] == "IxLit" and t.extent(a) > 1
+                                               for ix, a in zip(items, producer.axes)):  # fmt: skip
+        return None  # a broadcast of one column: the consumer is no epilogue of the whole GEMM
+    bound = reference_axis_names(producer.term) - set(producer.axes)
+    if any(bound & t.ix_names(ix) for ix in items):
+        return None  # a reduction axis of the producer would capture a consumer axis
+    core = t.substitute_axes(producer.term, dict(zip(producer.axes, items, strict=True)))
+    if not _guarded(consumer.term, {a: s for a, s in steps.items() if s[1] is not None}):
+        return None
+    term = consumer.term
+    for access, (_, step) in steps.items():
+        term = t.replace(term, access, core if step is None else ("Shifted", step[0], step[1], core))
+    trace = tuple(dict.fromkeys((*producer.trace, *consumer.trace)))
+    return FusedKernel("contraction", term, consumer.output, consumer.axes, _reads(term), producer.source, trace)
+
+
+def _step(access: Term) -> tuple[Term, tuple[str, int] | None] | None:
+    """``(base, step)`` of a read: the read with its one ``axis + c`` step undone, and
+    ``(axis, c)`` (None without a step); None with steps on several axes."""
+    steps = {(s[1][1], s[2]) for s in t.subterms(access) if s[0] == "IxAdd" and s[1][0] == "Ax"}
+    if not steps:
+        return access, None
+    if len(steps) != 1:
+        return None
+    ((axis, delta),) = steps
+    return t.replace(access, ("IxAdd", t.ax(axis), delta), t.ax(axis)), (axis, delta)
+
+
+def _guarded(term: Term, steps: Mapping[Term, tuple[Term, tuple[str, int]]]) -> bool:
+    """Whether every stepped read in ``term`` lies under a ``PadAxis`` on its axis that
+    keeps ``axis + step`` inside ``[0, extent)``: only there is the neighbour's value used."""
+
+    seen: set[tuple[Term, frozenset]] = set()
+
+    def visit(node: Term, guards: dict[str, tuple[int, int]]) -> bool:
+        key = (node, frozenset(guards.items()))
+        if key in seen:
+            return True
+        seen.add(key)
+        if node in steps:
+            axis, delta = steps[node][1]
+            lo, hi = guards.get(axis, (0, t.extent(axis)))
+            return lo + delta >= 0 and hi + delta <= t.extent(axis)
+        if node[0] == "PadAxis" and node[1][0] == "Ax":
+            axis, lo, size = node[1][1], node[2], node[3]
+            outer = guards.get(axis, (0, t.extent(axis)))
+            inner = {**guards, axis: (max(lo, outer[0]), min(lo + size, outer[1]))}
+            return visit(node[5], inner) and all(visit(a, guards) for a in (node[1], node[4]) if isinstance(a, tuple))
+        return all(visit(child, guards) for child in t.children(node))
+
+    return visit(term, {})
+
+
 def absorptions(kernels: list[FusedKernel], outputs: frozenset[str]) -> dict[str, tuple[str, FusedKernel]]:
     """For each kernel that can absorb its producer: ``consumer output -> (producer output,
     absorbed kernel)``. Only producers whose buffer no other kernel reads and that are not
     graph outputs qualify: absorbing one must leave it with nothing to do."""
     producers = {k.output: k for k in kernels}
-    pairs = [(consumer, producers[name]) for consumer in kernels if consumer.kind == "contraction"
-             for name in consumer.reads
-             if name in producers and producers[name].kind in ABSORBABLE_PRODUCERS and name not in outputs]  # fmt: skip
+    pairs = [(consumer, producers[name]) for consumer in kernels for name in consumer.reads
+             if name in producers and name not in outputs
+             and producers[name].kind in ABSORBABLE_PRODUCERS.get(consumer.kind, ())]  # fmt: skip
     kernel_graph = dag.kernel_dag(kernels) if pairs else None  # only where there is something to ask
     result = {}
     for consumer, producer in pairs:

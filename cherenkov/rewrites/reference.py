@@ -298,6 +298,9 @@ class TermEvaluator:
                 return (xv - mean) / xp.sqrt(variance + eps)
             case "Scheduled":
                 return v(args[0], env)
+            case "Shifted":
+                axis, delta, body = args
+                return v(t.shifted(body, axis, delta), env)
         raise ValueError(f"no reference semantics for {head}")
 
     def _flash(self, args: tuple, env: Mapping[str, int]) -> Any:

@@ -172,6 +172,22 @@ def replace(term: Term, old: Term, new: Term) -> Term:
     return tuple(replace(a, old, new) if isinstance(a, tuple) else a for a in term)
 
 
+def substitute_axes(term: Term, mapping: dict[str, Term]) -> Term:
+    """``term`` with each free ``Ax a`` of ``mapping`` replaced by ``mapping[a]`` at once
+    (an index term), so that no replacement is itself replaced again."""
+    if term[0] == "Ax":
+        return mapping.get(term[1], term)
+    if not any(isinstance(a, tuple) for a in term[1:]):
+        return term
+    return tuple(substitute_axes(a, mapping) if isinstance(a, tuple) else a for a in term)
+
+
+def shifted(term: Term, axis: str, delta: int) -> Term:
+    """``term`` read ``delta`` further along ``axis``: every ``Ax axis`` in its indices
+    becomes ``axis + delta`` (the value of the term at that neighbour)."""
+    return substitute_axes(term, {axis: ("IxAdd", ax(axis), delta)})
+
+
 def literal(value: Any) -> str:
     """An egglog literal for a Python scalar."""
     if isinstance(value, bool):

@@ -328,8 +328,9 @@ class _Search:
                                              reason="not compiled: no CUDA compiler")  # fmt: skip
             return results
         self.totals = {"compiled": len(fresh), "measured": len(fresh) if self.env.measured else 0}
-        ordered = {k: sorted(group, key=lambda c: (_predicted(c), c.id)) for k, group in space.candidates.items()}
-        first = [c for group in ordered.values() for c in budget.first_round(group, _predicted) if c.id not in results]
+        credit = Credit.of_space(space)
+        ordered = {k: sorted(group, key=lambda c: (credit.net(c), c.id)) for k, group in space.candidates.items()}
+        first = [c for group in ordered.values() for c in budget.first_round(group, credit.net) if c.id not in results]
         if self.deadline is not None:
             self._check_first_round(first)
             self.progress("first_round", candidates=len(first), kernels=len(ordered), total=len(fresh))
@@ -455,6 +456,28 @@ class _Search:
 
 def _predicted(candidate: Candidate) -> float:
     return predict_plan(candidate.plan).ms
+
+
+@dataclass(frozen=True)
+class Credit:
+    """What each candidate saves elsewhere — one that absorbs a producer kernel, that
+    kernel's best predicted time (it would not run) — and the predicted times net of it,
+    by which the search orders and shares its work."""
+
+    predicted: Mapping[str, float]
+    saved: Mapping[str, float]
+
+    @classmethod
+    def of_space(cls, space: SearchSpace) -> Credit:
+        predicted = {c.id: _predicted(c) for c in space.all()}
+        saved = {kernel: min(predicted[c.id] for c in group) for kernel, group in space.candidates.items() if group}
+        return cls(predicted, saved)
+
+    def saving(self, candidate: Candidate) -> float:
+        return self.saved.get(candidate.absorbs, 0.0) if candidate.absorbs else 0.0
+
+    def net(self, candidate: Candidate) -> float:
+        return self.predicted[candidate.id] - self.saving(candidate)
 
 
 def _usable(result: CandidateResult) -> bool:

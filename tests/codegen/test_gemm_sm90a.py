@@ -36,9 +36,11 @@ from cherenkov.codegen.term_plan import (
     term_plan_problems,
     wgmma_schedules,
     wgmma_smem_bytes,
+    shifted_cores,
 )
 from cherenkov.rewrites.kernels import absorptions
 from cherenkov.rewrites.plan import TARGETS
+from tests.codegen.rotary_graphs import rope_projection_graph, rope_reference
 
 SM90A = TARGETS["sm_90a"]
 TOLERANCE = 2e-2
@@ -114,6 +116,20 @@ def absorbed_plans(graph: ck.Graph) -> list[TermKernelPlan]:
     shapes, dtypes = d.tensor_types()
     ((_, fused),) = absorptions(d.kernels, frozenset(graph.outputs)).values()
     return term_plans(fused, shapes, dtypes, SM90A)
+
+
+def rope_plans(graph: ck.Graph, target=SM90A) -> list[TermKernelPlan]:
+    """The plans of the projection that runs the graph's RoPE in its epilogue."""
+    d = ck.derive(graph)
+    shapes, dtypes = d.tensor_types()
+    ((_, fused),) = absorptions(d.kernels, frozenset(graph.outputs)).values()
+    return term_plans(fused, shapes, dtypes, target)
+
+
+ROPE_GRAPHS = {
+    "d64_tails": lambda: rope_projection_graph(200, 4, 64, 136),
+    "d128_llama_heads": lambda: rope_projection_graph(1000, 8, 128, 512),
+}
 
 
 NORM_GRAPHS = {
@@ -270,6 +286,43 @@ def test_staged_sources_have_their_boxes_maps_and_loads() -> None:
     assert "ck_from_bf16(t_" not in text, "the staged sources are not read from global memory"
     once = cuda_source(plans[one])
     assert "unpack_lo(src0)" in once and "ck_from_bf16(t_s[" in once, "the second source is read as before"
+
+
+def test_rope_runs_in_the_tma_gemm_epilogue_and_says_where_not() -> None:
+    """The projection with its RoPE epilogue: TMA GEMMs that store from registers (the
+    output is the heads-first ``(H, S, D)`` of the RoPE kernel, not an M x N matrix), with
+    tiles of whole heads; the partner is the accumulator D/2 columns on."""
+    plans = rope_plans(ROPE_GRAPHS["d64_tails"]())
+    assert {p.family for p in plans} == {"wgmma", "pointwise"}
+    assert [p.schedule for p in plans if p.family == "wgmma"] == [
+        s for s in TMA_GEMM_SCHEDULES if not s.store_boxes and not s.staged_sources]
+    text = cuda_source(plans[0])
+    assert "acc[mi][(4 * c + e + 16 + ACC) % ACC]" in text and "acc[mi][(4 * c + e + -15 + ACC) % ACC]" in text
+    assert "t_t0" not in text, "the projection's buffer is not read: its values are the accumulators"
+    layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
+    assert shifted_cores(plans[0].kernel, layout) and layout.n_axes[-1].endswith(":64")
+    assert not term_plan_problems(replace(plans[0], schedule=TmaGemmSchedule(128, 64, 64, 2, 6, True))), "D 64"
+    d128 = rope_plans(ROPE_GRAPHS["d128_llama_heads"]())[0]
+    for plan, schedule, reason in (
+        (plans[0], GemmSchedule(), "TMA wgmma GEMM only"), (plans[0], WgmmaGemmSchedule(), "TMA wgmma GEMM only"),
+        (d128, TmaGemmSchedule(128, 64, 64, 2, 6, True), "whole periods of 128"),
+        (plans[0], TmaGemmSchedule(128, 256, 64, 2, 4, True, 2), "not a row-major M x N"),
+    ):  # fmt: skip
+        bad = replace(plan, schedule=schedule)
+        assert any(reason in p for p in term_plan_problems(bad)), (schedule, term_plan_problems(bad))
+
+
+@pytest.mark.parametrize("graph", list(ROPE_GRAPHS))
+def test_rope_epilogue_compiles_without_spills(nvcc, sass, graph, tmp_path) -> None:
+    for plan in [p for p in rope_plans(ROPE_GRAPHS[graph]()) if p.family == "wgmma"]:
+        output = nvcc.compile(cuda_source(plan), SM90A.arch_flag)
+        report = parse_ptxas_report(output.log, f"ck_contraction_{plan.schedule.key()}", term_dynamic_smem(plan))
+        assert report.spill_bytes == 0 and report.stack_frame == 0, (plan.name, report)
+        if sass is not None:
+            cubin = tmp_path / f"{plan.schedule.key()}.cubin"
+            cubin.write_bytes(output.cubin)
+            code = sass(cubin)
+            assert "UTMALDG" in code and f"HGMMA.64x{plan.schedule.block_n}x16" in code and " LDL" not in code
 
 
 def test_split_k_only_for_few_tiles() -> None:
@@ -522,6 +575,30 @@ def test_absorbed_rms_norm_matches_torch(gpu, case, tmp_path) -> None:
     for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
         assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
         out = torch.full(plan.output.shape, math.nan, device="cuda", dtype=dtypes[plan.output.dtype])
+        load_kernel(compiled).launch(inputs, out)
+        torch.cuda.synchronize()
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        assert error <= TOLERANCE, f"{plan.name}: relative L2 error {error:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ROPE_GRAPHS))
+def test_rope_epilogue_matches_torch(gpu, case, tmp_path) -> None:
+    """The projection that runs RoPE in its epilogue (every TMA schedule that can) against
+    the float32 projection and rotary embedding."""
+    torch = gpu
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a kernels need a Hopper GPU")
+    graph = ROPE_GRAPHS[case]()
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    inputs = {name: torch.randn(t.shape, generator=generator, device="cuda").to(torch.bfloat16)
+              for name, t in graph.inputs.items()}  # fmt: skip
+    reference = rope_reference(torch, inputs)
+    plans = [p for p in rope_plans(graph) if p.family == "wgmma"]
+    assert len(plans) == 3
+    for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
+        assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
+        out = torch.full(plan.output.shape, math.nan, device="cuda", dtype=torch.bfloat16)
         load_kernel(compiled).launch(inputs, out)
         torch.cuda.synchronize()
         error = ((out.float() - reference).norm() / reference.norm()).item()

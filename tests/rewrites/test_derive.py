@@ -14,6 +14,8 @@ from cherenkov.rewrites.derive import Derivation
 from cherenkov.rewrites.kernels import absorbed, absorptions
 from cherenkov.rewrites.plan import TARGETS, flash_smem_bytes
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
+from cherenkov.rewrites import terms as t
+from tests.codegen.rotary_graphs import rope_projection_graph
 
 B, H, SQ, SKV, D = 2, 4, 5, 9, 64
 SCALE = D**-0.5
@@ -189,6 +191,41 @@ def test_a_matmul_can_absorb_the_rms_norm_feeding_it(weight: bool) -> None:
     np.testing.assert_allclose(fused.evaluate(inputs), d.evaluate(inputs)["y"], rtol=1e-12, atol=1e-12)
 
 
+def test_rope_joins_the_projection_that_feeds_it() -> None:
+    """q·cos + rotate_half(q)·sin with q = x·wᵀ, numerically: the absorbed kernel is the
+    projection with RoPE as its epilogue — the rotate-half partner the same contraction
+    D/2 columns on (``Shifted``, under the guard that keeps it inside the head) — reads
+    x, w, cos and sin, and equals the projection followed by the RoPE kernel."""
+    g = rope_projection_graph(seq=12, heads=2, dim=8, hidden=16, dtype="fp32")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["contraction", "elementwise"]
+    projection, rope = d.kernels
+    ((consumer, (producer, fused)),) = absorptions(d.kernels, frozenset(g.outputs)).items()
+    assert (consumer, producer) == (rope.output, projection.output)
+    assert fused.kind == "contraction" and fused.axes == rope.axes and set(fused.reads) == {"x", "w", "cos", "sin"}
+    shifted = sorted(s[2] for s in t.subterms(fused.term) if s[0] == "Shifted")
+    assert shifted == [-4, 4] and fused.core == projection_core(fused)
+    inputs = random_inputs(g, seed=5)
+    np.testing.assert_allclose(fused.evaluate(inputs), d.evaluate(inputs)["y"], rtol=1e-12, atol=1e-12)
+
+
+def projection_core(kernel) -> tuple:
+    """The one contraction of an absorbed kernel that is not shifted."""
+    (core,) = {s for s in t.subterms(kernel.term) if s[0] == "Contract"}
+    return core
+
+
+def test_a_neighbour_read_without_a_guard_is_not_absorbed() -> None:
+    """``p[s, n] + p[s, n + 1]`` over n < N − 1: the neighbour of the last column is no
+    column of the consumer's GEMM, so the sum stays a kernel of its own."""
+    g = ck.Graph("neighbours")
+    p = g.input("x", (12, 16)) @ g.input("w", (16, 8))
+    g.output(p[:, :7] + p[:, 1:], "y")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["contraction", "elementwise"]
+    assert absorptions(d.kernels, frozenset(g.outputs)) == {}
+
+
 def test_a_producer_others_need_is_not_absorbed() -> None:
     g = ck.Graph("rms_twice")
     x, w, m = g.input("x", (6, 32)), g.input("w", (32,)), g.input("m", (32, 16))
@@ -198,7 +235,7 @@ def test_a_producer_others_need_is_not_absorbed() -> None:
     d = ck.derive(g)
     assert [k.kind for k in d.kernels] == ["rms_norm_rows", "contraction"]
     assert absorptions(d.kernels, frozenset(g.outputs)) == {}, "the norm is an output: it must run anyway"
-    assert absorbed(d.kernels[0], d.kernels[1]) is None, "only a contraction absorbs, only a norm is absorbed"
+    assert absorbed(d.kernels[0], d.kernels[1]) is None, "a norm kernel absorbs nothing"
 
 
 def test_layer_norm_with_weight_and_bias_is_one_kernel() -> None:

@@ -261,12 +261,16 @@ def epilogue_loops(tiles: tuple[str, str], columns: tuple[str, str], row: str, c
 
 
 def accumulator_epilogue(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
-                         element: str, next_element: str) -> tuple[bool, list[str]]:  # fmt: skip
+                         element: str, next_element: str, known: Mapping[Term, tuple[str, str]] | None = None,
+                         ) -> tuple[bool, list[str]]:  # fmt: skip
     """``(paired, statements)``: the epilogue of accumulator ``element`` — with the next
-    column's ``next_element`` in one paired store where :func:`paired_columns` holds — for
+    column's ``next_element`` in one paired store where :func:`paired_columns` holds (and
+    the subterms of ``known`` by their two values, which needs the pairs) — for
     :func:`epilogue_loops`."""
     if paired_columns(plan, layout):
-        return True, epilogue_pair_store(em, plan, layout, batch_env, (element, next_element))
+        return True, epilogue_pair_store(em, plan, layout, batch_env, (element, next_element), known)
+    if known:
+        raise CodegenError(f"kernel {plan.kernel.output}: given epilogue values need paired columns")
     return False, epilogue_store(em, plan, layout, batch_env, element)
 
 
@@ -298,32 +302,34 @@ def paired_columns(plan, layout: GemmLayout) -> bool:
 
 
 def epilogue_pair_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
-                        accumulators: tuple[str, str]) -> list[str]:  # fmt: skip
+                        accumulators: tuple[str, str], known: Mapping[Term, tuple[str, str]] | None = None,
+                        ) -> list[str]:  # fmt: skip
     """Like :func:`epilogue_store` for columns ``n`` and ``n + 1`` (``n`` even, in range;
     :func:`paired_columns` holds), with ``accumulators`` theirs: both values are stored
     as one 4-byte word."""
-    lines, values, env = epilogue_pair_values(em, plan, layout, batch_env, accumulators)
+    lines, values, env = epilogue_pair_values(em, plan, layout, batch_env, accumulators, known)
     offset = output_offset(plan.kernel.axes, env, em.index_type)
     info = plan.output
     return [*lines, f"ck_store_{info.dtype}x2({info.param} + {offset}, {{{values[0]}, {values[1]}}});"]
 
 
 def epilogue_pair_values(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
-                         accumulators: tuple[str, str], sources: Mapping[Term, tuple[str, str]] | None = None,
+                         accumulators: tuple[str, str], known: Mapping[Term, tuple[str, str]] | None = None,
                          ) -> tuple[list[str], list[str], dict[str, Binding]]:  # fmt: skip
     """``(statements, values, env)``: the kernel's term at output columns ``n`` and ``n + 1``
     of row ``m`` (both in range), with ``accumulators`` in place of its contraction and each
-    read of ``sources`` by its two given fp32 values (a staged source's pair) — the
-    statements that bind them, the two fp32 value expressions and column ``n``'s index
-    bindings — for an epilogue that stores the pair itself."""
+    subterm of ``known`` by its two given fp32 values (a staged source's pair, the
+    accumulators a shifted contraction finds a few columns on) — the statements that bind
+    them, the two fp32 value expressions and column ``n``'s index bindings — for an
+    epilogue that stores the pair itself."""
     depth = em.push()
     m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
     values, envs, lines = [], [], list(m_lines)
     for half, (accumulator, column, prefix) in enumerate(zip(accumulators, ("n", "(n + 1)"), ("en", "eo"),
                                                              strict=True)):  # fmt: skip
         em.overrides[layout.core] = lambda _env, accumulator=accumulator: accumulator
-        for read, pair in (sources or {}).items():
-            em.overrides[read] = lambda _env, value=pair[half]: value
+        for subterm, pair in (known or {}).items():
+            em.overrides[subterm] = lambda _env, value=pair[half]: value
         n_lines, n_env = decompose(column, layout.n_axes, depth, prefix)
         env = {**batch_env, **m_env, **n_env}
         lines += n_lines

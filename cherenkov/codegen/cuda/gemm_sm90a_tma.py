@@ -83,6 +83,7 @@ from cherenkov.codegen.term_plan import (
     GemmLayout,
     epilogue_sources,
     gemm_layout,
+    shifted_cores,
     term_plan_problems,
     tma_matrix,
     wgmma_smem_bytes,
@@ -361,6 +362,17 @@ def _source_loads(maps: int) -> list[str]:
     ]
 
 
+def _partners(shifts: dict, index: str, scale: str) -> dict:
+    """The accumulators of columns ``n + offset`` and ``n + 1 + offset`` for each shifted
+    contraction (``offset`` columns on: ``offset / 2`` accumulators, four to an n8
+    fragment), given the accumulator ``index`` of column ``n``; wrapped around the tile
+    where a guard discards the value (the validity rules keep the used ones inside)."""
+    return {
+        node: tuple(f"acc[mi][({index} + {half + offset // 2} + ACC) % ACC]{scale}" for half in (0, 1))
+        for node, offset in sorted(shifts.items(), key=lambda item: repr(item[0]))
+    }
+
+
 def _signature(plan, name: str, threads: int) -> str:
     params = ["const __grid_constant__ TensorMap a_map", "const __grid_constant__ TensorMap b_map"]
     if plan.schedule.store_boxes:
@@ -462,16 +474,18 @@ def gemm_sm90a_tma_source(plan) -> str:
     em.push()
     batch_lines, batch_env = decompose("0", layout.batch, 0, "bz")
     scale = " * row_scale[mi][e >> 1]" if norm else ""  # columns e, e + 1 share a row
+    shifts = shifted_cores(kernel, layout)
     if s.store_boxes:  # the output's rows are 16-byte aligned: columns n, n + 1 are one word
         paired = False
         chunk = "STORE_BOX / 8 * j + c"  # the n8 tile of chunk c of box j
-        pairs = {read: (f"unpack_lo(src{i})", f"unpack_hi(src{i})") for i, read in enumerate(sources)}
+        known = {read: (f"unpack_lo(src{i})", f"unpack_hi(src{i})") for i, read in enumerate(sources)}
+        known |= _partners(shifts, f"4 * ({chunk}) + e", scale)
         lines, values, _ = epilogue_pair_values(em, plan, layout, batch_env, (
-            f"acc[mi][4 * ({chunk}) + e]{scale}", f"acc[mi][4 * ({chunk}) + e + 1]{scale}"), pairs)
+            f"acc[mi][4 * ({chunk}) + e]{scale}", f"acc[mi][4 * ({chunk}) + e + 1]{scale}"), known)
         epilogue = _sourced_epilogue(lines, values, len(sources)) if sources else _staged_epilogue(lines, values)
     else:
         paired, stores = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][4 * c + e]{scale}",
-                                              f"acc[mi][4 * c + e + 1]{scale}")
+                                              f"acc[mi][4 * c + e + 1]{scale}", _partners(shifts, "4 * c + e", scale))
         epilogue = [
             "// epilogue (the producer loads the next tile meanwhile): accumulator d[4c + e] of m64",
             "// tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column 8c + 2 (lane % 4) + (e & 1)",

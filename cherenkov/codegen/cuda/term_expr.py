@@ -414,6 +414,8 @@ class TermEmitter:
             return "1.0f" if term[1] else "0.0f"
         if head == "Scheduled":
             return self.value(term[1], env)
+        if head == "Shifted" and term not in self.overrides:  # the body one step on (a GEMM overrides it)
+            return self.value(t.shifted(term[3], term[1], term[2]), env)
         key = self._key(term, env)
         known = self._lookup(key)
         if known is not None:
