@@ -150,7 +150,7 @@ def stored_plan(params: Mapping[str, Any], kernels: list[FusedKernel], derivatio
         raise ValueError(f"recorded for target {params.get('target')!r}, not {target.name}")
     if params.get("kind") == "flash_attention" and "problem" in params:
         schedule = _dataclass_of((FlashSchedule, HopperFlashSchedule), params["schedule"])
-        problem = AttentionProblem(**params["problem"])
+        problem = AttentionProblem.from_json(params["problem"])
         kernel = next((k for k in kernels if k.output == problem.out), None)
         if kernel is None:
             raise ValueError(f"no flash-attention kernel writes {problem.out}")

@@ -11,12 +11,16 @@ On the GPU, at small sizes: each module's ``res.run`` matches the module in bf16
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import cherenkov as ck
 from cherenkov.rewrites import terms as t
+from cherenkov.rewrites.plan import TARGETS, OperandLayout
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+from cherenkov.search.space import stored_plan
 
 torch = pytest.importorskip("torch")
 real_modules = pytest.importorskip("real_modules")
@@ -85,3 +89,15 @@ def test_gpu_modules_run_through_cherenkov_like_the_module(gpu, tmp_path, name: 
         expected = real.module(*real.inputs).float()
     error = float((got.float() - expected).norm() / expected.norm())
     assert error <= 2e-2, f"{name}: relative error {error:.3g} against the module"
+
+
+def test_a_stored_strided_flash_plan_comes_back_equal() -> None:
+    """A database hit rebuilds a flash plan whose q, k, v are views (slices of one fused
+    QKV) with its operand layouts as layouts, not as the JSON dicts they were stored as."""
+    real = real_modules.nanogpt_attention(dtype=torch.bfloat16)
+    derivation = ck.derive(ck.from_torch(real.module, *real.inputs))
+    kernels = derivation.kernels_for("sm_90a")
+    plan = next(p for p in derivation.plans("sm_90a") if p.problem.strided)
+    rebuilt = stored_plan(json.loads(json.dumps(plan.params())), kernels, derivation, TARGETS["sm_90a"])
+    assert rebuilt == plan and rebuilt.name == plan.name
+    assert all(isinstance(layout, OperandLayout) for layout in rebuilt.problem.layouts)
