@@ -15,7 +15,9 @@ SDPA and eager paths and ``LlamaDecoderLayer`` at Llama-3-8B dims, timm's ViT-B/
 Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov``
 (the CUDA-graph replay), ``cherenkov_run``, ``eager``, ``inductor``}, ``speedup``
 {``vs_eager``, ``vs_inductor``} (baseline ms / cherenkov ms), ``rel_error``, ``winners``
-(kernel -> candidate id and kind) and the search's wall time; and prints a table.
+(kernel -> candidate id and kind), ``absorbing`` (the best fused candidate that competed
+for a kernel: see :func:`absorbing_candidates`) and the search's wall time; and prints a
+table.
 
     python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,...]
                                  [--budget 120] [--samples 30] [--out DIR]
@@ -98,6 +100,7 @@ def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.
         }
         ms = time_interleaved(torch, launches, flush, args.samples, spin=True)
     winners = {k: {"id": w.result.id, "kind": w.result.kind, "ms": w.time_ms} for k, w in result.kernels.items()}
+    absorbing = absorbing_candidates(result)
     row = {
         "name": label,
         "module": real.name,
@@ -108,6 +111,7 @@ def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.
         "rel_error": error,
         "kernels": [k.kind for k in result.partition],
         "winners": winners,
+        "absorbing": absorbing,
         "search_s": round(search_s, 1),
         "partial": result.summary.partial,
         "measured": result.summary.measured,
@@ -115,6 +119,19 @@ def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.
     }
     log.warning("%s", json.dumps(row))
     return row
+
+
+def absorbing_candidates(result: Any) -> dict[str, dict[str, Any]]:
+    """Per kernel that a candidate of another kind could run (one that absorbs its producer:
+    RoPE in the projection's epilogue, a norm in the GEMM's main loop), the best of those
+    candidates — id, status, measured ms, and the producer's winning ms it is credited
+    with — so a row shows why the search kept or dropped the fused form."""
+    kinds = {k.output: k.kind for k in result.partition}
+    found: dict[str, dict[str, Any]] = {}
+    for r in sorted(result.candidates, key=lambda r: (r.time_ms is None, r.time_ms or 0.0, r.id)):
+        if r.kernel in kinds and r.kind != kinds[r.kernel] and r.kernel not in found:
+            found[r.kernel] = {"id": r.id, "status": r.status, "ms": r.time_ms, "reason": (r.reason or "")[:300]}
+    return found
 
 
 def main() -> None:

@@ -48,7 +48,9 @@ SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION
 @dataclass(frozen=True)
 class MeasureTask:
     """Verify then time one compiled candidate; ``group`` (the kernel it implements) scopes
-    the best time that stops clearly slower candidates early."""
+    the best time that stops clearly slower candidates early; ``credit_ms``: the time the
+    candidate saves elsewhere (the producer kernel it absorbs), counted off its own before
+    it is compared."""
 
     candidate: str
     compiled: CompiledKernel
@@ -56,6 +58,7 @@ class MeasureTask:
     samples: int = SAMPLES
     seed: int = 0
     group: str = ""
+    credit_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,10 @@ def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any) -> Any:
         )
 
 
-def _time(launch: Callable[[], Any], flush: Any, samples: int, best_ms: float | None) -> tuple[list[float], bool]:
+def _time(launch: Callable[[], Any], flush: Any, samples: int, best_ms: float | None,
+          credit_ms: float = 0.0) -> tuple[list[float], bool]:  # fmt: skip
     """CUDA-event times of ``launch``, L2 flushed before each; stops early when clearly
-    slower than ``best_ms`` after its first samples."""
+    slower than ``best_ms`` after its first samples (net of ``credit_ms``)."""
     import torch
 
     for _ in range(WARMUP):
@@ -116,7 +120,7 @@ def _time(launch: Callable[[], Any], flush: Any, samples: int, best_ms: float | 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-        if best_ms and sample + 1 == EARLY_STOP_AFTER and min(times) > EARLY_STOP_FACTOR * best_ms:
+        if best_ms and sample + 1 == EARLY_STOP_AFTER and min(times) - credit_ms > EARLY_STOP_FACTOR * best_ms:
             return times, True
     return times, False
 
@@ -198,7 +202,7 @@ def _measure_term(task: MeasureTask, device: int, flush: Any) -> Measurement:
         reason = failure or f"relative error {error:.3g} > {tolerance}"
         return Measurement(task.candidate, "wrong", reason, error if error == error else None)
     run, _ = kernel.bind(inputs, out)
-    times, stopped = _time(run, flush, task.samples, task.best_ms)
+    times, stopped = _time(run, flush, task.samples, task.best_ms, task.credit_ms)
     reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
 
@@ -360,8 +364,8 @@ class MeasurementPool:
             if answer.status == "ok":
                 median = sorted(answer.times_ms)[len(answer.times_ms) // 2]
                 with self._lock:
-                    best = self.best_ms.get(task.group)
-                    self.best_ms[task.group] = median if best is None else min(best, median)
+                    best, net = self.best_ms.get(task.group), median - task.credit_ms
+                    self.best_ms[task.group] = net if best is None else min(best, net)
             return answer
         status = {"timeout": "timeout", "crash": "crash"}.get(kind, "crash")
         return Measurement(task.candidate, status, str(answer))

@@ -409,7 +409,7 @@ class _Search:
                 else:
                     results[candidate.id] = _base_result(candidate, "modelled", **_compiled_values(outcome))
             if ready:
-                results.update(self._measure(ready, deadline))
+                results.update(self._measure(ready, deadline, results))
 
     def _compile(self, group: list[Candidate]) -> list[CompiledKernel | CompileError]:
         sources = [inject_fault(c.source, self.faults[c.id]) if c.id in self.faults else None for c in group]
@@ -419,10 +419,17 @@ class _Search:
         self.progress("compiled", done=self.counts["compiled"], total=self.totals["compiled"])
         return outputs
 
-    def _measure(self, ready: list[tuple[Candidate, CompiledKernel]], deadline: float | None) -> dict[str, CandidateResult]:
+    def _measure(self, ready: list[tuple[Candidate, CompiledKernel]], deadline: float | None,
+                 known: Mapping[str, CandidateResult]) -> dict[str, CandidateResult]:  # fmt: skip
+        """Verify and time the compiled candidates; one that absorbs a producer is credited
+        with the producer's best time so far (``known``) when compared with its kernel's best."""
         ordered = sorted(ready, key=lambda ck: (_compiled_values(ck[1])["predicted_ms"], ck[0].id))
         seed = self.counts["measured"]
-        tasks = [MeasureTask(c.id, k, seed=seed + i + 1, group=c.kernel) for i, (c, k) in enumerate(ordered)]
+        producers = {c.absorbs for c, _ in ready if c.absorbs}
+        best = {p: min((r.time_ms for r in known.values() if r.kernel == p and _usable(r)), default=0.0)
+                for p in producers}  # fmt: skip
+        tasks = [MeasureTask(c.id, k, seed=seed + i + 1, group=c.kernel, credit_ms=best.get(c.absorbs, 0.0))
+                 for i, (c, k) in enumerate(ordered)]  # fmt: skip
 
         def done(measurement: Any) -> None:
             self.counts["measured"] += 1

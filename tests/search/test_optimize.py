@@ -146,6 +146,36 @@ def rms_matmul_graph() -> ck.Graph:
     return g
 
 
+def timed_result(candidate, ms: float) -> CandidateResult:
+    """A verified candidate whose samples all took ``ms``."""
+    return CandidateResult(candidate.id, candidate.kernel, candidate.plan.kind, {}, "", "ok",
+                           timing=Timing(ms, ms, ms, 10))  # fmt: skip
+
+
+def test_an_absorbing_candidate_is_timed_net_of_the_producer_it_saves() -> None:
+    """Early stopping compares a GEMM that runs the norm itself with its kernel's best only
+    after the norm's best time so far is counted off its own (else it is stopped as 1.3x
+    slower than a GEMM that leaves the norm to another kernel, and can never win)."""
+    graph = rms_matmul_graph()
+    space = search_space(ck.derive(graph), "sm_90a")
+    norm, matmul = (k.output for k in space.kernels)
+    absorbing = next(c for c in space.candidates[matmul] if c.absorbs)
+    plain = next(c for c in space.candidates[matmul] if not c.absorbs)
+    tasks = []
+
+    class Pool:
+        def measure_all(self, batch, done, deadline):
+            tasks.extend(batch)
+            return {}
+
+    caps = Capabilities(Environment("sm_90a", toolkit="13.0", measured=True), (), ())
+    search = optimize_module._Search(graph, caps, None, lambda *a, **k: None, 30.0, {})
+    search.pool = Pool()
+    known = {r.id: r for r in (timed_result(space.candidates[norm][0], 0.03), timed_result(space.candidates[norm][1], 0.02))}
+    search._measure([(absorbing, fake_compiled(absorbing.plan)), (plain, fake_compiled(plain.plan))], None, known)
+    assert {t.candidate: t.credit_ms for t in tasks} == {absorbing.id: 0.02, plain.id: 0.0}
+
+
 @pytest.mark.parametrize("absorbing_ms, absorbs", [(0.11, True), (0.13, False)])
 def test_a_plan_that_absorbs_the_norm_wins_only_with_the_norms_time_credited(absorbing_ms, absorbs) -> None:
     """Norm 0.02 ms + GEMM 0.10 ms against a GEMM that does the norm itself: 0.11 ms wins,
@@ -158,12 +188,9 @@ def test_a_plan_that_absorbs_the_norm_wins_only_with_the_norms_time_credited(abs
     assert absorbing and {c.absorbs for c in absorbing} == {norm.output}
     assert {c.plan.family for c in absorbing} == {"wgmma", "mma"} and all("x" in c.plan.kernel.reads for c in absorbing)
 
-    def result(candidate, ms: float) -> CandidateResult:
-        return CandidateResult(candidate.id, candidate.kernel, candidate.plan.kind, {}, "", "ok",
-                               timing=Timing(ms, ms, ms, 10))  # fmt: skip
-
     plain = next(c for c in space.candidates[matmul.output] if not c.absorbs)
-    results = [result(space.candidates[norm.output][0], 0.02), result(plain, 0.10), result(absorbing[0], absorbing_ms)]
+    results = [timed_result(space.candidates[norm.output][0], 0.02), timed_result(plain, 0.10),
+               timed_result(absorbing[0], absorbing_ms)]  # fmt: skip
     winners = optimize_module._winners(space.candidates, results)
     assert (winners[matmul.output].result.id == absorbing[0].id) == absorbs
     launched = optimize_module.launched_kernels(d.kernels, frozenset(graph.outputs), winners)
