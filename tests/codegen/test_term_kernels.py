@@ -42,6 +42,7 @@ from cherenkov.rewrites.plan import TARGETS
 from cherenkov.search.cost_model import predict_term
 
 from .emulator import emulate, rounded
+from .rotary_graphs import rope_projection_graph
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ARCHS = ("sm_80", "sm_90", "sm_120")
@@ -354,6 +355,23 @@ def _check_graph(graph: ck.Graph, families: set[str] | None = None, seed: int = 
 )  # fmt: skip
 def test_emulated_kernels_match_the_reference(graph) -> None:
     assert _check_graph(graph) >= 4
+
+
+@needs_gxx
+def test_emulated_rope_loads_its_partner_columns_as_vectors() -> None:
+    """RoPE after a projection split into heads (``t[s, h·D + d]`` and its partner
+    ``t[s, h·D + d ± D/2]``, clamped where the guard discards it): the vectorised kernel
+    loads all three reads 8 at a time, and every pointwise plan matches the reference."""
+    graph = rope_projection_graph(seq=24, heads=4, dim=64, hidden=40)
+    d = ck.derive(graph)
+    shapes, dtypes = d.tensor_types()
+    rope = next(k for k in d.kernels if k.kind == "elementwise")
+    (vector,) = [p for p in term_plans(rope, shapes, dtypes, TARGETS["sm_90"])
+                 if p.schedule == PointwiseSchedule(128, 8)]  # fmt: skip
+    text = cuda_source(vector).split("__global__")[1]  # the kernel, past the helpers
+    assert text.count("ck_load_bf16x8(") == 5 and "ck_from_bf16(" not in text
+    assert "int(ck_clamp((a0 * 64 + (a2 + 32)), 0, 248))" in text, "the partner's vector stays inside the row"
+    assert _check_graph(graph, {"pointwise"}) >= 6
 
 
 @needs_gxx

@@ -15,6 +15,7 @@ Launch: grid ``ceil(numel / (block · vector))``, ``block`` threads, no shared m
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from cherenkov.codegen.cuda.term_common import (
     decompose,
@@ -64,14 +65,16 @@ def pointwise_source(plan) -> str:
     else:
         inner = axes[-1]
         base = env[inner]
-        # vector loads of the reads along the innermost axis (at the vector's first element)
+        # vector loads of the reads along the innermost axis (at the vector's first element,
+        # a multiple of the vector: the axis ranges over starts up to extent - vec)
         loads = []
-        for read in vector_reads(kernel.term, inner, infos):
+        start = {**env, inner: replace(base, hi=t.extent(inner) - vec)}
+        for read in vector_reads(kernel.term, inner, infos, vec):
             info = infos[read[1]]
             var = em.fresh("r")
             helpers.append((info.dtype, vec))
             loads.append(f"float {var}[{vec}];")
-            loads.append(f"ck_load_{info.dtype}x{vec}({info.param} + {em.offset(read, env)}, {var});")
+            loads.append(f"ck_load_{info.dtype}x{vec}({info.param} + {em.offset(read, start, vec)}, {var});")
             em.overrides[read] = lambda _env, var=var: f"{var}[u]"
         em.push()
         inner_env = {**env, inner: type(base)(f"{base.expr}_u", 1, 0, t.extent(inner) - 1)}

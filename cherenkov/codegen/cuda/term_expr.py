@@ -376,9 +376,11 @@ class TermEmitter:
             return f"({inner} * {ix[2]} + {self.index(ix[3], env)})"
         raise CodegenError(f"not an index term: {ix}")
 
-    def offset(self, read: Term, env: Env) -> str:
+    def offset(self, read: Term, env: Env, vector: int = 1) -> str:
         """The element offset of a ``Tensor`` read in its row-major buffer; indices are
-        clamped into the tensor's extents where they might leave them (as the reference clips)."""
+        clamped into the tensor's extents where they might leave them (as the reference clips);
+        ``vector``: the offset starts an access of that many elements, so the innermost index
+        stays ``vector`` short of the end."""
         name, items = read[1], t.ix_items(read[2])
         info = self.tensors.get(name)
         if info is None:
@@ -386,13 +388,14 @@ class TermEmitter:
         if len(items) != len(info.shape):
             raise CodegenError(f"{name} has {len(info.shape)} axes but is indexed with {len(items)}")
         parts = []
-        for ix, size, stride in zip(items, info.shape, info.strides):
+        for position, (ix, size, stride) in enumerate(zip(items, info.shape, info.strides)):
             if size == 1:
                 continue
             expr = self.index(ix, env)
             lo, hi = self.interval(ix, env)
-            if lo < 0 or hi > size - 1:
-                expr = f"int(ck_clamp({expr}, 0, {size - 1}))"
+            last = size - (vector if position == len(items) - 1 else 1)
+            if lo < 0 or hi > last:
+                expr = f"int(ck_clamp({expr}, 0, {last}))"
             if self.index_type != "int":
                 expr = f"({self.index_type})({expr})"
             parts.append(expr if stride == 1 else f"{expr} * {stride}")
@@ -619,23 +622,39 @@ def reads(term: Term) -> list[Term]:
     return sorted((s for s in t.subterms(term) if s[0] == "Tensor"), key=repr)
 
 
-def vector_reads(term: Term, axis: str, infos: Mapping[str, TensorInfo]) -> list[Term]:
+def vector_reads(term: Term, axis: str, infos: Mapping[str, TensorInfo], vector: int | None = None) -> list[Term]:
     """The reads of ``term`` that one aligned vector access can load along ``axis``: their
     innermost index is exactly that axis, over the tensor's whole innermost extent, the axis
-    used nowhere else in the index, and the tensor holds floats."""
+    used nowhere else in the index, and the tensor holds floats. With ``vector`` (the
+    access's width), also reads whose innermost index steps through the axis one element at
+    a time from a multiple of ``vector`` (:func:`contiguous_index`: heads split off a
+    projection's columns, ``h·D + d``, or RoPE's partner ``h·D + d + D/2``) in a tensor whose
+    innermost extent is a multiple of ``vector``."""
     result = []
     for read in reads(term):
         info = infos[read[1]]
         items = t.ix_items(read[2])
-        if (
-            items
-            and items[-1] == t.ax(axis)
-            and info.shape[-1] == t.extent(axis)
-            and info.dtype in ("bf16", "fp16", "fp32")
-            and not any(axis in t.ix_names(ix) for ix in items[:-1])
-        ):
+        if not items or info.dtype not in ("bf16", "fp16", "fp32") or any(axis in t.ix_names(ix) for ix in items[:-1]):
+            continue
+        if items[-1] == t.ax(axis) and info.shape[-1] == t.extent(axis):
+            result.append(read)
+        elif vector and t.extent(axis) % vector == 0 and info.shape[-1] % vector == 0 and contiguous_index(
+                items[-1], axis, vector):  # fmt: skip
             result.append(read)
     return result
+
+
+def contiguous_index(ix: Term, axis: str, vector: int) -> bool:
+    """Whether index ``ix`` is ``axis`` plus terms that do not vary along it and are
+    multiples of ``vector`` (``vector`` consecutive values of the axis from a multiple of
+    ``vector`` read ``vector`` consecutive, aligned elements)."""
+    if ix == t.ax(axis):
+        return True
+    if ix[0] == "IxAdd":
+        return ix[2] % vector == 0 and contiguous_index(ix[1], axis, vector)
+    if ix[0] == "IxLin":
+        return ix[2] % vector == 0 and axis not in t.ix_names(ix[1]) and contiguous_index(ix[3], axis, vector)
+    return False
 
 
 def index_type(tensors: Mapping[str, TensorInfo]) -> str:
