@@ -1,19 +1,24 @@
 """cherenkov's searched flash attention against PyTorch SDPA's backends, in one process.
 
-For each shape of issue 6 (bf16), this builds the textbook attention graph of
+For each shape (``SHAPES``: issue 6's, and issue 22's decode, short-query, head-dim, ``D_V ≠
+D`` and fp16 rows; the default runs issue 6's), this builds the textbook attention graph of
 ``examples/attention.py`` (loaded by path), runs ``ck.optimize`` on it (a fresh search
 with a per-shape time budget, measured on the local GPU; a private tuning database so that
-nothing stale answers), checks the winner's output against SDPA in float32 (relative error
-≤ 2e-2, output poisoned with NaN first), then times the winner and SDPA's flash, cuDNN and
+nothing stale answers), checks the graph's output against SDPA in float32 (relative error
+≤ 2e-2, output poisoned with NaN first), then times it and SDPA's flash, cuDNN and
 memory-efficient backends — and FlashAttention-4 where its wheels are installed
 (``../shared/device/fa4-wheels.sh``) — on the same inputs: CUDA events, L2 flushed before
 every sample, samples of all of them interleaved round-robin (so clock drift hits all
-alike), median of ``--samples``. Prints a table (TFLOP/s, ratios) and writes
-``<out>/h200-<date><suffix>.json`` (``gpu``, ``date``, ``versions``, ``rows``, with % of
-the 641 TFLOP/s mma.sync and 989 TFLOP/s wgmma peaks). ``--target auto`` searches both
-kernel families on a Hopper GPU (sm_90a), ``--target sm_90`` the mma.sync family only.
+alike), median of ``--samples``. A shape whose search found no flash plan runs (and is
+timed) through the unfused kernels as a CUDA graph, and says so (``cherenkov_kernels``).
+Prints a table (TFLOP/s, ratios) and writes ``<out>/h200-<date><suffix>.json`` (``gpu``,
+``date``, ``versions``, ``copy_tbps`` — a device-to-device copy's bytes read and written a
+second, the bandwidth a memory-bound row can reach — and ``rows``, with % of the 641 TFLOP/s
+mma.sync and 989 TFLOP/s wgmma peaks, and each contender's ``tbps``: q, k, v and o bytes
+moved a second). ``--target auto`` searches both kernel families on a Hopper GPU (sm_90a),
+``--target sm_90`` the mma.sync family only.
 
-    python3 benchmarks/attention.py [--shapes seed,...] [--out DIR] [--budget S] [--target T] [--suffix S]
+    python3 benchmarks/attention.py [--shapes seed,...|issue22] [--out DIR] [--budget S] [--target T] [--suffix S]
 
 FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (the convention of FlashAttention's and
 PyTorch's benchmarks). The budget bounds each search (compile + measure), so the winner is
@@ -31,6 +36,7 @@ import math
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +52,63 @@ WGMMA_PEAK = 989.0  # TFLOP/s, dense bf16 wgmma on the H200 (NVIDIA's figure)
 TOLERANCE = 2e-2
 CAUSAL_BUDGET_FACTOR = 2.0  # causal problems: about twice the schedules (head-major order) and slower samples
 BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
-SHAPES = {  # name: (B, H, H_KV, SQ, SKV, D, causal)
-    "seed": (1, 8, 8, 4096, 8192, 128, False),
-    "b4h16s4k": (4, 16, 16, 4096, 4096, 128, False),
-    "b4h16s4k_causal": (4, 16, 16, 4096, 4096, 128, True),
-    "seed_d64": (1, 8, 8, 4096, 8192, 64, False),
-    "b16h16s1k": (16, 16, 16, 1024, 1024, 128, False),
-    "b1h32s16k_causal": (1, 32, 32, 16384, 16384, 128, True),
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark row's problem: q ``(B, H, SQ, D)``, k ``(B, H_KV, SKV, D)``, v ``(B,
+    H_KV, SKV, DV)`` (``DV`` defaults to ``D``)."""
+
+    B: int
+    H: int
+    H_KV: int
+    SQ: int
+    SKV: int
+    D: int
+    causal: bool = False
+    dtype: str = "bf16"
+    DV: int | None = None
+
+    @property
+    def dv(self) -> int:
+        return self.D if self.DV is None else self.DV
+
+    @property
+    def flops(self) -> float:
+        """``2·B·H·SQ·SKV·(D + DV)``, halved for causal (``4·…·D`` when ``DV = D``)."""
+        full = 2.0 * self.B * self.H * self.SQ * self.SKV * (self.D + self.dv)
+        return full / 2 if self.causal else full
+
+    @property
+    def bytes(self) -> float:
+        """q, k, v read once and o written once."""
+        elements = self.B * (self.H * self.SQ * (self.D + self.dv) + self.H_KV * self.SKV * (self.D + self.dv))
+        return 2.0 * elements
+
+
+SHAPES = {
+    # issue 6
+    "seed": Shape(1, 8, 8, 4096, 8192, 128),
+    "b4h16s4k": Shape(4, 16, 16, 4096, 4096, 128),
+    "b4h16s4k_causal": Shape(4, 16, 16, 4096, 4096, 128, True),
+    "seed_d64": Shape(1, 8, 8, 4096, 8192, 64),
+    "b16h16s1k": Shape(16, 16, 16, 1024, 1024, 128),
+    "b1h32s16k_causal": Shape(1, 32, 32, 16384, 16384, 128, True),
+    # issue 22: decode, short queries, other head dims, D_V != D, fp16, Llama-3-8B prefill
+    "decode_b16_8k": Shape(16, 32, 8, 1, 8192, 128),
+    "decode_b1_64k": Shape(1, 32, 8, 1, 65536, 128),
+    "speculative_sq4": Shape(16, 32, 8, 4, 8192, 128),
+    "chunked_prefill_sq64": Shape(8, 32, 8, 64, 8192, 128),
+    "b2h16s2k_d32": Shape(2, 16, 16, 2048, 2048, 32),
+    "b2h16s2k_d96": Shape(2, 16, 16, 2048, 2048, 96),
+    "b2h16s2k_d256": Shape(2, 16, 16, 2048, 2048, 256),
+    "b2h16s2k_d192_dv128": Shape(2, 16, 16, 2048, 2048, 192, DV=128),
+    "llama3_8b_prefill_8k_causal": Shape(1, 32, 8, 8192, 8192, 128, True),
+    "b2h16s2k_d64_fp16": Shape(2, 16, 16, 2048, 2048, 64, dtype="fp16"),
 }
+ISSUE_6 = ("seed", "b4h16s4k", "b4h16s4k_causal", "seed_d64", "b16h16s1k", "b1h32s16k_causal")
+ISSUE_22 = tuple(name for name in SHAPES if name not in ISSUE_6)
 
 
 def load_example():
@@ -64,9 +119,26 @@ def load_example():
     return module
 
 
-def flops(b: int, h: int, sq: int, skv: int, d: int, causal: bool) -> float:
-    full = 4.0 * b * h * sq * skv * d
-    return full / 2 if causal else full
+def value_dim_graph(shape: Shape) -> ck.Graph:
+    """Attention whose values have their own head dim (``D_V ≠ D``, as in MLA), spelled with
+    ``ck.nn.attention`` (the example's contract has one head dim)."""
+    g = ck.Graph("attention_value_dim")
+    q = g.input("q", (shape.B, shape.H, shape.SQ, shape.D), shape.dtype)
+    k = g.input("k", (shape.B, shape.H_KV, shape.SKV, shape.D), shape.dtype)
+    v = g.input("v", (shape.B, shape.H_KV, shape.SKV, shape.dv), shape.dtype)
+    group = shape.H // shape.H_KV
+    if group > 1:
+        k, v = ck.nn.repeat_kv_heads(k, group), ck.nn.repeat_kv_heads(v, group)
+    g.output(ck.nn.attention(q, k, v, causal=shape.causal), "o")
+    return g
+
+
+def copy_bandwidth(torch, flush, samples: int) -> float:
+    """TB/s of a 1 GiB device-to-device copy (bytes read plus bytes written), median."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_interleaved(torch, {"copy": lambda: dst.copy_(src)}, flush, samples)["copy"]
+    return 2 * src.numel() / (ms * 1e9)
 
 
 def flash_attention_4():
@@ -89,27 +161,35 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    b, h, hkv, sq, skv, d, causal = SHAPES[name]
-    graph = example.build(shape=(b, h, hkv, sq, skv, d), causal=causal)
+    shape = SHAPES[name]
+    b, h, hkv, sq, skv, d, causal = shape.B, shape.H, shape.H_KV, shape.SQ, shape.SKV, shape.D, shape.causal
+    graph = (example.build(shape=(b, h, hkv, sq, skv, d), causal=causal, dtype=shape.dtype) if shape.DV is None
+             else value_dim_graph(shape))  # fmt: skip
     budget = args.budget * (CAUSAL_BUDGET_FACTOR if causal else 1.0)
     started = time.monotonic()
     result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / name, budget_s=budget, database=db)
-    if result.best is None:  # nothing measured in time: once more (compiles are cached, measurements kept)
-        result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / name, budget_s=2 * budget, database=db)
     search_s = time.monotonic() - started
     best = result.best
-    if best is None:
-        raise RuntimeError(f"{name}: the search found no kernel ({result.summary.notes})")
-    kernel = load_kernel(compile_plan(best.plan))
+    flash = [k for k in result.launched if k.kind == "flash_attention"]
 
+    dtype = getattr(torch, DTYPES[shape.dtype])
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    q = torch.randn((b, h, sq, d), generator=gen, device="cuda").to(torch.bfloat16)
-    k = torch.randn((b, hkv, skv, d), generator=gen, device="cuda").to(torch.bfloat16)
-    v = torch.randn((b, hkv, skv, d), generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn((b, h, sq, d), generator=gen, device="cuda").to(dtype)
+    k = torch.randn((b, hkv, skv, d), generator=gen, device="cuda").to(dtype)
+    v = torch.randn((b, hkv, skv, shape.dv), generator=gen, device="cuda").to(dtype)
     gqa = h != hkv
 
-    out = torch.full_like(q, math.nan)
-    kernel(q, k, v, out)
+    if flash:  # the flash kernel alone, into a NaN-poisoned output
+        kernel = load_kernel(compile_plan(best.plan))
+        out = torch.full((b, h, sq, shape.dv), math.nan, dtype=dtype, device="cuda")
+        kernel(q, k, v, out)
+
+        def ours() -> None:
+            kernel(q, k, v, out)
+    else:  # no flash plan: the unfused kernels, replayed as one CUDA graph
+        captured = result.capture(q=q, k=k, v=v)
+        out = captured()["o"]
+        ours = captured
     torch.cuda.synchronize()
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)
@@ -118,7 +198,7 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     if not rel_error <= TOLERANCE:
         raise RuntimeError(f"{name}: cherenkov's output is wrong (relative error {rel_error:.3g})")
 
-    launches = {"cherenkov": lambda: kernel(q, k, v, out)}
+    launches = {"cherenkov": ours}
     for key, backend in BACKENDS.items():
         def launch(backend=getattr(SDPBackend, backend)):
             with sdpa_kernel(backend):
@@ -133,10 +213,19 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     fa4 = flash_attention_4()
     if fa4 is not None:  # FlashAttention-4 takes B, S, H, D tensors
         q_bshd, k_bshd, v_bshd = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        launches["fa4"] = lambda: fa4(q_bshd, k_bshd, v_bshd, causal=causal)
+
+        def launch_fa4():
+            return fa4(q_bshd, k_bshd, v_bshd, causal=causal)
+
+        try:
+            launch_fa4()
+            torch.cuda.synchronize()
+            launches["fa4"] = launch_fa4
+        except Exception as error:  # noqa: BLE001 - a head dim or dtype FlashAttention-4 does not take
+            print(f"  fa4 unavailable: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
     ms = time_interleaved(torch, launches, flush, args.samples, args.hide_launch_gaps)
-    work = flops(b, h, sq, skv, d, causal)
-    tflops = {key: work / (t * 1e9) for key, t in ms.items()}
+    tflops = {key: shape.flops / (t * 1e9) for key, t in ms.items()}
+    tbps = {key: shape.bytes / (t * 1e9) for key, t in ms.items()}
     ratios = {f"cherenkov/{key}": tflops["cherenkov"] / tflops[key] for key in tflops if key != "cherenkov"}
     measured = [c for c in result.candidates if c.timing is not None]
     predicted_order = sorted(result.candidates, key=lambda c: (c.predicted_ms or math.inf, c.id))
@@ -144,8 +233,10 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     schedule = dict(best.result.params["schedule"])
     return {
         "name": name,
-        "shape": {"B": b, "H": h, "H_KV": hkv, "SQ": sq, "SKV": skv, "D": d, "causal": causal, "dtype": "bf16"},
+        "shape": {**asdict(shape), "DV": shape.dv},
+        "cherenkov_kernels": [k.kind for k in result.launched],
         "tflops": tflops,
+        "tbps": tbps,
         "ratios": ratios,
         "percent_of_mma_sync_peak": {key: 100 * t / MMA_SYNC_PEAK for key, t in tflops.items()},
         "percent_of_wgmma_peak": {key: 100 * t / WGMMA_PEAK for key, t in tflops.items()},
@@ -167,7 +258,8 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(ISSUE_6),
+                        help=f"comma-separated, of: {', '.join(SHAPES)}; issue22 stands for its rows")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--budget", type=float, default=35.0,
                         help="seconds per search (compile + measure); causal shapes get twice it")
@@ -179,7 +271,7 @@ def main() -> None:
                                                          "sm_90: the mma.sync family only)")
     parser.add_argument("--suffix", default="", help="results file h200-<date><suffix>.json")
     args = parser.parse_args()
-    names = [s for s in args.shapes.split(",") if s]
+    names = [n for s in args.shapes.split(",") if s for n in (ISSUE_22 if s == "issue22" else (s,))]
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; valid: {', '.join(SHAPES)}")
@@ -190,6 +282,8 @@ def main() -> None:
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     example = load_example()
     flush = l2_flush_buffer(torch)
+    copy_tbps = copy_bandwidth(torch, flush, args.samples)
+    print(f"device-to-device copy: {copy_tbps:.2f} TB/s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="cherenkov-bench-") as work:
         args.workdir = work
@@ -199,8 +293,7 @@ def main() -> None:
                 try:
                     row = run_shape(name, example, torch, flush, args, db)
                 except Exception as error:  # noqa: BLE001 - report the shape and go on
-                    rows.append({"name": name, "shape": dict(zip(("B", "H", "H_KV", "SQ", "SKV", "D", "causal"),
-                                                                 SHAPES[name]), dtype="bf16"),
+                    rows.append({"name": name, "shape": asdict(SHAPES[name]),
                                  "error": f"{type(error).__name__}: {error}"})
                     print(f"{name}: FAILED {rows[-1]['error']}", flush=True)
                     continue
@@ -218,6 +311,7 @@ def main() -> None:
         "date": date,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cherenkov": ck.__version__,
                      "cudnn": cudnn, "python": sys.version.split()[0], "flash_attn_4": fa4_version()},
+        "copy_tbps": copy_tbps,
         "mma_sync_peak_tflops": MMA_SYNC_PEAK,
         "wgmma_peak_tflops": WGMMA_PEAK,
         "target": args.target,
@@ -233,15 +327,15 @@ def main() -> None:
     path = out_dir / f"h200-{date}{args.suffix}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
 
-    header = (f"{'shape':18} {'cherenkov':>10} {'flash':>7} {'cudnn':>7} {'effic':>7} {'fa4':>7} "
+    header = (f"{'shape':28} {'cherenkov':>10} {'TB/s':>6} {'flash':>7} {'cudnn':>7} {'effic':>7} {'fa4':>7} "
               f"{'vs flash':>9} {'vs cudnn':>9} {'vs fa4':>7}  plan")
     print("\n" + header)
     for row in rows:
         if "error" in row:
-            print(f"{row['name']:18} {row['error']}")
+            print(f"{row['name']:28} {row['error']}")
             continue
         t, r = row["tflops"], row["ratios"]
-        print(f"{row['name']:18} {t['cherenkov']:10.1f} {t.get('sdpa_flash', math.nan):7.1f} "
+        print(f"{row['name']:28} {t['cherenkov']:10.1f} {row['tbps']['cherenkov']:6.2f} {t.get('sdpa_flash', math.nan):7.1f} "
               f"{t.get('sdpa_cudnn', math.nan):7.1f} {t.get('sdpa_efficient', math.nan):7.1f} "
               f"{t.get('fa4', math.nan):7.1f} {r.get('cherenkov/sdpa_flash', math.nan):9.2f} "
               f"{r.get('cherenkov/sdpa_cudnn', math.nan):9.2f} {r.get('cherenkov/fa4', math.nan):7.2f}  "
