@@ -312,19 +312,6 @@ def test_rope_runs_in_the_tma_gemm_epilogue_and_says_where_not() -> None:
         assert any(reason in p for p in term_plan_problems(bad)), (schedule, term_plan_problems(bad))
 
 
-@pytest.mark.parametrize("graph", list(ROPE_GRAPHS))
-def test_rope_epilogue_compiles_without_spills(nvcc, sass, graph, tmp_path) -> None:
-    for plan in [p for p in rope_plans(ROPE_GRAPHS[graph]()) if p.family == "wgmma"]:
-        output = nvcc.compile(cuda_source(plan), SM90A.arch_flag)
-        report = parse_ptxas_report(output.log, f"ck_contraction_{plan.schedule.key()}", term_dynamic_smem(plan))
-        assert report.spill_bytes == 0 and report.stack_frame == 0, (plan.name, report)
-        if sass is not None:
-            cubin = tmp_path / f"{plan.schedule.key()}.cubin"
-            cubin.write_bytes(output.cubin)
-            code = sass(cubin)
-            assert "UTMALDG" in code and f"HGMMA.64x{plan.schedule.block_n}x16" in code and " LDL" not in code
-
-
 def test_split_k_only_for_few_tiles() -> None:
     def splits(m: int, n: int, k: int) -> dict[tuple[int, int], int]:
         plans = wgmma_plans(matmul_graph(False, False, m, n, k))
@@ -439,18 +426,26 @@ def test_layouts_cover_both_memory_orders() -> None:
 # ------------------------------------------------------------------------------ nvcc and SASS
 
 
+def compiled_sass(nvcc, sass, plan: TermKernelPlan, tmp_path) -> str | None:
+    """Compile ``plan`` for sm_90a, check ptxas's report (no spills, no stack frame, the
+    wgmma pipeline not serialised) and return its SASS (None without ``cuobjdump``)."""
+    output = nvcc.compile(cuda_source(plan), SM90A.arch_flag)
+    report = parse_ptxas_report(output.log, f"ck_contraction_{plan.schedule.key()}", term_dynamic_smem(plan))
+    assert report.spill_bytes == 0 and report.stack_frame == 0, (plan.name, report)
+    assert "serialized" not in output.log, (plan.name, output.log)  # ptxas: wgmma pipeline broken
+    if sass is None:
+        return None
+    cubin = tmp_path / f"{plan.schedule.key()}.cubin"
+    cubin.write_bytes(output.cubin)
+    return sass(cubin)
+
+
 @pytest.mark.parametrize("graph", list(GRAPHS))
 def test_every_schedule_compiles_without_spills_to_hgmma(nvcc, sass, graph, tmp_path) -> None:
     for plan in wgmma_plans(GRAPHS[graph]()):
-        output = nvcc.compile(cuda_source(plan), SM90A.arch_flag)
-        report = parse_ptxas_report(output.log, f"ck_contraction_{plan.schedule.key()}", term_dynamic_smem(plan))
-        assert report.spill_bytes == 0 and report.stack_frame == 0, (plan.name, report)
-        assert "serialized" not in output.log, (plan.name, output.log)  # ptxas: wgmma pipeline broken
-        if sass is None:
+        code = compiled_sass(nvcc, sass, plan, tmp_path)
+        if code is None:
             continue
-        cubin = tmp_path / f"{plan.schedule.key()}.cubin"
-        cubin.write_bytes(output.cubin)
-        code = sass(cubin)
         layout = gemm_layout(plan.kernel, plan.tensor_map)
         shape = (
             f"HGMMA.64x{plan.schedule.block_n}x16.F32{'.BF16' if layout.dtype == 'bf16' else ' '}"  # fp16: no suffix
@@ -467,18 +462,20 @@ def test_every_schedule_compiles_without_spills_to_hgmma(nvcc, sass, graph, tmp_
 @pytest.mark.parametrize("graph", list(NORM_GRAPHS))
 def test_absorbed_norm_compiles_to_register_a_hgmma_without_spills(nvcc, sass, graph, tmp_path) -> None:
     for plan in [p for p in absorbed_plans(NORM_GRAPHS[graph]()) if p.family == "wgmma"]:
-        output = nvcc.compile(cuda_source(plan), SM90A.arch_flag)
-        report = parse_ptxas_report(output.log, f"ck_contraction_{plan.schedule.key()}", term_dynamic_smem(plan))
-        assert report.spill_bytes == 0 and report.stack_frame == 0, (plan.name, report)
-        assert "serialized" not in output.log, (plan.name, output.log)
-        if sass is None:
+        code = compiled_sass(nvcc, sass, plan, tmp_path)
+        if code is None:
             pytest.skip("cuobjdump is not installed: compiled and ptxas-checked only")
-        cubin = tmp_path / f"{plan.schedule.key()}.cubin"
-        cubin.write_bytes(output.cubin)
-        code = sass(cubin)
         assert re.search(rf"HGMMA\.64x{plan.schedule.block_n}x16\.F32\S* R\d+, R\d+, gdesc", code), plan.name
         assert "LDSM.16.M88.4" in code and "UTMALDG" in code and " LDL" not in code and " STL" not in code
         assert ("UTMASTG" in code) == bool(plan.schedule.store_boxes), plan.name
+
+
+@pytest.mark.parametrize("graph", list(ROPE_GRAPHS))
+def test_rope_epilogue_compiles_without_spills(nvcc, sass, graph, tmp_path) -> None:
+    for plan in [p for p in rope_plans(ROPE_GRAPHS[graph]()) if p.family == "wgmma"]:
+        code = compiled_sass(nvcc, sass, plan, tmp_path)
+        if code is not None:
+            assert "UTMALDG" in code and f"HGMMA.64x{plan.schedule.block_n}x16" in code and " LDL" not in code
 
 
 # ------------------------------------------------------------------------------ GPU

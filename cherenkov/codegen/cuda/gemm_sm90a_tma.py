@@ -55,6 +55,7 @@ host encodes them), then the pointers of every tensor as in every term kernel.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cherenkov.codegen.cuda import mma, tma, wgmma
@@ -245,23 +246,21 @@ def _norm_main_loop(mma_name: str) -> list[str]:
     ]
 
 
-def _staged_epilogue(epilogue: list[str], values: list[str]) -> list[str]:
-    """The consumer's epilogue through its staging boxes: per box (m64 tile ``mi``, 64
-    columns ``j``), ``epilogue`` binds the ``values`` of columns ``n``, ``n + 1`` of row ``m``
-    for each in-range pair, which lands at row ``r``, 16-byte chunk ``c`` of the box; then
-    one thread stores the box."""
+def _box_loop(header: list[str], setup: list[str], element: list[str], fence_note: str,
+              after_store: Sequence[str] = (), after_box: Sequence[str] = ()) -> list[str]:  # fmt: skip
+    """The loop of the consumer's epilogues through staging boxes: per box (m64 tile ``mi``,
+    64 columns ``j``) the ``setup`` statements; per pair of columns ``n``, ``n + 1`` of row
+    ``m`` in range (row ``r``, 16-byte chunk ``c`` of the box) the ``element`` statements;
+    then a fence (``fence_note`` says which accesses it orders), the warpgroup's barrier and
+    one thread's TMA store of the box, followed by ``after_store`` (that thread) and
+    ``after_box`` (every thread)."""
     return [
-        "// epilogue through shared memory, a 64x64 box at a time (the producer loads the next tile meanwhile):",
-        "// accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column",
-        "// 8c + 2 (lane % 4) + (e & 1); in the box, 16-byte chunk c of row r sits at chunk c ^ (r % 8)",
+        *header,
         "#pragma unroll",
         "for (int mi = 0; mi < M_TILES; ++mi) {",
         "    #pragma unroll",
         "    for (int j = 0; j < BN / STORE_BOX; ++j) {",
-        "        const int buffer = (mi * (BN / STORE_BOX) + j) % STORE_BOXES;",
-        "        const u32 box = smem + STORE_SMEM + (warpgroup * STORE_BOXES + buffer) * BOX_BYTES;",
-        "        if (store_thread) bulk_wait_read<STORE_BOXES - 1>();  // the buffer's last store has read it",
-        "        named_barrier_sync(1 + warpgroup, 128);",
+        *indent_lines(setup, 2),
         "        #pragma unroll",
         "        for (int c = 0; c < STORE_BOX / 8; ++c) {",
         "            #pragma unroll",
@@ -270,21 +269,46 @@ def _staged_epilogue(epilogue: list[str], values: list[str]) -> list[str]:
         "                const int m = m0 + warpgroup * WG_M + 64 * mi + r;",
         "                const int n = n0 + STORE_BOX * j + 8 * c + 2 * (lane & 3);",
         "                if (m < M && n < N) {",
-        *indent_lines(epilogue, 5),
-        "                    st_shared_u32(box + r * ROW_BYTES + ((c ^ (lane >> 2)) << 4) + 4 * (lane & 3),",
-        f"                                  pack2({values[0]}, {values[1]}));",
+        *indent_lines(element, 5),
         "                }",
         "            }",
         "        }",
-        "        fence_proxy_async();  // the generic-proxy writes before the copy engine's reads",
+        f"        fence_proxy_async();  // {fence_note}",
         "        named_barrier_sync(1 + warpgroup, 128);",
         "        if (store_thread) {",
         "            tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + warpgroup * WG_M + 64 * mi);",
         "            bulk_commit();",
+        *indent_lines(after_store, 3),
         "        }",
+        *indent_lines(after_box, 2),
         "    }",
         "}",
     ]
+
+
+def _staged_epilogue(epilogue: list[str], values: list[str]) -> list[str]:
+    """The consumer's epilogue through its staging boxes: per box, ``epilogue`` binds the
+    ``values`` of each in-range pair, which lands at row ``r``, 16-byte chunk ``c`` of the
+    box; then one thread stores the box."""
+    return _box_loop(
+        [
+            "// epilogue through shared memory, a 64x64 box at a time (the producer loads the next tile meanwhile):",
+            "// accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column",
+            "// 8c + 2 (lane % 4) + (e & 1); in the box, 16-byte chunk c of row r sits at chunk c ^ (r % 8)",
+        ],
+        [
+            "const int buffer = (mi * (BN / STORE_BOX) + j) % STORE_BOXES;",
+            "const u32 box = smem + STORE_SMEM + (warpgroup * STORE_BOXES + buffer) * BOX_BYTES;",
+            "if (store_thread) bulk_wait_read<STORE_BOXES - 1>();  // the buffer's last store has read it",
+            "named_barrier_sync(1 + warpgroup, 128);",
+        ],
+        [
+            *epilogue,
+            "st_shared_u32(box + r * ROW_BYTES + ((c ^ (lane >> 2)) << 4) + 4 * (lane & 3),",
+            f"              pack2({values[0]}, {values[1]}));",
+        ],
+        "the generic-proxy writes before the copy engine's reads",
+    )
 
 
 def _sourced_epilogue(epilogue: list[str], values: list[str], sources: int) -> list[str]:
@@ -293,49 +317,33 @@ def _sourced_epilogue(epilogue: list[str], values: list[str], sources: int) -> l
     used the buffer had read it), read each thread's pairs from them (``src0``, ``src1``),
     write the result over the first source's box, store it, and start the loads of the
     box a round later into the same buffer."""
-    reads = [f"                    const u32 src{i} = ld_shared_u32(source_box({i}, buffer) + at);"
-             for i in range(sources)]  # fmt: skip
-    return [
-        "// epilogue through the sources' staging boxes, a 64x64 box at a time (the producer loads the next",
-        "// tile meanwhile): accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2),",
-        "// column 8c + 2 (lane % 4) + (e & 1); in a box, 16-byte chunk c of row r sits at chunk c ^ (r % 8);",
-        "// each thread reads its source pairs and writes its result pair at the same place",
-        "#pragma unroll",
-        "for (int mi = 0; mi < M_TILES; ++mi) {",
-        "    #pragma unroll",
-        "    for (int j = 0; j < BN / STORE_BOX; ++j) {",
-        "        const int b = mi * (BN / STORE_BOX) + j, buffer = b % STORE_BOXES;",
-        "        const u32 box = source_box(0, buffer);",
-        "        mbar_wait(source_barrier(buffer), source_phase);  // the box's sources have landed",
-        "        #pragma unroll",
-        "        for (int c = 0; c < STORE_BOX / 8; ++c) {",
-        "            #pragma unroll",
-        "            for (int e = 0; e < 4; e += 2) {",
-        "                const int r = 16 * warp + (lane >> 2) + 8 * (e >> 1);  // r % 8 == lane / 4",
-        "                const int m = m0 + warpgroup * WG_M + 64 * mi + r;",
-        "                const int n = n0 + STORE_BOX * j + 8 * c + 2 * (lane & 3);",
-        "                if (m < M && n < N) {",
-        "                    const u32 at = r * ROW_BYTES + ((c ^ (lane >> 2)) << 4) + 4 * (lane & 3);",
-        *reads,
-        *indent_lines(epilogue, 5),
-        f"                    st_shared_u32(box + at, pack2({values[0]}, {values[1]}));",
-        "                }",
-        "            }",
-        "        }",
-        "        fence_proxy_async();  // the generic-proxy accesses before the copy engine's",
-        "        named_barrier_sync(1 + warpgroup, 128);",
-        "        if (store_thread) {",
-        "            tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + warpgroup * WG_M + 64 * mi);",
-        "            bulk_commit();",
-        "            if (b + STORE_BOXES < BOXES) {  // the buffer's next box, once this store has read it",
-        "                bulk_wait_read<0>();",
-        "                load_sources(b + STORE_BOXES, m0, n0);",
-        "            }",
-        "        }",
-        "        if (buffer == STORE_BOXES - 1) source_phase ^= 1;  // a round of the buffers is done",
-        "    }",
-        "}",
-    ]
+    return _box_loop(
+        [
+            "// epilogue through the sources' staging boxes, a 64x64 box at a time (the producer loads the next",
+            "// tile meanwhile): accumulator d[4c + e] of m64 tile mi is row 16 warp + lane / 4 (+8 for e >= 2),",
+            "// column 8c + 2 (lane % 4) + (e & 1); in a box, 16-byte chunk c of row r sits at chunk c ^ (r % 8);",
+            "// each thread reads its source pairs and writes its result pair at the same place",
+        ],
+        [
+            "const int b = mi * (BN / STORE_BOX) + j, buffer = b % STORE_BOXES;",
+            "const u32 box = source_box(0, buffer);",
+            "mbar_wait(source_barrier(buffer), source_phase);  // the box's sources have landed",
+        ],
+        [
+            "const u32 at = r * ROW_BYTES + ((c ^ (lane >> 2)) << 4) + 4 * (lane & 3);",
+            *(f"const u32 src{i} = ld_shared_u32(source_box({i}, buffer) + at);" for i in range(sources)),
+            *epilogue,
+            f"st_shared_u32(box + at, pack2({values[0]}, {values[1]}));",
+        ],
+        "the generic-proxy accesses before the copy engine's",
+        after_store=[
+            "if (b + STORE_BOXES < BOXES) {  // the buffer's next box, once this store has read it",
+            "    bulk_wait_read<0>();",
+            "    load_sources(b + STORE_BOXES, m0, n0);",
+            "}",
+        ],
+        after_box=["if (buffer == STORE_BOXES - 1) source_phase ^= 1;  // a round of the buffers is done"],
+    )
 
 
 def _source_loads(maps: int) -> list[str]:
