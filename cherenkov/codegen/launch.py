@@ -83,7 +83,10 @@ class FlashAttentionKernel(_StreamCache):
     one more than once for slices of a fused projection): contiguous CUDA tensors on one
     device, of the plan's dtype and of the shapes its layouts name
     (:meth:`~cherenkov.rewrites.plan.AttentionProblem.stored_shapes`; BHSD for a plain
-    problem), 16-byte aligned. Returns ``out`` (allocated if None).
+    problem), 16-byte aligned. Returns ``out`` (allocated if None). A plan with key splits
+    owns a zeroed fp32 workspace on the device (its partial states and arrival counters,
+    which every launch leaves zeroed again), so launches of one kernel object must not run
+    concurrently on two streams.
     """
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
@@ -94,8 +97,13 @@ class FlashAttentionKernel(_StreamCache):
         self.device = device
         self.smem_bytes = FlashLayout.from_plan(compiled.plan).total_bytes
         tiling = FlashTiling.from_plan(compiled.plan)
-        self.grid = (tiling.q_tiles, self.problem.heads, self.problem.batch)
+        self.grid = tiling.grid
         self.block = (compiled.plan.schedule.threads, 1, 1)
+        self._workspace = None
+        if tiling.workspace_floats:
+            import torch
+
+            self._workspace = torch.zeros(tiling.workspace_floats, dtype=torch.float32, device=f"cuda:{device}")
         with cupy.cuda.Device(device):
             module = cupy.RawModule(path=str(compiled.cubin_path))
             self._function = module.get_function(compiled.kernel_name)
@@ -118,8 +126,12 @@ class FlashAttentionKernel(_StreamCache):
         import cupy
 
         with cupy.cuda.Device(self.device):
-            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out))
+            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out, *self._workspace_args()))
             self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=self._stream(stream))
+
+    def _workspace_args(self) -> tuple:
+        """The key splits' workspace (the kernel's last argument), if the plan has one."""
+        return () if self._workspace is None else (self._workspace,)
 
     def _check(self, role: str, tensor, shape: tuple[int, ...]) -> None:
         import torch
@@ -310,7 +322,8 @@ class TmaFlashKernel(FlashAttentionKernel):
         ))  # fmt: skip
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function.kernel.ptr, self.grid, self.block, self.smem_bytes, stream,
-                              (ctypes.c_uint64(q.data_ptr()), ctypes.c_uint64(out.data_ptr()), *maps))  # fmt: skip
+                              (ctypes.c_uint64(q.data_ptr()), ctypes.c_uint64(out.data_ptr()), *maps,
+                               *(ctypes.c_uint64(w.data_ptr()) for w in self._workspace_args())))  # fmt: skip
 
 
 class HopperFlashKernel(FlashAttentionKernel):

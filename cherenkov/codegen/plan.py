@@ -9,14 +9,12 @@ splits the block's work over warps and mma tiles. :class:`ResourceReport` and
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from cherenkov.rewrites.plan import (
     ELEMENT_BYTES,
-    FLASH_KNOBS,
     AttentionProblem,
     FlashSchedule,
     KernelPlan,
@@ -25,7 +23,11 @@ from cherenkov.rewrites.plan import (
     Target,
     flash_register_estimate,
     flash_schedule_problems,
+    key_tiles_per_split,
+    query_tiles,
+    tile_row_elements,
 )
+from cherenkov.rewrites.schedule import flash_schedules
 
 __all__ = [
     "KernelPlan",
@@ -38,11 +40,12 @@ __all__ = [
 
 
 def valid_flash_plans(problem: AttentionProblem, target: Target) -> list[KernelPlan]:
-    """Every valid flash-attention plan of a problem on a target (FLASH_KNOBS order)."""
-    schedules = (FlashSchedule(**dict(zip(FLASH_KNOBS, values))) for values in itertools.product(*FLASH_KNOBS.values()))
+    """Every valid ``mma.sync`` flash-attention plan of a problem on a target: the schedules
+    of the knob spaces (:func:`~cherenkov.rewrites.schedule.flash_schedules`, enumerated once
+    a process) that fit the problem, in their order."""
     return [
         KernelPlan("flash_attention", problem, schedule, target)
-        for schedule in schedules
+        for schedule in flash_schedules(problem.head_dim, target, problem.value_dim)
         if not flash_schedule_problems(schedule, problem, target)
     ]
 
@@ -60,8 +63,10 @@ Q_REGISTER_BUDGET = 208
 class FlashLayout:
     """Shared memory of one flash-attention block, in bytes from the dynamic smem base.
 
-    ``[Q tile][stage 0: K tile, V tile][stage 1: K tile, V tile]...``. Every tile is
-    ``rows × head_dim`` elements with a row pitch of ``row_bytes`` (no padding). With
+    ``[Q tile][stage 0: K tile, V tile][stage 1: K tile, V tile]...``. Every tile is ``rows ×
+    head_dim`` elements (V and the staged O ``rows × value_dim``) at a row pitch of
+    ``row_bytes``: :func:`~cherenkov.rewrites.plan.tile_row_elements` of the two head dims, so
+    that rows narrower than a power of two of at least 128 bytes are padded. With
     ``swizzle`` the 16-byte chunk ``c`` of row ``r`` sits at chunk position
     ``c ^ (r % 8)`` of its row; without, at ``c``. The Q tile is reused to stage the
     output for 16-byte stores once the main loop is done.
@@ -79,19 +84,28 @@ class FlashLayout:
     element_bytes: int
     swizzle: bool
     tma_kv: bool = False
+    value_dim: int = 0
 
     @classmethod
     def from_plan(cls, plan: KernelPlan) -> FlashLayout:
         s, p = plan.schedule, plan.problem
-        return cls(s.block_q, s.block_kv, p.head_dim, s.stages, ELEMENT_BYTES[p.dtype], s.swizzle, s.tma_kv)
+        return cls(s.block_q, s.block_kv, p.head_dim, s.stages, ELEMENT_BYTES[p.dtype], s.swizzle, s.tma_kv,
+                   p.value_dim)  # fmt: skip
 
     @property
     def row_bytes(self) -> int:
-        return self.head_dim * self.element_bytes
+        """The pitch of every tile row (padded past the head dims where they are narrower)."""
+        return tile_row_elements(self.head_dim, self.value_dim) * self.element_bytes
 
     @property
     def chunks_per_row(self) -> int:
-        return self.row_bytes // CHUNK_BYTES
+        """16-byte chunks of a Q or K row (``head_dim`` elements)."""
+        return self.head_dim * self.element_bytes // CHUNK_BYTES
+
+    @property
+    def value_chunks(self) -> int:
+        """16-byte chunks of a V or O row (``value_dim`` elements)."""
+        return (self.value_dim or self.head_dim) * self.element_bytes // CHUNK_BYTES
 
     @property
     def q_offset(self) -> int:
@@ -171,7 +185,10 @@ class FlashTiling:
     """How a block's work is split: warps own ``rows_per_warp`` query rows (``m_tiles`` m16
     tiles); S is ``kv_ntiles`` n8 tiles wide, O ``d_ntiles``; QKᵀ takes ``d_steps`` k16 steps,
     PV ``kv_steps``. Q fragments live in registers when ``q_in_registers``, else they are
-    re-read from shared memory each step."""
+    re-read from shared memory each step. ``q_tiles`` counts the query tiles of one row space
+    (a head, or a packed K/V head group), ``row_heads`` the row spaces of a batch element;
+    with key splits each tile is folded by ``kv_splits`` blocks of ``tiles_per_split`` key
+    tiles."""
 
     m_tiles: int
     kv_ntiles: int
@@ -181,6 +198,12 @@ class FlashTiling:
     q_tiles: int
     kv_tiles: int
     q_in_registers: bool
+    row_heads: int = 1
+    batch: int = 1
+    kv_splits: int = 1
+    tiles_per_split: int = 0
+    block_q: int = 0
+    value_dim: int = 0
 
     @classmethod
     def from_plan(cls, plan: KernelPlan) -> FlashTiling:
@@ -188,20 +211,43 @@ class FlashTiling:
         m_tiles = s.rows_per_warp // 16
         return cls(
             m_tiles=m_tiles,
-            kv_ntiles=s.block_kv // 8,
-            kv_steps=s.block_kv // 16,
-            d_ntiles=p.head_dim // 8,
+            kv_ntiles=s.keys_per_warp // 8,
+            kv_steps=s.keys_per_warp // 16,
+            d_ntiles=p.v_dim // 8,
             d_steps=p.head_dim // 16,
-            q_tiles=math.ceil(p.seq_q / s.block_q),
+            q_tiles=query_tiles(s, p),
             kv_tiles=math.ceil(p.seq_kv / s.block_kv),
-            q_in_registers=keeps_q_in_registers(s, p.head_dim),
+            q_in_registers=keeps_q_in_registers(s, p.head_dim, p.value_dim),
+            row_heads=p.kv_heads if s.pack_group else p.heads,
+            batch=p.batch,
+            kv_splits=s.kv_splits,
+            tiles_per_split=key_tiles_per_split(s, p),
+            block_q=s.block_q,
+            value_dim=p.v_dim,
         )
 
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """The launch grid: (query tiles × key splits, heads or K/V heads, batch)."""
+        return self.q_tiles * self.kv_splits, self.row_heads, self.batch
 
-def keeps_q_in_registers(schedule: FlashSchedule, head_dim: int) -> bool:
+    @property
+    def split_tiles(self) -> int:
+        """Query tiles whose key splits meet in the workspace (0 without splits)."""
+        return self.q_tiles * self.row_heads * self.batch if self.kv_splits > 1 else 0
+
+    @property
+    def workspace_floats(self) -> int:
+        """fp32 words of the key splits' workspace: every split's normalised O rows and their
+        log2-sum-exps, then one arrival counter per query tile (0 without splits)."""
+        partials = self.split_tiles * self.kv_splits * self.block_q
+        return partials * (self.value_dim + 1) + self.split_tiles
+
+
+def keeps_q_in_registers(schedule: FlashSchedule, head_dim: int, value_dim: int = 0) -> bool:
     """Whether a warp's Q fragments (4 registers per m16×k16 tile) fit beside O and S."""
     q_registers = (schedule.rows_per_warp // 16) * (head_dim // 16) * 4
-    return flash_register_estimate(schedule, head_dim) + q_registers <= Q_REGISTER_BUDGET
+    return flash_register_estimate(schedule, head_dim, value_dim) + q_registers <= Q_REGISTER_BUDGET
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ MAX_PASSES = 24
 MAX_ENODES = 200_000
 
 # The one-pass streaming forms of attention: left out of the extraction where they cannot be planned.
-STREAMING_FORMS = ("FlashAttention", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL")
+STREAMING_FORMS = ("FlashAttention", "FlashAttentionSplitKv", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL")
 
 # Fused-form names accepted by ``Derivation.found`` and the constructors behind them.
 FORMS = {
@@ -310,25 +310,34 @@ class Derivation:
     def plans(self, target: str | Target = "sm_120") -> list[KernelPlan]:
         """Every valid (flash-attention form × schedule) for ``target``."""
         target = TARGETS[target] if isinstance(target, str) else target
+        problems = {}
+        for kernel in self.kernels:
+            if kernel.kind == "flash_attention":
+                problem = self._attention_problem(kernel.core, self.kernels, kernel)
+                if problem is not None:
+                    problems[kernel.output] = dataclasses.replace(problem, out=kernel.output)
+        if not problems:
+            return []
+        dims = tuple(sorted({(p.head_dim, p.value_dim) for p in problems.values()}))
         self._run("(push)")
         try:
-            self._run(schedule_facts(target) + "\n(run-schedule (run schedule))")
+            self._run(schedule_facts(target, dims) + "\n(run-schedule (run schedule))")
             rows = self.forms_of("Scheduled")
         finally:
             self._run("(pop)")
         plans = []
         for kernel in self.kernels:
-            if kernel.kind != "flash_attention":
-                continue
-            problem = self._attention_problem(kernel.core, self.kernels, kernel)
+            problem = problems.get(kernel.output)
             if problem is None:
                 continue
-            problem = dataclasses.replace(problem, out=kernel.output)
+            # key splits come from the split-KV form of the same e-class (rule flash-split-kv)
+            split_trace = (*kernel.trace, "flash-split-kv")
             for form, schedule_term in ((row[1], row[2]) for row in rows):
                 schedule = schedule_from_term(schedule_term)
                 fits = hopper_schedule_problems if isinstance(schedule, HopperFlashSchedule) else flash_schedule_problems
                 if form == kernel.source and not fits(schedule, problem, target):
-                    plans.append(KernelPlan("flash_attention", problem, schedule, target, kernel.trace))
+                    trace = split_trace if getattr(schedule, "kv_splits", 1) > 1 else kernel.trace
+                    plans.append(KernelPlan("flash_attention", problem, schedule, target, trace))
         return sorted(set(plans), key=lambda p: p.name)
 
 

@@ -561,7 +561,7 @@ def attention_problem(
 
     q, k and v must be affine views of stored tensors (:func:`~cherenkov.rewrites.access.strided_read`)
     with a contiguous head dimension: ``q[b, h, i, d]``, ``k[b, h // G, j, d]``,
-    ``v[b, h // G, j, e]`` at any strides — BSHD, slices of one fused projection, a K/V
+    ``v[b, h // G, j, e]`` (``e`` of any extent: D_v) at any strides — BSHD, slices of one fused projection, a K/V
     head repeated for ``G`` query heads (GQA) — where ``b`` and ``h`` are the axes q shares
     with k (absent when of extent 1; with two, ``h`` is the one k divides by the group, or
     the one q strides least). The output is written over ``output_axes`` (the kernel's
@@ -586,9 +586,10 @@ def attention_problem(
     if others:
         raise KernelError(f"flash attention: k {t.show(k)} varies along {[t.show(a) for a in others]}, which q does not")
     values = [a for a in v_read.strides if a != t.ax(key) and a not in v_heads.values()]
-    if len(values) != 1 or values[0][0] != "Ax" or v_read.strides[values[0]] != 1 or t.extent(values[0][1]) != n_dim:
-        raise KernelError(f"flash attention: v {t.show(v)} must have one contiguous value axis of extent {n_dim}")
+    if len(values) != 1 or values[0][0] != "Ax" or v_read.strides[values[0]] != 1:
+        raise KernelError(f"flash attention: v {t.show(v)} must have one contiguous value axis")
     value_axis = values[0][1]
+    value_dim = t.extent(value_axis)
     query = sorted(q_axes - {dim} - set(k_heads))
     if len(query) > 1 or len(k_heads) > 2:
         raise KernelError(f"flash attention: q {t.show(q)} has more than one query axis and two batch/head axes")
@@ -648,5 +649,6 @@ def attention_problem(
         k=k[1],
         v=v[1],
         layouts=layouts,
+        value_dim=value_dim if value_dim != n_dim else 0,
     )
     return problem if problem.strided else replace(problem, layouts=())  # contiguous: one canonical plan name

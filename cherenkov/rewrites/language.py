@@ -57,6 +57,13 @@ EXPR_CONSTRUCTORS: tuple[Constructor, ...] = (
         5,
         binds=((0, (4, 5, 6, 8)), (2, (4, 5))),
     ),
+    # the same attention as a fold of per-split partial states (never extracted: costs more)
+    Constructor(
+        "FlashAttentionSplitKv",
+        ("String", "i64", "String", "i64", "Expr", "Expr", "Expr", "f64", "Mask"),
+        6,
+        binds=((0, (4, 5, 6, 8)), (2, (4, 5))),
+    ),
     Constructor("SoftmaxRow", ("String", "i64", "Expr"), 10),
     Constructor("RmsNormRow", ("String", "i64", "Expr", "f64"), 10),
     Constructor("LayerNormRow", ("String", "i64", "Expr", "f64"), 10),
@@ -80,7 +87,7 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
         Constructor(
             "FlashSchedule",
             ("i64", "i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool", "i64", "bool", "bool", "bool",
-             "bool", "bool", "bool"),
+             "bool", "bool", "bool", "i64", "bool", "bool"),
             0,
         ),
         Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool", "i64"), 0),

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ATTENTION_DTYPES = ("bf16", "fp16")
-ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+"""Head dims (of q·k and of v) the ``mma.sync`` flash family plans; the Hopper family plans
+``HOPPER_HEAD_DIMS`` (:mod:`cherenkov.rewrites.plan_sm90a`)."""
 MAX_REGISTERS_PER_THREAD = 255
 
 
@@ -114,6 +116,8 @@ class AttentionProblem:
     ``kv_heads`` divides ``heads``; query head ``h`` reads K/V head ``h // (heads //
     kv_heads)`` (GQA/MQA). Causal follows PyTorch's ``is_causal``: query ``i`` sees keys
     ``j <= i``. ``scale`` 0 means ``head_dim ** -0.5``; a negative scale is not supported.
+    ``head_dim`` is the extent of the q·k contraction, ``value_dim`` that of v and o (0: the
+    same as ``head_dim``; MLA-style models use 192 and 128).
     The tensor names are validated identifiers of the user's graph (q, k and v may name
     one tensor: slices of a fused projection). ``layouts`` places q, k, v and o in their
     stored tensors (:class:`OperandLayout`, in ``ATTENTION_ROLES`` order); empty: each is
@@ -134,6 +138,12 @@ class AttentionProblem:
     v: str = "v"
     out: str = "o"
     layouts: tuple[OperandLayout, ...] = ()
+    value_dim: int = 0
+
+    @property
+    def v_dim(self) -> int:
+        """The head dim of v and o (``value_dim``, or ``head_dim`` when it is 0)."""
+        return self.value_dim or self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -149,9 +159,10 @@ class AttentionProblem:
 
     def logical_shape(self, role: str) -> tuple[int, int, int, int]:
         """The ``(B, H, S, D)`` shape of an operand (``H`` the K/V heads for k and v)."""
+        dim = self.v_dim if role in ("v", "o") else self.head_dim
         if role in ("k", "v"):
-            return self.batch, self.kv_heads, self.seq_kv, self.head_dim
-        return self.batch, self.heads, self.seq_q, self.head_dim
+            return self.batch, self.kv_heads, self.seq_kv, dim
+        return self.batch, self.heads, self.seq_q, dim
 
     def name(self, role: str) -> str:
         """The tensor holding the operand ``role`` (``q``, ``k``, ``v`` or ``o``)."""
@@ -193,8 +204,9 @@ class AttentionProblem:
 
     @property
     def flops(self) -> float:
-        """Matmul FLOPs, ``4·B·H·Sq·Skv·D``, halved for causal (the usual convention)."""
-        full = 4.0 * self.batch * self.heads * self.seq_q * self.seq_kv * self.head_dim
+        """Matmul FLOPs, ``2·B·H·Sq·Skv·(D + D_v)`` (``4·B·H·Sq·Skv·D`` when ``D_v = D``), halved
+        for causal (the usual convention)."""
+        full = 2.0 * self.batch * self.heads * self.seq_q * self.seq_kv * (self.head_dim + self.v_dim)
         return full / 2 if self.causal else full
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -243,6 +255,21 @@ class FlashSchedule:
     ``q_prescaled``) drops the *empty* barriers: the last warp to release a stage starts the
     tile ``stages`` ahead into it at once, so no thread waits for the others to refill the
     ring. On the TMA ring a block may also hold 256 rows (8 warps of 32).
+
+    Two knobs for short queries (decode, speculative decoding, chunked prefill), where one
+    head's few query rows leave an mma tile and the GPU empty: ``pack_group`` packs the
+    query rows of every query head of a K/V head into the block's rows (packed row ``r`` is
+    query ``r / G`` of the group's head ``r % G``), so one block serves the whole GQA group
+    with one pass over its K/V; ``kv_splits`` splits the keys over that many blocks, each
+    folding its share into a partial state (its normalised O and log-sum-exp, written to a
+    workspace), and the last block of a query tile to finish combines the partial states
+    into the output (the fold's associativity, rule ``flash-split-kv``). Short-query blocks
+    may hold 16 or 32 rows (1 or 2 warps), or 16 rows folded by 2 or 4 warps that split each
+    key tile's keys between them (``warp_keys``: a decode block's few rows cost a whole m16
+    tile of mma work per key, so its warps divide the keys instead of the rows; their
+    partial states meet in shared memory at the end). Hopper places a block's warps on its
+    four scheduler partitions in order, so only a block of 4 warps reaches all of an SM's
+    tensor cores.
     """
 
     block_q: int = 128
@@ -263,6 +290,9 @@ class FlashSchedule:
     row_sums_mma: bool = False
     q_prescaled: bool = False
     last_warp_refill: bool = False
+    kv_splits: int = 1
+    pack_group: bool = False
+    warp_keys: bool = False
 
     @property
     def threads(self) -> int:
@@ -270,7 +300,12 @@ class FlashSchedule:
 
     @property
     def rows_per_warp(self) -> int:
-        return self.block_q // self.warps
+        return self.block_q if self.warp_keys else self.block_q // self.warps
+
+    @property
+    def keys_per_warp(self) -> int:
+        """Keys of each key tile one warp folds (all of them unless ``warp_keys``)."""
+        return self.block_kv // self.warps if self.warp_keys else self.block_kv
 
     @property
     def plain(self) -> bool:
@@ -289,8 +324,9 @@ class FlashSchedule:
         """A short stable name, e.g. ``q128_kv64_w4_s2_split_swz_x4`` (``_pp``, ``_lazy``, ``_hm``,
         ``_ov``, ``_mb3``, ``_late``, ``_mbar``, ``_tma``, ``_rs``, ``_qs``, ``_lwr`` appended for
         pingpong, lazy rescale, head-major order, overlap, a minimum of 3 blocks per SM, late
-        copies, the mbarrier ring, TMA copies, row sums on the tensor cores, a pre-scaled Q and
-        the last warp's refill)."""
+        copies, the mbarrier ring, TMA copies, row sums on the tensor cores, a pre-scaled Q,
+        the last warp's refill; ``_sk8``, ``_pack`` and ``_wk`` for 8 key splits, a packed GQA
+        group and warps that split the keys)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_w{self.warps}_s{self.stages}"
             f"_{'split' if self.kv_split else 'joint'}_{'swz' if self.swizzle else 'lin'}"
@@ -300,6 +336,8 @@ class FlashSchedule:
             f"{'_late' if self.late_copy else ''}{'_mbar' if self.mbarrier_ring else ''}"
             f"{'_tma' if self.tma_kv else ''}{'_rs' if self.row_sums_mma else ''}"
             f"{'_qs' if self.q_prescaled else ''}{'_lwr' if self.last_warp_refill else ''}"
+            f"{f'_sk{self.kv_splits}' if self.kv_splits > 1 else ''}{'_pack' if self.pack_group else ''}"
+            f"{'_wk' if self.warp_keys else ''}"
         )
 
 
@@ -323,6 +361,30 @@ FLASH_KNOBS: dict[str, tuple] = {
     "q_prescaled": (False, True),
     "last_warp_refill": (False, True),
 }
+"""The knob space of long queries (prefill); :data:`SHORT_QUERY_KNOBS` adds the short-query one."""
+
+SHORT_QUERY_KNOBS: dict[str, tuple] = {
+    "rows": ((16, 1, False), (32, 2, False), (64, 4, False), (16, 2, True), (16, 4, True)),
+    "block_kv": (32, 64, 128),
+    "stages": (2, 3),
+    "ring": ("split", "mbarrier", "tma"),
+    "kv_splits": (1, 2, 4, 8, 16, 32, 64),
+    "pack_group": (False, True),
+}
+"""Short-query schedules (packed rows at most ``SHORT_QUERY_ROWS``): ``rows`` is (block_q, warps,
+warp_keys) — 16 rows a warp, or 16 rows whose keys 2 or 4 warps split — with one of three rings — cp.async with split K/V groups, the cp.async mbarrier ring, the TMA ring (both
+with the lazy rescale) — crossed with the key splits and the group packing."""
+
+SHORT_QUERY_ROWS = 256
+"""Rows (queries, times the group when packed) up to which a problem is a short query: the
+short-query knobs apply, and a prefill block of 128 rows would leave the GPU nearly idle."""
+
+MIN_TILES_PER_SPLIT = 2
+"""Key tiles each split folds at least (fewer: the partial states cost more than they save)."""
+
+SPLIT_GRID_BLOCKS = 528
+"""Key splits only for grids below this many blocks unsplit (4 waves of a 132-SM H200): a
+larger grid already fills the GPU."""
 
 RING_STEP_KNOBS = ("row_sums_mma", "q_prescaled", "last_warp_refill")
 """The knobs of the TMA ring's tile step (all False elsewhere)."""
@@ -335,16 +397,25 @@ TMA_ALIGN_BYTES = 1024
 a TMA flash kernel rounds its dynamic shared-memory base up to it, so it asks for that
 much more."""
 
-def flash_smem_bytes(schedule: FlashSchedule, head_dim: int, dtype: str) -> int:
-    """Shared memory of one block: the Q tile plus ``stages`` (K tile + V tile) buffers (and,
-    with TMA copies, the slack that aligns the base to a swizzle atom)."""
-    elem = ELEMENT_BYTES[dtype]
-    q_tile = schedule.block_q * head_dim * elem
-    kv_tiles = 2 * schedule.block_kv * head_dim * elem
+def tile_row_elements(head_dim: int, value_dim: int = 0) -> int:
+    """Elements of one shared-memory tile row (Q, K, V and the staged O alike): the wider of
+    the two head dims, rounded up to a power of two of at least 64 (128 bytes), so that the
+    XOR swizzle permutes whole 128-byte rows and an ldmatrix step's offset is an XOR
+    (:mod:`cherenkov.codegen.cuda.ldmatrix`); head dims 32, 80, 96 and 192 pad their rows."""
+    return max(64, 1 << (max(head_dim, value_dim) - 1).bit_length())
+
+
+def flash_smem_bytes(schedule: FlashSchedule, head_dim: int, dtype: str, value_dim: int = 0) -> int:
+    """Shared memory of one block: the Q tile plus ``stages`` (K tile + V tile) buffers, rows
+    of :func:`tile_row_elements` (and, with TMA copies, the slack that aligns the base to a
+    swizzle atom)."""
+    row = tile_row_elements(head_dim, value_dim) * ELEMENT_BYTES[dtype]
+    q_tile = schedule.block_q * row
+    kv_tiles = 2 * schedule.block_kv * row
     return q_tile + schedule.stages * kv_tiles + (TMA_ALIGN_BYTES if schedule.tma_kv else 0)
 
 
-def flash_register_estimate(schedule: FlashSchedule, head_dim: int) -> int:
+def flash_register_estimate(schedule: FlashSchedule, head_dim: int, value_dim: int = 0) -> int:
     """Registers a thread needs: O and S accumulators (fp32) plus addressing overhead.
 
     Each warp owns ``rows_per_warp / 16`` m16 tiles; an m16×n8 fp32 accumulator is four
@@ -352,8 +423,8 @@ def flash_register_estimate(schedule: FlashSchedule, head_dim: int) -> int:
     are reloaded from shared memory unless they fit (``keeps_q_in_registers``).
     """
     m_tiles = schedule.rows_per_warp // 16
-    o_acc = m_tiles * (head_dim // 8) * 4
-    s_acc = m_tiles * (schedule.block_kv // 8) * 4
+    o_acc = m_tiles * ((value_dim or head_dim) // 8) * 4
+    s_acc = m_tiles * (schedule.keys_per_warp // 8) * 4
     # The pingpong keeps P (packed, half of S) across the barrier into the next matmul phase,
     # next to O and the S being accumulated (ptxas: q256/kv64 spills 356 B, q256/kv32 none).
     p_packed = s_acc // 2 if schedule.pingpong else 0
@@ -414,10 +485,11 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
     reasons = problem.layout_problems()
     if problem.dtype not in ATTENTION_DTYPES:
         reasons.append(f"dtype {problem.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
-    if problem.head_dim not in ATTENTION_HEAD_DIMS:
-        reasons.append(f"head_dim {problem.head_dim} (valid: {ATTENTION_HEAD_DIMS})")
+    if problem.head_dim not in ATTENTION_HEAD_DIMS or problem.v_dim not in ATTENTION_HEAD_DIMS:
+        reasons.append(f"head dims {problem.head_dim} (q, k) and {problem.v_dim} (v) (valid: {ATTENTION_HEAD_DIMS})")
     if schedule.block_q % schedule.warps or schedule.rows_per_warp not in (16, 32):
         reasons.append(f"block_q {schedule.block_q} over {schedule.warps} warps is not 16 or 32 rows a warp")
+    reasons += _short_query_problems(schedule, problem)
     if (not schedule.swizzle or schedule.ldmatrix_x == 2) and (
         schedule.stages != 2 or not schedule.kv_split or not schedule.plain
     ):
@@ -445,8 +517,10 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
         reasons.append("TMA copies need the mbarrier ring")
     if schedule.tma_kv and not target.has_tma:
         reasons.append(f"TMA copies need sm_90 or later ({target.name} has no TMA)")
-    if schedule.tma_kv and problem.head_dim % TMA_BOX_COLUMNS:
-        reasons.append(f"TMA copies need head_dim a multiple of {TMA_BOX_COLUMNS} (got {problem.head_dim})")
+    if schedule.tma_kv and (problem.v_dim != problem.head_dim
+                            or tile_row_elements(problem.head_dim) != problem.head_dim):
+        reasons.append(f"TMA copies need one head dim of 64, 128 or 256 for q, k and v (got {problem.head_dim}"
+                       f" and {problem.v_dim})")
     if schedule.row_sums_mma and not schedule.tma_kv:
         reasons.append("row sums on the tensor cores need the TMA ring")
     if schedule.q_prescaled and not (schedule.row_sums_mma and not schedule.late_copy):
@@ -455,10 +529,10 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
         reasons.append("the last warp's refill needs a pre-scaled Q")
     if schedule.min_blocks > 1 and schedule.warps != 4:
         reasons.append("min_blocks above 1 only for 4-warp blocks (8-warp blocks get 128 registers and spill)")
-    smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype)
+    smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype, problem.v_dim)
     if smem > target.smem_per_block:
         reasons.append(f"shared memory {smem} B exceeds {target.name}'s {target.smem_per_block} B")
-    regs = flash_register_estimate(schedule, problem.head_dim)
+    regs = flash_register_estimate(schedule, problem.head_dim, problem.v_dim)
     if regs > schedule.register_cap:
         reasons.append(f"about {regs} registers a thread exceeds {schedule.register_cap}")
     if schedule.min_blocks > 1:
@@ -470,6 +544,57 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
             reasons.append(f"{schedule.min_blocks} blocks of {smem} B do not fit {target.name}'s shared memory")
         if schedule.min_blocks * schedule.threads > target.max_threads_per_sm:
             reasons.append(f"{schedule.min_blocks} blocks of {schedule.threads} threads exceed {target.name}'s threads")
+    return reasons
+
+
+def packed_rows(schedule: FlashSchedule, problem: AttentionProblem) -> int:
+    """Query rows of one block row space: ``Sq`` per query head, ``Sq·G`` per K/V head when packed."""
+    return problem.seq_q * problem.group_size if schedule.pack_group else problem.seq_q
+
+
+def query_tiles(schedule: FlashSchedule, problem: AttentionProblem) -> int:
+    """Query tiles of one row space (a head, or a K/V head's packed group)."""
+    return math.ceil(packed_rows(schedule, problem) / schedule.block_q)
+
+
+def key_tiles_per_split(schedule: FlashSchedule, problem: AttentionProblem) -> int:
+    """Key tiles each split folds (the last split may fold fewer)."""
+    return math.ceil(math.ceil(problem.seq_kv / schedule.block_kv) / schedule.kv_splits)
+
+
+def _short_query_problems(schedule: FlashSchedule, problem: AttentionProblem) -> list[str]:
+    """Why the short-query knobs (packing, key splits, 1- and 2-warp blocks) do not apply."""
+    reasons = []
+    short = schedule.pack_group or schedule.kv_splits > 1 or schedule.warps < 4 or schedule.warp_keys
+    if not short:
+        return reasons
+    if schedule.warp_keys and (schedule.block_q != 16 or schedule.warps not in (2, 4) or schedule.keys_per_warp < 16):
+        reasons.append("warps split a key tile's keys in 16-row blocks of 2 or 4 warps, at least 16 keys a warp")
+    if schedule.warp_keys:
+        merge = schedule.warps * schedule.block_q * ((problem.value_dim or problem.head_dim) + 1) * 4
+        stages = schedule.stages * 2 * schedule.block_kv * tile_row_elements(problem.head_dim, problem.value_dim) \
+            * ELEMENT_BYTES.get(problem.dtype, 2)
+        if merge > stages:
+            reasons.append(f"the warps' partial states ({merge} B) do not fit the ring's stages ({stages} B)")
+    if packed_rows(schedule, problem) > SHORT_QUERY_ROWS:
+        reasons.append(f"packing, key splits and blocks under 4 warps are for short queries "
+                       f"(at most {SHORT_QUERY_ROWS} rows a head or packed group)")
+    if problem.causal:
+        reasons.append("packing, key splits and blocks under 4 warps are for non-causal problems")
+    if schedule.rows_per_warp != 16 or schedule.pingpong or schedule.overlap or schedule.min_blocks > 1 \
+            or schedule.head_major or any(getattr(schedule, knob) for knob in RING_STEP_KNOBS):
+        reasons.append("short-query schedules run 16 rows a warp on the plain loop without step knobs")
+    if schedule.pack_group and problem.group_size == 1:
+        reasons.append("packing needs a GQA group (heads > kv_heads)")
+    if schedule.kv_splits > 1:
+        key_tiles = math.ceil(problem.seq_kv / schedule.block_kv)
+        per_split = key_tiles_per_split(schedule, problem)
+        if per_split < MIN_TILES_PER_SPLIT or (schedule.kv_splits - 1) * per_split >= key_tiles:
+            reasons.append(f"{schedule.kv_splits} key splits of {key_tiles} key tiles: each split needs at least "
+                           f"{MIN_TILES_PER_SPLIT} tiles and none may be empty")
+        row_spaces = problem.batch * (problem.kv_heads if schedule.pack_group else problem.heads)
+        if row_spaces * query_tiles(schedule, problem) >= SPLIT_GRID_BLOCKS:
+            reasons.append(f"key splits only for grids under {SPLIT_GRID_BLOCKS} blocks unsplit")
     return reasons
 
 
@@ -485,10 +610,17 @@ class KernelPlan:
 
     def params(self) -> dict:
         """Plain-JSON description (problem, schedule, target) for reports and databases."""
+        problem = asdict(self.problem)
+        if not problem["value_dim"]:
+            del problem["value_dim"]  # one D for q, k and v: the names plans had before D_v
+        schedule = asdict(self.schedule)
+        for knob, plain in (("kv_splits", 1), ("pack_group", False), ("warp_keys", False)):
+            if schedule.get(knob, plain) == plain:
+                schedule.pop(knob, None)  # the names long-query plans had before these knobs
         return {
             "kind": self.kind,
-            "problem": asdict(self.problem),
-            "schedule": asdict(self.schedule),
+            "problem": problem,
+            "schedule": schedule,
             "target": self.target.name,
         }
 

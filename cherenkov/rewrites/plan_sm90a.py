@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cherenkov.rewrites.plan import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS, ELEMENT_BYTES, TARGETS, AttentionProblem, Target
+from cherenkov.rewrites.plan import ATTENTION_DTYPES, ELEMENT_BYTES, TARGETS, AttentionProblem, Target
+
+HOPPER_HEAD_DIMS = (64, 128, 192, 256)
+"""Head dims of the sm_90a family (one for q, k and v): whole 64-column TMA boxes, and an
+O accumulator (64 rows a warpgroup, one wgmma of N = head dim) that fits its registers —
+at 192 and 256 only beside 64-key tiles."""
 
 SM90A = TARGETS["sm_90a"]
 """The Hopper target with its architecture-specific features (wgmma, setmaxnreg)."""
@@ -147,6 +152,8 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 2, 2, False),
     HopperFlashSchedule(176, 2, 2, True),
     HopperFlashSchedule(128, 2, 1, False),
+    HopperFlashSchedule(64, 2, 2, True),
+    HopperFlashSchedule(64, 2, 2, True, persistent=True),
 )
 """The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
@@ -166,8 +173,9 @@ def hopper_schedule_problems(
         reasons.append(f"{target.name} has no wgmma (the sm_90a family needs sm_90a)")
     if p.dtype not in ATTENTION_DTYPES:
         reasons.append(f"dtype {p.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
-    if p.head_dim not in ATTENTION_HEAD_DIMS:
-        reasons.append(f"head_dim {p.head_dim} (valid: {ATTENTION_HEAD_DIMS})")
+    if p.head_dim not in HOPPER_HEAD_DIMS or p.v_dim != p.head_dim:
+        reasons.append(f"head dims {p.head_dim} (q, k) and {p.v_dim} (v) (valid: one of {HOPPER_HEAD_DIMS} for all; "
+                       "the mma.sync family plans the others)")
     if s.consumer_warpgroups not in (1, 2, 3):
         reasons.append(f"{s.consumer_warpgroups} consumer warpgroups (valid: 1, 2, 3)")
     if s.pingpong and s.consumer_warpgroups != 2:
@@ -178,11 +186,13 @@ def hopper_schedule_problems(
         reasons.append(f"{s.q_buffers} Q buffers (valid: 1, 2)")
     if s.q_buffers == 2 and not s.persistent:
         reasons.append("two Q buffers need a persistent grid (a block of one work tile loads one Q)")
+    if s.block_kv < 128 and p.head_dim < 192:
+        reasons.append("64-key tiles only for head dims 192 and 256, where wider ones do not fit the registers")
     if s.stages < 2:
         reasons.append(f"{s.stages} stage(s): the consumers hold two K/V stages at once, so the ring needs 2 or more")
     if p.heads % p.kv_heads:
         reasons.append(f"kv_heads {p.kv_heads} does not divide heads {p.heads}")
-    if p.head_dim in ATTENTION_HEAD_DIMS and p.dtype in ELEMENT_BYTES:
+    if p.head_dim in HOPPER_HEAD_DIMS and p.dtype in ELEMENT_BYTES:
         smem = s.smem_bytes(p.head_dim, p.dtype)
         if smem > target.smem_per_block:
             reasons.append(f"shared memory {smem} B exceeds {target.name}'s {target.smem_per_block} B")

@@ -117,7 +117,7 @@ def softmax_fold(
         s_block = s[tuple(window)]
         m_new = xp.maximum(m, arrays.reduce(s_block, dim, "max"))
         live = xp.isfinite(m_new)
-        rescale = xp.where(live, xp.exp(xp.where(live, m - m_new, 0.0)), 0.0)
+        rescale = xp.where(live, xp.exp(xp.where(live, m, 0.0) - xp.where(live, m_new, 0.0)), 0.0)
         p = xp.where(live, xp.exp(s_block - xp.where(live, m_new, 0.0)), 0.0)
         l = l * rescale + arrays.reduce(p, dim, "sum")
         if v is not None:
@@ -126,6 +126,36 @@ def softmax_fold(
             acc = part if acc is None else acc * rescale + part
         m = m_new
     return m, l, acc
+
+
+SPLIT_REFERENCE_CHUNKS = 3
+"""Key chunks the reference folds a split-KV form over (uneven on the rule's 7 keys)."""
+
+
+def split_fold(arrays: Arrays, s: Any, v: Any, dim: int, splits: int, block: int | None) -> Any:
+    """``Σ softmax(s)·v`` over ``dim`` as split-KV attention computes it: each of ``splits``
+    chunks of the keys folds to its normalised partial ``o_c = acc_c / l_c`` and log-sum-exp
+    ``λ_c = m_c + log l_c``; the result is ``Σ_c e^{λ_c − Λ} o_c`` with ``Λ = log Σ_c e^{λ_c}``
+    (a chunk whose keys are all masked has ``λ_c = −∞`` and weight 0)."""
+    xp = arrays.xp
+    n = s.shape[dim]
+    step = -(-n // splits)
+    partials, lses = [], []
+    for start in range(0, n, step):
+        window = [slice(None)] * len(s.shape)
+        window[dim] = slice(start, start + step)
+        v_chunk = v if v.shape[dim] == 1 else v[tuple(window)]
+        m, l, acc = softmax_fold(arrays, s[tuple(window)], v_chunk, dim, block)
+        live = l > 0
+        partials.append(xp.where(live, acc / xp.where(live, l, 1.0), 0.0))
+        lses.append(xp.where(live, m + xp.log(xp.where(live, l, 1.0)), -np.inf))
+    top = lses[0]
+    for lse in lses[1:]:
+        top = xp.maximum(top, lse)
+    finite = xp.isfinite(top)
+    weights = [xp.where(finite, xp.exp(lse - xp.where(finite, top, 0.0)), 0.0) for lse in lses]
+    total = sum(weights)
+    return sum(w * o for w, o in zip(weights, partials)) / xp.where(total > 0, total, 1.0)
 
 
 def welford(arrays: Arrays, x: Any, dim: int, block: int | None) -> tuple[Any, Any]:
@@ -282,6 +312,8 @@ class TermEvaluator:
                 return {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head, acc / l if acc is not None else l)
             case "FlashAttention":
                 return self._flash(args, env)
+            case "FlashAttentionSplitKv":
+                return self._flash(args, env, splits=SPLIT_REFERENCE_CHUNKS)
             case "SoftmaxRow":
                 axis, extent, scores = args
                 s = self.along(v(scores, {**env, axis: extent}), axis, extent)
@@ -303,7 +335,9 @@ class TermEvaluator:
                 return v(t.shifted(body, axis, delta), env)
         raise ValueError(f"no reference semantics for {head}")
 
-    def _flash(self, args: tuple, env: Mapping[str, int]) -> Any:
+    def _flash(self, args: tuple, env: Mapping[str, int], splits: int = 1) -> Any:
+        """Flash attention's value; with ``splits`` > 1 folded over that many chunks of the
+        keys, whose partial states are then combined (:func:`split_fold`)."""
         key, n_keys, dim, n_dim, q, k, v, scale, mask = args
         over_keys = {**env, key: n_keys}
         over_both = {**over_keys, dim: n_dim}
@@ -313,7 +347,10 @@ class TermEvaluator:
             query_index = self.index(mask[1], over_keys)
             key_index = self.index(t.ax(key), over_keys)
             scores = self.xp.where(query_index < key_index, self.scalar(-np.inf), scores)
-        _, l, acc = softmax_fold(self.arrays, scores, self.value(v, over_keys), self.position[key], self.fold_block)
+        values = self.value(v, over_keys)
+        if splits > 1:
+            return split_fold(self.arrays, scores, values, self.position[key], splits, self.fold_block)
+        _, l, acc = softmax_fold(self.arrays, scores, values, self.position[key], self.fold_block)
         return acc / l
 
 

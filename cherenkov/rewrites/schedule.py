@@ -2,7 +2,9 @@
 
 A flash-attention e-node gains a ``Scheduled(form, FlashSchedule(...))`` plan for every
 ``mma.sync`` schedule the target can hold, and on a wgmma target (``sm_90a``) also a
-``Scheduled(form, HopperSchedule(...))`` plan for every Hopper schedule. The guards are the
+``Scheduled(form, HopperSchedule(...))`` plan for every Hopper schedule; its split-KV form
+(``FlashAttentionSplitKv``) gains the ``mma.sync`` schedules with more than one key split. The
+guards are the
 relations ``FlashScheduleFits`` and ``HopperScheduleFits``, filled per target from
 :func:`cherenkov.rewrites.plan.flash_schedule_problems` and
 :func:`cherenkov.rewrites.plan_sm90a.hopper_schedule_problems` (shared-memory and register
@@ -20,6 +22,7 @@ from cherenkov.rewrites.plan import (
     ATTENTION_HEAD_DIMS,
     FLASH_KNOBS,
     RING_STEP_KNOBS,
+    SHORT_QUERY_KNOBS,
     AttentionProblem,
     FlashSchedule,
     Target,
@@ -32,9 +35,10 @@ from cherenkov.rewrites.terms import literal
 KNOB_ORDER = (
     "block_q", "block_kv", "warps", "stages", "kv_split", "swizzle", "ldmatrix_x", "pingpong", "lazy_rescale",
     "head_major", "overlap", "min_blocks", "late_copy", "mbarrier_ring",
-    "tma_kv", "row_sums_mma", "q_prescaled", "last_warp_refill",
+    "tma_kv", "row_sums_mma", "q_prescaled", "last_warp_refill", "kv_splits", "pack_group", "warp_keys",
 )
 _VARIABLES = " ".join(KNOB_ORDER)
+_UNSPLIT = " ".join("1" if knob == "kv_splits" else knob for knob in KNOB_ORDER)
 HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers")
 _HOPPER_VARIABLES = " ".join(HOPPER_KNOB_ORDER)
 
@@ -43,7 +47,15 @@ RULES = (
         "flash-schedule",
         "FlashAttention(...) runs under schedule σ when σ fits the target (one plan per σ)",
         lhs="(FlashAttention j n d nd q k v c m)",
-        where=(f"(FlashScheduleFits nd {_VARIABLES})",),
+        where=(f"(FlashScheduleFits nd {_UNSPLIT})",),
+        rhs=f"(Scheduled __lhs (FlashSchedule {_UNSPLIT}))",
+        union=False,
+    ),
+    Rule(
+        "split-kv-schedule",
+        "FlashAttentionSplitKv(...) runs under schedule σ with σ's key splits when σ fits the target",
+        lhs="(FlashAttentionSplitKv j n d nd q k v c m)",
+        where=(f"(FlashScheduleFits nd {_VARIABLES})", "(> kv_splits 1)"),
         rhs=f"(Scheduled __lhs (FlashSchedule {_VARIABLES}))",
         union=False,
     ),
@@ -60,21 +72,26 @@ RULES = (
 SCHEDULE = Ruleset("schedule", __doc__.splitlines()[0], RULES)
 
 
-def flash_schedules(head_dim: int, target: Target) -> list[FlashSchedule]:
-    """Every schedule of the knob space that a ``head_dim`` problem fits on ``target``.
+@functools.cache
+def flash_schedules(head_dim: int, target: Target, value_dim: int = 0) -> tuple[FlashSchedule, ...]:
+    """Every schedule of the knob space that a ``head_dim`` problem (``value_dim`` for v) fits
+    on ``target``: the long-query knobs (:data:`FLASH_KNOBS`), then the short-query ones
+    (:func:`short_query_schedules`).
 
     A schedule qualifies when it fits a causal or a non-causal probe problem (some knobs,
     such as the head-major grid order, are for causal problems only); the plans of a
     concrete problem are filtered again with that problem (``Derivation.plans``)."""
     probes = [
-        AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=1, seq_kv=1, head_dim=head_dim, causal=causal)
+        AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=1, seq_kv=1, head_dim=head_dim, causal=causal,
+                         value_dim=value_dim)
         for causal in (False, True)
     ]
     # The TMA ring's step knobs (the last, fastest-varying ones) only add restrictions, so
     # they are crossed with the schedules that are valid without them: the same schedules, in
     # the same order, as the full product.
-    base_knobs = KNOB_ORDER[: -len(RING_STEP_KNOBS)]
-    assert KNOB_ORDER[-len(RING_STEP_KNOBS):] == RING_STEP_KNOBS, "step knobs vary fastest"
+    long_knobs = tuple(FLASH_KNOBS)
+    base_knobs = long_knobs[: -len(RING_STEP_KNOBS)]
+    assert long_knobs[-len(RING_STEP_KNOBS):] == RING_STEP_KNOBS, "step knobs vary fastest"
     schedules = []
     for values in itertools.product(*(FLASH_KNOBS[k] for k in base_knobs)):
         base = FlashSchedule(**dict(zip(base_knobs, values)))
@@ -88,6 +105,29 @@ def flash_schedules(head_dim: int, target: Target) -> list[FlashSchedule]:
                 schedule = dataclasses.replace(base, **dict(zip(RING_STEP_KNOBS, step)))
                 if any(not flash_schedule_problems(schedule, probe, target) for probe in probes):
                     schedules.append(schedule)
+    seen = set(schedules)
+    return tuple(schedules) + tuple(s for s in short_query_schedules(head_dim, target, value_dim) if s not in seen)
+
+
+def short_query_schedules(head_dim: int, target: Target, value_dim: int = 0) -> list[FlashSchedule]:
+    """The short-query schedules (:data:`SHORT_QUERY_KNOBS`) a probe decode problem fits: one
+    query of a group of 8 heads over 2^20 keys, whose packed rows and key splits every
+    short-query knob value serves."""
+    probe = AttentionProblem(batch=1, heads=8, kv_heads=1, seq_q=1, seq_kv=1 << 20, head_dim=head_dim,
+                             value_dim=value_dim)
+    rings = {
+        "split": {"kv_split": True},
+        "mbarrier": {"kv_split": False, "lazy_rescale": True, "mbarrier_ring": True},
+        "tma": {"kv_split": False, "lazy_rescale": True, "mbarrier_ring": True, "tma_kv": True},
+    }
+    schedules = []
+    for values in itertools.product(*SHORT_QUERY_KNOBS.values()):
+        knobs = dict(zip(SHORT_QUERY_KNOBS, values))
+        ring = rings[knobs.pop("ring")]
+        block_q, warps, warp_keys = knobs.pop("rows")
+        schedule = FlashSchedule(block_q=block_q, warps=warps, warp_keys=warp_keys, **ring, **knobs)
+        if not flash_schedule_problems(schedule, probe, target):
+            schedules.append(schedule)
     return schedules
 
 
@@ -105,15 +145,19 @@ def hopper_schedules(head_dim: int, target: Target) -> list[HopperFlashSchedule]
 
 
 @functools.cache
-def schedule_facts(target: Target) -> str:
-    """``FlashScheduleFits`` and ``HopperScheduleFits`` facts for every supported head
-    dimension on ``target`` (enumerated once a process: seconds for the whole knob space)."""
+def schedule_facts(target: Target, dims: tuple[tuple[int, int], ...]) -> str:
+    """``FlashScheduleFits`` and ``HopperScheduleFits`` facts for the ``(head_dim, value_dim)``
+    pairs of a graph's attention problems on ``target`` (each pair's schedules enumerated
+    once a process: seconds for the whole knob space). The relations are keyed by the q·k
+    head dim; a value dim's schedules join its head dim's."""
     lines = []
-    for head_dim in ATTENTION_HEAD_DIMS:
-        for schedule in flash_schedules(head_dim, target):
+    for head_dim, value_dim in sorted(set(dims)):
+        if head_dim not in ATTENTION_HEAD_DIMS:
+            continue
+        for schedule in flash_schedules(head_dim, target, value_dim):
             values = " ".join(literal(getattr(schedule, knob)) for knob in KNOB_ORDER)
             lines.append(f"(FlashScheduleFits {head_dim} {values})")
-        for hopper in hopper_schedules(head_dim, target):
+        for hopper in hopper_schedules(head_dim, target) if value_dim in (0, head_dim) else ():
             values = " ".join(literal(getattr(hopper, knob)) for knob in HOPPER_KNOB_ORDER)
             lines.append(f"(HopperScheduleFits {head_dim} {values})")
     return "\n".join(lines)

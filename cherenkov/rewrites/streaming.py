@@ -4,7 +4,9 @@ With ``m = max_j s``, the pair ``(Σ_j e^{s_j−m}·v_j, Σ_j e^{s_j−m})`` is 
 fold over ``j`` of the state ``(m, l, acc)`` (combine: rescale both by ``e^{m_old−m_new}``
 and add), so one pass over the keys computes both sums and the normalised result. When
 the scores are themselves a scaled contraction ``c·Σ_d q·k`` (optionally causally
-masked) the streaming softmax-contraction is flash attention.
+masked) the streaming softmax-contraction is flash attention. The fold's associativity
+splits it: folding the keys in chunks and folding the chunks' partial states gives the
+same result (split-KV attention, for decoding).
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ RULES = (
         ),
         rhs="(FlashAttention j n d nd q k v c (CausalMask iq))",
         example=Example(("OnlineSoftmaxContract", "j:7", 7, causal, v)),
+    ),
+    Rule(
+        "flash-split-kv",
+        "FlashAttention(q, k, v) = ⊕_chunks FlashAttention(q, k_chunk, v_chunk): the fold over j is a fold "
+        "of per-chunk partial states (m, l, acc)",
+        lhs="(FlashAttention j n d nd q k v c m)",
+        rhs="(FlashAttentionSplitKv j n d nd q k v c m)",
+        example=Example(("FlashAttention", "j:7", 7, "d:4", 4, q, k, v, 0.5, ("NoMask",))),
     ),
 )
 

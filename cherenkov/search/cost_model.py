@@ -36,11 +36,27 @@ from cherenkov.rewrites.plan import (
     KernelPlan,
     flash_register_estimate,
     flash_smem_bytes,
+    key_tiles_per_split,
+    query_tiles,
 )
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 LAUNCH_OVERHEAD_MS = 0.005
 
+# Memory-bound flash attention (decode, short queries): a block keeps its ring's next
+# stages of K/V in flight, so a grid of few blocks cannot draw the HBM bandwidth: about
+# (blocks resident) x (bytes in flight a block) / latency. Query heads of one K/V head that
+# are not packed into one block read its K/V each (partly from L2); key splits write and
+# re-read their partial states.
+MEMORY_LATENCY_S = 1.5e-6
+UNPACKED_KV_REREAD = 0.3  # of one K/V read, per extra query head of a group
+# Measured on the H200 (decode B16 H32/8 Skv 8192 and B1 Skv 65536, 2026-12-01): the larger
+# the key tile, the closer a short-query kernel gets to the HBM bandwidth (kv128 with 3
+# stages best; 6-10 stages of 32- or 64-key tiles 10 % slower); and a block's warps run on
+# the SM's scheduler partitions in order, so a block of fewer than 4 warps reaches only
+# that many of its 4 tensor-core partitions, however many blocks share the SM.
+KV_TILE_BANDWIDTH = {32: 0.85, 64: 0.92, 128: 1.0}
+SCHEDULER_PARTITIONS = 4
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -143,10 +159,11 @@ class Prediction:
 def blocks_per_sm(plan: KernelPlan, gpu: GpuSpec, registers: int | None = None) -> int:
     """Resident blocks per SM, limited by shared memory, registers and threads."""
     schedule, problem = plan.schedule, plan.problem
-    smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype)
+    smem = flash_smem_bytes(schedule, problem.head_dim, problem.dtype, problem.value_dim)
     # Without a ptxas report: ptxas takes about 30% above the accumulator estimate (it uses
     # the slack to schedule), up to the launch bounds' cap.
-    regs = registers or min(schedule.register_cap, math.ceil(1.3 * flash_register_estimate(schedule, problem.head_dim)))
+    estimate = flash_register_estimate(schedule, problem.head_dim, problem.value_dim)
+    regs = registers or min(schedule.register_cap, math.ceil(1.3 * estimate))
     regs = 8 * math.ceil(regs / 8)
     limits = (
         gpu.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK),
@@ -201,7 +218,7 @@ HOPPER_BASE_EFFICIENCY = 0.75
 HOPPER_STAGE_FACTOR = {2: 0.99, 3: 1.0, 4: 1.0}
 HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
 HOPPER_NO_PINGPONG_FACTOR = 0.95
-HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0}
+HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}  # 192 and 256: not measured yet
 HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
 HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
 HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
@@ -253,21 +270,29 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     pipeline = PIPELINE_EFFICIENCY[schedule.stages] * (1.0 if schedule.kv_split else joint)
     if schedule.ldmatrix_x == 2:
         pipeline /= LDMATRIX_X2_PENALTY
-    q_tiles = math.ceil(problem.seq_q / schedule.block_q)
-    blocks = problem.batch * problem.heads * q_tiles
+    row_spaces = problem.batch * (problem.kv_heads if schedule.pack_group else problem.heads)
+    blocks = row_spaces * query_tiles(schedule, problem) * schedule.kv_splits
     slots = gpu.sms * resident
     waves = blocks / (math.ceil(blocks / slots) * slots)
     # keys a query tile visits (causal: about half, plus the diagonal tile), and padding waste
-    kv_tiles = math.ceil(problem.seq_kv / schedule.block_kv)
+    kv_tiles = key_tiles_per_split(schedule, problem)
     visited = kv_tiles if not problem.causal else min(kv_tiles, (kv_tiles + 1) / 2 + 0.5)
-    padded_flops = 4.0 * blocks * schedule.block_q * visited * schedule.block_kv * problem.head_dim
+    mean_dim = (problem.head_dim + problem.v_dim) / 2
+    padded_flops = 4.0 * blocks * schedule.block_q * visited * schedule.block_kv * mean_dim
     knobs = schedule_factor(plan)
-    efficiency = min(BASE_EFFICIENCY, BASE_EFFICIENCY * occupancy * smem_bound * pipeline * waves * knobs)
+    partitions = min(SCHEDULER_PARTITIONS, schedule.warps) / SCHEDULER_PARTITIONS
+    efficiency = min(BASE_EFFICIENCY, BASE_EFFICIENCY * occupancy * smem_bound * pipeline * waves * knobs * partitions)
     compute_ms = padded_flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3
     element = ELEMENT_BYTES[problem.dtype]
-    q_bytes = problem.batch * problem.heads * problem.seq_q * problem.head_dim * element
-    kv_bytes = 2 * problem.batch * problem.kv_heads * problem.seq_kv * problem.head_dim * element
-    memory_ms = (2 * q_bytes + kv_bytes) / (gpu.hbm_tbps * 1e12) * 1e3
+    q_bytes = problem.batch * problem.heads * problem.seq_q * (problem.head_dim + problem.v_dim) * element
+    kv_bytes = problem.batch * problem.kv_heads * problem.seq_kv * (problem.head_dim + problem.v_dim) * element
+    if not schedule.pack_group:
+        kv_bytes *= 1 + UNPACKED_KV_REREAD * (problem.group_size - 1)
+    partial_bytes = 2 * 4 * blocks * schedule.block_q * (problem.v_dim + 1) if schedule.kv_splits > 1 else 0
+    in_flight = max(1, schedule.stages - 1) * schedule.block_kv * (problem.head_dim + problem.v_dim) * element
+    bandwidth = min(gpu.hbm_tbps * 1e12 * KV_TILE_BANDWIDTH[schedule.block_kv],
+                    min(blocks, slots) * in_flight / MEMORY_LATENCY_S)
+    memory_ms = (q_bytes + kv_bytes + partial_bytes) / bandwidth * 1e3
     ms = max(compute_ms, memory_ms) + LAUNCH_OVERHEAD_MS
     return Prediction(ms, problem.flops / (ms * 1e9), resident, occupancy, smem_bound, pipeline, waves, knobs)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +134,14 @@ SCHEDULE_TYPES = (PointwiseSchedule, RowSchedule, GemmSchedule, WgmmaGemmSchedul
 
 
 def _dataclass_of(kinds: tuple[type, ...], values: Mapping[str, Any]) -> Any:
-    """The one of ``kinds`` whose fields are exactly ``values``' keys, built from them."""
-    matching = [kind for kind in kinds if {f.name for f in fields(kind)} == set(values)]
+    """The one of ``kinds`` whose fields are ``values``' keys, built from them; fields left out
+    must have defaults (plan parameters omit knobs at their defaults, see ``KernelPlan.params``)."""
+    def fits(kind: type) -> bool:
+        names = {f.name for f in fields(kind)}
+        required = {f.name for f in fields(kind) if f.default is MISSING and f.default_factory is MISSING}
+        return set(values) <= names and required <= set(values)
+
+    matching = [kind for kind in kinds if fits(kind)]
     if len(matching) != 1:
         raise ValueError(f"no single schedule type of {[k.__name__ for k in kinds]} has the fields {sorted(values)}")
     return matching[0](**values)

@@ -7,7 +7,15 @@ import itertools
 import pytest
 
 from cherenkov.codegen.plan import CHUNK_BYTES, FlashLayout, FlashTiling, valid_flash_plans
-from cherenkov.rewrites.plan import TARGETS, AttentionProblem, flash_smem_bytes
+from cherenkov.rewrites.plan import (
+    TARGETS,
+    AttentionProblem,
+    KernelPlan,
+    flash_schedule_problems,
+    flash_smem_bytes,
+    tile_row_elements,
+)
+from cherenkov.rewrites.schedule import flash_schedules
 
 PROBLEMS = [
     AttentionProblem(1, 8, 8, 4096, 8192, d, dtype=dtype, causal=causal)
@@ -24,6 +32,28 @@ def test_layout_total_equals_flash_smem_bytes(problem, target):
         layout = FlashLayout.from_plan(plan)
         assert layout.total_bytes == flash_smem_bytes(plan.schedule, problem.head_dim, problem.dtype)
         assert layout.total_bytes <= plan.target.smem_per_block
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_120"])
+@pytest.mark.parametrize("dims", [(32, 0), (80, 0), (96, 0), (192, 0), (256, 0), (192, 128), (64, 128)])
+def test_padded_rows_and_value_dims_keep_the_layout_total(dims, target):
+    """Head dims narrower than a power-of-two row are padded to one; V and O rows are as wide
+    as the tile rows; every short-query schedule's layout totals flash_smem_bytes too."""
+    head_dim, value_dim = dims
+    problems = [AttentionProblem(2, 8, 2, sq, 4096, head_dim, value_dim=value_dim) for sq in (1, 1000)]
+    for schedule in flash_schedules(head_dim, TARGETS[target], value_dim):
+        for problem in problems:
+            if flash_schedule_problems(schedule, problem, TARGETS[target]):
+                continue
+            plan = KernelPlan("flash_attention", problem, schedule, TARGETS[target])
+            layout = FlashLayout.from_plan(plan)
+            assert layout.total_bytes == flash_smem_bytes(schedule, head_dim, problem.dtype, value_dim)
+            assert layout.row_bytes == 2 * tile_row_elements(head_dim, value_dim) >= 2 * max(head_dim, value_dim)
+            assert layout.row_bytes & (layout.row_bytes - 1) == 0, "a power of two: the ldmatrix steps are XORs"
+            assert layout.value_chunks * 8 == problem.v_dim
+            tiling = FlashTiling.from_plan(plan)
+            assert tiling.d_ntiles * 8 == problem.v_dim and tiling.d_steps * 16 == head_dim
+            assert tiling.grid[0] == tiling.q_tiles * schedule.kv_splits
 
 
 def test_tiles_are_contiguous_and_disjoint(seed_problem):

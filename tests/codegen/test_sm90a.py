@@ -20,13 +20,14 @@ DEFAULT = HopperFlashSchedule()
 SEED = AttentionProblem(1, 8, 8, 4096, 8192, 128)
 
 # Problems that together give every offered schedule a valid one (three consumers and key
-# tiles of 192 fit head dim 64 only), some with tails.
+# tiles of 192 fit head dim 64 only, 64-key tiles head dims 192 and 256), some with tails.
 COMPILE_PROBLEMS = [
     AttentionProblem(1, 8, 8, 4224, 2816, 128),
     AttentionProblem(1, 8, 8, 4224, 2816, 64, causal=True),
     AttentionProblem(2, 8, 2, 768, 1536, 64, dtype="fp16"),
     AttentionProblem(1, 4, 4, 2048, 2048, 128, causal=True, dtype="fp16"),
     AttentionProblem(1, 8, 8, 1536, 3072, 64),
+    AttentionProblem(1, 8, 8, 1024, 2048, 256, causal=True),
 ]
 PERSISTENT = HopperFlashSchedule(persistent=True)
 TWO_Q = HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2)
@@ -117,7 +118,7 @@ def test_schedule_resources_and_names():
         (HopperFlashSchedule(block_kv=256), SEED, "shared memory"),
         (HopperFlashSchedule(consumer_warpgroups=3, pingpong=False), AttentionProblem(1, 8, 8, 768, 1024, 128),
          "registers"),
-        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 96), "head_dim"),
+        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 96), "head dims"),
     ],
 )
 def test_invalid_schedules_say_why(schedule, problem, reason):
@@ -235,6 +236,11 @@ GPU_CASES = [
     (AttentionProblem(1, 2, 2, 1024, 1024, 128), TWO_Q),  # fewer tiles than SMs
     (AttentionProblem(3, 8, 8, 777, 333, 128, causal=True), TWO_Q),
     (AttentionProblem(2, 16, 16, 1536, 1536, 64, causal=True), HopperFlashSchedule(192, 3, 2, True, True, 2)),
+    # head dims 192 and 256: three and four boxes a row, one wgmma of N = head dim for O, 64-key tiles
+    (AttentionProblem(2, 8, 2, 1000, 1500, 192), HopperFlashSchedule(64, 2, 2, True)),
+    (AttentionProblem(1, 8, 8, 1024, 2048, 192, causal=True), HopperFlashSchedule(128, 2, 1, False)),
+    (AttentionProblem(2, 8, 8, 1024, 1024, 256), HopperFlashSchedule(64, 2, 2, True, persistent=True)),
+    (AttentionProblem(1, 8, 2, 777, 1333, 256, causal=True, dtype="fp16"), HopperFlashSchedule(64, 2, 2, True)),
 ]
 
 

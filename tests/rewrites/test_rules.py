@@ -73,3 +73,20 @@ def test_rule_names_are_unique() -> None:
 def test_every_ruleset_has_a_docstring_line() -> None:
     for ruleset in RULESETS:
         assert ruleset.doc.strip()
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5, 9])
+def test_split_fold_equals_the_fold_even_where_a_chunk_is_masked_out(splits: int) -> None:
+    """The split-KV reference (rule flash-split-kv's semantics) against the plain fold on causal
+    scores: early queries see no key of the later chunks (log-sum-exp −∞, weight 0)."""
+    from cherenkov.rewrites.reference import NumpyArrays, softmax_fold, split_fold
+
+    rng = np.random.default_rng(splits)
+    scores, values = rng.standard_normal((9, 9)), rng.standard_normal((9, 1, 4))
+    scores = np.where(np.arange(9)[None, :] > np.arange(9)[:, None], -np.inf, scores)[:, :, None]  # (i, j, 1)
+    arrays = NumpyArrays()
+    values = values.transpose(1, 0, 2)  # (1, j, e)
+    _, l, acc = softmax_fold(arrays, scores, values, 1, None)
+    split = split_fold(arrays, scores, values, 1, splits, None)
+    assert np.isfinite(split).all()
+    np.testing.assert_allclose(split, acc / l, rtol=1e-12, atol=1e-12)

@@ -206,9 +206,9 @@ def test_a_larger_budget_resumes_a_partial_search(tmp_path, monkeypatch) -> None
 # ------------------------------------------------------------------------------ no flash plan
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 256])
+@pytest.mark.parametrize("head_dim", [48, 112, 512])
 def test_attention_without_a_flash_plan_runs_on_the_unfused_kernels(head_dim) -> None:
-    d = ck.derive(attention(head_dim, causal=head_dim == 96))
+    d = ck.derive(attention(head_dim, causal=head_dim == 112))
     assert d.found("flash_attention") and [k.kind for k in d.kernels] == ["flash_attention"]
     for target in ("sm_80", "sm_90", "sm_90a", "sm_120"):
         assert d.plans(target) == []
@@ -236,7 +236,7 @@ def test_the_unfused_search_says_why_in_its_notes(tmp_path, monkeypatch) -> None
 
     monkeypatch.setattr(environment, "toolkit", lambda: "none")
     with TuningDatabase(tmp_path / "tuning.sqlite") as db:
-        result = ck.optimize(attention(256), target="sm_90", out=tmp_path, database=db)
+        result = ck.optimize(attention(512), target="sm_90", out=tmp_path, database=db)
     assert [k.kind for k in result.partition] == ["contraction", "softmax_rows", "contraction"]
     assert set(result.kernels) == {k.output for k in result.partition}
     assert any("no flash plan on sm_90" in note for note in result.summary.notes)
@@ -254,7 +254,7 @@ def test_a_kernel_no_family_generates_is_a_graph_error(tmp_path, monkeypatch) ->
     monkeypatch.setattr(optimize_module, "search_space", nothing_for_the_softmax)
     with TuningDatabase(tmp_path / "tuning.sqlite") as db:
         with pytest.raises(ck.GraphError, match=r"kernel t\d+ \(softmax_rows, shape \[2, 192, 192\]\) has no CUDA plan"):
-            ck.optimize(attention(256), target="sm_90", out=tmp_path, database=db)
+            ck.optimize(attention(512), target="sm_90", out=tmp_path, database=db)
 
 
 @needs_compiler
@@ -296,7 +296,7 @@ def test_gpu_budgeted_transformer_block_runs_with_a_verified_winner_per_kernel(g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, causal", [(256, False), (96, True), (32, False)])
+@pytest.mark.parametrize("head_dim, causal", [(512, False), (112, True), (48, False)])
 def test_gpu_attention_without_a_flash_plan_is_correct_through_the_unfused_kernels(gpu, tmp_path, head_dim, causal) -> None:
     torch = gpu
     g = ck.Graph(f"attention_d{head_dim}")

@@ -6,7 +6,7 @@ source address clamped to a valid row, so tails need no separate path and never 
 garbage (possibly NaN) into the mma. Copies are grouped with ``commit_group`` and waited
 for with ``wait_group N`` (at most N groups still in flight).
 
-The tile loader needs ``THREADS``, ``HEAD_DIM``, ``CHUNKS_PER_ROW`` and ``smem_offset``.
+The tile loader needs ``THREADS``, ``CHUNKS_PER_ROW`` and ``smem_offset``.
 """
 
 from __future__ import annotations
@@ -40,37 +40,55 @@ def emit_cp_async() -> str:
 
 
 def emit_tile_loader() -> str:
-    """``load_tile<ROWS, GUARD, ROW_STRIDE>``: the whole block copies a ``ROWS × HEAD_DIM`` tile
-    whose rows lie ``ROW_STRIDE`` elements apart, coalesced."""
+    """``load_tile<ROWS, GUARD, ROW_STRIDE, CHUNKS>``: the whole block copies a ``ROWS × 8·CHUNKS``
+    tile whose rows lie ``ROW_STRIDE`` elements apart, coalesced."""
     return block(
         """
-        // Copy rows [0, ROWS) of a ROWS x HEAD_DIM tile, rows ROW_STRIDE elements apart (HEAD_DIM:
-        // row-major), into shared memory. Thread t
-        // always copies chunk t % CHUNKS_PER_ROW of rows t / CHUNKS_PER_ROW + i * ROWS_PER_PASS:
-        // consecutive threads read consecutive 16 bytes of a row (coalesced), and every address
-        // is one per-thread base plus a compile-time offset. With GUARD, a tile that ends past
-        // valid_rows takes a separate path that zero-fills the missing rows (reading nothing;
-        // their source is clamped to row 0), so whole tiles pay nothing for the tail.
-        template <int ROWS, bool GUARD, int ROW_STRIDE>
+        // Copy rows [0, ROWS) of a ROWS x (8 CHUNKS) tile (CHUNKS 16-byte chunks a row: Q and K
+        // rows by default, V rows with V_CHUNKS), rows ROW_STRIDE elements apart, into shared
+        // memory. When the block's threads cover whole rows, thread t always copies chunk
+        // t % CHUNKS of rows t / CHUNKS + i * ROWS_PER_PASS: consecutive threads read consecutive
+        // 16 bytes of a row (coalesced), and every address is one per-thread base plus a
+        // compile-time offset; otherwise (head dims 80 and 96, or a pass longer than the tile)
+        // thread t copies chunks t + i * THREADS of the tile in row-major order. With GUARD, a
+        // tile that ends past valid_rows takes a separate path that zero-fills the missing rows
+        // (reading nothing; their source is clamped to row 0), so whole tiles pay nothing for
+        // the tail.
+        template <int ROWS, bool GUARD, int ROW_STRIDE, int CHUNKS = CHUNKS_PER_ROW>
         __device__ __forceinline__ void load_tile(u32 smem_tile, const elem_t* gmem_rows, int valid_rows) {
-            constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-            static_assert(ROWS % ROWS_PER_PASS == 0, "tile rows must split evenly over threads");
-            const int chunk = int(threadIdx.x) % CHUNKS_PER_ROW;
-            const int first_row = int(threadIdx.x) / CHUNKS_PER_ROW;
-            const elem_t* first_src = gmem_rows + first_row * ROW_STRIDE + 8 * chunk;
-            if (GUARD && valid_rows < ROWS) {
+            constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+            if constexpr (THREADS % CHUNKS != 0 || ROWS_PER_PASS == 0 || ROWS % ROWS_PER_PASS != 0) {
+                constexpr int TILE_CHUNKS = ROWS * CHUNKS;
                 #pragma unroll
-                for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
-                    const int row = first_row + i * ROWS_PER_PASS;
-                    const bool in_range = row < valid_rows;
-                    const elem_t* src = in_range ? first_src + i * ROWS_PER_PASS * ROW_STRIDE : gmem_rows;
-                    cp_async_16(smem_tile + smem_offset(row, chunk), src, in_range);
+                for (int i = 0; i < (TILE_CHUNKS + THREADS - 1) / THREADS; ++i) {
+                    const int c = int(threadIdx.x) + i * THREADS;
+                    const int row = c / CHUNKS;
+                    const int chunk = c % CHUNKS;
+                    const bool in_range = !GUARD || row < valid_rows;
+                    if (TILE_CHUNKS % THREADS == 0 || c < TILE_CHUNKS) {
+                        cp_async_16(smem_tile + smem_offset(row, chunk),
+                                    in_range ? gmem_rows + row * ROW_STRIDE + 8 * chunk : gmem_rows, in_range);
+                    }
                 }
             } else {
-                #pragma unroll
-                for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
-                    const int row = first_row + i * ROWS_PER_PASS;
-                    cp_async_16(smem_tile + smem_offset(row, chunk), first_src + i * ROWS_PER_PASS * ROW_STRIDE, true);
+                const int chunk = int(threadIdx.x) % CHUNKS;
+                const int first_row = int(threadIdx.x) / CHUNKS;
+                const elem_t* first_src = gmem_rows + first_row * ROW_STRIDE + 8 * chunk;
+                if (GUARD && valid_rows < ROWS) {
+                    #pragma unroll
+                    for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
+                        const int row = first_row + i * ROWS_PER_PASS;
+                        const bool in_range = row < valid_rows;
+                        const elem_t* src = in_range ? first_src + i * ROWS_PER_PASS * ROW_STRIDE : gmem_rows;
+                        cp_async_16(smem_tile + smem_offset(row, chunk), src, in_range);
+                    }
+                } else {
+                    #pragma unroll
+                    for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
+                        const int row = first_row + i * ROWS_PER_PASS;
+                        cp_async_16(smem_tile + smem_offset(row, chunk), first_src + i * ROWS_PER_PASS * ROW_STRIDE,
+                                    true);
+                    }
                 }
             }
         }

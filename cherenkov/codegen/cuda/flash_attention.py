@@ -17,10 +17,18 @@ warp out of a stage refills it (``last_warp_refill``, in :mod:`.pipeline`).
 Specialisation: every problem value (B, H, Hkv, Sq, Skv, D, dtype, causal, GQA group,
 scale) and every schedule value is a compile-time constant, so a kernel serves exactly one
 problem shape; tail handling compiles away when the lengths are multiples of the tiles.
-Launch: grid ``(ceil(Sq / BLOCK_Q), H, B)`` (causal: block x takes the query tile counted
-from the end, longest first), ``THREADS`` threads, ``SMEM_BYTES`` of dynamic shared memory,
-arguments ``(q, k, v, o)`` device pointers — or, for a ring fed by TMA (``tma_kv``),
-``(q, o, k_map, v_map)``: K and V as tensor maps (``launch.TmaFlashKernel`` encodes them).
+Short queries (decode, speculative decoding, chunked prefill) have three more knobs: a
+packed GQA group (one block's rows are the queries of every query head of a K/V head), key
+splits (each block folds a share of the keys into a partial state in a workspace; the last
+block of a query tile combines them) and warps that split each key tile's keys (their
+states meet in shared memory at the end). Head dims narrower than a power-of-two row are
+padded in shared memory (``FlashLayout``); v and o may have their own head dim.
+
+Launch: grid ``(ceil(rows / BLOCK_Q) · KV_SPLITS, H or Hkv (packed), B)`` (causal: block x
+takes the query tile counted from the end, longest first), ``THREADS`` threads,
+``SMEM_BYTES`` of dynamic shared memory, arguments ``(q, k, v, o)`` device pointers — or, for
+a ring fed by TMA (``tma_kv``), ``(q, o, k_map, v_map)``: K and V as tensor maps
+(``launch.TmaFlashKernel`` encodes them) — and, with key splits, the workspace last.
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ def problem_summary(problem: AttentionProblem) -> str:
     """The ``Problem:`` line of a flash kernel's header (both flash families)."""
     p = problem
     return (f"Problem: B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv} D={p.head_dim} "
-            f"{p.dtype}{' causal' if p.causal else ''} scale={softmax_scale(p):.9g}.")
+            f"{f'D_v={p.value_dim} ' if p.value_dim else ''}{p.dtype}{' causal' if p.causal else ''} scale={softmax_scale(p):.9g}.")
 
 
 def flash_attention_source(plan: KernelPlan) -> str:
@@ -98,7 +106,8 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section("problem and schedule constants", _constants(plan, tiling)),
         section("shared-memory layout", _layout_constants(layout), swizzle.emit_tile_addressing(layout.swizzle),
                 swizzle.emit_shared_access()),
-        section("cp.async copies", cp_async.emit_cp_async(), cp_async.emit_tile_loader()),
+        section("cp.async copies", cp_async.emit_cp_async(), cp_async.emit_tile_loader(),
+                *([_load_query_rows()] if _short_query(schedule) else [])),
         section("ldmatrix fragments", ldmatrix.emit_ldmatrix_primitives(plan.schedule.ldmatrix_x),
                 ldmatrix.emit_fragment_loaders(plan.schedule.ldmatrix_x,
                                                kv_boxes=layout.kv_boxes if layout.tma_kv else 0)),
@@ -110,10 +119,19 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section("one key tile", _q_fragments(tiling), *([_scale_q_rows()] if schedule.q_prescaled else []),
                 _row_state(schedule.row_sums_mma), _compute_scores(schedule.q_prescaled), _mask_scores(),
                 _pack_probabilities(), _accumulate_values(schedule.row_sums_mma), *step_parts),
-        section("epilogue", _store_output()),
+        section("epilogue", _store_output(schedule.pack_group),
+                *([_partial_states()] if schedule.kv_splits > 1 or schedule.warp_keys else []),
+                *([_split_partials()] if schedule.kv_splits > 1 else []),
+                *([_WARP_MERGE] if schedule.warp_keys else [])),
         section("kernel", _kernel(plan, tiling)),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+def _short_query(schedule: FlashSchedule) -> bool:
+    """Whether a schedule is a short-query one (packed rows, key splits, under 4 warps or
+    warps that split the keys)."""
+    return schedule.pack_group or schedule.kv_splits > 1 or schedule.warps < 4 or schedule.warp_keys
 
 
 def _mma_helpers(dtype: str, schedule: FlashSchedule) -> list[str]:
@@ -160,16 +178,19 @@ def _header(plan: KernelPlan, layout: FlashLayout, tiling: FlashTiling) -> str:
         f"lazy_rescale={s.lazy_rescale} head_major={s.head_major} overlap={s.overlap} min_blocks={s.min_blocks} "
         f"late_copy={s.late_copy} mbarrier_ring={s.mbarrier_ring}{' tma_kv=True' if s.tma_kv else ''}"
         f"{' row_sums_mma=True' if s.row_sums_mma else ''}{' q_prescaled=True' if s.q_prescaled else ''}"
-        f"{' last_warp_refill=True' if s.last_warp_refill else ''}; "
+        f"{' last_warp_refill=True' if s.last_warp_refill else ''}"
+        f"{f' kv_splits={s.kv_splits}' if s.kv_splits > 1 else ''}{' pack_group=True' if s.pack_group else ''}; "
         f"Q fragments in {'registers' if tiling.q_in_registers else 'shared memory'}.",
         f"Shared memory: {layout.total_bytes} bytes, layout {layout.swizzle_pattern}"
         + (f"; K/V tiles in {layout.kv_boxes} TMA box(es) of 64 columns each, {layout.swizzle_pattern} "
            f"({layout.align_slack} bytes of slack to align the base)." if layout.tma_kv else "."),
         "Every problem and schedule value is a compile-time constant: this kernel serves one shape.",
-        f"Launch: grid ({tiling.q_tiles}, {p.heads}, {p.batch}), {s.threads} threads, "
+        f"Launch: grid {tiling.grid}, {s.threads} threads, "
         f"{layout.total_bytes} bytes dynamic shared memory, "
         + ("args (q, o, k_map, v_map): K and V through TMA tensor maps of (D, Skv, B*Hkv) in boxes of "
-           f"64 x {s.block_kv} x 1." if s.tma_kv else "args (q, k, v, o)."),
+           f"64 x {s.block_kv} x 1" if s.tma_kv else "args (q, k, v, o)")
+        + (f", then the key splits' workspace ({tiling.workspace_floats} fp32 words, zeroed once)."
+           if s.kv_splits > 1 else "."),
     ]
     return comment_lines(lines)
 
@@ -209,7 +230,8 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int GROUP = {p.group_size};  // query heads per K/V head
         constexpr int SEQ_Q = {p.seq_q};
         constexpr int SEQ_KV = {p.seq_kv};
-        constexpr int HEAD_DIM = {p.head_dim};
+        constexpr int HEAD_DIM = {p.head_dim};  // of q and k
+        constexpr int VALUE_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
 
@@ -218,6 +240,8 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int WARPS = {s.warps};
         constexpr int THREADS = {s.threads};
         constexpr int ROWS_PER_WARP = {s.rows_per_warp};
+        constexpr bool WARP_KEYS = {bool_literal(s.warp_keys)};  // warps split each key tile's keys, not the rows
+        constexpr int KEYS_PER_WARP = {s.keys_per_warp};
         constexpr int STAGES = {s.stages};
         constexpr int MIN_BLOCKS = {s.min_blocks};  // __launch_bounds__: resident blocks per SM
         constexpr bool HEAD_MAJOR = {bool_literal(s.head_major)};  // grid order: heads fastest
@@ -228,10 +252,29 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int D_STEPS = {tiling.d_steps};     // k16 steps of Q*K^T
         constexpr int Q_TILES = {tiling.q_tiles};
         constexpr int KV_TILES = {tiling.kv_tiles};
-        constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;
+        constexpr bool PACK = {bool_literal(s.pack_group)};  // a block's rows: query r / GROUP of head r % GROUP
+        constexpr int Q_ROWS = PACK ? SEQ_Q * GROUP : SEQ_Q;  // rows of one head (or packed K/V head group)
+        constexpr int ROW_HEADS = PACK ? KV_HEADS : HEADS;  // the grid's y
+        constexpr int KV_SPLITS = {s.kv_splits};  // blocks sharing a query tile's keys
+        constexpr int TILES_PER_SPLIT = {tiling.tiles_per_split};
+        constexpr bool Q_TAIL = Q_ROWS % BLOCK_Q != 0;
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;
         constexpr bool NEEDS_MASK = CAUSAL || KV_TAIL;
-        static_assert(THREADS == 32 * WARPS && ROWS_PER_WARP * WARPS == BLOCK_Q, "warps split the query tile");
+        static_assert(THREADS == 32 * WARPS && (WARP_KEYS ? ROWS_PER_WARP : ROWS_PER_WARP * WARPS) == BLOCK_Q,
+                      "warps split the query tile (or, WARP_KEYS, each key tile)");
+        static_assert(HEAD_DIM == 16 * D_STEPS && VALUE_DIM == 8 * D_NTILES && ROW_HEADS * GROUP >= HEADS,
+                      "head dims and row spaces");
+
+        // The key tile of the sequence that the block's key tile `tile` is: with key splits, block
+        // x % KV_SPLITS folds tiles [split * TILES_PER_SPLIT, +TILES_PER_SPLIT), counted from 0 in its loop.
+        __device__ __forceinline__ int kv_tile(int tile) {{
+            return KV_SPLITS == 1 ? tile : int(blockIdx.x) % KV_SPLITS * TILES_PER_SPLIT + tile;
+        }}
+
+        // The first key of every key tile this warp folds (WARP_KEYS: its KEYS_PER_WARP of them).
+        __device__ __forceinline__ u32 warp_first_key() {{
+            return WARP_KEYS ? (threadIdx.x >> 5) * KEYS_PER_WARP : 0;
+        }}
         """
     ) + "\n\n" + operand_strides(p)
 
@@ -263,11 +306,13 @@ def _layout_constants(layout: FlashLayout) -> str:
         f"""
         // [Q tile | stage 0: K, V | stage 1: K, V | ...], rows of ROW_BYTES, {layout.swizzle_pattern}.
         constexpr u32 ROW_BYTES = {layout.row_bytes};
-        constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks
+        constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks of a Q or K row
+        constexpr int V_CHUNKS = {layout.value_chunks};  // 16-byte chunks of a V or O row
         constexpr u32 Q_SMEM = {layout.q_offset};
         constexpr u32 K_SMEM = {layout.k_offset(0)};  // K tile of stage s at K_SMEM + s * STAGE_BYTES
         constexpr u32 V_SMEM = {layout.v_offset(0)};  // V tile of stage s at V_SMEM + s * STAGE_BYTES
         constexpr u32 STAGE_BYTES = {layout.stage_bytes};
+        constexpr u32 KV_ROW_BYTES = ROW_BYTES;  // from one key's row of a K or V tile to the next
         constexpr u32 SMEM_BYTES = {layout.total_bytes};
         static_assert(V_SMEM + (STAGES - 1) * STAGE_BYTES + BLOCK_KV * ROW_BYTES == SMEM_BYTES, "layout is packed");
         """
@@ -281,7 +326,8 @@ def _boxed_layout_constants(layout: FlashLayout) -> str:
         // ROW_BYTES, {layout.swizzle_pattern}. K and V tiles: KV_BOXES TMA boxes of 64 columns
         // (BLOCK_KV rows of BOX_ROW_BYTES, the copy engine's 128-byte swizzle, the same pattern).
         constexpr u32 ROW_BYTES = {layout.row_bytes};
-        constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks
+        constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks of a Q or K row
+        constexpr int V_CHUNKS = {layout.value_chunks};  // 16-byte chunks of a V or O row
         constexpr u32 BOX_ROW_BYTES = {layout.box_row_bytes};
         constexpr int KV_BOXES = {layout.kv_boxes};
         constexpr u32 KV_BOX_BYTES = {layout.kv_box_bytes};
@@ -289,6 +335,7 @@ def _boxed_layout_constants(layout: FlashLayout) -> str:
         constexpr u32 K_SMEM = {layout.k_offset(0)};  // K tile of stage s at K_SMEM + s * STAGE_BYTES
         constexpr u32 V_SMEM = {layout.v_offset(0)};  // V tile of stage s at V_SMEM + s * STAGE_BYTES
         constexpr u32 STAGE_BYTES = {layout.stage_bytes};
+        constexpr u32 KV_ROW_BYTES = BOX_ROW_BYTES;  // from one key's row of a K or V box to the next
         constexpr u32 SMEM_ALIGN = {TMA_ALIGN_BYTES};  // a 128-byte swizzle atom: 8 rows of 128 bytes
         constexpr u32 SMEM_BYTES = {layout.total_bytes};  // the tiles plus SMEM_ALIGN of slack
         static_assert(V_SMEM + (STAGES - 1) * STAGE_BYTES + KV_BOXES * KV_BOX_BYTES + SMEM_ALIGN == SMEM_BYTES,
@@ -561,14 +608,14 @@ def _attend_tile(release: str, source: str, schedule: FlashSchedule) -> str:
         __device__ __forceinline__ void attend_tile(RowState& state, const QFragments& q, u32 smem,
                                                     @SOURCE@ k_head, @SOURCE@ v_head,
                                                     int j, int slot, int n_tiles, int row0, int lane) {
-            const u32 k_tile = smem + K_SMEM + u32(slot) * STAGE_BYTES;
-            const u32 v_tile = smem + V_SMEM + u32(slot) * STAGE_BYTES;
+            const u32 k_tile = smem + K_SMEM + u32(slot) * STAGE_BYTES + warp_first_key() * KV_ROW_BYTES;
+            const u32 v_tile = smem + V_SMEM + u32(slot) * STAGE_BYTES + warp_first_key() * KV_ROW_BYTES;
 
             pipeline_wait_k(smem, k_head, v_head, j, slot, n_tiles);
             float s[M_TILES][KV_NTILES][4];
             compute_scores(s, q, k_tile, lane@OFFSETS@);
             if constexpr (MASK) {
-                mask_scores(s, row0, j * BLOCK_KV, lane);
+                mask_scores(s, row0, kv_tile(j) * BLOCK_KV + int(warp_first_key()), lane);
             }
             online_softmax(s, state.o, state.row_max, state.row_sum);
             u32 p[M_TILES][KV_STEPS][4];
@@ -616,11 +663,22 @@ def _unit_phases() -> str:
     )
 
 
-def _store_output() -> str:
+def _store_output(pack_group: bool) -> str:
+    """``store_output`` (and ``output_row_offset``); a packed group's rows interleave its heads."""
     return block(
         """
+        // Where row `row` of the block's query tile (from row q0 of its row space) lies in o, in
+        // elements from the block's o_block: packed rows interleave the group's heads.
+        __device__ __forceinline__ size_t output_row_offset(int q0, int row) {
+            if constexpr (PACK) {
+                const int packed = q0 + row;
+                return size_t(packed % GROUP) * O_HEAD_STRIDE + size_t(packed / GROUP) * O_ROW_STRIDE;
+            }
+            return size_t(row) * O_ROW_STRIDE;
+        }
+
         // Normalise O by the row sums, stage the warp's rows (as elem_t) in its own rows of the
-        // Q tile, then copy them out with 16-byte stores; rows past SEQ_Q are not written.
+        // Q tile, then copy them out with 16-byte stores; rows past Q_ROWS are not written.
         __device__ __forceinline__ void store_output(const RowState& state, u32 q_tile, elem_t* o_block,
                                                      int q0, int warp_row0, int lane) {
             float inv_sum[M_TILES][2];
@@ -641,18 +699,18 @@ def _store_output() -> str:
             }
             __syncwarp();
             #pragma unroll
-            for (int i = 0; i < ROWS_PER_WARP * CHUNKS_PER_ROW / 32; ++i) {
+            for (int i = 0; i < ROWS_PER_WARP * V_CHUNKS / 32; ++i) {
                 const int c = 32 * i + lane;
-                const int row = warp_row0 + c / CHUNKS_PER_ROW;
-                const int chunk = c % CHUNKS_PER_ROW;
-                if (!Q_TAIL || q0 + row < SEQ_Q) {
+                const int row = warp_row0 + c / V_CHUNKS;
+                const int chunk = c % V_CHUNKS;
+                if (!Q_TAIL || q0 + row < Q_ROWS) {
                     const uint4 value = ld_shared_v4(q_tile + smem_offset(row, chunk));
-                    *reinterpret_cast<uint4*>(o_block + size_t(row) * O_ROW_STRIDE + 8 * chunk) = value;
+                    *reinterpret_cast<uint4*>(o_block + @ROW_OFFSET@ + 8 * chunk) = value;
                 }
             }
         }
         """
-    )
+    ).replace("@ROW_OFFSET@", "output_row_offset(q0, row)" if pack_group else "size_t(row) * O_ROW_STRIDE")
 
 
 def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
@@ -664,12 +722,15 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
     elif plan.schedule.pingpong or plan.schedule.overlap:
         q_init += "  // Q tile landed at step 0's barrier, before any read"
     name = kernel_name(plan)
+    short = _short_query(plan.schedule)
     if plan.schedule.tma_kv:
         params = ("const elem_t* __restrict__ q, elem_t* __restrict__ o,",
                   "const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map")
     else:
         params = ("const elem_t* __restrict__ q, const elem_t* __restrict__ k,",
                   "const elem_t* __restrict__ v, elem_t* __restrict__ o")
+    if plan.schedule.kv_splits > 1:
+        params = (params[0], params[1] + ", float* __restrict__ workspace")
     head = (
         f'extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)\n'
         f"{name}({params[0]}\n{' ' * (len(name) + 1)}{params[1]}) {{\n"
@@ -679,37 +740,9 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         extern __shared__ __align__(128) unsigned char smem_raw[];
         @SMEM_BASE@
         const int lane = int(threadIdx.x) & 31;
-        const int warp_row0 = (int(threadIdx.x) >> 5) * ROWS_PER_WARP;
+        const int warp_row0 = WARP_KEYS ? 0 : (int(threadIdx.x) >> 5) * ROWS_PER_WARP;
 
-        // This block's query tile, head and batch. The grid is (Q_TILES, HEADS, BATCH), issued
-        // x fastest; HEAD_MAJOR reads the linear block index heads-fastest instead, so that one
-        // query tile of every head runs before the next. Causal: query tiles are counted from
-        // the end, longest first. Query head h reads K/V head h / GROUP.
-        int tile_index, head, batch;
-        if constexpr (HEAD_MAJOR) {
-            const int linear = int(blockIdx.x) + Q_TILES * (int(blockIdx.y) + HEADS * int(blockIdx.z));
-            tile_index = linear / (HEADS * BATCH);
-            head = linear % HEADS;
-            batch = (linear / HEADS) % BATCH;
-        } else {
-            tile_index = int(blockIdx.x);
-            head = int(blockIdx.y);
-            batch = int(blockIdx.z);
-        }
-        const int q_tile = CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
-        const int kv_head = head / GROUP;
-        const int q0 = q_tile * BLOCK_Q;
-        const elem_t* q_block = q + Q_OFFSET + batch * Q_BATCH_STRIDE + head * Q_HEAD_STRIDE + size_t(q0) * Q_ROW_STRIDE;
-        elem_t* o_block = o + O_OFFSET + batch * O_BATCH_STRIDE + head * O_HEAD_STRIDE + size_t(q0) * O_ROW_STRIDE;
-        @KV_SOURCES@
-
-        // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
-        // how many of them need no mask (wholly below the diagonal and inside SEQ_KV).
-        const int n_tiles = CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
-        const int n_unmasked = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
-
-        // Prologue: Q tile (first group), then the pipeline's prefetch.
-        load_tile<BLOCK_Q, Q_TAIL, Q_ROW_STRIDE>(smem + Q_SMEM, q_block, SEQ_Q - q0);
+        @BLOCK_INDEX@
         cp_async_commit();
         pipeline_prologue(smem, k_head, v_head, n_tiles);
         QFragments q_frags;
@@ -717,7 +750,7 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         RowState state;
         state.init();
         """
-    ).replace("@Q_INIT@", q_init)
+    ).replace("@Q_INIT@", q_init).replace("@BLOCK_INDEX@", _short_query_index() if short else _LONG_QUERY_INDEX)
     for placeholder, text in zip(("@SMEM_BASE@", "@KV_SOURCES@"), _smem_base_and_kv_sources(plan.schedule.tma_kv)):
         prologue = prologue.replace(placeholder, text)
     if plan.schedule.pingpong:
@@ -733,7 +766,312 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         store_output(state, smem + Q_SMEM, o_block, q0, warp_row0, lane);
         """
     )
+    if plan.schedule.warp_keys:
+        epilogue = _warp_keys_epilogue(plan.schedule.kv_splits > 1)
+    elif plan.schedule.kv_splits > 1:
+        epilogue = _SPLIT_TILE_POINTERS + "\n" + block(
+            """
+            store_partial(state, split_o, split_lse, warp_row0, lane);
+            if (last_split_arrived(counter)) {
+                combine_splits(tile_o, tile_lse, o_block, q0);
+            }
+            """
+        )
     return head + indent(prologue + "\n\n" + main_loop + "\n" + epilogue) + "\n}"
+
+
+_LONG_QUERY_INDEX = block(
+    """
+    // This block's query tile, head and batch. The grid is (Q_TILES, HEADS, BATCH), issued
+    // x fastest; HEAD_MAJOR reads the linear block index heads-fastest instead, so that one
+    // query tile of every head runs before the next. Causal: query tiles are counted from
+    // the end, longest first. Query head h reads K/V head h / GROUP.
+    int tile_index, head, batch;
+    if constexpr (HEAD_MAJOR) {
+        const int linear = int(blockIdx.x) + Q_TILES * (int(blockIdx.y) + HEADS * int(blockIdx.z));
+        tile_index = linear / (HEADS * BATCH);
+        head = linear % HEADS;
+        batch = (linear / HEADS) % BATCH;
+    } else {
+        tile_index = int(blockIdx.x);
+        head = int(blockIdx.y);
+        batch = int(blockIdx.z);
+    }
+    const int q_tile = CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
+    const int kv_head = head / GROUP;
+    const int q0 = q_tile * BLOCK_Q;
+    const elem_t* q_block = q + Q_OFFSET + batch * Q_BATCH_STRIDE + head * Q_HEAD_STRIDE + size_t(q0) * Q_ROW_STRIDE;
+    elem_t* o_block = o + O_OFFSET + batch * O_BATCH_STRIDE + head * O_HEAD_STRIDE + size_t(q0) * O_ROW_STRIDE;
+    @KV_SOURCES@
+
+    // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
+    // how many of them need no mask (wholly below the diagonal and inside SEQ_KV).
+    const int n_tiles = CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+    const int n_unmasked = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
+
+    // Prologue: Q tile (first group), then the pipeline's prefetch.
+    load_tile<BLOCK_Q, Q_TAIL, Q_ROW_STRIDE>(smem + Q_SMEM, q_block, SEQ_Q - q0);
+    """
+)
+
+
+def _short_query_index() -> str:
+    return block(
+        """
+        // This block's query tile, row space and key split (a short-query kernel, never causal).
+        // The grid is (Q_TILES * KV_SPLITS, ROW_HEADS, BATCH): block x folds key split
+        // x % KV_SPLITS of query tile x / KV_SPLITS. A row space is one query head, or (PACK) the
+        // group of K/V head y: its row r is query r / GROUP of query head y * GROUP + r % GROUP.
+        const int q_tile = int(blockIdx.x) / KV_SPLITS;
+        const int split = int(blockIdx.x) % KV_SPLITS;
+        const int batch = int(blockIdx.z);
+        const int kv_head = PACK ? int(blockIdx.y) : int(blockIdx.y) / GROUP;
+        const int head0 = PACK ? kv_head * GROUP : int(blockIdx.y);  // the row space's first query head
+        const int q0 = q_tile * BLOCK_Q;
+        const elem_t* q_space = q + Q_OFFSET + batch * Q_BATCH_STRIDE + head0 * Q_HEAD_STRIDE;
+        elem_t* o_block = o + O_OFFSET + batch * O_BATCH_STRIDE + head0 * O_HEAD_STRIDE
+                          + (PACK ? size_t(0) : size_t(q0) * O_ROW_STRIDE);
+        @KV_SOURCES@
+
+        // Key tiles of this split (kv_tile offsets them) and how many need no Skv-tail mask.
+        const int n_tiles = imin(TILES_PER_SPLIT, KV_TILES - split * TILES_PER_SPLIT);
+        const int whole_tiles = SEQ_KV / BLOCK_KV - split * TILES_PER_SPLIT;
+        const int n_unmasked = whole_tiles < 0 ? 0 : imin(n_tiles, whole_tiles);
+
+        // Prologue: Q tile (first group), then the pipeline's prefetch.
+        load_query_rows(smem + Q_SMEM, q_space, q0);
+        """
+    )
+
+
+def _load_query_rows() -> str:
+    return block(
+        """
+        // Copy the block's BLOCK_Q query rows, from row q0 of its row space, into the Q tile (no
+        // commit). Packed rows gather query p / GROUP of the group's head p % GROUP (p = q0 + row),
+        // one 16-byte chunk a thread at a time; rows past Q_ROWS are zero-filled.
+        __device__ __forceinline__ void load_query_rows(u32 q_tile, const elem_t* q_space, int q0) {
+            if constexpr (PACK) {
+                constexpr int TILE_CHUNKS = BLOCK_Q * CHUNKS_PER_ROW;
+                #pragma unroll
+                for (int i = 0; i < (TILE_CHUNKS + THREADS - 1) / THREADS; ++i) {
+                    const int c = int(threadIdx.x) + i * THREADS;
+                    const int row = c / CHUNKS_PER_ROW;
+                    const int chunk = c % CHUNKS_PER_ROW;
+                    const int packed = q0 + row;
+                    const bool in_range = packed < Q_ROWS;
+                    const elem_t* src = q_space + size_t(packed % GROUP) * Q_HEAD_STRIDE
+                                        + size_t(packed / GROUP) * Q_ROW_STRIDE + 8 * chunk;
+                    if (TILE_CHUNKS % THREADS == 0 || c < TILE_CHUNKS) {
+                        cp_async_16(q_tile + smem_offset(row, chunk), in_range ? src : q_space, in_range);
+                    }
+                }
+            } else {
+                load_tile<BLOCK_Q, Q_TAIL, Q_ROW_STRIDE>(q_tile, q_space + size_t(q0) * Q_ROW_STRIDE, SEQ_Q - q0);
+            }
+        }
+        """
+    )
+
+
+def _partial_states() -> str:
+    return block(
+        """
+        // Partial states (key splits, warps that split the keys): a state's rows' O normalised by
+        // their own sums, BLOCK_Q rows of VALUE_DIM fp32, and their log2-sum-exps (row max *
+        // SCALE_LOG2 + log2 of the row sum; -inf for a row that saw no key).
+
+        // This thread's rows of the state, into `o_rows` and `lse_rows` (row r at r * VALUE_DIM, r).
+        __device__ __forceinline__ void store_partial(const RowState& state, float* o_rows, float* lse_rows,
+                                                      int warp_row0, int lane) {
+            float inv_sum[M_TILES][2];
+            row_inverse_sums(state.row_sum, inv_sum);
+            #pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = warp_row0 + 16 * m + (lane >> 2) + 8 * h;
+                    float* o_row = o_rows + size_t(row) * VALUE_DIM + 2 * (lane & 3);
+                    #pragma unroll
+                    for (int d = 0; d < D_NTILES; ++d) {
+                        *reinterpret_cast<float2*>(o_row + 8 * d) =
+                            make_float2(state.o[m][d][2 * h] * inv_sum[m][h], state.o[m][d][2 * h + 1] * inv_sum[m][h]);
+                    }
+                    if ((lane & 3) == 0) {
+                        lse_rows[row] = inv_sum[m][h] > 0.0f ? state.row_max[m][h] * SCALE_LOG2 - __log2f(inv_sum[m][h])
+                                                             : neg_inf();
+                    }
+                }
+            }
+        }
+
+        // Columns [8 chunk, 8 chunk + 8) of row `row` merged over COUNT states (state i's rows at
+        // o + i * BLOCK_Q * VALUE_DIM and lse + i * BLOCK_Q): out = sum_i 2^(lse_i - top) o_i /
+        // sum_i 2^(lse_i - top). Returns the merged log2-sum-exp. GLOBAL: the states are in global
+        // memory, written by other blocks, so they are read past L1.
+        template <int COUNT, bool GLOBAL>
+        __device__ __forceinline__ float merge_partials(const float* o, const float* lse, int row, int chunk,
+                                                        float (&out)[8]) {
+            float top = neg_inf();
+            #pragma unroll 4
+            for (int i = 0; i < COUNT; ++i) {
+                top = fmaxf(top, GLOBAL ? __ldcg(lse + i * BLOCK_Q + row) : lse[i * BLOCK_Q + row]);
+            }
+            float total = 0.0f;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                out[e] = 0.0f;
+            }
+            #pragma unroll 4
+            for (int i = 0; i < COUNT; ++i) {
+                const float state_lse = GLOBAL ? __ldcg(lse + i * BLOCK_Q + row) : lse[i * BLOCK_Q + row];
+                const float weight = state_lse == neg_inf() ? 0.0f : exp2f(state_lse - top);
+                const float4* part = reinterpret_cast<const float4*>(o + (size_t(i) * BLOCK_Q + row) * VALUE_DIM + 8 * chunk);
+                const float4 lo = GLOBAL ? __ldcg(part) : part[0];
+                const float4 hi = GLOBAL ? __ldcg(part + 1) : part[1];
+                total += weight;
+                out[0] += weight * lo.x; out[1] += weight * lo.y; out[2] += weight * lo.z; out[3] += weight * lo.w;
+                out[4] += weight * hi.x; out[5] += weight * hi.y; out[6] += weight * hi.z; out[7] += weight * hi.w;
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                out[e] *= inv;
+            }
+            return total > 0.0f ? top + __log2f(total) : neg_inf();
+        }
+
+        // 8 merged columns of a row, as elem_t, to o (16 bytes).
+        __device__ __forceinline__ void store_columns(elem_t* o_block, int q0, int row, int chunk, const float (&out)[8]) {
+            const uint4 value = make_uint4(pack2(out[0], out[1]), pack2(out[2], out[3]), pack2(out[4], out[5]),
+                                           pack2(out[6], out[7]));
+            *reinterpret_cast<uint4*>(o_block + output_row_offset(q0, row) + 8 * chunk) = value;
+        }
+        """
+    )
+
+
+def _split_partials() -> str:
+    return block(
+        """
+        // Key splits. Workspace (fp32): the partial states of every split of every query tile,
+        // O [SPLIT_TILES][KV_SPLITS][BLOCK_Q][VALUE_DIM] and log2-sum-exps
+        // [SPLIT_TILES][KV_SPLITS][BLOCK_Q], then one arrival counter (int) per query tile, zero
+        // between launches.
+        constexpr int SPLIT_TILES = BATCH * ROW_HEADS * Q_TILES;
+        constexpr size_t PARTIAL_O_FLOATS = size_t(SPLIT_TILES) * KV_SPLITS * BLOCK_Q * VALUE_DIM;
+        constexpr size_t PARTIAL_LSE_FLOATS = size_t(SPLIT_TILES) * KV_SPLITS * BLOCK_Q;
+
+        // Whether this block is the last of its query tile's KV_SPLITS blocks to store its partial
+        // state (each block's stores are fenced before its arrival); the last one resets the
+        // counter for the next launch.
+        __device__ __forceinline__ bool last_split_arrived(int* counter) {
+            __shared__ int last;
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                last = atomicAdd(counter, 1) == KV_SPLITS - 1;
+                if (last) {
+                    *counter = 0;
+                }
+            }
+            __syncthreads();
+            return last;
+        }
+
+        // The tile's splits merged into o, a thread per 8 columns of a row.
+        __device__ __forceinline__ void combine_splits(const float* tile_o, const float* tile_lse, elem_t* o_block,
+                                                       int q0) {
+            __threadfence();
+            for (int c = int(threadIdx.x); c < BLOCK_Q * V_CHUNKS; c += THREADS) {
+                const int row = c / V_CHUNKS;
+                const int chunk = c % V_CHUNKS;
+                if (!Q_TAIL || q0 + row < Q_ROWS) {
+                    float out[8];
+                    merge_partials<KV_SPLITS, true>(tile_o, tile_lse, row, chunk, out);
+                    store_columns(o_block, q0, row, chunk, out);
+                }
+            }
+        }
+        """
+    )
+
+
+_SPLIT_TILE_POINTERS = block(
+    """
+    cp_async_wait<0>();  // only empty groups remain
+
+    // Key splits: the block's partial state goes to its split's slice of the query tile's
+    // workspace; the tile's last split to arrive combines them all.
+    const int tile_id = (batch * ROW_HEADS + int(blockIdx.y)) * Q_TILES + q_tile;
+    float* tile_o = workspace + size_t(tile_id) * KV_SPLITS * BLOCK_Q * VALUE_DIM;
+    float* tile_lse = workspace + PARTIAL_O_FLOATS + size_t(tile_id) * KV_SPLITS * BLOCK_Q;
+    float* split_o = tile_o + size_t(split) * BLOCK_Q * VALUE_DIM;
+    float* split_lse = tile_lse + split * BLOCK_Q;
+    int* counter = reinterpret_cast<int*>(workspace + PARTIAL_O_FLOATS + PARTIAL_LSE_FLOATS) + tile_id;
+    """
+)
+
+
+def _warp_keys_epilogue(split: bool) -> str:
+    """The end of a block whose warps split the keys: each warp's state to shared memory (the
+    ring's stages, free once every warp is past its last tile), then a thread per 8 columns of
+    a row merges them — into o, or into the split's partial state."""
+    head = _SPLIT_TILE_POINTERS if split else "cp_async_wait<0>();  // only empty groups remain\n"
+    if split:
+        result = block(
+            """
+            const float lse = merge_partials<WARPS, false>(merge, merge + MERGE_O_FLOATS, row, chunk, out);
+            *reinterpret_cast<float4*>(split_o + row * VALUE_DIM + 8 * chunk) = make_float4(out[0], out[1], out[2], out[3]);
+            *reinterpret_cast<float4*>(split_o + row * VALUE_DIM + 8 * chunk + 4) = make_float4(out[4], out[5], out[6], out[7]);
+            if (chunk == 0) {
+                split_lse[row] = lse;
+            }
+            """
+        )
+    else:
+        result = block(
+            """
+            merge_partials<WARPS, false>(merge, merge + MERGE_O_FLOATS, row, chunk, out);
+            store_columns(o_block, q0, row, chunk, out);
+            """
+        )
+    merged = block(
+        """
+        // The warps' states meet in shared memory; each thread merges 8 columns of a row.
+        __syncthreads();
+        float* merge = reinterpret_cast<float*>(smem_raw + (smem + K_SMEM - u32(__cvta_generic_to_shared(smem_raw))));
+        const int warp = int(threadIdx.x) >> 5;
+        store_partial(state, merge + warp * BLOCK_Q * VALUE_DIM, merge + MERGE_O_FLOATS + warp * BLOCK_Q, 0, lane);
+        __syncthreads();
+        for (int c = int(threadIdx.x); c < BLOCK_Q * V_CHUNKS; c += THREADS) {
+            const int row = c / V_CHUNKS;
+            const int chunk = c % V_CHUNKS;
+            if (!Q_TAIL || q0 + row < Q_ROWS) {
+                float out[8];
+                @RESULT@
+            }
+        }
+        """
+    ).replace("@RESULT@", ("\n" + " " * 8).join(result.splitlines()))
+    tail = block(
+        """
+        if (last_split_arrived(counter)) {
+            combine_splits(tile_o, tile_lse, o_block, q0);
+        }
+        """
+    ) if split else ""
+    return head + "\n" + merged + ("\n" + tail if tail else "")
+
+
+_WARP_MERGE = block(
+    """
+    // Warps that split the keys (WARP_KEYS) folded the same BLOCK_Q rows over their own keys of
+    // every tile. Their partial states in shared memory (the ring's stages, from K_SMEM): O
+    // [WARPS][BLOCK_Q][VALUE_DIM] fp32, then the log2-sum-exps [WARPS][BLOCK_Q].
+    constexpr int MERGE_O_FLOATS = WARPS * BLOCK_Q * VALUE_DIM;
+    """
+)
 
 
 def _smem_base_and_kv_sources(tma_kv: bool) -> tuple[str, str]:

@@ -32,7 +32,9 @@ cp.async copies once in the prologue. With the **last warp's refill** the TMA ri
 *empty* barriers: each warp's lane 0 counts itself out of a stage (a shared counter) after
 its P·V, and the warp that completes the count starts tile ``t + S`` into the stage at
 once, so no thread waits for the others; the prologue starts all ``S`` stages.
-Needs ``load_tile``, the cp.async primitives and the layout/problem constants.
+Tile ``j`` of the ring is key tile ``kv_tile(j)`` of the sequence (a key split's tiles are
+counted from 0). Needs ``load_tile``, ``kv_tile``, the cp.async primitives and the
+layout/problem constants.
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ _SIGNATURE = "u32 smem, const elem_t* k_head, const elem_t* v_head, int j, int s
 def _emit_load_kv_tile() -> str:
     return block(
         """
-        // Copy K or V tile `tile` of one head (rows ROW_STRIDE elements apart) into a stage buffer
-        // (no commit).
-        template <int ROW_STRIDE>
+        // Copy K or V tile `tile` of one head (rows ROW_STRIDE elements apart, CHUNKS 16-byte chunks
+        // a row) into a stage buffer (no commit). kv_tile: the tile of the sequence it is.
+        template <int ROW_STRIDE, int CHUNKS>
         __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
-            load_tile<BLOCK_KV, KV_TAIL, ROW_STRIDE>(stage_tile, head + size_t(tile) * BLOCK_KV * ROW_STRIDE,
-                                                     SEQ_KV - tile * BLOCK_KV);
+            load_tile<BLOCK_KV, KV_TAIL, ROW_STRIDE, CHUNKS>(stage_tile, head + size_t(kv_tile(tile)) * BLOCK_KV * ROW_STRIDE,
+                                                             SEQ_KV - kv_tile(tile) * BLOCK_KV);
         }
         """
     )
@@ -85,7 +87,7 @@ class KvPipeline:
                 // Start copying K tile `tile` into stage `slot` as one cp.async group (empty past n_tiles).
                 __device__ __forceinline__ void issue_k(u32 smem, const elem_t* k_head, int tile, int slot, int n_tiles) {
                     if (tile < n_tiles) {
-                        load_kv_tile<K_ROW_STRIDE>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                        load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
                     }
                     cp_async_commit();
                 }
@@ -93,7 +95,7 @@ class KvPipeline:
                 // The same for V tile `tile`.
                 __device__ __forceinline__ void issue_v(u32 smem, const elem_t* v_head, int tile, int slot, int n_tiles) {
                     if (tile < n_tiles) {
-                        load_kv_tile<V_ROW_STRIDE>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                        load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                     }
                     cp_async_commit();
                 }
@@ -105,8 +107,8 @@ class KvPipeline:
             __device__ __forceinline__ void issue_kv(u32 smem, const elem_t* k_head, const elem_t* v_head,
                                                      int tile, int slot, int n_tiles) {
                 if (tile < n_tiles) {
-                    load_kv_tile<K_ROW_STRIDE>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
-                    load_kv_tile<V_ROW_STRIDE>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                    load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                    load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                 }
                 cp_async_commit();
             }
@@ -224,8 +226,8 @@ def _emit_start_kv() -> str:
             #pragma unroll
             for (int box = 0; box < KV_BOXES; ++box) {
                 const u32 offset = u32(slot) * STAGE_BYTES + u32(box) * KV_BOX_BYTES;
-                tma_load_4d(smem + K_SMEM + offset, k_head.map, full, 64 * box, tile * BLOCK_KV, k_head.head, k_head.batch);
-                tma_load_4d(smem + V_SMEM + offset, v_head.map, full, 64 * box, tile * BLOCK_KV, v_head.head, v_head.batch);
+                tma_load_4d(smem + K_SMEM + offset, k_head.map, full, 64 * box, kv_tile(tile) * BLOCK_KV, k_head.head, k_head.batch);
+                tma_load_4d(smem + V_SMEM + offset, v_head.map, full, 64 * box, kv_tile(tile) * BLOCK_KV, v_head.head, v_head.batch);
             }
         }
         """
@@ -307,8 +309,8 @@ class MbarrierKvPipeline:
                         if (tile >= STAGES) {
                             mbar_wait(empty_barrier(slot), (tile / STAGES - 1) & 1);
                         }
-                        load_kv_tile<K_ROW_STRIDE>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
-                        load_kv_tile<V_ROW_STRIDE>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                        load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                        load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                         cp_async_arrive(full_barrier(slot));
                     }
                 }
@@ -550,10 +552,10 @@ class UnitPipeline:
                                                        int u, int slot, int n_tiles) {
                 const u32 stage = smem + u32(slot) * STAGE_BYTES;
                 if (u < n_tiles) {
-                    load_kv_tile<K_ROW_STRIDE>(stage + K_SMEM, k_head, u);
+                    load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(stage + K_SMEM, k_head, u);
                 }
                 if (u >= 1 && u <= n_tiles) {
-                    load_kv_tile<V_ROW_STRIDE>(stage + V_SMEM, v_head, u - 1);
+                    load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(stage + V_SMEM, v_head, u - 1);
                 }
                 cp_async_commit();
             }

@@ -1,0 +1,128 @@
+"""Attention for every shape the benchmark names (issue 22), on the CPU: decode, short
+queries, head dims 32-256 and D_v != D derive flash-attention plans — never the unfused
+kernels, never a pointwise loop — on sm_80, sm_90, sm_90a and sm_120; decode gets split-KV
+plans through the rule ``flash-split-kv``; the plan the cost model ranks first compiles
+without spills, and each short-query kind compiles for every mma.sync architecture."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+import cherenkov as ck
+from cherenkov.codegen import CompileError, compile_plans
+from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, flash_schedule_problems
+from cherenkov.rewrites.schedule import flash_schedules
+from cherenkov.search.cost_model import predict_flash
+from tests.codegen.test_flash_gpu import case_id
+
+ROOT = Path(__file__).resolve().parents[2]
+FLASH_TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_120")
+
+
+@functools.cache
+def benchmark():
+    """``benchmarks/attention.py`` as a module (its folder on the path, as when it runs): its
+    SHAPES are the rows this test covers."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.append(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("cherenkov_benchmark_attention", ROOT / "benchmarks" / "attention.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+ROWS = ("seed", *benchmark().ISSUE_22)
+
+
+@functools.cache
+def derivation(name: str) -> ck.Derivation:
+    bench = benchmark()
+    s = bench.SHAPES[name]
+    if s.DV is None:
+        graph = bench.load_example().build(shape=(s.B, s.H, s.H_KV, s.SQ, s.SKV, s.D), causal=s.causal, dtype=s.dtype)
+    else:
+        graph = bench.value_dim_graph(s)
+    return ck.derive(graph)
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_every_row_has_flash_plans_on_every_target(name):
+    d = derivation(name)
+    assert [k.kind for k in d.kernels] == ["flash_attention"]
+    for target in FLASH_TARGETS:
+        plans = d.plans(target)
+        assert plans, f"{name}: no flash plan on {target}"
+        assert [k.kind for k in d.kernels_for(target)] == ["flash_attention"]
+        assert all(not flash_schedule_problems(p.schedule, p.problem, p.target) for p in plans
+                   if not hasattr(p.schedule, "consumer_warpgroups"))  # fmt: skip
+
+
+def test_value_dims_reach_the_problem():
+    problem = derivation("b2h16s2k_d192_dv128").plans("sm_90")[0].problem
+    assert (problem.head_dim, problem.value_dim, problem.v_dim) == (192, 128, 128)
+    assert problem.logical_shape("v")[-1] == problem.logical_shape("o")[-1] == 128
+    assert problem.flops == 2.0 * 2 * 16 * 2048 * 2048 * (192 + 128)
+
+
+@pytest.mark.parametrize("name", ["decode_b16_8k", "decode_b1_64k"])
+def test_decode_gets_split_kv_plans_derived_by_their_rule(name):
+    plans = derivation(name).plans("sm_120")
+    split = [p for p in plans if p.schedule.kv_splits > 1]
+    assert split and all(p.trace[-1] == "flash-split-kv" for p in split)
+    assert all("flash-split-kv" not in p.trace for p in plans if p.schedule.kv_splits == 1)
+    assert any(p.schedule.pack_group and p.schedule.warp_keys for p in split)
+    ranked = min(plans, key=lambda p: (predict_flash(p).ms, p.name))
+    assert ranked.schedule.pack_group, "the cost model ranks a packed GQA group first for decode"
+
+
+def test_long_queries_get_no_short_query_plans():
+    for plan in derivation("seed").plans("sm_90"):
+        s = plan.schedule
+        assert s.kv_splits == 1 and not s.pack_group and not s.warp_keys and s.warps >= 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ROWS)
+def test_the_first_ranked_sm120_plan_compiles_without_spills(name, compiler, kernel_cache):
+    plans = derivation(name).plans("sm_120")
+    best = min(plans, key=lambda p: (predict_flash(p).ms, p.name))
+    (kernel,) = compile_plans([best], compiler=compiler, cache_dir=kernel_cache)
+    assert not isinstance(kernel, CompileError), str(kernel)
+    assert kernel.report.spill_bytes == 0, f"{name}: {best.schedule.key()} spills {kernel.report.spill_bytes} B"
+
+
+# a problem of each short-query kind and padded head dim, with what its schedule must have
+KINDS = [
+    (AttentionProblem(3, 32, 8, 1, 8191, 128), lambda s: s.warp_keys and s.pack_group and s.kv_splits > 1),
+    (AttentionProblem(2, 32, 4, 1, 5000, 128), lambda s: s.tma_kv and s.kv_splits > 1),
+    (AttentionProblem(2, 8, 2, 1, 3000, 192, value_dim=128), lambda s: s.pack_group and s.kv_splits > 1),
+    (AttentionProblem(2, 16, 4, 4, 3001, 96), lambda s: s.pack_group),
+    (AttentionProblem(1, 4, 2, 257, 513, 80), lambda s: True),
+    (AttentionProblem(2, 4, 4, 300, 700, 32, causal=True), lambda s: True),
+    (AttentionProblem(4, 8, 2, 1, 2048, 64, dtype="fp16"), lambda s: s.kv_splits > 1),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
+def test_short_query_kinds_compile_for_every_mma_sync_arch(arch, compiler, kernel_cache):
+    """The first-ranked valid schedule of each kind on each architecture (none for TMA on sm_80);
+    the short-query ones do not spill."""
+    target, plans = TARGETS[arch], []
+    for problem, wanted in KINDS:
+        schedules = [s for s in flash_schedules(problem.head_dim, target, problem.value_dim)
+                     if wanted(s) and not flash_schedule_problems(s, problem, target)]  # fmt: skip
+        if schedules:
+            candidates = [KernelPlan("flash_attention", problem, s, target) for s in schedules]
+            plans.append(min(candidates, key=lambda p: (predict_flash(p).ms, p.name)))
+    assert len(plans) >= len(KINDS) - (1 if arch == "sm_80" else 0), [case_id(p) for p in plans]
+    for plan, kernel in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
+        assert not isinstance(kernel, CompileError), f"{case_id(plan)}: {kernel}"
+        assert "mma.sync.aligned.m16n8k16" in kernel.ptx_path.read_text()
+        if plan.schedule.kv_splits > 1 or plan.schedule.pack_group:
+            assert kernel.report.spill_bytes == 0, f"{case_id(plan)} spills {kernel.report.spill_bytes} B"
