@@ -25,11 +25,13 @@ from cherenkov.graph import (
 )
 
 from cherenkov.rewrites.derive import Derivation, derive
+from cherenkov.search.compiled import CompiledFunction, compile
 from cherenkov.search.optimize import CapturedRun, OptimizeResult, optimize
 
 __all__ = [
     "PRIMITIVES",
     "CapturedRun",
+    "CompiledFunction",
     "Derivation",
     "Graph",
     "OptimizeResult",
@@ -38,6 +40,7 @@ __all__ = [
     "__version__",
     "arange",
     "cat",
+    "compile",
     "codegen",
     "constant",
     "derive",

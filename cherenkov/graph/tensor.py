@@ -48,6 +48,7 @@ class Graph:
         self._inputs: dict[str, int] = {}
         self._outputs: dict[str, int] = {}
         self._examples: dict[str, np.ndarray] = {}
+        self._sources: dict[str, str] = {}
 
     # ---------------------------------------------------------------- construction
 
@@ -198,6 +199,14 @@ class Graph:
         from cherenkov.graph.serialize import graph_from_json
 
         return graph_from_json(text)
+
+    @property
+    def captured_sources(self) -> dict[str, str]:
+        """Where each input of a graph captured by :func:`~cherenkov.from_torch` comes from:
+        ``"arg:I"`` for the I-th positional tensor argument, else the dotted name of the
+        module's parameter, buffer or lifted constant (``"attn.c_attn.weight"``). Empty for a
+        graph built by hand."""
+        return dict(self._sources)
 
     def example_inputs(self) -> dict[str, np.ndarray]:
         """Example values per input: those captured by ``ck.from_torch``, else random normals."""

@@ -55,7 +55,7 @@ from cherenkov.graph import shape as sh
 from cherenkov.graph.errors import GraphError
 from cherenkov.graph.tensor import Graph, Tensor, cat, matmul, where
 
-__all__ = ["from_torch", "sanitize_name", "supported_ops"]
+__all__ = ["from_torch", "lowers", "sanitize_name", "supported_ops"]
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_]")
 _THIS_FILE = "cherenkov/graph/torch_capture.py"
@@ -204,6 +204,17 @@ def _op(*names: str) -> Callable[[Handler], Handler]:
 def supported_ops() -> list[str]:
     """The ATen ops ``from_torch`` lowers (``aten.<name>``: every overload, unless named)."""
     return sorted(f"aten.{name}" for name in _HANDLERS)
+
+
+def lowers(target: Any) -> bool:
+    """Whether ``from_torch`` lowers an ATen op (an ``OpOverload``, as in ATen-level FX graphs)."""
+    if target is operator.getitem:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.name.startswith("aten::"):
+        return False
+    base = schema.name.removeprefix("aten::")
+    return base in _NO_OPS or f"{base}.{target._overloadname}" in _HANDLERS or base in _HANDLERS
 
 
 def _source_location(node: Any, function: Callable[..., Any] | None = None) -> str:
@@ -1375,9 +1386,12 @@ def from_torch(fn: Callable[..., Any], *example_tensors: Any, name: str | None =
     _, first = build(None)
     read = set(first.read)
     graph, _ = build([n for n in order if n in read])
-    for placeholder, input_name, example in user:
+    for position, (placeholder, input_name, example) in enumerate(user):
         graph._examples[input_name] = _to_numpy(example)
-    for param in params.values():
+        graph._sources[input_name] = f"arg:{position}"
+    targets = {spec.arg.name: spec.target for spec in signature.input_specs if spec.kind != InputKind.USER_INPUT}
+    for placeholder, param in params.items():
         if param.name in graph.inputs:
             graph._examples[param.name] = _to_numpy(param.tensor)
+            graph._sources[param.name] = targets[placeholder]
     return graph

@@ -1,0 +1,136 @@
+"""``ck.compile`` on the CPU: the callable has the module's signature, binds its parameters
+and buffers by name (in-place updates reach the next call), prepares one capture per new
+input signature and none for a signature seen before, and ``dynamic`` prepares ahead. On
+CPU tensors a call evaluates the captured graph (float64 reference), so every check below
+compares against the module itself."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import cherenkov as ck
+
+torch = pytest.importorskip("torch")
+
+
+class Block(torch.nn.Module):
+    """A LayerNorm, a linear layer with bias, GELU and a residual; a buffer scales the output."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.register_buffer("gain", torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.proj(self.norm(x))) * self.gain
+
+
+def close(a, b) -> bool:
+    return torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def block():
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+def test_the_compiled_module_matches_it(block):
+    x = torch.randn(4, 16)
+    compiled = ck.compile(block, x)
+    assert isinstance(compiled, ck.CompiledFunction) and compiled.searches == 1
+    assert close(compiled(x), block(x))
+    sources = next(iter(compiled.prepared.values())).graph.captured_sources
+    assert sources["x"] == "arg:0" and sources["proj_weight"] == "proj.weight" and sources["gain"] == "gain"
+
+
+def test_in_place_updates_of_parameters_and_buffers_reach_the_next_call(block):
+    x = torch.randn(4, 16)
+    compiled = ck.compile(block, x)
+    before = compiled(x)
+    with torch.no_grad():
+        block.proj.weight.mul_(-2.0)
+        block.gain.fill_(3.0)
+    after = compiled(x)
+    assert close(after, block(x)) and not close(after, before)
+    block.load_state_dict({k: v * 0.5 for k, v in block.state_dict().items()})
+    assert close(compiled(x), block(x))
+    assert compiled.searches == 1, "updates are bound, not captured again"
+
+
+def test_one_capture_per_new_signature_and_none_for_one_seen_before(block):
+    compiled = ck.compile(block, torch.randn(4, 16))
+    compiled(torch.randn(4, 16))
+    assert compiled.searches == 1
+    x8 = torch.randn(8, 16)
+    assert close(compiled(x8), block(x8)) and compiled.searches == 2
+    compiled(torch.randn(8, 16))
+    compiled(torch.randn(4, 16))
+    assert compiled.searches == 2
+    compiled(torch.randn(4, 16, dtype=torch.float64).float())
+    assert compiled.searches == 2
+    compiled(torch.randn(4, 16).bfloat16())
+    assert compiled.searches == 3, "a new dtype is a new signature"
+
+
+def test_dynamic_buckets_are_prepared_ahead(block):
+    compiled = ck.compile(block, torch.randn(4, 16), dynamic=[((2, 16),), ((3, 5, 16),)])
+    assert compiled.searches == 3
+    x = torch.randn(3, 5, 16)
+    assert close(compiled(x), block(x)) and compiled.searches == 3
+
+
+def test_a_function_with_several_outputs_returns_a_tuple():
+    def split_softmax(a, b):
+        return torch.softmax(a @ b, dim=-1), (a @ b).sum(-1)
+
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    compiled = ck.compile(split_softmax, a, b)
+    first, second = compiled(a, b)
+    expected = split_softmax(a, b)
+    assert close(first, expected[0]) and close(second, expected[1])
+
+
+def test_the_cpu_path_says_so_once(block, caplog):
+    compiled = ck.compile(block, torch.randn(4, 16))
+    with caplog.at_level(logging.WARNING, logger="cherenkov.search.compiled"):
+        compiled(torch.randn(4, 16))
+        compiled(torch.randn(4, 16))
+    assert sum("float64 reference" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_bad_calls_are_graph_errors(block):
+    compiled = ck.compile(block, torch.randn(4, 16))
+    with pytest.raises(ck.GraphError, match="tensors only"):
+        compiled([1.0] * 16)
+    with pytest.raises(ck.GraphError, match="dynamic signature"):
+        ck.compile(block, torch.randn(4, 16), dynamic=[((2, 16), (2, 16))])
+    with pytest.raises(ck.GraphError, match="nn.Module or a function"):
+        ck.compile(3)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from cherenkov.search.database import TuningDatabase
+
+    torch.manual_seed(0)
+    block = Block(256).cuda().bfloat16().eval()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        compiled = ck.compile(block, x, budget_s=30.0, database=db, out=tmp_path / "run")
+        call = next(iter(compiled.prepared.values()))
+        assert call.result is not None and call.result.environment.measured
+
+        def error() -> float:
+            expected = block(x).float()
+            return float((compiled(x).float() - expected).norm() / expected.norm())
+
+        assert error() <= 2e-2
+        with torch.no_grad():
+            block.proj.weight.mul_(-1.0)
+        assert error() <= 2e-2 and compiled.searches == 1
