@@ -303,6 +303,12 @@ class FlashSchedule:
         return self.block_q if self.warp_keys else self.block_q // self.warps
 
     @property
+    def short_query(self) -> bool:
+        """Whether a short-query knob is on: a packed group, key splits, fewer than 4 warps or
+        warps that split the keys."""
+        return self.pack_group or self.kv_splits > 1 or self.warps < 4 or self.warp_keys
+
+    @property
     def keys_per_warp(self) -> int:
         """Keys of each key tile one warp folds (all of them unless ``warp_keys``)."""
         return self.block_kv // self.warps if self.warp_keys else self.block_kv
@@ -565,8 +571,7 @@ def key_tiles_per_split(schedule: FlashSchedule, problem: AttentionProblem) -> i
 def _short_query_problems(schedule: FlashSchedule, problem: AttentionProblem) -> list[str]:
     """Why the short-query knobs (packing, key splits, 1- and 2-warp blocks) do not apply."""
     reasons = []
-    short = schedule.pack_group or schedule.kv_splits > 1 or schedule.warps < 4 or schedule.warp_keys
-    if not short:
+    if not schedule.short_query:
         return reasons
     if schedule.warp_keys and (schedule.block_q != 16 or schedule.warps not in (2, 4) or schedule.keys_per_warp < 16):
         reasons.append("warps split a key tile's keys in 16-row blocks of 2 or 4 warps, at least 16 keys a warp")

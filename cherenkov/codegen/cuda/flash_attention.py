@@ -107,7 +107,7 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section("shared-memory layout", _layout_constants(layout), swizzle.emit_tile_addressing(layout.swizzle),
                 swizzle.emit_shared_access()),
         section("cp.async copies", cp_async.emit_cp_async(), cp_async.emit_tile_loader(),
-                *([_load_query_rows()] if _short_query(schedule) else [])),
+                *([_load_query_rows()] if schedule.short_query else [])),
         section("ldmatrix fragments", ldmatrix.emit_ldmatrix_primitives(plan.schedule.ldmatrix_x),
                 ldmatrix.emit_fragment_loaders(plan.schedule.ldmatrix_x,
                                                kv_boxes=layout.kv_boxes if layout.tma_kv else 0)),
@@ -126,12 +126,6 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section("kernel", _kernel(plan, tiling)),
     ]
     return "\n\n".join(parts) + "\n"
-
-
-def _short_query(schedule: FlashSchedule) -> bool:
-    """Whether a schedule is a short-query one (packed rows, key splits, under 4 warps or
-    warps that split the keys)."""
-    return schedule.pack_group or schedule.kv_splits > 1 or schedule.warps < 4 or schedule.warp_keys
 
 
 def _mma_helpers(dtype: str, schedule: FlashSchedule) -> list[str]:
@@ -722,7 +716,6 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
     elif plan.schedule.pingpong or plan.schedule.overlap:
         q_init += "  // Q tile landed at step 0's barrier, before any read"
     name = kernel_name(plan)
-    short = _short_query(plan.schedule)
     if plan.schedule.tma_kv:
         params = ("const elem_t* __restrict__ q, elem_t* __restrict__ o,",
                   "const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map")
@@ -750,7 +743,8 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         RowState state;
         state.init();
         """
-    ).replace("@Q_INIT@", q_init).replace("@BLOCK_INDEX@", _short_query_index() if short else _LONG_QUERY_INDEX)
+    ).replace("@Q_INIT@", q_init)
+    prologue = prologue.replace("@BLOCK_INDEX@", _short_query_index() if plan.schedule.short_query else _LONG_QUERY_INDEX)
     for placeholder, text in zip(("@SMEM_BASE@", "@KV_SOURCES@"), _smem_base_and_kv_sources(plan.schedule.tma_kv)):
         prologue = prologue.replace(placeholder, text)
     if plan.schedule.pingpong:
