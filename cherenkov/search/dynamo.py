@@ -62,6 +62,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], **optimize_kwargs: A
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
     ShapeProp(fused).propagate(*example_inputs)
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     class Region(torch.nn.Module):
         """A fused region's place in the split module: calls its compiled function."""
 
@@ -78,26 +79,22 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], **optimize_kwargs: A
             continue
         region = getattr(fused, node.target)
         function = CompiledFunction(region, dict(optimize_kwargs))
-        function.prepare([_example(arg) for arg in node.args])
+        function.prepare([_example(arg, device) for arg in node.args])
         setattr(fused, node.target, Region(function))
         compiled.append(function)
     fused.recompile()
     return SplitGraph(fused, tuple(compiled))
 
 
-def _example(arg: Any) -> Any:
-    """A random tensor like the FX node ``arg``'s propagated value."""
+def _example(arg: Any, device: Any) -> Any:
+    """A random tensor on ``device`` of the shape and dtype of the FX node ``arg``'s propagated
+    value (``tensor_meta`` records no device: the graph's inputs share one)."""
     import torch
 
     meta = arg.meta.get("tensor_meta") if hasattr(arg, "meta") else None
     if meta is None:
         raise GraphError(f"cherenkov backend: region input {arg} has no tensor metadata")
-    return torch.randn(tuple(meta.shape), dtype=meta.dtype, device=_device_of(arg))
-
-
-def _device_of(arg: Any) -> Any:
-    value = arg.meta.get("val")
-    return getattr(value, "device", "cpu")
+    return torch.randn(tuple(meta.shape), dtype=meta.dtype, device=device)
 
 
 def _fallback(gm: Any, example_inputs: Sequence[Any], fallback: str) -> Callable[..., Any]:

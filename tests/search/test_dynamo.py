@@ -35,11 +35,13 @@ def test_a_graph_is_split_into_lowered_regions_and_the_rest():
     split = split_supported(gm, [x, w])
     assert len(split.compiled) == 2
     for function in split.compiled:
-        (call,) = function.prepared.values()
+        ((signature, call),) = function.prepared.items()
         assert isinstance(call.graph, ck.Graph) and call.graph.outputs
+        assert {device for _, _, device in signature} == {"cpu"}, "prepared on the inputs' device"
     left = [n.target for n in split.module.graph.nodes if n.op == "call_function"]
     assert any("cumsum" in str(t) for t in left) and not any("mm" in str(t) or "softmax" in str(t) for t in left)
     assert torch.allclose(split.module(x, w), mixed(x, w), rtol=1e-4, atol=1e-4)
+    assert all(len(function.prepared) == 1 for function in split.compiled), "no second capture on the first call"
 
 
 def test_guards_call_the_backend_once_per_new_shape():
