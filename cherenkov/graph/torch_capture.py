@@ -217,6 +217,19 @@ def lowers(target: Any) -> bool:
     return base in _NO_OPS or f"{base}.{target._overloadname}" in _HANDLERS or base in _HANDLERS
 
 
+def lowers_node(node: Any) -> bool:
+    """Whether ``from_torch`` lowers this node of an ATen-level FX graph: a call of an op it
+    :func:`lowers`, where a ``getitem`` of an SDPA kernel takes its attention output (the
+    only one lowered)."""
+    if node.op != "call_function" or not lowers(node.target):
+        return False
+    if node.target is operator.getitem:
+        schema = getattr(getattr(node.args[0], "target", None), "_schema", None)
+        if schema is not None and schema.name.removeprefix("aten::") in SDPA_KERNELS:
+            return node.args[1] == 0
+    return True
+
+
 def _source_location(node: Any, function: Callable[..., Any] | None = None) -> str:
     """`` at file:line in function (code)`` from the node's stack trace. torch.export keeps
     only ``forward`` frames, so for a plain function (called from our wrapper's
@@ -752,6 +765,26 @@ def _sdpa(c: _Capture, a: dict[str, Any]) -> Any:
         # torch gives a row the mask hides entirely zeros (its softmax is "safe"), not NaN
         attended = where(scores.max(axis=-1, keepdim=True) > -math.inf, attended, 0.0)
     return attended @ v
+
+
+SDPA_KERNELS = frozenset({
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+})  # fmt: skip
+"""The kernels SDPA dispatches to, which an ATen-level trace (``make_fx``) records instead of
+``scaled_dot_product_attention``: only their first output (the attention) is lowered."""
+
+
+@_op(*SDPA_KERNELS)
+def _sdpa_kernel(c: _Capture, a: dict[str, Any]) -> Any:
+    """An SDPA backend kernel: its attention output, lowered as ``scaled_dot_product_attention``
+    with the kernel's mask (``attn_mask`` or ``attn_bias``); its other outputs (log-sum-exp,
+    RNG state, debug mask) are ``None``, and :func:`lowers_node` keeps them out of captures."""
+    mask = a.get("attn_mask") if a.get("attn_mask") is not None else a.get("attn_bias")
+    attention = _sdpa(c, {"query": a["query"], "key": a["key"], "value": a["value"], "attn_mask": mask,
+                          "dropout_p": a.get("dropout_p"), "is_causal": a.get("is_causal"),
+                          "scale": a.get("scale")})  # fmt: skip
+    return (attention,) + (None,) * (len(c.node.meta["val"]) - 1)
 
 
 def _attends_in_every_row(mask: _Band) -> bool:

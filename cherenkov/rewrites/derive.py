@@ -172,7 +172,8 @@ class Derivation:
     def forms_of(self, constructor: str) -> list[Term]:
         """Every e-node of one constructor, each as a term (its children extracted)."""
         output = self._run(f"(print-function {constructor} 1000000)")[-1]
-        return [t.from_termdag(output.termdag, key) for key, _ in output.terms]
+        termdag, memo = output.termdag, {}  # each attribute read copies the DAG out of egglog: read it once
+        return [t.from_termdag(termdag, key, memo) for key, _ in output.terms]
 
     @functools.cached_property
     def extracted(self) -> dict[str, Term]:
@@ -309,7 +310,10 @@ class Derivation:
 
     def plans(self, target: str | Target = "sm_120") -> list[KernelPlan]:
         """Every valid (flash-attention form × schedule) for ``target``."""
-        target = TARGETS[target] if isinstance(target, str) else target
+        return list(self._plans(TARGETS[target] if isinstance(target, str) else target))
+
+    @functools.cache
+    def _plans(self, target: Target) -> tuple[KernelPlan, ...]:
         problems = {}
         for kernel in self.kernels:
             if kernel.kind == "flash_attention":
@@ -317,7 +321,7 @@ class Derivation:
                 if problem is not None:
                     problems[kernel.output] = dataclasses.replace(problem, out=kernel.output)
         if not problems:
-            return []
+            return ()
         dims = tuple(sorted({(p.head_dim, p.value_dim) for p in problems.values()}))
         self._run("(push)")
         try:
@@ -338,7 +342,7 @@ class Derivation:
                 if form == kernel.source and not fits(schedule, problem, target):
                     trace = split_trace if getattr(schedule, "kv_splits", 1) > 1 else kernel.trace
                     plans.append(KernelPlan("flash_attention", problem, schedule, target, trace))
-        return sorted(set(plans), key=lambda p: p.name)
+        return tuple(sorted(set(plans), key=lambda p: p.name))
 
 
 def derive(graph: Graph, **options: Any) -> Derivation:

@@ -17,7 +17,10 @@ reduction. Otherwise it takes the first ``r0:n, r1:n, ...`` not free in its resu
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cherenkov.graph import Graph
@@ -124,9 +127,11 @@ class _Lowering:
         if op in UNARY_TERMS:
             return (UNARY_TERMS[op], self._operand(node, 0, ixs, hints))
         if op in BINARY_TERMS:
-            return (BINARY_TERMS[op], *(self._operand(node, p, ixs, hints) for p in range(2)))
+            # operands in a list, not a generator: a generator resumed from C costs a C stack
+            # frame per op, and C recursion has a fixed limit a deep model's graph exceeds
+            return (BINARY_TERMS[op], *[self._operand(node, p, ixs, hints) for p in range(2)])
         if op == "where":
-            return ("Where", *(self._operand(node, p, ixs, hints) for p in range(3)))
+            return ("Where", *[self._operand(node, p, ixs, hints) for p in range(3)])
         if op in ("sum_reduce", "max_reduce"):
             return self._reduction(node, ixs, hints)
         if op == "permute":
@@ -227,6 +232,23 @@ def reshape_indices(source: tuple[int, ...], target: tuple[int, ...], ixs: tuple
 STORED_OR_VIEW = frozenset({"input", "constant", "iota", "permute", "expand", "reshape", "slice", "pad", "contiguous"})
 
 
+FRAMES_PER_NODE = 8
+"""Python frames the lowering's walk spends per graph node it passes (define, _lower, an
+operand's generator and lower, with a margin)."""
+
+
+@contextlib.contextmanager
+def recursion_for(graph: Graph) -> Iterator[None]:
+    """Python's recursion limit raised, for the block, to what a walk down ``graph``'s longest
+    chain may take: a whole model's graph (a dozen decoder layers) is thousands of ops deep."""
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(previous, FRAMES_PER_NODE * len(graph.nodes) + 1000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(previous)
+
+
 def lower(graph: Graph) -> Lowered:
     """Translate every output of ``graph`` into an index-notation term.
 
@@ -242,9 +264,10 @@ def lower(graph: Graph) -> Lowered:
         lowering = _Lowering(graph, split)
         roots: dict[str, Term] = {}
         axes: dict[str, tuple[str, ...]] = {}
-        for index, name in sorted(split.items()):
-            axes[name] = root_axes(graph.node(index).shape)
-            roots[name] = lowering.define(index, root_indices(axes[name]))
+        with recursion_for(graph):
+            for index, name in sorted(split.items()):
+                axes[name] = root_axes(graph.node(index).shape)
+                roots[name] = lowering.define(index, root_indices(axes[name]))
         extra = lowering.needs_own_tensor()
         if extra is None:
             break

@@ -215,9 +215,11 @@ def sexpr(term: Term) -> str:
     return "(" + term[0] + " " + " ".join(sexpr(a) for a in term[1:]) + ")"
 
 
-def from_termdag(termdag: Any, root: int) -> Term:
-    """Convert an egglog ``TermDag`` node (and below) into a term tuple."""
-    memo: dict[int, Any] = {}
+def from_termdag(termdag: Any, root: int, memo: dict[int, Any] | None = None) -> Term:
+    """Convert an egglog ``TermDag`` node (and below) into a term tuple; ``memo`` (node index
+    -> term) may be shared by the roots of one ``TermDag``, which then convert shared
+    subterms once."""
+    memo = {} if memo is None else memo
 
     def convert(index: int) -> Any:
         if index in memo:

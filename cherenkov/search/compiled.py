@@ -129,7 +129,9 @@ class CompiledFunction:
                         "(for checking: slow)", graph.name)  # fmt: skip
             self._warned_cpu = True
         values = evaluate(graph, {n: v.detach().double().cpu().numpy() for n, v in inputs.items()})
-        return {n: torch.from_numpy(v).to(getattr(torch, TORCH_DTYPES.get(graph.outputs[n].dtype, "float32")))
+        # contiguous, as the kernels' outputs are (ATen kernels after a region may need a unit inner stride)
+        return {n: torch.from_numpy(np.ascontiguousarray(v)).to(getattr(torch, TORCH_DTYPES.get(graph.outputs[n].dtype,
+                                                                                                 "float32")))
                 for n, v in values.items()}  # fmt: skip
 
 
