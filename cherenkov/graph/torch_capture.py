@@ -112,6 +112,12 @@ def _input_dtype(dtype: Any, what: str) -> str:
     return _INPUT_DTYPES[name]
 
 
+def takes_as_input(value: Any) -> bool:
+    """Whether a tensor can be a captured graph's input: a dtype :func:`_input_dtype` accepts
+    and no empty dimension."""
+    return _dtype_name(value.dtype) in _INPUT_DTYPES and value.numel() > 0
+
+
 def _value_dtype(dtype: Any, where_: str) -> str:
     name = _dtype_name(dtype)
     if name not in _VALUE_DTYPES:

@@ -233,8 +233,8 @@ STORED_OR_VIEW = frozenset({"input", "constant", "iota", "permute", "expand", "r
 
 
 FRAMES_PER_NODE = 8
-"""Python frames the lowering's walk spends per graph node it passes (define, _lower, an
-operand's generator and lower, with a margin)."""
+"""Python frames the lowering's walk spends per graph node it passes (define, _lower,
+_operand and lower, with a margin)."""
 
 
 @contextlib.contextmanager

@@ -129,10 +129,12 @@ class CompiledFunction:
                         "(for checking: slow)", graph.name)  # fmt: skip
             self._warned_cpu = True
         values = evaluate(graph, {n: v.detach().double().cpu().numpy() for n, v in inputs.items()})
-        # contiguous, as the kernels' outputs are (ATen kernels after a region may need a unit inner stride)
-        return {n: torch.from_numpy(np.ascontiguousarray(v)).to(getattr(torch, TORCH_DTYPES.get(graph.outputs[n].dtype,
-                                                                                                 "float32")))
-                for n, v in values.items()}  # fmt: skip
+        outputs = {}
+        for name, value in values.items():
+            dtype = getattr(torch, TORCH_DTYPES.get(graph.outputs[name].dtype, "float32"))
+            # contiguous, as the kernels' outputs are (ATen kernels after a region may need a unit inner stride)
+            outputs[name] = torch.from_numpy(np.ascontiguousarray(value)).to(dtype)
+        return outputs
 
 
 def _check_tensors(tensors: Sequence[Any]) -> None:

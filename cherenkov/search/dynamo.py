@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cherenkov.graph.errors import GraphError
-from cherenkov.graph.torch_capture import lowers_node
+from cherenkov.graph.torch_capture import lowers_node, takes_as_input
 from cherenkov.search.compiled import CompiledFunction
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], **optimize_kwargs: A
 
     compiled = []
     for node in list(fused.graph.nodes):
-        if node.op != "call_module" or not str(node.target).startswith("fused_"):
+        if not _is_region(node):
             continue
         region = getattr(fused, node.target)
         function = CompiledFunction(region, dict(optimize_kwargs))
@@ -117,14 +117,17 @@ def _is_empty(node: Any) -> bool:
 
 
 def _graph_holds(node: Any) -> bool:
-    """Whether every tensor ``node`` reads and writes is one a ``ck.Graph`` input can be: a
-    floating dtype and no empty dimension (integer index tensors, bool masks and empty
-    constants stay outside the regions)."""
+    """Whether every tensor ``node`` reads and writes is one a ``ck.Graph`` input can be
+    (integer index tensors, bool masks and empty constants stay outside the regions)."""
     import torch
 
     values = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) and t.numel() > 0 for t in tensors)
+    return all(takes_as_input(v) for v in values if isinstance(v, torch.Tensor))
+
+
+def _is_region(node: Any) -> bool:
+    """Whether ``node`` calls a region the partitioner fused (a ``fused_*`` submodule)."""
+    return node.op == "call_module" and str(node.target).startswith("fused_")
 
 
 def _region_inputs(fused: Any, example_inputs: Sequence[Any]) -> dict[str, list[Any]]:
@@ -137,8 +140,8 @@ def _region_inputs(fused: Any, example_inputs: Sequence[Any]) -> dict[str, list[
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, node: Any) -> Any:
-            if node.op == "call_module" and str(node.target).startswith("fused_"):
-                recorded[node.name] = [a for a in self.map_nodes_to_values(node.args, node)]
+            if _is_region(node):
+                recorded[node.name] = list(self.map_nodes_to_values(node.args, node))
             return super().run_node(node)
 
     with torch.no_grad():
