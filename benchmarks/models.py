@@ -1,4 +1,4 @@
-"""Real modules through cherenkov against the module itself and ``torch.compile``, one process.
+"""Real modules and whole models through cherenkov against the module itself and ``torch.compile``, one process.
 
 For each module (``tests/search/real_modules.py``: transformers' ``LlamaAttention`` on its
 SDPA and eager paths and ``LlamaDecoderLayer`` at Llama-3-8B dims, timm's ViT-B/16
@@ -12,14 +12,22 @@ SDPA and eager paths and ``LlamaDecoderLayer`` at Llama-3-8B dims, timm's ViT-B/
    (``res.capture``) — with CUDA events, round-robin, L2 flushed before every sample,
    median of ``--samples``, the host's launch work hidden behind a GPU spin (device time).
 
+Whole models (``real_modules.gpt2_lm``, ``real_modules.llama_lm``: GPT-2 small forward at
+B8 T1024, the integration issue's 4-layer Llama prefill at B1 S2048 and its greedy decode
+with a static cache) go through ``torch.compile(model, backend=cherenkov)`` (``--budget``
+per region) against eager and ``torch.compile`` (inductor): forwards timed as above but
+end to end (host work included, no spin), decode as tokens per second of ``generate``
+(32 new tokens less 1, wall clock, median of 3).
+
 Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov``
 (the CUDA-graph replay), ``cherenkov_run``, ``eager``, ``inductor``}, ``speedup``
 {``vs_eager``, ``vs_inductor``} (baseline ms / cherenkov ms), ``rel_error``, ``winners``
 (kernel -> candidate id and kind), ``absorbing`` (the best fused candidate that competed
-for a kernel: see :func:`absorbing_candidates`) and the search's wall time; and prints a
-table.
+for a kernel: see :func:`absorbing_candidates`) and the search's wall time; a whole-model
+row has ``ms`` {``cherenkov``, ``eager``, ``inductor``} or ``tokens_per_s``, its regions'
+kernel counts and whether its tokens equal eager's; and prints a table.
 
-    python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,...]
+    python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,gpt2_small,...]
                                  [--budget 120] [--samples 30] [--out DIR]
 
 A Llama row names its sequence length (``_s2048``); the JSON is rewritten after every row,
@@ -35,6 +43,7 @@ import logging
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +72,21 @@ DEFAULT_ROWS = ",".join([f"{name}_s{seq}" for name in SEQUENCED for seq in (2048
                                                                                             "nanogpt_attention"])
 
 
+WHOLE_MODELS = ("gpt2_small", "llama_prefill_s2048", "llama_decode")
+"""Whole-model rows: through the ``torch.compile`` backend (:func:`benchmark_whole_model`)."""
+
+
 def row_spec(label: str) -> tuple[str, dict[str, Any]]:
     """``llama_decoder_layer_s8192`` -> its builder and options (the sequence length set)."""
     name, _, seq = label.rpartition("_s")
     if name in SEQUENCED and seq.isdigit():
         builder, options = ROWS[name]
         return builder, dict(options, seq=int(seq))
+    if label in WHOLE_MODELS:
+        return label, {}
     if label not in ROWS or label in SEQUENCED:
         raise SystemExit(f"unknown row {label!r}: Llama rows end in _s<sequence length>; others: "
-                         f"{', '.join(n for n in ROWS if n not in SEQUENCED)}")  # fmt: skip
+                         f"{', '.join([*(n for n in ROWS if n not in SEQUENCED), *WHOLE_MODELS])}")  # fmt: skip
     return ROWS[label]
 
 
@@ -119,6 +134,106 @@ def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.
     }
     log.warning("%s", json.dumps(row))
     return row
+
+
+def benchmark_whole_model(label: str, args: argparse.Namespace, db: TuningDatabase, torch: Any,
+                          flush: Any) -> dict[str, Any]:  # fmt: skip
+    """One whole-model row: the model eager, under inductor and under the cherenkov backend."""
+    import functools
+
+    from cherenkov.search import dynamo
+
+    splits: list[Any] = []
+
+    def recording(*a: Any, **kw: Any) -> Any:
+        splits.append(dynamo.split_supported(*a, **kw))
+        return splits[-1]
+
+    dynamo.split_supported, original = recording, dynamo.split_supported
+    backend = functools.partial(dynamo.cherenkov_backend, options={"budget_s": args.budget, "database": db})
+    start = time.perf_counter()
+    try:
+        if label == "llama_decode":
+            row = _decode_row(real_modules.llama_lm(small=False, dtype=torch.bfloat16, device="cuda"), backend, torch)
+        else:
+            if label == "gpt2_small":
+                model = real_modules.gpt2_lm(small=False, dtype=torch.bfloat16, device="cuda")
+                ids = torch.randint(0, 50257, (8, 1024), device="cuda")
+            else:
+                model = real_modules.llama_lm(small=False, dtype=torch.bfloat16, device="cuda")
+                ids = torch.randint(0, 32000, (1, int(label.rpartition("_s")[2])), device="cuda")
+            row = _forward_row(model, ids, backend, args, torch, flush)
+    finally:
+        dynamo.split_supported = original
+    regions = [f for split in splits for f in split.compiled]
+    kernels = [k.kind for f in regions for call in f.prepared.values() if call.result is not None
+               for k in call.result.launched]  # fmt: skip
+    row.update(name=label, search_s=round(time.perf_counter() - start, 1), regions=len(regions),
+               kernels=dict(sorted(Counter(kernels).items())))  # fmt: skip
+    log.warning("%s", json.dumps(row))
+    return row
+
+
+def _forward_row(model: Any, ids: Any, backend: Any, args: argparse.Namespace, torch: Any, flush: Any) -> dict[str, Any]:
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ours = torch.compile(model, backend=backend, dynamic=False)
+        got = ours(ids, use_cache=False).logits.float()
+        inductor = torch.compile(model, dynamic=False)
+        inductor(ids, use_cache=False)
+        expected = model(ids, use_cache=False).logits.float()
+        launches = {
+            "eager": lambda: model(ids, use_cache=False),
+            "inductor": lambda: inductor(ids, use_cache=False),
+            "cherenkov": lambda: ours(ids, use_cache=False),
+        }
+        ms = time_interleaved(torch, launches, flush, args.samples, spin=False)
+    return {
+        "shape": list(ids.shape),
+        "ms": {name: round(value, 4) for name, value in ms.items()},
+        "speedup": {"vs_eager": round(ms["eager"] / ms["cherenkov"], 3),
+                    "vs_inductor": round(ms["inductor"] / ms["cherenkov"], 3)},  # fmt: skip
+        "rel_error_vs_eager": float((got - expected).norm() / expected.norm()),
+    }
+
+
+def _decode_row(model: Any, backend: Any, torch: Any, prompt: int = 64, tokens: int = 32) -> dict[str, Any]:
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
+    forward = model.forward
+
+    def generate(new: int) -> Any:
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  cache_implementation="static")  # fmt: skip
+
+    def wall(new: int) -> float:
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            generate(new)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[1]
+
+    rates, sequences = {}, {}
+    for name, compiler in (("eager", None), ("inductor", "inductor"), ("cherenkov", backend)):
+        torch._dynamo.reset()
+        model.forward = forward if compiler is None else torch.compile(forward, backend=compiler, dynamic=False)
+        try:
+            sequences[name] = generate(tokens)[0].tolist()  # compiles the prefill and the decode step
+            rates[name] = round((tokens - 1) / (wall(tokens) - wall(1)), 1)
+        finally:
+            model.forward = forward
+    return {
+        "shape": [1, prompt],
+        "new_tokens": tokens,
+        "tokens_per_s": rates,
+        "speedup": {"vs_eager": round(rates["cherenkov"] / rates["eager"], 3),
+                    "vs_inductor": round(rates["cherenkov"] / rates["inductor"], 3)},  # fmt: skip
+        "same_tokens_as_eager": sequences["cherenkov"] == sequences["eager"],
+        "inductor_same_tokens_as_eager": sequences["inductor"] == sequences["eager"],
+    }
 
 
 def absorbing_candidates(result: Any) -> dict[str, dict[str, Any]]:
@@ -170,7 +285,10 @@ def main() -> None:
         with TuningDatabase(db_path) as db:
             for label, (builder, options) in specs.items():
                 try:
-                    rows.append(benchmark(label, builder, options, args, db, torch, flush))
+                    if label in WHOLE_MODELS:
+                        rows.append(benchmark_whole_model(label, args, db, torch, flush))
+                    else:
+                        rows.append(benchmark(label, builder, options, args, db, torch, flush))
                 except Exception as error:  # noqa: BLE001 - a failing row is reported, the rest still run
                     log.warning("%s failed: %s", label, error)
                     rows.append({"name": label, "error": f"{type(error).__name__}: {error}"[:2000]})
@@ -182,9 +300,11 @@ def main() -> None:
         if "error" in row:
             print(f"{row['name']:32} failed: {row['error'][:120]}")
             continue
-        ms, speedup = row["ms"], row["speedup"]
-        print(f"{row['name']:32} {ms['cherenkov']:10.3f} {ms['eager']:8.3f} {ms['inductor']:9.3f} "
-              f"{speedup['vs_eager']:8.2f} {speedup['vs_inductor']:7.2f} {row['rel_error']:8.2e}")  # fmt: skip
+        figures, speedup = row.get("ms") or row["tokens_per_s"], row["speedup"]
+        error = row.get("rel_error", row.get("rel_error_vs_eager", float("nan")))
+        unit = "" if "ms" in row else " tok/s"
+        print(f"{row['name']:32} {figures['cherenkov']:10.3f} {figures['eager']:8.3f} {figures['inductor']:9.3f} "
+              f"{speedup['vs_eager']:8.2f} {speedup['vs_inductor']:7.2f} {error:8.2e}{unit}")  # fmt: skip
 
 
 if __name__ == "__main__":

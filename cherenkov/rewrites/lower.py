@@ -255,11 +255,16 @@ def lower(graph: Graph) -> Lowered:
     A computed tensor used under two different indexings (the output of one attention
     layer read as q, k and v of the next) or through a reshape that splits or merges its
     axes becomes a root of its own, read by its consumers like an input: the e-graph
-    holds each such tensor once, and kernels store it once.
+    holds each such tensor once, and kernels store it once. An output naming the node
+    another output names is a root that copies the first one's tensor (each output its own
+    buffer).
     """
     outputs = {name: tensor.id for name, tensor in graph.outputs.items()}
     taken = set(graph.inputs) | set(outputs)
-    split: dict[int, str] = {index: name for name, index in outputs.items()}
+    split: dict[int, str] = {}
+    for name, index in outputs.items():
+        split.setdefault(index, name)
+    copies = {name: split[index] for name, index in outputs.items() if split[index] != name}
     while True:
         lowering = _Lowering(graph, split)
         roots: dict[str, Term] = {}
@@ -268,6 +273,9 @@ def lower(graph: Graph) -> Lowered:
             for index, name in sorted(split.items()):
                 axes[name] = root_axes(graph.node(index).shape)
                 roots[name] = lowering.define(index, root_indices(axes[name]))
+            for name, original in copies.items():  # an output naming a node another output names: a copy
+                axes[name] = axes[original]
+                roots[name] = t.access(original, root_indices(axes[name]))
         extra = lowering.needs_own_tensor()
         if extra is None:
             break

@@ -13,6 +13,16 @@ their dotted names (``Graph.captured_sources``), so in-place updates (an optimis
 ``load_state_dict``) reach the next call. Lifted constants keep their captured values.
 Without a GPU (CPU tensors) a call evaluates the captured graph with the float64
 reference and says so once in the log: slow, for checking bindings and semantics.
+
+Each compiled function is one ``torch.library`` custom op (:mod:`cherenkov.search.torch_ops`):
+a call dispatches ``cherenkov::<name>``, so it is one named op in ``torch.profiler``, and
+``torch.compile(..., fullgraph=True)`` traces through it (its fake implementation knows
+the outputs' shapes). On CUDA, a signature's second call on the same tensors (the same
+addresses: a module's parameters, a static cache, an input buffer reused) records its
+kernels as one CUDA graph (:meth:`~cherenkov.OptimizeResult.capture`) and each later call
+on those tensors replays it, returning copies of the replayed outputs; a call on other
+tensors, or one inside someone else's CUDA-graph capture, launches the kernels one by one.
+``cuda_graphs=False`` always launches them one by one.
 """
 
 from __future__ import annotations
@@ -41,39 +51,97 @@ def signature_of(tensors: Sequence[Any]) -> Signature:
 
 @dataclass
 class PreparedCall:
-    """One signature's captured graph and (on CUDA) its searched kernels."""
+    """One signature's captured graph, (on CUDA) its searched kernels, and the lifted
+    constants and CUDA-graph replay its calls reuse."""
 
     graph: Graph
     result: Any | None  # OptimizeResult on CUDA, None on the CPU
+    constants: dict[str, Any] = field(default_factory=dict)
+    replay: Any | None = None  # CapturedRun of the tensors at ``replay_addresses``
+    replay_addresses: tuple[int, ...] = ()
+    last_addresses: tuple[int, ...] = ()
+
+    def launch(self, inputs: dict[str, Any], cuda_graphs: bool) -> dict[str, Any]:
+        """The kernels run on ``inputs``: a replay of the CUDA graph recorded on these very
+        tensors (recorded on the second call that sees them), else one launch per kernel."""
+        import torch
+
+        if not cuda_graphs or torch.cuda.is_current_stream_capturing():
+            return self.result.run(**inputs)
+        addresses = tuple(inputs[name].data_ptr() for name in self.graph.inputs)
+        if self.replay is None or addresses != self.replay_addresses:
+            if addresses != self.last_addresses:
+                self.last_addresses = addresses
+                return self.result.run(**inputs)
+            self.replay, self.replay_addresses = self.result.capture(**inputs), addresses
+            log.info("ck.compile: %s recorded as a CUDA graph", self.graph.name)
+        return {name: value.clone() for name, value in self.replay().items()}
 
 
 @dataclass
 class CompiledFunction:
     """``fn`` compiled by :func:`compile`; call it like ``fn``. ``prepared`` maps each
     signature seen (or listed in ``dynamic``) to its :class:`PreparedCall`; ``searches``
-    counts the captures (one per new signature)."""
+    counts the captures (one per new signature); ``op`` is the custom op a call dispatches
+    (named after ``name``, default ``fn``'s)."""
 
     fn: Callable[..., Any]
     optimize_kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    cuda_graphs: bool = True
     prepared: dict[Signature, PreparedCall] = field(default_factory=dict)
     searches: int = 0
+    op: Any = field(init=False, repr=False)
     _warned_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        from cherenkov.search.torch_ops import register_op
+
+        self.name = self.name or getattr(self.fn, "__name__", type(self.fn).__name__)
+        self.op = register_op(self, self.name)
 
     def __call__(self, *tensors: Any) -> Any:
         _check_tensors(tensors)
+        values = self.op(list(tensors))
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def outputs_of(self, tensors: Sequence[Any]) -> list[Any]:
+        """The op's kernel: ``fn``'s outputs on ``tensors`` (in the graph's output order)."""
         call = self.prepare(tensors)
-        inputs = self._bind(call.graph, tensors)
+        inputs = self._bind(call, tensors)
         if call.result is None:
             outputs = self._evaluate_on_cpu(call.graph, inputs)
         else:
-            outputs = call.result.run(**inputs)
-        values = [outputs[name] for name in call.graph.outputs]
-        return values[0] if len(values) == 1 else tuple(values)
+            outputs = call.launch(inputs, self.cuda_graphs)
+        # contiguous, as the op's fake outputs are (what a trace around the op assumes)
+        return [outputs[name].contiguous() for name in call.graph.outputs]
+
+    def output_specs(self, tensors: Sequence[Any]) -> list[tuple[tuple[int, ...], Any]]:
+        """The op's fake implementation: (shape, torch dtype) of each output for tensors of
+        these shapes, dtypes and device (real or fake), from the signature's prepared graph.
+        A trace (``torch.compile``) cannot capture and search a new signature inside itself:
+        it must be prepared first (a call, or ``dynamic``)."""
+        import torch
+
+        if not all(isinstance(d, int) for t in tensors for d in t.shape):
+            raise GraphError(f"ck.compile: {self.name} is traced with symbolic shapes {[tuple(t.shape) for t in tensors]}; "
+                             "its kernels are specialised to static shapes: use torch.compile(..., dynamic=False)")  # fmt: skip
+        key = signature_of(tensors)
+        if key not in self.prepared:
+            raise GraphError(f"ck.compile: {self.name} is traced for inputs {[tuple(t.shape) for t in tensors]} "
+                             f"it has not prepared (prepared: {[[s for s, _, _ in k] for k in self.prepared]}); "
+                             "call it once on such inputs or list their shapes in dynamic=, and trace with "
+                             "torch.compile(..., dynamic=False): its kernels are specialised to static shapes")  # fmt: skip
+        graph = self.prepared[key].graph
+        return [(spec.shape, getattr(torch, TORCH_DTYPES[spec.dtype])) for spec in graph.outputs.values()]
 
     def prepare(self, tensors: Sequence[Any]) -> PreparedCall:
         """The prepared call of these tensors' signature: captured (and searched) on first use."""
         key = signature_of(tensors)
         if key not in self.prepared:
+            if self.prepared:
+                log.warning("ck.compile: %s called on a new signature %s (prepared: %s); capturing and searching it",
+                            self.name, key, list(self.prepared))  # fmt: skip
             graph = from_torch(self.fn, *tensors)
             result = None
             if all(t.device.type == "cuda" for t in tensors):
@@ -85,11 +153,12 @@ class CompiledFunction:
             log.info("ck.compile: prepared %s for %s", graph.name, key)
         return self.prepared[key]
 
-    def _bind(self, graph: Graph, tensors: Sequence[Any]) -> dict[str, Any]:
+    def _bind(self, call: PreparedCall, tensors: Sequence[Any]) -> dict[str, Any]:
         """Every graph input: a positional argument, the module's live parameter or buffer of
-        that dotted name, or (a lifted constant) its captured value."""
+        that dotted name, or (a lifted constant) its captured value, kept on the device."""
         import torch
 
+        graph = call.graph
         sources = graph.captured_sources
         inputs: dict[str, Any] = {}
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -99,12 +168,14 @@ class CompiledFunction:
                 raise GraphError(f"ck.compile: input {name!r} of {graph.name!r} has no recorded source")
             if source.startswith("arg:"):
                 value = tensors[int(source[4:])]
-            else:
-                value = self._state_tensor(source)
-                if value is None:  # a lifted constant: the value it was captured with
-                    example = graph.example_inputs()[name]
-                    value = torch.from_numpy(np.asarray(example)).to(getattr(torch, TORCH_DTYPES[spec.dtype]))
+            elif (value := self._state_tensor(source)) is not None:
                 value = value.to(device)
+            else:  # a lifted constant: the value it was captured with
+                if name not in call.constants:
+                    example = graph.example_inputs()[name]
+                    dtype = getattr(torch, TORCH_DTYPES[spec.dtype])
+                    call.constants[name] = torch.from_numpy(np.asarray(example)).to(device, dtype).contiguous()
+                value = call.constants[name]
             inputs[name] = value if value.is_contiguous() else value.contiguous()
         return inputs
 
@@ -137,6 +208,16 @@ class CompiledFunction:
         return outputs
 
 
+def example_tensor(shape: Sequence[int], dtype: Any, device: Any) -> Any:
+    """A tensor to prepare a signature on (a capture reads shapes, not values): Gaussian
+    floats, zeros of other dtypes."""
+    import torch
+
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _check_tensors(tensors: Sequence[Any]) -> None:
     import torch
 
@@ -151,18 +232,16 @@ def _check_tensors(tensors: Sequence[Any]) -> None:
 
 def compile(  # noqa: A001 - the public name, as torch.compile
     fn: Callable[..., Any], *example_tensors: Any, dynamic: Iterable[Sequence[Sequence[int]]] = (),
-    **optimize_kwargs: Any,
+    cuda_graphs: bool = True, **optimize_kwargs: Any,
 ) -> CompiledFunction:
     """``fn`` (an ``nn.Module`` or a function of tensors) as a :class:`CompiledFunction`,
     prepared for ``example_tensors`` and for each shape tuple in ``dynamic`` (the examples'
-    dtypes and device); ``optimize_kwargs`` go to every search (``target``, ``budget_s``,
-    ``database``, ...)."""
-    import torch
-
+    dtypes and device); ``cuda_graphs`` replays repeated calls on the same tensors as one CUDA
+    graph; ``optimize_kwargs`` go to every search (``target``, ``budget_s``, ``database``, ...)."""
     if not callable(fn):
         raise GraphError(f"ck.compile: expected an nn.Module or a function, got {type(fn).__name__}")
     _check_tensors(example_tensors)
-    compiled = CompiledFunction(fn, dict(optimize_kwargs))
+    compiled = CompiledFunction(fn, dict(optimize_kwargs), cuda_graphs=cuda_graphs)
     if example_tensors:
         compiled.prepare(example_tensors)
     for shapes in dynamic:
@@ -170,5 +249,5 @@ def compile(  # noqa: A001 - the public name, as torch.compile
         if len(shapes) != len(example_tensors):
             raise GraphError(f"ck.compile: dynamic signature {shapes} has {len(shapes)} shapes for "
                              f"{len(example_tensors)} example tensors")  # fmt: skip
-        compiled.prepare([torch.randn(s, dtype=t.dtype, device=t.device) for s, t in zip(shapes, example_tensors)])
+        compiled.prepare([example_tensor(s, t.dtype, t.device) for s, t in zip(shapes, example_tensors)])
     return compiled

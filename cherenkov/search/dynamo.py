@@ -4,12 +4,14 @@ Dynamo hands the backend an FX graph and example inputs per guarded specialisati
 shape or dtype is a new call; a shape seen before reuses Dynamo's compiled code, so no new
 search). The backend traces the graph to ATen ops (``make_fx``), partitions it into the
 largest regions whose every op :func:`~cherenkov.graph.torch_capture.lowers_node` (``torch.fx``'s
-capability partitioner), and replaces each region by a :class:`~cherenkov.search.compiled.
-CompiledFunction` of it — a ``ck.Graph`` searched for the GPU at hand. Ops outside those
-regions run as the ATen ops they are. Without a GPU (or with CPU inputs) the whole graph
-runs the fallback way (``options={"fallback": "inductor"}``, the default, or ``"eager"``) and
-the backend says so once. Registered through the ``torch_dynamo_backends`` entry point;
-other ``options`` go to every search (``budget_s``, ``target``, ``database``).
+capability partitioner), and replaces each region by a call of a :class:`~cherenkov.search.
+compiled.CompiledFunction`'s custom op (``cherenkov::region_fused_<n>_<k>``) — a ``ck.Graph``
+searched for the GPU at hand. The split graph then goes to the fallback
+(``options={"fallback": "inductor"}``, the default, compiles the ops outside the regions and
+calls the regions' ops as opaque kernels; ``"eager"`` runs those ops as the ATen ops they
+are). Without a GPU (or with CPU inputs) the whole graph runs the fallback way and the
+backend says so once. Registered through the ``torch_dynamo_backends`` entry point; other
+``options`` go to every search (``budget_s``, ``target``, ``database``, ``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from cherenkov.graph.errors import GraphError
 from cherenkov.graph.torch_capture import lowers_node, takes_as_input
-from cherenkov.search.compiled import CompiledFunction
+from cherenkov.search.compiled import CompiledFunction, example_tensor
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,13 @@ class SplitGraph:
     compiled: tuple[CompiledFunction, ...]
 
 
-def split_supported(gm: Any, example_inputs: Sequence[Any], **optimize_kwargs: Any) -> SplitGraph:
+def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = True,
+                    **optimize_kwargs: Any) -> SplitGraph:  # fmt: skip
     """``gm`` traced to ATen ops, each maximal region of ops cherenkov lowers made a
-    :class:`CompiledFunction` (prepared for the region's example inputs); the other ops stay
-    ATen nodes of the returned module, as does a region whose capture or search fails (the
-    log names it and the error)."""
-    import torch
-    from torch.fx.experimental.proxy_tensor import make_fx
+    :class:`CompiledFunction` (prepared for the region's example inputs, ``cuda_graphs`` as in
+    ``ck.compile``) and called through its custom op; the other ops stay ATen nodes of the
+    returned module, as does a region whose capture or search fails (the log names it and
+    the error)."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
 
@@ -58,36 +60,92 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], **optimize_kwargs: A
         def is_node_supported(self, submodules: Any, node: Any) -> bool:
             return lowers_node(node) and _graph_holds(node)
 
-    aten = _drop_empty_concatenations(make_fx(gm)(*example_inputs))
+    aten = _drop_empty_concatenations(_aten_graph(gm, example_inputs))
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
-    region_inputs = _region_inputs(fused, example_inputs)
-    class Region(torch.nn.Module):
-        """A fused region's place in the split module: calls its compiled function."""
-
-        def __init__(self, function: CompiledFunction) -> None:
-            super().__init__()
-            self.function = function
-
-        def forward(self, *tensors: Any) -> Any:
-            return self.function(*tensors)
-
+    region_inputs = _region_inputs(fused)
     compiled = []
     for node in list(fused.graph.nodes):
         if not _is_region(node):
             continue
         region = getattr(fused, node.target)
-        function = CompiledFunction(region, dict(optimize_kwargs))
+        if not region_inputs[node.name]:  # constants only: nothing to search, the fallback folds it
+            log.info("cherenkov backend: region %s reads no tensor; it stays ATen ops", node.target)
+            continue
+        function = CompiledFunction(_positional(region), dict(optimize_kwargs), name=f"region_{node.target}",
+                                    cuda_graphs=cuda_graphs)  # fmt: skip
         try:
             function.prepare(region_inputs[node.name])
         except Exception as error:  # noqa: BLE001 - any failure leaves the region to ATen, said in the log
             log.warning("cherenkov backend: region %s (%d ops) runs as ATen ops: %s: %s", node.target,
                         sum(n.op == "call_function" for n in region.graph.nodes), type(error).__name__, error)  # fmt: skip
             continue
-        setattr(fused, node.target, Region(function))
+        _call_op(fused, node, function.op, returns_tuple=_returns_tuple(region))
         compiled.append(function)
+    fused.graph.eliminate_dead_code()
+    fused.delete_all_unused_submodules()
     fused.recompile()
     return SplitGraph(fused, tuple(compiled))
+
+
+def _positional(region: Any) -> Any:
+    """``region`` with its inputs named by position (``in0``, ``in1``, ...): the same layer
+    repeated gives the same ``ck.Graph`` (structure and input names), whose search the
+    tuning database then answers once for every repetition."""
+    import torch
+
+    graph = torch.fx.Graph()
+    values = {n: graph.placeholder(f"in{i}") for i, n in enumerate(n for n in region.graph.nodes if n.op == "placeholder")}
+    graph.output(graph.graph_copy(region.graph, values))
+    return torch.fx.GraphModule(region, graph)
+
+
+def _returns_tuple(region: Any) -> bool:
+    """Whether a fused region returns a tuple of values (its callers index it) or one value."""
+    (output,) = [n for n in region.graph.nodes if n.op == "output"]
+    return isinstance(output.args[0], (tuple, list))
+
+
+def _call_op(fused: Any, node: Any, op: Any, returns_tuple: bool) -> None:
+    """Replace the region call ``node`` by a call of its custom op (which takes the region's
+    tensors as one list and returns its outputs as a list)."""
+    import operator
+
+    with fused.graph.inserting_before(node):
+        call = fused.graph.call_function(op, (list(node.args),))
+        value = call if returns_tuple else fused.graph.call_function(operator.getitem, (call, 0))
+    node.replace_all_uses_with(value)
+    fused.graph.erase_node(node)
+
+
+def _aten_graph(gm: Any, example_inputs: Sequence[Any]) -> Any:
+    """``gm`` traced to ATen ops (``make_fx``, which runs it) on the example inputs, with each
+    input the graph updates in place (a static KV cache) cloned first: tracing leaves the
+    caller's tensors as they were."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mutated = _mutated_placeholders(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [x.clone() if isinstance(x, torch.Tensor) and node in mutated else x
+              for node, x in zip(placeholders, example_inputs)]  # fmt: skip
+    return make_fx(gm)(*inputs)
+
+
+def _mutated_placeholders(gm: Any) -> set[Any]:
+    """The placeholders of ``gm`` that an in-place op (``index_copy_``, ``add_``, ...) writes,
+    directly or through the views and attribute reads its first argument passes through."""
+    mutated = set()
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if node.op not in ("call_method", "call_function") or not name.endswith("_") or name.startswith("_"):
+            continue
+        written = node.args[0] if node.args else None
+        while hasattr(written, "op") and written.op in ("call_method", "call_function") and written.args:
+            written = written.args[0]
+        if hasattr(written, "op") and written.op == "placeholder":
+            mutated.add(written)
+    return mutated
 
 
 def _drop_empty_concatenations(aten: Any) -> Any:
@@ -130,23 +188,12 @@ def _is_region(node: Any) -> bool:
     return node.op == "call_module" and str(node.target).startswith("fused_")
 
 
-def _region_inputs(fused: Any, example_inputs: Sequence[Any]) -> dict[str, list[Any]]:
-    """The tensors each fused region (``call_module`` node ``fused_*``) receives when the
-    split module runs on ``example_inputs``: real values (index tensors stay valid) on the
-    inputs' device."""
-    import torch
-
-    recorded: dict[str, list[Any]] = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, node: Any) -> Any:
-            if _is_region(node):
-                recorded[node.name] = list(self.map_nodes_to_values(node.args, node))
-            return super().run_node(node)
-
-    with torch.no_grad():
-        Recorder(fused).run(*example_inputs)
-    return recorded
+def _region_inputs(fused: Any) -> dict[str, list[Any]]:
+    """Tensors to prepare each fused region (``call_module`` node ``fused_*``) on: the shapes,
+    dtypes and devices the trace recorded for its arguments, random values (running the
+    graph again for real values would repeat its side effects, a KV cache's update)."""
+    return {node.name: [example_tensor(a.meta["val"].shape, a.meta["val"].dtype, a.meta["val"].device)
+                        for a in node.args] for node in fused.graph.nodes if _is_region(node)}  # fmt: skip
 
 
 def _fallback(gm: Any, example_inputs: Sequence[Any], fallback: str) -> Callable[..., Any]:
@@ -169,8 +216,16 @@ def cherenkov_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> 
     if not torch.cuda.is_available() or not tensors or not all(t.is_cuda for t in tensors):
         _say_once(f"cherenkov backend: no CUDA inputs; the graph runs through {fallback} instead")
         return _fallback(gm, example_inputs, fallback)
+    return compile_regions(gm, example_inputs, fallback, **options)
+
+
+def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "inductor",
+                    **options: Any) -> Callable[..., Any]:  # fmt: skip
+    """The backend's work on inputs of any device: ``gm`` split (:func:`split_supported`) and
+    the split graph compiled by ``fallback``; a graph with no lowered region is compiled by
+    ``fallback`` as it is."""
     split = split_supported(gm, example_inputs, **options)
     if not split.compiled:
         _say_once(f"cherenkov backend: no op of this graph lowers to cherenkov; it runs through {fallback}")
         return _fallback(gm, example_inputs, fallback)
-    return split.module.forward
+    return _fallback(split.module, example_inputs, fallback)

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from cherenkov.search.measure import MeasurementPool, MeasureTask
 from cherenkov.search.records import CandidateResult, Environment, Timing
 from cherenkov.search.report import SearchSummary, write_html, write_json
 from cherenkov.search.space import Candidate, SearchSpace, generator_digest, search_space, stored_plan
+from cherenkov.search.twins import twin_groups, twin_result
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +313,7 @@ class _Search:
         self.pool: MeasurementPool | None = None
         self.counts = {"compiled": 0, "measured": 0}
         self.totals = {"compiled": 0, "measured": 0}
+        self.twins: dict[str, tuple[Candidate, ...]] = {}
 
     @property
     def chunk(self) -> int:
@@ -327,7 +329,12 @@ class _Search:
                 results[c.id] = _base_result(c, "modelled", predicted_ms=predict_plan(c.plan).ms,
                                              reason="not compiled: no CUDA compiler")  # fmt: skip
             return results
-        self.totals = {"compiled": len(fresh), "measured": len(fresh) if self.env.measured else 0}
+        names = set(self.graph.inputs) | {n for k in space.kernels for n in (k.output, *k.reads)}
+        self.twins = twin_groups([c for c in space.all() if c.id not in self.faults], names)
+        self._share_with_twins([c for c in space.all() if c.id in results], results)
+        fresh = [c for c in fresh if c.id not in results]
+        distinct = len({self._lead(c) for c in fresh})
+        self.totals = {"compiled": distinct, "measured": distinct if self.env.measured else 0}
         credit = Credit.of_space(space)
         ordered = {k: sorted(group, key=lambda c: (credit.net(c), c.id)) for k, group in space.candidates.items()}
         first = [c for group in ordered.values() for c in budget.first_round(group, credit.net) if c.id not in results]
@@ -358,7 +365,8 @@ class _Search:
     def _check_first_round(self, first: list[Candidate]) -> None:
         """Refuse, before starting, a budget that cannot cover the first round."""
         cores = os.cpu_count() or 1
-        need = budget.first_round_seconds(len(first), len(first) if self.env.measured else 0, cores)
+        distinct = len({self._lead(c) for c in first})  # twins are compiled and measured once
+        need = budget.first_round_seconds(distinct, distinct if self.env.measured else 0, cores)
         if need > self.budget_s:
             kernels = len({c.kernel for c in first})
             raise GraphError(
@@ -398,7 +406,13 @@ class _Search:
         for start in range(0, len(candidates), self.chunk):
             if deadline is not None and time.monotonic() >= deadline:
                 return
-            group = candidates[start : start + self.chunk]
+            group, leads = [], set()
+            for candidate in candidates[start : start + self.chunk]:  # one of each twin group not yet known
+                if candidate.id not in results and self._lead(candidate) not in leads:
+                    leads.add(self._lead(candidate))
+                    group.append(candidate)
+            if not group:
+                continue
             ready = []
             for candidate, outcome in zip(group, self._compile(group)):
                 if isinstance(outcome, CompileError):
@@ -410,6 +424,19 @@ class _Search:
                     results[candidate.id] = _base_result(candidate, "modelled", **_compiled_values(outcome))
             if ready:
                 results.update(self._measure(ready, deadline, results))
+            self._share_with_twins(group, results)
+
+    def _lead(self, candidate: Candidate) -> str:
+        """The id of the first candidate of ``candidate``'s twin group (:mod:`cherenkov.search.twins`)."""
+        return self.twins.get(candidate.id, (candidate,))[0].id
+
+    def _share_with_twins(self, done: Iterable[Candidate], results: dict[str, CandidateResult]) -> None:
+        """Each twin of a candidate in ``done`` (with a result) gets that result as its own."""
+        for candidate in done:
+            if candidate.id in results:
+                for twin in self.twins.get(candidate.id, ()):
+                    if twin.id not in results:
+                        results[twin.id] = twin_result(results[candidate.id], twin)
 
     def _compile(self, group: list[Candidate]) -> list[CompiledKernel | CompileError]:
         sources = [inject_fault(c.source, self.faults[c.id]) if c.id in self.faults else None for c in group]

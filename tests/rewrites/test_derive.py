@@ -311,3 +311,19 @@ def test_hopper_schedules_are_alternatives_on_sm90a_only() -> None:
     g.output(textbook(q, k, v), "o")
     tail_plans = ck.derive(g).plans(sm90a)
     assert any(isinstance(p.schedule, HopperFlashSchedule) for p in tail_plans), "tails have Hopper plans"
+
+
+def test_two_outputs_of_one_tensor_each_get_a_kernel_and_its_values() -> None:
+    g = ck.Graph("twice")
+    x = g.input("x", (4, 8), "fp32")
+    y = (x * 2.0).exp()
+    g.output(y, "first")
+    g.output(y, "second")
+    g.output(g.constant(-1.5), "scalar")
+    g.output(g.constant(-1.5), "scalar_again")
+    d = ck.derive(g)
+    assert sorted(k.output for k in d.partition()) == ["first", "scalar", "scalar_again", "second"]
+    inputs = {"x": np.random.default_rng(0).standard_normal((4, 8))}
+    expected, got = ck.evaluate(g, inputs), ck.evaluate(d, inputs)
+    for name in g.outputs:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-12)

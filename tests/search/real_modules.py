@@ -2,7 +2,8 @@
 and eager paths) and decoder layer, timm's ViT block, and nanoGPT's causal self-attention
 (the forward of Karpathy's ``model.py``, which is not a package). Each builder returns the
 module and its example inputs at a small size (CPU tests) or a real one (GPU tests and
-``benchmarks/models.py``)."""
+``benchmarks/models.py``). Whole language models (:func:`gpt2_lm`, :func:`llama_lm`) are
+built the same way for the ``torch.compile`` backend: random weights, eval mode."""
 
 from __future__ import annotations
 
@@ -138,3 +139,39 @@ BUILDERS: dict[str, Callable[..., RealModule]] = {
     "vit_block": vit_block,
     "nanogpt_attention": nanogpt_attention,
 }
+
+
+# ------------------------------------------------------------------ whole models
+
+
+def gpt2_lm(small: bool = True, dtype: Any = None, device: str = "cpu", layers: int | None = None) -> Any:
+    """transformers' ``GPT2LMHeadModel`` (SDPA attention, as it ships): GPT-2 small (12 layers,
+    d 768, 12 heads, vocab 50257) or a 2-layer d-64 model with a 128-token vocabulary."""
+    import torch
+    import transformers
+
+    dims = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    if not small:
+        dims = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257)
+    if layers is not None:
+        dims["n_layer"] = layers
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_positions=1024, attn_implementation="sdpa", **dims)
+    return transformers.GPT2LMHeadModel(config).eval().to(device=device, dtype=dtype or torch.float32)
+
+
+def llama_lm(small: bool = True, dtype: Any = None, device: str = "cpu") -> Any:
+    """transformers' ``LlamaForCausalLM``: 4 layers, hidden 2048, 16 query / 4 KV heads of 128,
+    SwiGLU 5632, vocab 32000 (the PyTorch-integration issue's model), or 2 layers of hidden 64
+    (4 / 2 heads of 16) with a 256-token vocabulary."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128, vocab_size=256)  # fmt: skip
+    if not small:
+        dims = dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                    head_dim=128, intermediate_size=5632, vocab_size=32000)  # fmt: skip
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=2048, attn_implementation="sdpa", **dims)
+    return LlamaForCausalLM(config).eval().to(device=device, dtype=dtype or torch.float32)

@@ -7,6 +7,7 @@ compares against the module itself."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -112,6 +113,33 @@ def test_bad_calls_are_graph_errors(block):
         ck.compile(3)
 
 
+def test_a_compiled_function_is_one_named_custom_op_in_profiles(block):
+    compiled = ck.compile(block, torch.randn(4, 16))
+    assert str(compiled.op).startswith("cherenkov.block_")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        compiled(torch.randn(4, 16))
+    names = [event.key for event in profile.key_averages()]
+    assert f"cherenkov::{compiled.op._opname}" in names, names
+
+
+def test_fullgraph_compilation_traces_through_a_compiled_function(block):
+    compiled = ck.compile(block, torch.randn(4, 16))
+    doubled = torch.compile(lambda x: compiled(x) * 2.0, fullgraph=True, backend="eager", dynamic=False)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert close(doubled(x), block(x) * 2.0)
+    with pytest.raises(Exception, match="has not prepared"):  # Dynamo wraps the op's GraphError
+        doubled(torch.randn(3, 16))
+
+
+def test_op_names_keep_only_safe_characters():
+    from cherenkov.search.torch_ops import op_name
+
+    first, second = op_name("Block; DROP TABLE/../x"), op_name("Block; DROP TABLE/../x")
+    assert re.fullmatch(r"[a-z0-9_]+", first) and first != second
+    assert op_name("7up")[0].isalpha() and op_name("???").startswith("function_")
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path):
     if not torch.cuda.is_available():
@@ -134,3 +162,16 @@ def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path
         with torch.no_grad():
             block.proj.weight.mul_(-1.0)
         assert error() <= 2e-2 and compiled.searches == 1
+        assert error() <= 2e-2 and call.replay is not None, "the second call on the same tensors records a CUDA graph"
+        with torch.no_grad():
+            block.proj.weight.mul_(-1.0)  # in place: the replay reads the same parameter
+        assert error() <= 2e-2
+        with torch.profiler.profile() as profile:
+            compiled(x)
+        assert f"cherenkov::{compiled.op._opname}" in [event.key for event in profile.key_averages()]
+        doubled = torch.compile(lambda a: compiled(a) * 2.0, fullgraph=True, dynamic=False)
+        replayed = torch.compile(lambda a: compiled(a) * 2.0, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        with torch.no_grad():
+            expected = block(x).float() * 2.0
+            for fn in (doubled, replayed, replayed, replayed):  # inductor; inside torch's CUDA graphs
+                assert float((fn(x).float() - expected).norm() / expected.norm()) <= 2e-2

@@ -1,0 +1,58 @@
+"""Twin candidates: the same kernel source on other tensors, compiled and measured once.
+
+A whole model repeats its layers: the twelve layers of GPT-2 give twelve kernels of each
+kind with the same shapes, whose candidates differ only in the names of the tensors they
+read and write (and the plan ids derived from them). Two candidates are twins when their
+sources are equal after every tensor name and the plan's own id are renamed, consistently,
+to placeholders in order of first appearance (a renaming of identifiers, so equal sources
+compute the same thing on their own arguments). Kernels list their tensors by name, so two
+layers whose names sort differently are not recognised as twins: each is then searched on
+its own, as before (a missed twin costs time, never correctness). The search compiles, verifies and times one
+candidate of each twin group and gives its result to the others (:func:`twin_result`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+
+from cherenkov.codegen.cache import sha256_hex
+from cherenkov.search.records import CandidateResult
+from cherenkov.search.space import Candidate
+
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+TENSOR_PARAMETER = "t_"
+"""The prefix of a tensor's parameter in generated kernels (``t_<name>``)."""
+
+
+def twin_key(candidate: Candidate, names: frozenset[str]) -> str:
+    """A digest of ``candidate``'s source with each of ``names`` and its plan id renamed to
+    ``__ck_<n>__`` by order of first appearance: equal for twins, and only for them."""
+    renamed: dict[str, str] = {}
+    own = candidate.id
+
+    def rename(match: re.Match[str]) -> str:
+        word = match.group()
+        tensor = word.removeprefix(TENSOR_PARAMETER)
+        if word != own and word not in names and tensor not in names:
+            return word
+        return renamed.setdefault(word, f"__ck_{len(renamed)}__")
+
+    return sha256_hex(IDENTIFIER.sub(rename, candidate.source).encode())
+
+
+def twin_groups(candidates: Sequence[Candidate], names: Iterable[str]) -> dict[str, tuple[Candidate, ...]]:
+    """Each candidate's twin group (by id; the group lists every twin in ``candidates``'
+    order, itself included; a candidate with no twin is a group of one)."""
+    known = frozenset(names)
+    by_key: dict[str, list[Candidate]] = {}
+    for candidate in candidates:
+        by_key.setdefault(twin_key(candidate, known), []).append(candidate)
+    return {c.id: tuple(group) for group in by_key.values() for c in group}
+
+
+def twin_result(result: CandidateResult, twin: Candidate) -> CandidateResult:
+    """``result`` (of one twin) as ``twin``'s own: its id, kernel, source hash and parameters."""
+    return dataclasses.replace(result, id=twin.id, kernel=twin.kernel, source_hash=twin.source_hash,
+                               params=twin.plan.params())  # fmt: skip
