@@ -24,8 +24,9 @@ Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov
 {``vs_eager``, ``vs_inductor``} (baseline ms / cherenkov ms), ``rel_error``, ``winners``
 (kernel -> candidate id and kind), ``absorbing`` (the best fused candidate that competed
 for a kernel: see :func:`absorbing_candidates`) and the search's wall time; a whole-model
-row has ``ms`` {``cherenkov``, ``eager``, ``inductor``} or ``tokens_per_s``, its regions'
-kernel counts and whether its tokens equal eager's; and prints a table.
+row has ``ms`` {``cherenkov``, ``eager``, ``inductor``} or ``tokens_per_s``, the count of
+its regions and of their launched kernels by kind, whether its tokens equal eager's, and the
+row's wall time (searches and compiles included); and prints a table.
 
     python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,gpt2_small,...]
                                  [--budget 120] [--samples 30] [--out DIR]
@@ -168,13 +169,14 @@ def benchmark_whole_model(label: str, args: argparse.Namespace, db: TuningDataba
     regions = [f for split in splits for f in split.compiled]
     kernels = [k.kind for f in regions for call in f.prepared.values() if call.result is not None
                for k in call.result.launched]  # fmt: skip
-    row.update(name=label, search_s=round(time.perf_counter() - start, 1), regions=len(regions),
+    row.update(name=label, row_s=round(time.perf_counter() - start, 1), regions=len(regions),
                kernels=dict(sorted(Counter(kernels).items())))  # fmt: skip
     log.warning("%s", json.dumps(row))
     return row
 
 
-def _forward_row(model: Any, ids: Any, backend: Any, args: argparse.Namespace, torch: Any, flush: Any) -> dict[str, Any]:
+def _forward_row(model: Any, ids: Any, backend: Any, args: argparse.Namespace, torch: Any,
+                 flush: Any) -> dict[str, Any]:  # fmt: skip
     torch._dynamo.reset()
     with torch.no_grad():
         ours = torch.compile(model, backend=backend, dynamic=False)

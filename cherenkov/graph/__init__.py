@@ -1,6 +1,7 @@
 """The graph layer: primitive ops, the builder, shapes, the float64 reference evaluator."""
 
 from cherenkov.graph import nn
+from cherenkov.graph.autodiff import grad
 from cherenkov.graph.errors import GraphError
 from cherenkov.graph.evaluate import evaluate
 from cherenkov.graph.ops import PRIMITIVES, Node
@@ -18,6 +19,7 @@ __all__ = [
     "constant",
     "evaluate",
     "from_torch",
+    "grad",
     "matmul",
     "nn",
     "where",

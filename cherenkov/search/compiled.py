@@ -123,22 +123,25 @@ class CompiledFunction:
         it must be prepared first (a call, or ``dynamic``)."""
         import torch
 
-        if not all(isinstance(d, int) for t in tensors for d in t.shape):
-            raise GraphError(f"ck.compile: {self.name} is traced with symbolic shapes {[tuple(t.shape) for t in tensors]}; "
-                             "its kernels are specialised to static shapes: use torch.compile(..., dynamic=False)")  # fmt: skip
+        shapes = [tuple(t.shape) for t in tensors]
+        if not all(isinstance(d, int) for shape in shapes for d in shape):
+            raise GraphError(f"ck.compile: {self.name} is traced with symbolic shapes {shapes}; its kernels are "
+                             "specialised to static shapes: use torch.compile(..., dynamic=False)")  # fmt: skip
         key = signature_of(tensors)
         if key not in self.prepared:
-            raise GraphError(f"ck.compile: {self.name} is traced for inputs {[tuple(t.shape) for t in tensors]} "
-                             f"it has not prepared (prepared: {[[s for s, _, _ in k] for k in self.prepared]}); "
-                             "call it once on such inputs or list their shapes in dynamic=, and trace with "
-                             "torch.compile(..., dynamic=False): its kernels are specialised to static shapes")  # fmt: skip
+            prepared = [[s for s, _, _ in k] for k in self.prepared]
+            raise GraphError(f"ck.compile: {self.name} is traced for inputs {shapes} it has not prepared (prepared: "
+                             f"{prepared}); call it once on such inputs or list their shapes in dynamic=, and trace "
+                             "with torch.compile(..., dynamic=False): its kernels are specialised to static shapes")  # fmt: skip
         graph = self.prepared[key].graph
         return [(spec.shape, getattr(torch, TORCH_DTYPES[spec.dtype])) for spec in graph.outputs.values()]
 
     def prepare(self, tensors: Sequence[Any]) -> PreparedCall:
-        """The prepared call of these tensors' signature: captured (and searched) on first use."""
+        """The prepared call of these tensors' signature: captured (and searched) on first use
+        (tensors on one device only: a backend region reading a CPU scalar stays ATen ops)."""
         key = signature_of(tensors)
         if key not in self.prepared:
+            _check_tensors(tensors)
             if self.prepared:
                 log.warning("ck.compile: %s called on a new signature %s (prepared: %s); capturing and searching it",
                             self.name, key, list(self.prepared))  # fmt: skip

@@ -72,7 +72,8 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
         if not region_inputs[node.name]:  # constants only: nothing to search, the fallback folds it
             log.info("cherenkov backend: region %s reads no tensor; it stays ATen ops", node.target)
             continue
-        function = CompiledFunction(_positional(region), dict(optimize_kwargs), name=f"region_{node.target}",
+        name = f"region_{node.target}"
+        function = CompiledFunction(_positional(region, name), dict(optimize_kwargs), name=name,
                                     cuda_graphs=cuda_graphs)  # fmt: skip
         try:
             function.prepare(region_inputs[node.name])
@@ -88,16 +89,18 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     return SplitGraph(fused, tuple(compiled))
 
 
-def _positional(region: Any) -> Any:
-    """``region`` with its inputs named by position (``in0``, ``in1``, ...): the same layer
-    repeated gives the same ``ck.Graph`` (structure and input names), whose search the
-    tuning database then answers once for every repetition."""
+def _positional(region: Any, name: str) -> Any:
+    """``region`` as a module class ``name`` whose inputs are named by position (``in0``,
+    ``in1``, ...): the same layer repeated gives the same ``ck.Graph`` (structure and input
+    names; the graph's name is not part of it), whose search the tuning database then
+    answers once for every repetition."""
     import torch
 
     graph = torch.fx.Graph()
-    values = {n: graph.placeholder(f"in{i}") for i, n in enumerate(n for n in region.graph.nodes if n.op == "placeholder")}
+    placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+    values = {n: graph.placeholder(f"in{i}") for i, n in enumerate(placeholders)}
     graph.output(graph.graph_copy(region.graph, values))
-    return torch.fx.GraphModule(region, graph)
+    return torch.fx.GraphModule(region, graph, class_name=name)
 
 
 def _returns_tuple(region: Any) -> bool:

@@ -371,7 +371,8 @@ class _Search:
             kernels = len({c.kernel for c in first})
             raise GraphError(
                 f"optimize: a budget of {self.budget_s:g} s cannot cover the first round of {self.graph.name!r}: "
-                f"{len(first)} candidates (each of {kernels} kernels' cost-model favourite and safest plan) to "
+                f"{distinct} candidates (each of {kernels} kernels' cost-model favourite and safest plan, twins "
+                f"once) to "
                 f"compile on {cores} cores{' and verify on the GPU' if self.env.measured else ''} need about "
                 f"{need:.0f} s here; give budget_s >= {math.ceil(need)} or None (no budget)"
             )

@@ -83,6 +83,13 @@ def times_reciprocal(q, k, v):
     return (p * (1 / p.sum(axis=-1, keepdim=True))) @ v
 
 
+def log_sum_exp(q, k, v):
+    """``exp(s − logsumexp(s))``: the softmax a forward that saves its log-sum-exp writes."""
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    m = s.max(axis=-1, keepdim=True)
+    return (s - (m + (s - m).exp().sum(axis=-1, keepdim=True).log())).exp() @ v
+
+
 SPELLINGS = {
     "textbook": (textbook, H, False),
     "scale_on_q": (scale_on_q, H, False),
@@ -93,6 +100,7 @@ SPELLINGS = {
     "gqa_expand": (gqa_expand, H // 2, False),
     "nn_attention": (nn_attention, H, False),
     "times_reciprocal": (times_reciprocal, H, False),
+    "log_sum_exp": (log_sum_exp, H, False),
 }
 
 

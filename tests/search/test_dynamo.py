@@ -285,7 +285,8 @@ def _same_tokens_or_a_tie(got: Any, eager: Any, tolerance: float) -> tuple[bool,
     step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) - (len(a) - len(eager.logits))
     top = eager.logits[step][0].float().topk(2).values
     gap = float(top[0] - top[1])
-    return gap <= tolerance, f"token {step} differs ({a[-len(eager.logits):]} vs {b[-len(eager.logits):]}), eager's gap {gap:.4f}"
+    new = len(eager.logits)
+    return gap <= tolerance, f"token {step} differs ({a[-new:]} vs {b[-new:]}), eager's gap {gap:.4f}"
 
 
 def test_a_llama_generates_with_a_static_cache_through_split_regions():
