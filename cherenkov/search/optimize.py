@@ -28,7 +28,7 @@ from typing import Any
 
 import platformdirs
 
-from cherenkov.codegen import CompileError, compile_plan, compile_plans, load_kernel
+from cherenkov.codegen import CompileError, compile_plans, load_kernel
 from cherenkov.codegen.cache import sha256_hex
 from cherenkov.codegen.plan import CompiledKernel
 from cherenkov.codegen.term_plan import TermKernelPlan
@@ -180,7 +180,7 @@ class OptimizeResult:
         cached = self._loaded.get(device)
         if cached is not None:
             return cached
-        launchers = []
+        winners = []
         for kernel in self.launched:
             winner = self.kernels.get(kernel.output)
             if winner is None:
@@ -188,9 +188,16 @@ class OptimizeResult:
                     f"run: kernel {kernel.output} ({kernel.kind}) has no winning CUDA kernel; the search report "
                     f"({self.report_json}) says why (no plan fits, or every candidate failed)"
                 )
-            launcher = load_kernel(compile_plan(winner.plan, source=winner.source), device)
+            winners.append(winner)
+        # one parallel compile: a twin's winner (measured through its twin) is not in the cache yet
+        compiled = compile_plans([w.plan for w in winners], sources=[w.source for w in winners])
+        launchers = []
+        for kernel, winner, build in zip(self.launched, winners, compiled):
+            if isinstance(build, CompileError):
+                raise GraphError(f"run: the winner of kernel {kernel.output} ({winner.result.id}) no longer "
+                                 f"compiles: {build}")  # fmt: skip
             problem = None if isinstance(winner.plan, TermKernelPlan) else winner.plan.problem
-            launchers.append((kernel, launcher, problem))
+            launchers.append((kernel, load_kernel(build, device), problem))
         self._loaded[device] = launchers
         return launchers
 
