@@ -46,10 +46,19 @@ def twin_groups(candidates: Sequence[Candidate], names: Iterable[str]) -> dict[s
     """Each candidate's twin group (by id; the group lists every twin in ``candidates``'
     order, itself included; a candidate with no twin is a group of one)."""
     known = frozenset(names)
-    by_key: dict[str, list[Candidate]] = {}
-    for candidate in candidates:
-        by_key.setdefault(twin_key(candidate, known), []).append(candidate)
-    return {c.id: tuple(group) for group in by_key.values() for c in group}
+    by_schedule: dict[str, list[Candidate]] = {}
+    for candidate in candidates:  # twins share a schedule: the plan id less its digest
+        by_schedule.setdefault(candidate.id.rpartition("_")[0], []).append(candidate)
+    groups: dict[str, tuple[Candidate, ...]] = {}
+    for same_schedule in by_schedule.values():
+        if len({c.kernel for c in same_schedule}) == 1:  # one kernel's candidates: no twin among them
+            groups.update((c.id, (c,)) for c in same_schedule)
+            continue
+        by_key: dict[str, list[Candidate]] = {}
+        for candidate in same_schedule:
+            by_key.setdefault(twin_key(candidate, known), []).append(candidate)
+        groups.update((c.id, tuple(group)) for group in by_key.values() for c in group)
+    return {c.id: groups[c.id] for c in candidates}
 
 
 def twin_result(result: CandidateResult, twin: Candidate) -> CandidateResult:
