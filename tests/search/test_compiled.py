@@ -128,8 +128,10 @@ def test_fullgraph_compilation_traces_through_a_compiled_function(block):
     x = torch.randn(4, 16)
     with torch.no_grad():
         assert close(doubled(x), block(x) * 2.0)
-    with pytest.raises(Exception, match="has not prepared"):  # Dynamo wraps the op's GraphError
-        doubled(torch.randn(3, 16))
+    # the fake implementation refuses a signature it has not prepared (asked directly: a failed Dynamo
+    # compile leaves CPython's frame-evaluation hook behind, which lowers the process's recursion depth)
+    with pytest.raises(ck.GraphError, match="has not prepared"):
+        compiled.output_specs([torch.randn(3, 16)])
 
 
 def test_op_names_keep_only_safe_characters():
