@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from cherenkov.graph.errors import GraphError
 from cherenkov.graph.ops import Node
-from cherenkov.graph.tensor import MAX_GRAPH_NAME, Graph, Tensor
-
-FLOAT_DTYPES = frozenset({"fp32", "fp16", "bf16"})
+from cherenkov.graph.shape import FLOAT_DTYPES
+from cherenkov.graph.tensor import MAX_GRAPH_NAME, Graph, Tensor, where
 
 Vjp = Callable[["_Backward", Node, Sequence[Tensor], Tensor, Tensor], Sequence[Tensor | None]]
 """(backward, node, its operands, its value, the cotangent) -> a cotangent per operand (None: none)."""
@@ -100,27 +99,16 @@ class _Backward:
         return reaches
 
     def _accumulate(self, cotangent: dict[int, Tensor], index: int, value: Tensor) -> None:
-        dtype = self.graph.node(index).dtype
-        if value.dtype != dtype:
-            value = self.cast(value, dtype)
+        value = value.cast(self.graph.node(index).dtype)
         cotangent[index] = cotangent[index] + value if index in cotangent else value
 
     # ------------------------------------------------------------------ builders
 
-    def cast(self, x: Tensor, dtype: str) -> Tensor:
-        return self.out._apply("cast", [x], (dtype,))
-
     def scalar(self, value: float, like: Tensor) -> Tensor:
         return self.out.constant(value, like.dtype).broadcast_to(like.shape)
 
-    def where(self, condition: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        return self.out._apply("where", [condition, a, b])
-
     def zeros_like(self, x: Tensor) -> Tensor:
         return self.scalar(0.0, x)
-
-    def less(self, a: Tensor, b: Tensor) -> Tensor:
-        return self.out._apply("less_than", [a, b])
 
     def restore_axis(self, reduced: Tensor, axis: int, shape: tuple[int, ...]) -> Tensor:
         """A reduction's result broadcast back over its ``axis`` of ``shape``."""
@@ -130,7 +118,7 @@ class _Backward:
     def tie_share(self, mine: Tensor, other: Tensor) -> Tensor:
         """1 where ``mine > other``, ½ where equal, 0 where smaller (as a float of ``mine``'s dtype)."""
         one, half, zero = self.scalar(1.0, mine), self.scalar(0.5, mine), self.zeros_like(mine)
-        return self.where(self.less(other, mine), one, self.where(self.less(mine, other), zero, half))
+        return where(other < mine, one, where(mine < other, zero, half))
 
 
 # ---------------------------------------------------------------------- the VJPs
@@ -184,7 +172,7 @@ def _maximum(b: _Backward, node: Node, xs: Sequence[Tensor], y: Tensor, g: Tenso
 
 def _where(b: _Backward, node: Node, xs: Sequence[Tensor], y: Tensor, g: Tensor) -> list[Tensor | None]:
     condition = xs[0]
-    return [None, b.where(condition, g, b.zeros_like(g)), b.where(condition, b.zeros_like(g), g)]
+    return [None, where(condition, g, b.zeros_like(g)), where(condition, b.zeros_like(g), g)]
 
 
 def _sum_reduce(b: _Backward, node: Node, xs: Sequence[Tensor], y: Tensor, g: Tensor) -> list[Tensor | None]:
@@ -194,13 +182,13 @@ def _sum_reduce(b: _Backward, node: Node, xs: Sequence[Tensor], y: Tensor, g: Te
 def _max_reduce(b: _Backward, node: Node, xs: Sequence[Tensor], y: Tensor, g: Tensor) -> list[Tensor | None]:
     (x,), axis = xs, node.attrs[0]
     peak = b.restore_axis(y, axis, x.shape)
-    at_peak = b.where(b.less(x, peak), b.zeros_like(x), b.scalar(1.0, x))
+    at_peak = where(x < peak, b.zeros_like(x), b.scalar(1.0, x))
     count = b.restore_axis(b.out._apply("sum_reduce", [at_peak], (axis,)), axis, x.shape)
     return [b.restore_axis(g, axis, x.shape) * at_peak * count.recip()]
 
 
 def _cast(b: _Backward, node: Node, xs: Sequence[Tensor], y: Tensor, g: Tensor) -> list[Tensor | None]:
-    return [b.cast(g, xs[0].dtype)]
+    return [g.cast(xs[0].dtype)]
 
 
 def _identity(b: _Backward, node: Node, xs: Sequence[Tensor], y: Tensor, g: Tensor) -> list[Tensor | None]:

@@ -416,8 +416,9 @@ class _Search:
                 return
             group, leads = [], set()
             for candidate in candidates[start : start + self.chunk]:  # one of each twin group not yet known
-                if candidate.id not in results and self._lead(candidate) not in leads:
-                    leads.add(self._lead(candidate))
+                lead = self._lead(candidate)
+                if candidate.id not in results and lead not in leads:
+                    leads.add(lead)
                     group.append(candidate)
             if not group:
                 continue
