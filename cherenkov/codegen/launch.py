@@ -50,6 +50,16 @@ def operand_view(problem, role: str, tensor):
     return torch.as_strided(tensor, problem.logical_shape(role), (*layout.strides(), 1), layout.offset)
 
 
+def mask_view(problem, tensor):
+    """The ``(B, H, Sq, Skv)`` view of a problem's bias in its stored torch tensor
+    (:class:`~cherenkov.rewrites.plan.AttentionBias` strides, 0 where it broadcasts)."""
+    import torch
+
+    b = problem.bias
+    return torch.as_strided(tensor, (problem.batch, problem.heads, problem.seq_q, problem.seq_kv),
+                            (b.batch, b.head, b.row, b.key), b.offset)  # fmt: skip
+
+
 def operand_map(problem, role: str, address: int, box_rows: int) -> tensor_map.TensorMap:
     """The TMA tensor map of one attention operand at its layout's strides (both families)."""
     layout = problem.layout(role)
@@ -77,13 +87,15 @@ class _StreamCache:
 
 
 class FlashAttentionKernel(_StreamCache):
-    """``kernel(q, k, v, out=None) -> out``: one compiled flash-attention plan as a callable.
+    """``kernel(q, k, v, out=None, bias=None) -> out``: one compiled flash-attention plan as a callable.
 
     q, k, v (and out, if given) are the stored tensors the operands are read from (the same
     one more than once for slices of a fused projection): contiguous CUDA tensors on one
     device, of the plan's dtype and of the shapes its layouts name
     (:meth:`~cherenkov.rewrites.plan.AttentionProblem.stored_shapes`; BHSD for a plain
-    problem), 16-byte aligned. Returns ``out`` (allocated if None). A plan with key splits
+    problem), 16-byte aligned. ``bias`` is the problem's bias tensor (required when it has
+    one: :class:`~cherenkov.rewrites.plan.AttentionBias`, contiguous, of its dtype and
+    shape). Returns ``out`` (allocated if None). A plan with key splits
     owns a zeroed fp32 workspace on the device (its partial states and arrival counters,
     which every launch leaves zeroed again), so launches of one kernel object must not run
     concurrently on two streams.
@@ -110,7 +122,7 @@ class FlashAttentionKernel(_StreamCache):
             self._function.max_dynamic_shared_size_bytes = self.smem_bytes
         self._module = module
 
-    def __call__(self, q, k, v, out=None):
+    def __call__(self, q, k, v, out=None, bias=None):
         import torch
 
         p = self.problem
@@ -118,20 +130,25 @@ class FlashAttentionKernel(_StreamCache):
             out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
         for role, tensor in (("q", q), ("k", k), ("v", v), ("o", out)):
             self._check(role, tensor, p.layout(role).shape)
-        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream)
+        if p.bias is None and bias is not None:
+            raise CodegenError(f"{self.compiled.kernel_name} reads no bias tensor; got one")
+        if p.bias is not None:
+            _check_tensor(self.compiled.kernel_name, p.bias.tensor, bias, p.bias.shape, p.bias.dtype, self.device)
+        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, bias)
         return out
 
-    def _launch(self, q, k, v, out, stream: int) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None) -> None:
         """Launch on checked tensors, on the raw CUDA stream handle ``stream``."""
         import cupy
 
         with cupy.cuda.Device(self.device):
-            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out, *self._workspace_args()))
+            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out, *self._tail_args(bias)))
             self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=self._stream(stream))
 
-    def _workspace_args(self) -> tuple:
-        """The key splits' workspace (the kernel's last argument), if the plan has one."""
-        return () if self._workspace is None else (self._workspace,)
+    def _tail_args(self, bias) -> tuple:
+        """The tensors after the operands: the bias (if the problem has one), then the
+        key splits' workspace (if the plan has one)."""
+        return (() if bias is None else (bias,)) + (() if self._workspace is None else (self._workspace,))
 
     def _check(self, role: str, tensor, shape: tuple[int, ...]) -> None:
         import torch
@@ -313,7 +330,7 @@ class TmaFlashKernel(FlashAttentionKernel):
         super().__init__(compiled, device)
         self._maps: dict[tuple[int, int], tuple[tensor_map.TensorMap, ...]] = {}
 
-    def _launch(self, q, k, v, out, stream: int) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None) -> None:
         import torch
 
         rows = self.compiled.plan.schedule.block_kv
@@ -323,16 +340,16 @@ class TmaFlashKernel(FlashAttentionKernel):
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function.kernel.ptr, self.grid, self.block, self.smem_bytes, stream,
                               (ctypes.c_uint64(q.data_ptr()), ctypes.c_uint64(out.data_ptr()), *maps,
-                               *(ctypes.c_uint64(w.data_ptr()) for w in self._workspace_args())))  # fmt: skip
+                               *(ctypes.c_uint64(t.data_ptr()) for t in self._tail_args(bias))))  # fmt: skip
 
 
 class HopperFlashKernel(FlashAttentionKernel):
-    """``kernel(q, k, v, out=None) -> out`` for a compiled sm_90a flash-attention plan.
+    """``kernel(q, k, v, out=None, bias=None) -> out`` for a compiled sm_90a flash-attention plan.
 
     Same contract as :class:`FlashAttentionKernel`; the kernel reads q, k and v and may write
     o through TMA tensor maps (encoded per data pointers and cached; o's boxes are one
     consumer warpgroup's 64 rows), passed by value with the output pointer through
-    ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`)."""
+    ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`); the bias follows as a pointer."""
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
@@ -359,13 +376,14 @@ class HopperFlashKernel(FlashAttentionKernel):
             operand_map(p, "v", key[2], s.block_kv), operand_map(p, "o", key[3], s.block_q // s.consumer_warpgroups),
         ))  # fmt: skip
 
-    def _launch(self, q, k, v, out, stream: int) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None) -> None:
         import torch
 
         maps = self._tensor_maps(q, k, v, out)
+        pointers = (out,) if bias is None else (out, bias)
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function, self.grid, self.block, self.smem_bytes, stream,
-                              (*maps, ctypes.c_uint64(out.data_ptr())))  # fmt: skip
+                              (*maps, *(ctypes.c_uint64(t.data_ptr()) for t in pointers)))  # fmt: skip
 
 
 def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKernel | TermKernel:

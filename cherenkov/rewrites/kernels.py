@@ -33,7 +33,7 @@ from cherenkov.rewrites import dag
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.lower import Lowered
-from cherenkov.rewrites.plan import AttentionProblem, OperandLayout
+from cherenkov.rewrites.plan import BIAS_DTYPES, AttentionBias, AttentionProblem, OperandLayout
 from cherenkov.rewrites.reference import axis_names as reference_axis_names
 from cherenkov.rewrites.reference import evaluate_term
 from cherenkov.rewrites.terms import Term
@@ -241,7 +241,8 @@ class _Partition:
         tensors (:func:`~cherenkov.rewrites.access.strided_read`: transposes, head splits,
         slices of a fused projection, repeated K/V heads); anything else feeding them (a
         computation such as RoPE) is materialised in BHSD order — k and v over their K/V
-        heads where they vary along the query head only as ``h // G``."""
+        heads where they vary along the query head only as ``h // G``. A bias that is no
+        affine view is materialised over its own axes, the key axis last."""
         core = canonical_flash(core)
         key, _, dim, _, q, k, v = core[1:8]
         batch = (t.free_axes(q) & t.free_axes(k)) - {dim, key}
@@ -255,9 +256,16 @@ class _Partition:
             6: (leading + (key, dim), k),
             7: (leading + (key,) + order(frozenset(values)), v),
         }
+        mask = core[9]
+        if mask[0] == "BiasMask" and not self.readable_in_place(mask[1]):
+            axes = t.free_axes(mask[1])
+            layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), mask[1])
         result = list(core)
         for position, (layout, operand) in layouts.items():
             if self.readable_in_place(operand):
+                continue
+            if position == 9:  # a bias read through a computed index: stored over its axes, key last
+                result[position] = (mask[0], self.materialise(operand, layout))
                 continue
             split = _kv_head_split(operand, batch) if position > 5 else None
             if split is None:
@@ -553,6 +561,26 @@ def _head_atom(read: StridedRead, shared: set[str]) -> dict[str, Term]:
     return atoms
 
 
+def _attention_bias(mask: Term, roles: Mapping[str, str | None], shapes: Mapping[str, tuple[int, ...]],
+                    dtypes: Mapping[str, str]) -> AttentionBias:  # fmt: skip
+    """The :class:`AttentionBias` of a ``BiasMask``: an affine read of a stored tensor of a
+    float dtype varying only along the batch, head, query and key axes (``roles``: role ->
+    axis name, None where absent); or ``KernelError``."""
+    term = mask[1]
+    read = _flash_read(term, "the bias", shapes)
+    dtype = dtypes[term[1]]
+    if dtype not in BIAS_DTYPES:
+        raise KernelError(f"flash attention: the bias {t.show(term)} is {dtype}; valid: {', '.join(BIAS_DTYPES)}")
+    by_atom = {t.ax(name): role for role, name in roles.items() if name is not None}
+    stray = [t.show(atom) for atom in read.strides if atom not in by_atom]
+    if stray:
+        raise KernelError(f"flash attention: the bias {t.show(term)} varies along {stray}; valid: "
+                          f"the batch, head, query and key axes {[n for n in roles.values() if n]}")  # fmt: skip
+    strides = {by_atom[atom]: stride for atom, stride in read.strides.items()}
+    return AttentionBias(term[1], dtype, read.shape, strides.get("batch", 0), strides.get("head", 0),
+                         strides.get("row", 0), strides.get("key", 0), read.offset)  # fmt: skip
+
+
 def attention_problem(
     form: Term, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
     output_axes: tuple[str, ...] | None = None, buffer: BufferLayout | None = None,
@@ -606,6 +634,8 @@ def attention_problem(
     query_axis = query[0] if query else None
     if mask[0] == "CausalMask" and (query_axis is None or mask[1] != t.ax(query_axis)):
         raise KernelError("flash attention: the causal mask does not compare the query axis with the key axis")
+    roles = {"batch": batch, "head": head, "row": query_axis, "key": key}
+    bias = _attention_bias(mask, roles, shapes, dtypes) if mask[0] == "BiasMask" else None
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:
         raise KernelError(f"flash attention: q, k, v have different dtypes {sorted(operand_dtypes)}")
@@ -650,5 +680,6 @@ def attention_problem(
         v=v[1],
         layouts=layouts,
         value_dim=value_dim if value_dim != n_dim else 0,
+        bias=bias,
     )
     return problem if problem.strided else replace(problem, layouts=())  # contiguous: one canonical plan name

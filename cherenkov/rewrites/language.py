@@ -81,8 +81,9 @@ IX_CONSTRUCTORS: tuple[Constructor, ...] = (
 SORTS: dict[str, tuple[Constructor, ...]] = {
     "Ix": IX_CONSTRUCTORS,
     "IxList": (Constructor("INil", (), 0), Constructor("ICons", ("Ix", "IxList"), 0)),
-    "Mask": (Constructor("NoMask", (), 0), Constructor("CausalMask", ("Ix",), 0)),
     "Expr": EXPR_CONSTRUCTORS,
+    # a flash-attention mask: none, causal on a query axis, scores plus a bias tensor
+    "Mask": (Constructor("NoMask", (), 0), Constructor("CausalMask", ("Ix",), 0), Constructor("BiasMask", ("Expr",), 0)),
     "Schedule": (
         Constructor(
             "FlashSchedule",
@@ -95,6 +96,9 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
     "Plan": (Constructor("Scheduled", ("Expr", "Schedule"), 0),),
 }
 
+# Sorts that refer to each other (an Expr holds a Mask, a Mask an Expr): declared together.
+MUTUAL_SORTS = ("Expr", "Mask")
+
 # The axes function of each sort that has one.
 AXES_FUNCTION = {"Expr": "axes", "Ix": "ixaxes", "IxList": "listaxes", "Mask": "maskaxes"}
 
@@ -106,11 +110,15 @@ KERNEL_CONSTRUCTORS = frozenset(
 def declarations() -> str:
     """Sort, constructor, relation and analysis-function declarations."""
     lines = ["(sort StrSet (Set String))"]
+
+    def variants(constructors: tuple[Constructor, ...]) -> str:
+        return " ".join(f"({c.name}{''.join(' ' + a for a in c.args)} :cost {c.cost})" for c in constructors)
+
     for sort, constructors in SORTS.items():
-        body = " ".join(
-            f"({c.name}{''.join(' ' + a for a in c.args)} :cost {c.cost})" for c in constructors
-        )
-        lines.append(f"(datatype {sort} {body})")
+        if sort == MUTUAL_SORTS[0]:
+            lines.append(f"(datatype* {' '.join(f'({name} {variants(SORTS[name])})' for name in MUTUAL_SORTS)})")
+        elif sort not in MUTUAL_SORTS:
+            lines.append(f"(datatype {sort} {variants(constructors)})")
     for sort, function in AXES_FUNCTION.items():
         lines.append(f"(function {function} ({sort}) StrSet :merge (set-intersect old new))")
     for schedule in SORTS["Schedule"]:

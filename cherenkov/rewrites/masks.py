@@ -3,7 +3,10 @@
 ``k_idx <= q_idx`` arrives as ``where(q_idx < k_idx, false, true)``; an additive mask is
 ``scores + where(c, −∞, 0)``; a scale may follow the mask. Causal masks then match the
 flash-attention rule, which turns them into its causal flag. Broadcast K/V heads (GQA)
-need no rule: at the border they already index K/V with ``h // group``.
+need no rule: at the border they already index K/V with ``h // group``. A "safe" softmax
+(PyTorch's for a mask tensor: 0 for a row whose every score is masked) is
+``where(max_j s > −∞, softmax_j(s), 0)``; its ``where`` moves out of the product with ``v``
+and out of the sum over keys, where the streaming rules meet it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from cherenkov.rewrites.terms import ax, tensor
 s = tensor("s", "i:3", "j:4")
 t = tensor("t", "i:3", "j:4")
 condition = ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:4")))
+row_condition = ("Lt", ("Iota", ax("i:3")), ("Num", 1.0))  # false for row 0 only
 
 RULES = (
     Rule(
@@ -46,6 +50,21 @@ RULES = (
         rhs="(Where c (Num -inf) (Mul s (Num k)))",
         where=("(> k 0.0)", "(= axes-s (axes s))", "(> (set-length axes-s) 0)"),
         example=Example(("Mul", ("Where", condition, ("Num", -math.inf), s), ("Num", 0.25))),
+    ),
+    Rule(
+        "where-zero-factor",
+        "where(c, a, 0)·b = where(c, a·b, 0) for a finite b",
+        lhs="(Mul (Where c a (Num 0.0)) b)",
+        rhs="(Where c (Mul a b) (Num 0.0))",
+        example=Example(("Mul", ("Where", condition, s, ("Num", 0.0)), t)),
+    ),
+    Rule(
+        "sum-where-invariant",
+        "Σ_j where(c, a, 0) = where(c, Σ_j a, 0) when c does not depend on j",
+        lhs="(Sum j n (Where c a (Num 0.0)))",
+        rhs="(Where c (Sum j n a) (Num 0.0))",
+        where=("(= axes-c (axes c))", "(set-not-contains axes-c j)"),
+        example=Example(("Sum", "j:4", 4, ("Where", row_condition, s, ("Num", 0.0)))),
     ),
 )
 

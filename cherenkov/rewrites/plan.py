@@ -109,9 +109,35 @@ class OperandLayout:
         return same and self.offset == other.offset and math.prod(self.shape) == math.prod(other.shape)
 
 
+BIAS_DTYPES = ("bf16", "fp16", "fp32")
+"""Dtypes of an additive attention bias."""
+
+
+@dataclass(frozen=True)
+class AttentionBias:
+    """The bias tensor of a flash-attention problem (an additive mask), read in place: score
+    ``(b, h, i, j)`` gains ``tensor[offset + b·batch + h·head + i·row + j·key]`` (``−∞``
+    masks it). A stride of 0 broadcasts (a mask shared by the heads); ``h`` is the query
+    head. A row whose every score is masked attends to nothing and gives 0 (PyTorch's safe
+    softmax)."""
+
+    tensor: str
+    dtype: str
+    shape: tuple[int, ...]
+    batch: int
+    head: int
+    row: int
+    key: int
+    offset: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict) -> AttentionBias:
+        return cls(**{**data, "shape": tuple(data["shape"])})
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
-    """One flash-attention kernel: ``o = softmax(scale · q kᵀ [+ causal mask]) v``.
+    """One flash-attention kernel: ``o = softmax(scale · q kᵀ [+ causal mask | + bias]) v``.
 
     ``kv_heads`` divides ``heads``; query head ``h`` reads K/V head ``h // (heads //
     kv_heads)`` (GQA/MQA). Causal follows PyTorch's ``is_causal``: query ``i`` sees keys
@@ -121,7 +147,8 @@ class AttentionProblem:
     The tensor names are validated identifiers of the user's graph (q, k and v may name
     one tensor: slices of a fused projection). ``layouts`` places q, k, v and o in their
     stored tensors (:class:`OperandLayout`, in ``ATTENTION_ROLES`` order); empty: each is
-    a contiguous BHSD tensor of its own.
+    a contiguous BHSD tensor of its own. ``bias`` is a tensor added to the scores
+    (:class:`AttentionBias`; never together with ``causal``).
     """
 
     batch: int
@@ -139,6 +166,7 @@ class AttentionProblem:
     out: str = "o"
     layouts: tuple[OperandLayout, ...] = ()
     value_dim: int = 0
+    bias: AttentionBias | None = None
 
     @property
     def v_dim(self) -> int:
@@ -175,8 +203,12 @@ class AttentionProblem:
         return OperandLayout.contiguous(self.logical_shape(role))
 
     def stored_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Stored tensor name -> shape, inputs and output (one entry for a shared tensor)."""
-        return {self.name(role): self.layout(role).shape for role in ATTENTION_ROLES}
+        """Stored tensor name -> shape, inputs and output (one entry for a shared tensor), the
+        bias tensor among them."""
+        shapes = {self.name(role): self.layout(role).shape for role in ATTENTION_ROLES}
+        if self.bias is not None:
+            shapes[self.bias.tensor] = self.bias.shape
+        return shapes
 
     def layout_problems(self) -> list[str]:
         """Why the layouts cannot be read with 16-byte copies; empty when they can."""
@@ -200,6 +232,8 @@ class AttentionProblem:
         values["layouts"] = tuple(
             OperandLayout(**{**layout, "shape": tuple(layout["shape"])}) for layout in values.get("layouts", ())
         )
+        if values.get("bias") is not None:
+            values["bias"] = AttentionBias.from_json(values["bias"])
         return cls(**values)
 
     @property
@@ -618,6 +652,8 @@ class KernelPlan:
         problem = asdict(self.problem)
         if not problem["value_dim"]:
             del problem["value_dim"]  # one D for q, k and v: the names plans had before D_v
+        if problem["bias"] is None:
+            del problem["bias"]  # no bias: the names plans had before biases
         schedule = asdict(self.schedule)
         for knob, plain in (("kv_splits", 1), ("pack_group", False), ("warp_keys", False)):
             if schedule.get(knob, plain) == plain:

@@ -128,6 +128,13 @@ def softmax_fold(
     return m, l, acc
 
 
+def normalised(xp: Any, acc: Any, l: Any) -> Any:
+    """``acc / l``, and 0 for a row without a live score (``l = 0``): the streaming forms'
+    safe softmax, which PyTorch's attention with a mask tensor follows too."""
+    live = l > 0
+    return xp.where(live, acc / xp.where(live, l, 1.0), 0.0)
+
+
 SPLIT_REFERENCE_CHUNKS = 3
 """Key chunks the reference folds a split-KV form over (uneven on the rule's 7 keys)."""
 
@@ -147,7 +154,7 @@ def split_fold(arrays: Arrays, s: Any, v: Any, dim: int, splits: int, block: int
         v_chunk = v if v.shape[dim] == 1 else v[tuple(window)]
         m, l, acc = softmax_fold(arrays, s[tuple(window)], v_chunk, dim, block)
         live = l > 0
-        partials.append(xp.where(live, acc / xp.where(live, l, 1.0), 0.0))
+        partials.append(normalised(xp, acc, l))
         lses.append(xp.where(live, m + xp.log(xp.where(live, l, 1.0)), -np.inf))
     top = lses[0]
     for lse in lses[1:]:
@@ -309,7 +316,7 @@ class TermEvaluator:
                 scores = self.along(v(args[2], inner), axis, extent)
                 values = v(args[3], inner) if head != "SoftmaxFoldL" else None
                 _, l, acc = softmax_fold(arrays, scores, values, self.position[axis], self.fold_block)
-                return {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head, acc / l if acc is not None else l)
+                return {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head, normalised(xp, acc, l) if acc is not None else l)
             case "FlashAttention":
                 return self._flash(args, env)
             case "FlashAttentionSplitKv":
@@ -347,11 +354,13 @@ class TermEvaluator:
             query_index = self.index(mask[1], over_keys)
             key_index = self.index(t.ax(key), over_keys)
             scores = self.xp.where(query_index < key_index, self.scalar(-np.inf), scores)
+        elif mask[0] == "BiasMask":
+            scores = scores + self.value(mask[1], over_keys)
         values = self.value(v, over_keys)
         if splits > 1:
             return split_fold(self.arrays, scores, values, self.position[key], splits, self.fold_block)
         _, l, acc = softmax_fold(self.arrays, scores, values, self.position[key], self.fold_block)
-        return acc / l
+        return normalised(self.xp, acc, l)
 
 
 def axis_names(term: Term) -> set[str]:

@@ -4,7 +4,10 @@ With ``m = max_j s``, the pair ``(Σ_j e^{s_j−m}·v_j, Σ_j e^{s_j−m})`` is 
 fold over ``j`` of the state ``(m, l, acc)`` (combine: rescale both by ``e^{m_old−m_new}``
 and add), so one pass over the keys computes both sums and the normalised result. When
 the scores are themselves a scaled contraction ``c·Σ_d q·k`` (optionally causally
-masked) the streaming softmax-contraction is flash attention. The fold's associativity
+masked, or plus a stored bias tensor) the streaming softmax-contraction is flash
+attention. Both give 0 for a row without a live score (all −∞), so a safe softmax's
+``where(max_j s > −∞, ·, 0)`` around them is the form itself.
+The fold's associativity
 splits it: folding the keys in chunks and folding the chunks' partial states gives the
 same result (split-KV attention, for decoding).
 """
@@ -23,6 +26,9 @@ k = tensor("k", "j:7", "d:4")
 shifted = ("Add", s, ("Neg", ("Max", "j:7", 7, s)))
 scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.5))
 causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores)
+bias = tensor("b", "i:3", "j:7")
+# row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
+dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.inf), s)
 
 RULES = (
     Rule(
@@ -62,6 +68,22 @@ RULES = (
         ),
         rhs="(FlashAttention j n d nd q k v c (CausalMask iq))",
         example=Example(("OnlineSoftmaxContract", "j:7", 7, causal, v)),
+    ),
+    Rule(
+        "flash-attention-bias",
+        "Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for a stored tensor b",
+        lhs="(OnlineSoftmaxContract j n (Add (Mul (Contract d nd q k) (Num c)) (Tensor b bix)) v)",
+        rhs="(FlashAttention j n d nd q k v c (BiasMask (Tensor b bix)))",
+        example=Example(("OnlineSoftmaxContract", "j:7", 7, ("Add", scores, bias), v)),
+    ),
+    Rule(
+        "online-softmax-safe-rows",
+        "where(max_j s > −∞, Σ_j softmax_j(s)·v_j, 0) = Σ_j softmax_j(s)·v_j: the fold gives 0 for a row "
+        "without a live score",
+        lhs="(Where (Lt (Num -inf) (Max j n s)) (OnlineSoftmaxContract j n s v) (Num 0.0))",
+        rhs="(OnlineSoftmaxContract j n s v)",
+        example=Example(("Where", ("Lt", ("Num", -math.inf), ("Max", "j:7", 7, dead_row)),
+                         ("OnlineSoftmaxContract", "j:7", 7, dead_row, v), ("Num", 0.0))),
     ),
     Rule(
         "flash-split-kv",

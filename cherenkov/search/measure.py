@@ -22,12 +22,12 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from cherenkov.codegen.launch import operand_view
+from cherenkov.codegen.launch import TORCH_DTYPES, mask_view, operand_view
 from cherenkov.codegen.plan import CompiledKernel
 from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.rewrites.plan import AttentionProblem
@@ -76,7 +76,8 @@ class Measurement:
 
 
 def _inputs(problem: AttentionProblem, seed: int, device: int) -> dict[str, Any]:
-    """Standard-normal stored tensors of q, k and v (one for a name they share), by name."""
+    """Standard-normal stored tensors of q, k and v (one for a name they share) and of the
+    bias, by name."""
     import torch
 
     generator = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
@@ -87,17 +88,28 @@ def _inputs(problem: AttentionProblem, seed: int, device: int) -> dict[str, Any]
         if name not in stored:
             shape = problem.layout(role).shape
             stored[name] = torch.randn(shape, generator=generator, device=f"cuda:{device}").to(dtype)
+    bias = problem.bias
+    if bias is not None:
+        values = torch.randn(bias.shape, generator=generator, device=f"cuda:{device}")
+        stored[bias.tensor] = values.to(getattr(torch, TORCH_DTYPES[bias.dtype]))
     return stored
 
 
-def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any) -> Any:
-    """softmax(q kᵀ·scale) v in float32 (memory-efficient or math backend)."""
+def _sdpa_mask(problem: AttentionProblem, stored: Mapping[str, Any], dtype: Any) -> Any:
+    """The problem's bias as SDPA's ``attn_mask``, in ``dtype`` (None without a bias)."""
+    if problem.bias is None:
+        return None
+    return mask_view(problem, stored[problem.bias.tensor]).to(dtype)
+
+
+def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None) -> Any:
+    """softmax(q kᵀ·scale [+ bias]) v in float32 (memory-efficient or math backend)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), is_causal=problem.causal, scale=problem.scale,
+            q.float(), k.float(), v.float(), attn_mask=mask, is_causal=problem.causal, scale=problem.scale,
             enable_gqa=problem.group_size > 1,
         )
 
@@ -218,10 +230,12 @@ def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
     kernel = load_kernel(task.compiled, device)
     stored = _inputs(problem, task.seed, device)
     q, k, v = (stored[problem.name(role)] for role in ("q", "k", "v"))
+    bias = stored[problem.bias.tensor] if problem.bias is not None else None
     out = torch.full(problem.layout("o").shape, float("nan"), dtype=q.dtype, device=q.device)
-    kernel(q, k, v, out)
+    kernel(q, k, v, out, bias)
     torch.cuda.synchronize()
-    reference = _reference(problem, *(operand_view(problem, role, stored[problem.name(role)]) for role in "qkv"))
+    reference = _reference(problem, *(operand_view(problem, role, stored[problem.name(role)]) for role in "qkv"),
+                           _sdpa_mask(problem, stored, torch.float32))  # fmt: skip
     got = operand_view(problem, "o", out)
     error = float((got.float() - reference).norm() / reference.norm())
     if not error <= TOLERANCE[problem.dtype]:  # NaN fails too
@@ -230,7 +244,7 @@ def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
             f"; {unwritten} output elements NaN (unwritten or invalid)" if unwritten else ""
         )
         return Measurement(task.candidate, "wrong", reason, error)
-    times, stopped = _time(lambda: kernel(q, k, v, out), flush, task.samples, task.best_ms)
+    times, stopped = _time(lambda: kernel(q, k, v, out, bias), flush, task.samples, task.best_ms)
     reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
 
@@ -242,12 +256,14 @@ def _references(problem: AttentionProblem, device: int, flush: Any) -> dict[str,
 
     stored = _inputs(problem, 0, device)
     q, k, v = (operand_view(problem, role, stored[problem.name(role)]).contiguous() for role in "qkv")
+    mask = _sdpa_mask(problem, stored, q.dtype)
     result = {}
     for name, backend in SDPA_BACKENDS.items():
         def launch(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=problem.causal, scale=problem.scale, enable_gqa=problem.group_size > 1
+                    q, k, v, attn_mask=mask, is_causal=problem.causal, scale=problem.scale,
+                    enable_gqa=problem.group_size > 1,
                 )
         try:
             times, _ = _time(launch, flush, SAMPLES, None)

@@ -151,7 +151,8 @@ class OptimizeResult:
             if problem is None:
                 buffers[kernel.output] = launcher.launch(buffers)
             else:
-                buffers[kernel.output] = launcher(buffers[problem.q], buffers[problem.k], buffers[problem.v])
+                bias = buffers[problem.bias.tensor] if problem.bias is not None else None
+                buffers[kernel.output] = launcher(buffers[problem.q], buffers[problem.k], buffers[problem.v], bias=bias)
             for name in self._dead_after[position]:
                 del buffers[name]
         return {name: buffers[name] for name in self.graph.outputs}

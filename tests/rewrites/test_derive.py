@@ -134,6 +134,66 @@ def test_flash_attention_is_found_in_every_spelling(spelling: str) -> None:
     assert plans and all(p.problem.causal == causal and p.problem.group_size == H // kv_heads for p in plans)
 
 
+def mask_graph(mask_heads: int, kv_heads: int = H, seq_q: int = SQ) -> ck.Graph:
+    """Attention with a bias ``(B, mask_heads, Sq, Skv)`` as SDPA's capture spells an additive
+    mask: ``softmax(s + mask)`` in PyTorch's safe softmax ``where(max s > −∞, ·, 0)``."""
+    g = ck.Graph("masked")
+    q = g.input("q", (B, H, seq_q, D), "bf16")
+    k, v = g.input("k", (B, kv_heads, SKV, D), "bf16"), g.input("v", (B, kv_heads, SKV, D), "bf16")
+    mask = g.input("mask", (B, mask_heads, seq_q, SKV), "bf16")
+    if kv_heads != H:
+        k, v = ck.nn.repeat_kv_heads(k, H // kv_heads), ck.nn.repeat_kv_heads(v, H // kv_heads)
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    s = s + mask
+    p = ck.where(s.max(axis=-1, keepdim=True) > -math.inf, ck.nn.softmax(s, axis=-1), 0.0)
+    g.output(p @ v, "o")
+    return g
+
+
+@pytest.mark.parametrize(("mask_heads", "kv_heads", "seq_q"), [
+    (1, H, SQ),  # a mask shared by the heads (transformers' causal + padding mask)
+    (H, H // 2, SQ),  # per head, GQA
+    (1, H // 2, 1),  # decoding: one query over a static cache's mask row
+])  # fmt: skip
+def test_flash_attention_with_a_bias_tensor_reads_it_in_place(mask_heads: int, kv_heads: int, seq_q: int) -> None:
+    g = mask_graph(mask_heads, kv_heads, seq_q)
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["flash_attention"]  # the safe softmax's where is the form
+    assert_derived_program_matches(g, d)
+    assert {"flash-attention-bias", "sum-where-invariant", "where-zero-factor"} <= set(d.trace), d.trace
+    plans = d.plans("sm_90")
+    assert plans and {p.problem.bias for p in plans} == {plans[0].problem.bias}
+    bias = plans[0].problem.bias
+    assert (bias.tensor, bias.dtype, bias.shape) == ("mask", "bf16", (B, mask_heads, seq_q, SKV))
+    assert (bias.batch, bias.head, bias.row, bias.key) == (
+        mask_heads * seq_q * SKV, seq_q * SKV if mask_heads > 1 else 0, SKV if seq_q > 1 else 0, 1)
+    assert not plans[0].problem.causal and plans[0].problem.group_size == H // kv_heads
+    assert any(isinstance(p.schedule, HopperFlashSchedule) for p in d.plans("sm_90a"))
+
+
+def test_the_safe_softmax_alone_is_the_flash_form() -> None:
+    """Without a mask tensor, ``where(max s > −∞, softmax(s), 0) @ v`` is plain flash attention."""
+    g = ck.Graph("safe")
+    q, k, v = (g.input(n, (B, H, SQ if n == "q" else SKV, D), "bf16") for n in "qkv")
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    g.output(ck.where(s.max(axis=-1, keepdim=True) > -math.inf, ck.nn.softmax(s, axis=-1), 0.0) @ v, "o")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["flash_attention"] and d.plans("sm_90")[0].problem.bias is None
+    assert_derived_program_matches(g, d)
+
+
+def test_a_mask_that_varies_along_another_axis_is_no_flash_mask() -> None:
+    """A mask read along the head dimension is no score mask: no flash plan reads it."""
+    g = ck.Graph("odd")
+    q, k, v = (g.input(n, (B, H, SQ if n == "q" else SKV, D), "bf16") for n in "qkv")
+    m = g.input("m", (B, 1, SQ, D), "bf16")
+    s = ((q + m) @ k.transpose(-2, -1)) * SCALE
+    g.output(ck.nn.softmax(s, axis=-1) @ v, "o")
+    d = ck.derive(g)
+    assert all(p.problem.bias is None for p in d.plans("sm_90"))
+    assert_derived_program_matches(g, d)
+
+
 def wrong_axis(q, k, v):
     s = (q @ k.transpose(-2, -1)) * SCALE
     p = (s - s.max(axis=-2, keepdim=True)).exp()

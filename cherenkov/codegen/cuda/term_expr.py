@@ -523,7 +523,7 @@ class TermEmitter:
         result = {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head)
         if result is None:
             result = self.fresh()
-            self.line(depth, f"const float {result} = {acc} / {l};")
+            self.line(depth, f"const float {result} = {l} > 0.0f ? {acc} / {l} : 0.0f;  // 0 without a live score")
         self.blocks[depth].memo[self._key(term, env)] = result
         return result
 
@@ -584,7 +584,8 @@ class TermEmitter:
 
     def _flash(self, term: Term, env: Env) -> str:
         """Flash attention, serially: for each key, the score ``scale · Σ_d q·k`` (masked
-        causally), folded into an online softmax of ``v``."""
+        causally, or plus a bias), folded into an online softmax of ``v``; a row without a
+        live score gives 0."""
         key, n_keys, dim, n_dim, q, k, v, scale, mask = term[1:]
         depth = self.depth_of(term, env)
         m, l, acc = self.fresh("s"), self.fresh("s"), self.fresh("s")
@@ -602,12 +603,14 @@ class TermEmitter:
             self.line(
                 key_depth, f"const float {score} = ({query} < {key_var}) ? -CK_INF : {float_constant(scale)} * {dot};"
             )
+        elif mask[0] == "BiasMask":
+            self.line(key_depth, f"const float {score} = {float_constant(scale)} * {dot} + {self.value(mask[1], over_keys)};")
         else:
             self.line(key_depth, f"const float {score} = {float_constant(scale)} * {dot};")
         self.line(key_depth, f"ck_softmax_acc_add({m}, {l}, {acc}, {score}, {self.value(v, over_keys)});")
         self.close_loop(depth, key_var, n_keys, f"keys {_safe_axis(key)}, online softmax")
         result = self.fresh()
-        self.line(depth, f"const float {result} = {acc} / {l};")
+        self.line(depth, f"const float {result} = {l} > 0.0f ? {acc} / {l} : 0.0f;  // 0 without a live score")
         self.blocks[depth].memo[self._key(term, env)] = result
         return result
 

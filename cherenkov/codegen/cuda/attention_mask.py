@@ -1,0 +1,85 @@
+"""A flash-attention problem's bias tensor in both flash families: constants and the reader.
+
+An :class:`~cherenkov.rewrites.plan.AttentionBias` (an additive mask, as transformers
+hands SDPA) is read in place, one element per score, where the kernel masks its scores
+(every key tile, not only the diagonal and tail ones). The reader returns the element in
+the scores' own units: the kernels keep raw ``q·k`` scores (scaled by ``SCALE_LOG2`` in the
+softmax) or, with a pre-scaled Q, exponents in log2 units, so a bias ``b`` becomes
+``b · BIAS_SCALE`` with ``BIAS_SCALE`` = ``1 / scale`` or ``log2 e``. A finite bias stays
+finite (at least ``−FLT_MAX``), so that a row such a bias masks wholly still averages its
+keys as PyTorch's math does; ``−∞`` masks the score, and a row without a live score
+gives 0.
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda.text import block, float_literal, identifier
+from cherenkov.rewrites.plan import AttentionProblem
+
+# The C++ type a bias element is read as, and how it becomes a float.
+_ELEMENT = {
+    "bf16": ("unsigned short", "__uint_as_float(u32(raw) << 16)"),
+    "fp16": ("unsigned short", "half_bits_to_float(raw)"),
+    "fp32": ("float", "raw"),
+}
+
+
+def mask_clause(problem: AttentionProblem) -> str:
+    """The mask in a kernel header's formula: `` + causal mask``, `` + <bias>`` or empty."""
+    if problem.bias is not None:
+        return f" + {identifier(problem.bias.tensor)}"
+    return " + causal mask" if problem.causal else ""
+
+
+def emit_mask_constants(problem: AttentionProblem, factor: float, why: str) -> str:
+    """``BIAS`` (whether the problem reads a bias tensor) and, when it does, the tensor's
+    element type, strides and ``BIAS_SCALE = factor``, which brings a bias to the scores'
+    units (``why`` says which those are)."""
+    bias = problem.bias
+    if bias is None:
+        return "constexpr bool BIAS = false;  // no bias tensor"
+    return block(
+        f"""
+        // The bias tensor ({bias.dtype}): element (b, h, i, j) at BIAS_OFFSET + b * BIAS_BATCH_STRIDE
+        // + h * BIAS_HEAD_STRIDE + i * BIAS_ROW_STRIDE + j * BIAS_KEY_STRIDE (h a query head; stride 0:
+        // shared along that axis).
+        constexpr bool BIAS = true;
+        typedef {_ELEMENT[bias.dtype][0]} bias_t;
+        constexpr size_t BIAS_BATCH_STRIDE = {bias.batch};
+        constexpr size_t BIAS_HEAD_STRIDE = {bias.head};
+        constexpr size_t BIAS_ROW_STRIDE = {bias.row};
+        constexpr size_t BIAS_KEY_STRIDE = {bias.key};
+        constexpr size_t BIAS_OFFSET = {bias.offset};
+        constexpr float BIAS_SCALE = {float_literal(factor)};  // {why}
+        """
+    )
+
+
+def emit_bias_score(problem: AttentionProblem) -> str:
+    """``bias_score(row, key)``: the bias of one score in the scores' units (empty without a
+    bias tensor)."""
+    bias = problem.bias
+    if bias is None:
+        return ""
+    convert = ""
+    if bias.dtype == "fp16":
+        convert = block(
+            """
+            __device__ __forceinline__ float half_bits_to_float(unsigned short bits) {
+                float x;
+                asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
+                return x;
+            }
+            """
+        ) + "\n\n"
+    return convert + block(
+        """
+        // The bias of the score of key `key` in the row whose elements start at `row`, in the
+        // scores' units; a finite bias stays finite.
+        __device__ __forceinline__ float bias_score(const bias_t* row, int key) {
+            const bias_t raw = __ldg(row + size_t(key) * BIAS_KEY_STRIDE);
+            const float b = @TO_FLOAT@;
+            return b == neg_inf() ? b : fmaxf(b * BIAS_SCALE, -3.402823466e38f);
+        }
+        """
+    ).replace("@TO_FLOAT@", _ELEMENT[bias.dtype][1])
