@@ -227,7 +227,7 @@ def test_gpu_gpt2_small_forward_through_the_backend_matches_eager(tmp_path, monk
     monkeypatch.setattr(dynamo, "split_supported", recording)
     with TuningDatabase(tmp_path / "tuning.sqlite") as db, torch.no_grad():
         torch._dynamo.reset()
-        backend = functools.partial(cherenkov_backend, options={"budget_s": 150.0, "database": db})
+        backend = functools.partial(cherenkov_backend, options={"budget_s": 60.0, "database": db})
         got = torch.compile(model, backend=backend)(ids, use_cache=False).logits.float()
         eager = model(ids, use_cache=False).logits.float()
         expected = model.float()(ids, use_cache=False).logits

@@ -6,9 +6,12 @@ hands SDPA) is read in place, one element per score, where the kernel masks its 
 the scores' own units: the kernels keep raw ``q·k`` scores (scaled by ``SCALE_LOG2`` in the
 softmax) or, with a pre-scaled Q, exponents in log2 units, so a bias ``b`` becomes
 ``b · BIAS_SCALE`` with ``BIAS_SCALE`` = ``1 / scale`` or ``log2 e``. A finite bias stays
-finite (at least ``−FLT_MAX``), so that a row such a bias masks wholly still averages its
-keys as PyTorch's math does; ``−∞`` masks the score, and a row without a live score
-gives 0.
+finite, at least ``−2^100``: a score plus that floor is the floor itself (the score is
+below half its ulp), and the floor times any scale is exact, so the softmax's
+``fma(s, c, −m·c)`` of a row such a bias masks wholly is exactly 0 for every key and the
+row averages its keys, as PyTorch's math does with transformers' lowest-value mask (at
+``−FLT_MAX`` the fma's rounding error alone would be ~2^100). ``−∞`` masks the score, and
+a row without a live score gives 0.
 """
 
 from __future__ import annotations
@@ -75,11 +78,11 @@ def emit_bias_score(problem: AttentionProblem) -> str:
     return convert + block(
         """
         // The bias of the score of key `key` in the row whose elements start at `row`, in the
-        // scores' units; a finite bias stays finite.
+        // scores' units; a finite bias stays finite, at least -2^100 (the floor absorbs a score).
         __device__ __forceinline__ float bias_score(const bias_t* row, int key) {
             const bias_t raw = __ldg(row + size_t(key) * BIAS_KEY_STRIDE);
             const float b = @TO_FLOAT@;
-            return b == neg_inf() ? b : fmaxf(b * BIAS_SCALE, -3.402823466e38f);
+            return b == neg_inf() ? b : fmaxf(b * BIAS_SCALE, -1267650600228229401496703205376.0f);  // -2^100
         }
         """
     ).replace("@TO_FLOAT@", _ELEMENT[bias.dtype][1])
