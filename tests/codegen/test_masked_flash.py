@@ -13,7 +13,7 @@ import math
 import pytest
 
 from cherenkov.codegen import CompileError, compile_plans, cuda_source, load_kernel, valid_flash_plans
-from cherenkov.codegen.launch import mask_view
+from cherenkov.codegen.launch import TORCH_DTYPES, mask_view
 from cherenkov.rewrites.plan import TARGETS, AttentionBias, AttentionProblem, KernelPlan
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
 
@@ -95,11 +95,11 @@ def test_masked_sources_compile_without_spills(compiler, kernel_cache) -> None:
 
 
 def _inputs(problem: AttentionProblem, torch, mask=None) -> dict:
-    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[problem.dtype])
+    dtype = getattr(torch, TORCH_DTYPES[problem.dtype])
     tensors = {role: torch.randn(problem.logical_shape(role), device="cuda").to(dtype) for role in "qkv"}
     bias = problem.bias
     mask = torch.randn(bias.shape, device="cuda") if mask is None else mask
-    tensors["mask"] = mask.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[bias.dtype]))
+    tensors["mask"] = mask.to(getattr(torch, TORCH_DTYPES[bias.dtype]))
     return tensors
 
 

@@ -118,7 +118,7 @@ def flash_attention_source(plan: KernelPlan) -> str:
                 softmax.emit_row_finish(schedule.row_sums_mma)),
         section(pipeline_title, pipeline.emit()),
         section("one key tile", _q_fragments(tiling), *([_scale_q_rows()] if schedule.q_prescaled else []),
-                _row_state(schedule.row_sums_mma, bias=plan.problem.bias is not None),
+                _row_state(schedule.row_sums_mma, bias),
                 _compute_scores(schedule.q_prescaled), *_mask_readers(plan.problem),
                 _pack_probabilities(), _accumulate_values(schedule.row_sums_mma), *step_parts),
         section("epilogue", _store_output(schedule.pack_group),

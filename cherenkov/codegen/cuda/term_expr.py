@@ -523,7 +523,7 @@ class TermEmitter:
         result = {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head)
         if result is None:
             result = self.fresh()
-            self.line(depth, f"const float {result} = {l} > 0.0f ? {acc} / {l} : 0.0f;  // 0 without a live score")
+            self.line(depth, _normalised(result, acc, l))
         self.blocks[depth].memo[self._key(term, env)] = result
         return result
 
@@ -610,9 +610,14 @@ class TermEmitter:
         self.line(key_depth, f"ck_softmax_acc_add({m}, {l}, {acc}, {score}, {self.value(v, over_keys)});")
         self.close_loop(depth, key_var, n_keys, f"keys {_safe_axis(key)}, online softmax")
         result = self.fresh()
-        self.line(depth, f"const float {result} = {l} > 0.0f ? {acc} / {l} : 0.0f;  // 0 without a live score")
+        self.line(depth, _normalised(result, acc, l))
         self.blocks[depth].memo[self._key(term, env)] = result
         return result
+
+
+def _normalised(result: str, acc: str, l: str) -> str:
+    """``result = acc / l``, 0 for a row without a live score (``l = 0``): the streaming forms' safe softmax."""
+    return f"const float {result} = {l} > 0.0f ? {acc} / {l} : 0.0f;  // 0 without a live score"
 
 
 def _safe_axis(axis: str) -> str:
