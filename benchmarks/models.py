@@ -145,12 +145,13 @@ def benchmark_whole_model(label: str, args: argparse.Namespace, db: TuningDataba
     from cherenkov.search import dynamo
 
     splits: list[Any] = []
+    original = dynamo.split_supported
 
     def recording(*a: Any, **kw: Any) -> Any:
-        splits.append(dynamo.split_supported(*a, **kw))
+        splits.append(original(*a, **kw))
         return splits[-1]
 
-    dynamo.split_supported, original = recording, dynamo.split_supported
+    dynamo.split_supported = recording
     backend = functools.partial(dynamo.cherenkov_backend, options={"budget_s": args.budget, "database": db})
     start = time.perf_counter()
     try:

@@ -128,12 +128,13 @@ class FlashAttentionKernel(_StreamCache):
         p = self.problem
         if out is None:
             out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
-        for role, tensor in (("q", q), ("k", k), ("v", v), ("o", out)):
-            self._check(role, tensor, p.layout(role).shape)
+        name = self.compiled.kernel_name
+        q, k, v, out = (checked_tensor(name, role, tensor, p.layout(role).shape, p.dtype, self.device)
+                        for role, tensor in (("q", q), ("k", k), ("v", v), ("o", out)))  # fmt: skip
         if p.bias is None and bias is not None:
-            raise CodegenError(f"{self.compiled.kernel_name} reads no bias tensor; got one")
+            raise CodegenError(f"{name} reads no bias tensor; got one")
         if p.bias is not None:
-            _check_tensor(self.compiled.kernel_name, p.bias.tensor, bias, p.bias.shape, p.bias.dtype, self.device)
+            bias = checked_tensor(name, p.bias.tensor, bias, p.bias.shape, p.bias.dtype, self.device)
         self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, bias)
         return out
 
@@ -149,26 +150,6 @@ class FlashAttentionKernel(_StreamCache):
         """The tensors after the operands: the bias (if the problem has one), then the
         key splits' workspace (if the plan has one)."""
         return (() if bias is None else (bias,)) + (() if self._workspace is None else (self._workspace,))
-
-    def _check(self, role: str, tensor, shape: tuple[int, ...]) -> None:
-        import torch
-
-        dtype = getattr(torch, TORCH_DTYPES[self.problem.dtype])
-        if not isinstance(tensor, torch.Tensor):
-            raise CodegenError(f"{role}: expected a torch tensor, got {type(tensor).__name__}")
-        problems = []
-        if tensor.device != torch.device("cuda", self.device):
-            problems.append(f"device {tensor.device} (expected cuda:{self.device})")
-        if tensor.dtype != dtype:
-            problems.append(f"dtype {tensor.dtype} (expected {dtype})")
-        if tuple(tensor.shape) != shape:
-            problems.append(f"shape {tuple(tensor.shape)} (expected {shape})")
-        if not tensor.is_contiguous():
-            problems.append("not contiguous (the kernel reads it at its plan's strides)")
-        if tensor.data_ptr() % 16:
-            problems.append("data pointer not 16-byte aligned")
-        if problems:
-            raise CodegenError(f"{role} for {self.compiled.kernel_name}: {', '.join(problems)}")
 
 
 class TermKernel(_StreamCache):
@@ -247,7 +228,7 @@ class TermKernel(_StreamCache):
                 isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.shape == shape
                 and tensor.device == self._torch_device and tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
             ):  # fmt: skip
-                _check_tensor(self.compiled.kernel_name, info.name, tensor, info.shape, info.dtype, self.device)
+                tensor = checked_tensor(self.compiled.kernel_name, info.name, tensor, info.shape, info.dtype, self.device)
             args.append(np.uint64(tensor.data_ptr()))
         handle = torch.cuda.current_stream(self._torch_device).cuda_stream
         if self._operand_maps is not None:
@@ -298,25 +279,37 @@ class TermKernel(_StreamCache):
         ]
 
 
-def _check_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_name: str, device: int) -> None:
+def checked_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_name: str, device: int):
+    """``tensor`` as ``kernel`` reads it for ``role``: a contiguous, 16-byte aligned CUDA tensor
+    of ``shape`` and the dtype named, viewed at ``shape`` where the two differ only in axes of
+    extent 1 (the same bytes: a producer kernel stores a decode step's query without its
+    axis of one row); a ``CodegenError`` naming every mismatch otherwise."""
     import torch
 
     dtype = getattr(torch, TORCH_DTYPES[dtype_name])
     if not isinstance(tensor, torch.Tensor):
         raise CodegenError(f"{role}: expected a torch tensor, got {type(tensor).__name__}")
+    shape = tuple(shape)
+    if tuple(tensor.shape) != shape and tensor.is_contiguous() and _no_unit_axes(tensor.shape) == _no_unit_axes(shape):
+        tensor = tensor.view(shape)
     problems = []
     if tensor.device != torch.device("cuda", device):
         problems.append(f"device {tensor.device} (expected cuda:{device})")
     if tensor.dtype != dtype:
         problems.append(f"dtype {tensor.dtype} (expected {dtype})")
-    if tuple(tensor.shape) != tuple(shape):
-        problems.append(f"shape {tuple(tensor.shape)} (expected {tuple(shape)})")
+    if tuple(tensor.shape) != shape:
+        problems.append(f"shape {tuple(tensor.shape)} (expected {shape})")
     if not tensor.is_contiguous():
         problems.append("not contiguous (row-major contiguous expected)")
     if tensor.numel() and tensor.data_ptr() % 16:
         problems.append("data pointer not 16-byte aligned")
     if problems:
         raise CodegenError(f"{role} for {kernel}: {', '.join(problems)}")
+    return tensor
+
+
+def _no_unit_axes(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 class TmaFlashKernel(FlashAttentionKernel):

@@ -31,6 +31,7 @@ e-graph alternatives: they are few, and each is valid for any problem the family
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -398,7 +399,7 @@ class TermKernelPlan:
             "target": self.target.name,
         }
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """A stable identifier: kind, schedule key and a short hash of everything."""
         digest = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode()).hexdigest()[:10]

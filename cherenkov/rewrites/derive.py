@@ -121,6 +121,58 @@ def _size(egraph: egg.EGraph) -> tuple[int, int]:
     return len(classes), len(nodes)
 
 
+@dataclass
+class Saturation:
+    """An e-graph saturated from lowered terms: the program that built it, each root's
+    global name in it, the pass in which each rule first fired, and the stats."""
+
+    egraph: egg.EGraph
+    roots: dict[str, str]
+    program: str
+    first_pass: dict[str, int]
+    stats: DerivationStats
+
+    def forms_of(self, constructor: str) -> list[Term]:
+        """Every e-node of one constructor, each as a term (its children extracted)."""
+        output = self.egraph.parse_and_run_program(f"(print-function {constructor} 1000000)")[-1]
+        termdag, memo = output.termdag, {}  # each attribute read copies the DAG out of egglog: read it once
+        return [t.from_termdag(termdag, key, memo) for key, _ in output.terms]
+
+
+def saturate(lowered: Lowered, rulesets: tuple[Ruleset, ...], max_passes: int, max_enodes: int,
+             name: str) -> Saturation:  # fmt: skip
+    """Run ``rulesets`` pass by pass on ``lowered``'s terms until a pass changes nothing,
+    ``max_passes`` ran or the e-graph holds over ``max_enodes`` e-nodes."""
+    start = time.perf_counter()
+    lets, roots = program_for(lowered)
+    rules = "\n".join(r.egglog() for r in (*rulesets, SCHEDULE))
+    program = "\n".join([prelude(), rules, lets])
+    egraph = egg.EGraph()
+    egraph.parse_and_run_program(program)
+    first_pass: dict[str, int] = {}
+    matches: dict[str, int] = {}
+    schedule = pass_schedule(rulesets)
+    known = {rule.name for ruleset in rulesets for rule in ruleset.rules}
+    saturated, passes = False, 0
+    for passes in range(1, max_passes + 1):
+        report = egraph.parse_and_run_program(schedule)[-1].report
+        for rule, count in report.num_matches_per_rule.items():
+            if count and rule in known:
+                matches[rule] = matches.get(rule, 0) + count
+                first_pass.setdefault(rule, passes)
+        if not report.updated:
+            saturated = True
+            break
+        if _size(egraph)[1] > max_enodes:
+            log.warning("derivation of %s stopped after %d passes: over %d e-nodes", name, passes, max_enodes)
+            break
+    program += "\n" + "\n".join([schedule] * passes)
+    eclasses, enodes = _size(egraph)
+    stats = DerivationStats(eclasses, enodes, passes, time.perf_counter() - start, dict(sorted(matches.items())),
+                            saturated)  # fmt: skip
+    return Saturation(egraph, roots, program, first_pass, stats)
+
+
 class Derivation:
     """The saturated e-graph of one graph, and what can be read from it."""
 
@@ -134,34 +186,12 @@ class Derivation:
         self.graph = graph
         self.rulesets = rulesets
         self.lowered = lower(graph)
-        start = time.perf_counter()
-        lets, self.roots = program_for(self.lowered)
-        rules = "\n".join(r.egglog() for r in (*rulesets, SCHEDULE))
-        self.egglog_program = "\n".join([prelude(), rules, lets])
-        self.egraph = egg.EGraph()
-        self.egraph.parse_and_run_program(self.egglog_program)
-        self.first_pass: dict[str, int] = {}
-        matches: dict[str, int] = {}
-        schedule = pass_schedule(rulesets)
-        known = {rule.name for ruleset in rulesets for rule in ruleset.rules}
-        saturated, passes = False, 0
-        for passes in range(1, max_passes + 1):
-            report = self.egraph.parse_and_run_program(schedule)[-1].report
-            for rule, count in report.num_matches_per_rule.items():
-                if count and rule in known:
-                    matches[rule] = matches.get(rule, 0) + count
-                    self.first_pass.setdefault(rule, passes)
-            if not report.updated:
-                saturated = True
-                break
-            if _size(self.egraph)[1] > max_enodes:
-                log.warning("derivation of %s stopped after %d passes: over %d e-nodes", graph.name, passes, max_enodes)
-                break
-        self.egglog_program += "\n" + "\n".join([schedule] * passes)
-        eclasses, enodes = _size(self.egraph)
-        self.stats = DerivationStats(
-            eclasses, enodes, passes, time.perf_counter() - start, dict(sorted(matches.items())), saturated
-        )
+        self.saturation = saturate(self.lowered, rulesets, max_passes, max_enodes, graph.name)
+        self.egraph = self.saturation.egraph
+        self.roots = self.saturation.roots
+        self.egglog_program = self.saturation.program
+        self.first_pass = self.saturation.first_pass
+        self.stats = self.saturation.stats
         log.info("derived %s: %s", graph.name, self.stats)
 
     # ------------------------------------------------------------ reading the e-graph
@@ -171,9 +201,7 @@ class Derivation:
 
     def forms_of(self, constructor: str) -> list[Term]:
         """Every e-node of one constructor, each as a term (its children extracted)."""
-        output = self._run(f"(print-function {constructor} 1000000)")[-1]
-        termdag, memo = output.termdag, {}  # each attribute read copies the DAG out of egglog: read it once
-        return [t.from_termdag(termdag, key, memo) for key, _ in output.terms]
+        return self.saturation.forms_of(constructor)
 
     @functools.cached_property
     def extracted(self) -> dict[str, Term]:
@@ -273,22 +301,40 @@ class Derivation:
     @functools.cache
     def _needed_rules(self, constructor: str) -> tuple[str, ...]:
         """A minimal set of the rules that fired without which no ``constructor`` form
-        arises, ordered by the pass in which each first fired (greedy ablation)."""
+        arises, ordered by the pass in which each first fired (greedy ablation).
+
+        Each trial saturates only the root whose extraction holds the form (its term reads
+        the other roots as stored tensors): a whole model's layers are one graph, and
+        re-deriving all of them per trial made the ablation the bulk of a search."""
         order = [r.name for ruleset in self.rulesets for r in ruleset.rules]
         needed = sorted(self.first_pass, key=lambda r: (self.first_pass[r], order.index(r)))
-        if constructor not in FORMS.values() or not self._derives(constructor, needed):
+        if constructor not in FORMS.values():
+            return ()
+        lowered = self._root_holding(constructor)
+        if not self._derives(lowered, constructor, needed):
             return ()
         for rule in list(needed):
             trial = [r for r in needed if r != rule]
-            if self._derives(constructor, trial):
+            if self._derives(lowered, constructor, trial):
                 needed = trial
         return tuple(needed)
 
-    def _derives(self, constructor: str, rules: list[str]) -> bool:
+    def _root_holding(self, constructor: str) -> Lowered:
+        """The lowered graph cut down to the first root whose extracted term (with or without
+        the streaming forms) holds a ``constructor`` form; the whole graph if none does."""
+        for excluded in ((), STREAMING_FORMS):
+            for name, term in (self._extract(excluded) if excluded else self.extracted).items():
+                if any(s[0] == constructor for s in t.subterms(term)):
+                    axes = {name: self.lowered.root_axes[name]}
+                    return dataclasses.replace(self.lowered, roots={name: self.lowered.roots[name]}, root_axes=axes,
+                                               outputs=(name,))  # fmt: skip
+        return self.lowered
+
+    def _derives(self, lowered: Lowered, constructor: str, rules: list[str]) -> bool:
         subset = tuple(
             dataclasses.replace(r, rules=tuple(x for x in r.rules if x.name in rules)) for r in self.rulesets
         )
-        trial = Derivation(self.graph, rulesets=subset, max_passes=self.stats.iterations)
+        trial = saturate(lowered, subset, self.stats.iterations, MAX_ENODES, self.graph.name)
         return bool(trial.forms_of(constructor))
 
     def evaluate(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -329,6 +375,9 @@ class Derivation:
             rows = self.forms_of("Scheduled")
         finally:
             self._run("(pop)")
+        schedules: dict[Term, list[Any]] = {}  # by the flash form they schedule
+        for row in rows:
+            schedules.setdefault(row[1], []).append(schedule_from_term(row[2]))
         plans = []
         for kernel in self.kernels:
             problem = problems.get(kernel.output)
@@ -336,10 +385,9 @@ class Derivation:
                 continue
             # key splits come from the split-KV form of the same e-class (rule flash-split-kv)
             split_trace = (*kernel.trace, "flash-split-kv")
-            for form, schedule_term in ((row[1], row[2]) for row in rows):
-                schedule = schedule_from_term(schedule_term)
+            for schedule in schedules.get(kernel.source, ()):
                 fits = hopper_schedule_problems if isinstance(schedule, HopperFlashSchedule) else flash_schedule_problems
-                if form == kernel.source and not fits(schedule, problem, target):
+                if not fits(schedule, problem, target):
                     trace = split_trace if getattr(schedule, "kv_splits", 1) > 1 else kernel.trace
                     plans.append(KernelPlan("flash_attention", problem, schedule, target, trace))
         return tuple(sorted(set(plans), key=lambda p: p.name))

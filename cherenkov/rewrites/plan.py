@@ -665,7 +665,7 @@ class KernelPlan:
             "target": self.target.name,
         }
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """A stable identifier: kind, schedule key and a short hash of everything."""
         digest = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode()).hexdigest()[:10]

@@ -83,7 +83,10 @@ class CompiledFunction:
     """``fn`` compiled by :func:`compile`; call it like ``fn``. ``prepared`` maps each
     signature seen (or listed in ``dynamic``) to its :class:`PreparedCall`; ``searches``
     counts the captures (one per new signature); ``op`` is the custom op a call dispatches
-    (named after ``name``, default ``fn``'s)."""
+    (named after ``name``, default ``fn``'s). With ``traced_dtypes`` (a backend region) the
+    dtypes the trace recorded are the region's: a float input arriving in another float
+    dtype at a prepared shape is cast to the prepared one instead of being searched anew
+    (inductor can hand a region a float32 value across the cast to bf16 its trace holds)."""
 
     fn: Callable[..., Any]
     optimize_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -91,7 +94,9 @@ class CompiledFunction:
     cuda_graphs: bool = True
     prepared: dict[Signature, PreparedCall] = field(default_factory=dict)
     searches: int = 0
+    traced_dtypes: bool = False
     op: Any = field(init=False, repr=False)
+    _casts_said: set[Signature] = field(default_factory=set, repr=False)
     _warned_cpu: bool = False
 
     def __post_init__(self) -> None:
@@ -107,6 +112,8 @@ class CompiledFunction:
 
     def outputs_of(self, tensors: Sequence[Any]) -> list[Any]:
         """The op's kernel: ``fn``'s outputs on ``tensors`` (in the graph's output order)."""
+        if self.traced_dtypes:
+            tensors = self._as_traced(tensors)
         call = self.prepare(tensors)
         inputs = self._bind(call, tensors)
         if call.result is None:
@@ -155,6 +162,30 @@ class CompiledFunction:
             self.searches += 1
             log.info("ck.compile: prepared %s for %s", graph.name, key)
         return self.prepared[key]
+
+    def _as_traced(self, tensors: Sequence[Any]) -> Sequence[Any]:
+        """``tensors`` cast to the float dtypes of the one prepared signature that differs from
+        theirs only there (in the same shapes and devices); as they are otherwise."""
+        import torch
+
+        key = signature_of(tensors)
+        if key in self.prepared:
+            return tensors
+
+        def float_only(a: tuple, b: tuple) -> bool:
+            same_place = a[0] == b[0] and a[2] == b[2]
+            return same_place and (a[1] == b[1] or (getattr(torch, a[1]).is_floating_point and
+                                                    getattr(torch, b[1]).is_floating_point))  # fmt: skip
+
+        matches = [k for k in self.prepared if len(k) == len(key) and all(map(float_only, k, key))]
+        if len(matches) != 1:
+            return tensors
+        (traced,) = matches
+        if key not in self._casts_said:
+            self._casts_said.add(key)
+            changed = [f"input {i}: {b[1]} -> {a[1]}" for i, (a, b) in enumerate(zip(traced, key)) if a[1] != b[1]]
+            log.info("ck.compile: %s casts its inputs to the traced dtypes (%s)", self.name, ", ".join(changed))
+        return [t.to(getattr(torch, spec[1])) for t, spec in zip(tensors, traced)]
 
     def _bind(self, call: PreparedCall, tensors: Sequence[Any]) -> dict[str, Any]:
         """Every graph input: a positional argument, the module's live parameter or buffer of
@@ -207,7 +238,7 @@ class CompiledFunction:
         for name, value in values.items():
             dtype = getattr(torch, TORCH_DTYPES.get(graph.outputs[name].dtype, "float32"))
             # contiguous, as the kernels' outputs are (ATen kernels after a region may need a unit inner stride)
-            outputs[name] = torch.from_numpy(np.ascontiguousarray(value)).to(dtype)
+            outputs[name] = torch.from_numpy(np.ascontiguousarray(value)).reshape(np.shape(value)).to(dtype)  # 0-d stays 0-d
         return outputs
 
 

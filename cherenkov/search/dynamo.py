@@ -74,7 +74,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
             continue
         name = f"region_{node.target}"
         function = CompiledFunction(_positional(region, name), dict(optimize_kwargs), name=name,
-                                    cuda_graphs=cuda_graphs)  # fmt: skip
+                                    cuda_graphs=cuda_graphs, traced_dtypes=True)  # fmt: skip
         try:
             function.prepare(region_inputs[node.name])
         except Exception as error:  # noqa: BLE001 - any failure leaves the region to ATen, said in the log

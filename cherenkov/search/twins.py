@@ -3,12 +3,13 @@
 A whole model repeats its layers: the twelve layers of GPT-2 give twelve kernels of each
 kind with the same shapes, whose candidates differ only in the names of the tensors they
 read and write (and the plan ids derived from them). Two candidates are twins when their
-sources are equal after every tensor name and the plan's own id are renamed, consistently,
-to placeholders in order of first appearance (a renaming of identifiers, so equal sources
-compute the same thing on their own arguments). Kernels list their tensors by name, so two
-layers whose names sort differently are not recognised as twins: each is then searched on
-its own, as before (a missed twin costs time, never correctness). The search compiles, verifies and times one
-candidate of each twin group and gives its result to the others (:func:`twin_result`).
+sources are equal after the plan's own id is renamed to one placeholder and every tensor
+name to placeholders in order of first appearance (a consistent renaming of identifiers, so
+equal sources compute the same thing on their own arguments). Kernels list their tensors by
+name, so two layers whose names sort differently are not recognised as twins: each is then
+searched on its own (a missed twin costs time, never correctness). The search compiles,
+verifies and times one candidate of each twin group and gives its result to the others
+(:func:`twin_result`).
 """
 
 from __future__ import annotations
@@ -24,22 +25,22 @@ from cherenkov.search.space import Candidate
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 TENSOR_PARAMETER = "t_"
 """The prefix of a tensor's parameter in generated kernels (``t_<name>``)."""
+OWN_ID = "__ck_self__"
+"""What a candidate's own plan id becomes in its twin key."""
 
 
 def twin_key(candidate: Candidate, names: frozenset[str]) -> str:
-    """A digest of ``candidate``'s source with each of ``names`` and its plan id renamed to
-    ``__ck_<n>__`` by order of first appearance: equal for twins, and only for them."""
-    renamed: dict[str, str] = {}
-    own = candidate.id
-
-    def rename(match: re.Match[str]) -> str:
-        word = match.group()
-        tensor = word.removeprefix(TENSOR_PARAMETER)
-        if word != own and word not in names and tensor not in names:
-            return word
-        return renamed.setdefault(word, f"__ck_{len(renamed)}__")
-
-    return sha256_hex(IDENTIFIER.sub(rename, candidate.source).encode())
+    """A digest of ``candidate``'s source with its plan id renamed to ``OWN_ID`` and each of
+    ``names`` (or its ``t_`` parameter) to ``__ck_<n>__`` by order of first appearance: equal
+    for twins, and only for them."""
+    source = candidate.source.replace(candidate.id, OWN_ID)
+    words = {w for w in set(IDENTIFIER.findall(source)) if w in names or w.removeprefix(TENSOR_PARAMETER) in names}
+    if words:
+        alternatives = "|".join(map(re.escape, sorted(words, key=lambda w: (-len(w), w))))
+        renamed: dict[str, str] = {}
+        source = re.sub(rf"(?<![A-Za-z0-9_])(?:{alternatives})(?![A-Za-z0-9_])",
+                        lambda m: renamed.setdefault(m.group(), f"__ck_{len(renamed)}__"), source)  # fmt: skip
+    return sha256_hex(source.encode())
 
 
 def twin_groups(candidates: Sequence[Candidate], names: Iterable[str]) -> dict[str, tuple[Candidate, ...]]:

@@ -223,6 +223,28 @@ def test_no_flash_attention_from_wrong_spellings(spell: Callable) -> None:
     assert_derived_program_matches(g, d)
 
 
+def test_the_trace_ablation_saturates_only_the_root_holding_the_form(monkeypatch) -> None:
+    """Each ablation trial re-derives the one root whose extraction holds the fused form, not
+    the whole graph (a model's layers are one graph): two attention layers give the trace
+    one layer gives, from trials over one root each."""
+    from cherenkov.rewrites import derive as derive_module
+
+    g = ck.Graph("two_layers")
+    for layer in ("a", "b"):
+        q, k, v = (g.input(f"{x}_{layer}", (B, H, SQ if x == "q" else SKV, D), "bf16") for x in "qkv")
+        g.output(textbook(q, k, v), f"o_{layer}")
+    derivation = ck.derive(g)
+    trials = []
+    saturate = derive_module.saturate
+    def recording(lowered, *args):
+        trials.append(set(lowered.roots))
+        return saturate(lowered, *args)
+
+    monkeypatch.setattr(derive_module, "saturate", recording)
+    assert derivation.trace == ck.derive(attention_graph(textbook)).trace
+    assert trials and all(len(roots) == 1 for roots in trials), trials
+
+
 def test_softmax_rows_are_one_fused_kernel() -> None:
     g = ck.Graph("softmax")
     g.output(ck.nn.softmax(g.input("x", (6, 50))), "y")

@@ -267,6 +267,27 @@ def test_gpt2_layers_derive_flash_attention_reading_the_mask_transformers_builds
     assert len(biases) == 2 and {b[1:] for b in biases} == {((2, 1, 16, 16), 0, 16, 1)}, biases
 
 
+def test_a_region_handed_another_float_dtype_casts_to_the_traced_one_without_a_new_search():
+    """Inductor may keep a value in float32 across the cast to bf16 a region's trace holds: the
+    region casts it back (the trace's dtypes are its semantics) instead of capturing anew; a
+    plain ``ck.compile`` function searches the new dtype."""
+
+    def scale(x, y):
+        return x * 2.0 + y
+
+    region = CompiledFunction(scale, name="traced_dtype_region", traced_dtypes=True)
+    x, y = torch.randn(4, 8).to(torch.bfloat16), torch.randn(4, 8).to(torch.bfloat16)
+    region.prepare([x, y])
+    got = region(x.float(), y)
+    assert region.searches == 1 and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), (x * 2.0 + y).float(), rtol=1e-2, atol=1e-2)
+    region(x[:2].float(), y[:2])  # another shape is captured and searched anew
+    assert region.searches == 2
+    plain = CompiledFunction(scale, name="plain_dtype_function")
+    plain.prepare([x, y])
+    assert plain(x.float(), y).dtype == torch.float32 and plain.searches == 2
+
+
 def test_a_region_that_cannot_be_prepared_runs_as_aten_ops_and_is_named(caplog, monkeypatch):
     original = CompiledFunction.prepare
 

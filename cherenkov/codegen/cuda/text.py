@@ -7,6 +7,7 @@ through :func:`comment_text`, which rejects anything that could end a comment.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import textwrap
@@ -47,6 +48,7 @@ def bool_literal(value: bool) -> str:
     return "true" if value else "false"
 
 
+@functools.lru_cache(maxsize=8192)
 def block(text: str) -> str:
     """A dedented, stripped block of code (emitters write indented triple-quoted strings)."""
     return textwrap.dedent(text).strip("\n")
