@@ -129,12 +129,12 @@ class FlashAttentionKernel(_StreamCache):
         if out is None:
             out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
         name = self.compiled.kernel_name
-        q, k, v, out = (checked_tensor(name, role, tensor, p.layout(role).shape, p.dtype, self.device)
-                        for role, tensor in (("q", q), ("k", k), ("v", v), ("o", out)))  # fmt: skip
+        for role, tensor in (("q", q), ("k", k), ("v", v), ("o", out)):
+            check_tensor(name, role, tensor, p.layout(role).shape, p.dtype, self.device)
         if p.bias is None and bias is not None:
             raise CodegenError(f"{name} reads no bias tensor; got one")
         if p.bias is not None:
-            bias = checked_tensor(name, p.bias.tensor, bias, p.bias.shape, p.bias.dtype, self.device)
+            check_tensor(name, p.bias.tensor, bias, p.bias.shape, p.bias.dtype, self.device)
         self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, bias)
         return out
 
@@ -228,7 +228,7 @@ class TermKernel(_StreamCache):
                 isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.shape == shape
                 and tensor.device == self._torch_device and tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
             ):  # fmt: skip
-                tensor = checked_tensor(self.compiled.kernel_name, info.name, tensor, info.shape, info.dtype, self.device)
+                check_tensor(self.compiled.kernel_name, info.name, tensor, info.shape, info.dtype, self.device)
             args.append(np.uint64(tensor.data_ptr()))
         handle = torch.cuda.current_stream(self._torch_device).cuda_stream
         if self._operand_maps is not None:
@@ -279,19 +279,15 @@ class TermKernel(_StreamCache):
         ]
 
 
-def checked_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_name: str, device: int):
-    """``tensor`` as ``kernel`` reads it for ``role``: a contiguous, 16-byte aligned CUDA tensor
-    of ``shape`` and the dtype named, viewed at ``shape`` where the two differ only in axes of
-    extent 1 (the same bytes: a producer kernel stores a decode step's query without its
-    axis of one row); a ``CodegenError`` naming every mismatch otherwise."""
+def check_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype_name: str, device: int) -> None:
+    """That ``kernel`` can read ``tensor`` for ``role``: a contiguous, 16-byte aligned CUDA tensor
+    of ``shape`` and the dtype named; a ``CodegenError`` naming every mismatch otherwise."""
     import torch
 
     dtype = getattr(torch, TORCH_DTYPES[dtype_name])
     if not isinstance(tensor, torch.Tensor):
         raise CodegenError(f"{role}: expected a torch tensor, got {type(tensor).__name__}")
     shape = tuple(shape)
-    if tuple(tensor.shape) != shape and tensor.is_contiguous() and _no_unit_axes(tensor.shape) == _no_unit_axes(shape):
-        tensor = tensor.view(shape)
     problems = []
     if tensor.device != torch.device("cuda", device):
         problems.append(f"device {tensor.device} (expected cuda:{device})")
@@ -305,11 +301,6 @@ def checked_tensor(kernel: str, role: str, tensor, shape: tuple[int, ...], dtype
         problems.append("data pointer not 16-byte aligned")
     if problems:
         raise CodegenError(f"{role} for {kernel}: {', '.join(problems)}")
-    return tensor
-
-
-def _no_unit_axes(shape) -> tuple[int, ...]:
-    return tuple(d for d in shape if d != 1)
 
 
 class TmaFlashKernel(FlashAttentionKernel):

@@ -151,8 +151,11 @@ class OptimizeResult:
             if problem is None:
                 buffers[kernel.output] = launcher.launch(buffers)
             else:
-                bias = buffers[problem.bias.tensor] if problem.bias is not None else None
-                buffers[kernel.output] = launcher(buffers[problem.q], buffers[problem.k], buffers[problem.v], bias=bias)
+                stored = problem.stored_shapes()
+                q, k, v = (viewed_as(buffers[n], stored[n], n) for n in (problem.q, problem.k, problem.v))
+                bias = None if problem.bias is None else viewed_as(buffers[problem.bias.tensor], problem.bias.shape,
+                                                                   problem.bias.tensor)  # fmt: skip
+                buffers[kernel.output] = viewed_as(launcher(q, k, v, bias=bias), kernel.stored_shape, kernel.output)
             for name in self._dead_after[position]:
                 del buffers[name]
         return {name: buffers[name] for name in self.graph.outputs}
@@ -219,6 +222,19 @@ class OptimizeResult:
             if buffer not in keep:
                 dead[order.index(reader)].append(buffer)
         return dead
+
+
+def viewed_as(tensor: Any, shape: tuple[int, ...], name: str) -> Any:
+    """``tensor`` viewed at ``shape``: the same row-major bytes under the shape the next kernel
+    reads them at (a decode step's query stored as ``(1, 1, H·D)`` is its flash problem's
+    ``(1, H, 1, D)``; the flash output ``(1, H, 1, D)`` is the output projection's
+    ``(H·D,)``); a ``GraphError`` where the element counts differ or it is not contiguous."""
+    shape = tuple(shape)
+    if tuple(tensor.shape) == shape:
+        return tensor
+    if tensor.numel() != math.prod(shape) or not tensor.is_contiguous():
+        raise GraphError(f"run: buffer {name} is {tuple(tensor.shape)}; the kernel reading it needs {shape}")
+    return tensor.view(shape)
 
 
 class CapturedRun:

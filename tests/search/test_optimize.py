@@ -309,3 +309,36 @@ def test_ties_go_to_the_cost_models_favourite() -> None:
     assert optimize_module._rank([leader, result("a-far", 1.05, 0.5)]) is leader  # 5% apart: no tie
     unmodelled = result("a-unmodelled", 1.01, None)
     assert optimize_module._rank([leader, unmodelled]) is leader
+
+
+def decode_step_graph() -> ck.Graph:
+    """One decode step: a query projected from one token, attention over a 64-key cache, the
+    output projection."""
+    g = ck.Graph("decode_step")
+    x = g.input("x", (1, 1, 256), "bf16")
+    wq, wo = g.input("wq", (256, 256), "bf16"), g.input("wo", (256, 256), "bf16")
+    k, v = g.input("k", (1, 4, 64, 64), "bf16"), g.input("v", (1, 4, 64, 64), "bf16")
+    q = (x @ wq).reshape((1, 1, 4, 64)).transpose(1, 2)
+    s = (q @ k.transpose(-2, -1)) * (64**-0.5)
+    p = (s - s.max(axis=-1, keepdim=True)).exp()
+    o = (p / p.sum(axis=-1, keepdim=True)) @ v
+    g.output(o.transpose(1, 2).reshape((1, 1, 256)) @ wo, "y")
+    return g
+
+
+def test_run_hands_a_decode_steps_buffers_to_flash_attention_at_its_problems_shapes():
+    """A decode step's query is stored ``(1, 1, H·D)`` by its projection and read by the flash
+    kernel as ``(1, H, 1, D)``, whose output the output projection reads as ``(H·D,)``: the
+    same bytes, so ``run`` views them (the H200's Llama decode failed on the launcher's
+    shape check before); other element counts are refused."""
+    torch = pytest.importorskip("torch")
+    derivation = ck.derive(decode_step_graph())
+    (flash,) = [k for k in derivation.kernels if k.kind == "flash_attention"]
+    problem = derivation.plans("sm_90")[0].problem
+    projected = torch.arange(256.0).reshape(1, 1, 256)
+    q = optimize_module.viewed_as(projected, problem.stored_shapes()[problem.q], problem.q)
+    assert q.shape == (1, 4, 1, 64) and q.data_ptr() == projected.data_ptr() and q[0, 1, 0, 0] == 64
+    written = torch.zeros(problem.layout("o").shape)
+    assert optimize_module.viewed_as(written, flash.stored_shape, flash.output).shape == (256,)
+    with pytest.raises(ck.GraphError, match=r"buffer t0 is \(1, 4, 2, 64\); the kernel reading it needs \(256,\)"):
+        optimize_module.viewed_as(torch.zeros(1, 4, 2, 64), flash.stored_shape, "t0")
