@@ -95,6 +95,17 @@ def test_a_function_with_several_outputs_returns_a_tuple():
     assert close(first, expected[0]) and close(second, expected[1])
 
 
+def test_a_scalar_output_keeps_its_zero_dimensions():
+    """A 0-d output is 0-d (the op's fake implementation says so; inductor asserts it)."""
+
+    def total(a):
+        return a.sum(), a * 2.0
+
+    a = torch.randn(3, 4)
+    scalar, doubled = ck.compile(total, a)(a)
+    assert scalar.shape == () and close(scalar, a.sum()) and doubled.shape == (3, 4)
+
+
 def test_the_cpu_path_says_so_once(block, caplog):
     compiled = ck.compile(block, torch.randn(4, 16))
     with caplog.at_level(logging.WARNING, logger="cherenkov.search.compiled"):
