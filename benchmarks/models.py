@@ -25,8 +25,9 @@ Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov
 (kernel -> candidate id and kind), ``absorbing`` (the best fused candidate that competed
 for a kernel: see :func:`absorbing_candidates`) and the search's wall time; a whole-model
 row has ``ms`` {``cherenkov``, ``eager``, ``inductor``} or ``tokens_per_s``, the count of
-its regions and of their launched kernels by kind, whether its tokens equal eager's, and the
-row's wall time (searches and compiles included); and prints a table.
+its regions and of their launched kernels by kind, the searched winners' measured ms by kind
+and the five slowest (``winners_ms``: where the model's kernel time goes), whether its tokens
+equal eager's, and the row's wall time (searches and compiles included); and prints a table.
 
     python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,gpt2_small,...]
                                  [--budget 120] [--samples 30] [--out DIR]
@@ -168,10 +169,10 @@ def benchmark_whole_model(label: str, args: argparse.Namespace, db: TuningDataba
     finally:
         dynamo.split_supported = original
     regions = [f for split in splits for f in split.compiled]
-    kernels = [k.kind for f in regions for call in f.prepared.values() if call.result is not None
-               for k in call.result.launched]  # fmt: skip
+    results = [call.result for f in regions for call in f.prepared.values() if call.result is not None]
+    kernels = [k.kind for result in results for k in result.launched]
     row.update(name=label, row_s=round(time.perf_counter() - start, 1), regions=len(regions),
-               kernels=dict(sorted(Counter(kernels).items())))  # fmt: skip
+               kernels=dict(sorted(Counter(kernels).items())), winners_ms=winner_times(results))  # fmt: skip
     log.warning("%s", json.dumps(row))
     return row
 
@@ -237,6 +238,23 @@ def _decode_row(model: Any, backend: Any, torch: Any, prompt: int = 64, tokens: 
         "same_tokens_as_eager": sequences["cherenkov"] == sequences["eager"],
         "inductor_same_tokens_as_eager": sequences["inductor"] == sequences["eager"],
     }
+
+
+def winner_times(results: list[Any]) -> dict[str, Any]:
+    """Where a whole model's kernel time goes, by the search's own measurements: the launched
+    winners' measured ms summed per kind and family (one region's result per prepared
+    signature), and the five slowest winners (kernel, candidate id, ms)."""
+    by_kind: Counter[str] = Counter()
+    slowest = []
+    for result in results:
+        for kernel in result.launched:
+            winner = result.kernels.get(kernel.output)
+            if winner is None or winner.time_ms is None:
+                continue
+            by_kind[f"{kernel.kind}:{getattr(winner.plan, 'family', 'flash')}"] += winner.time_ms
+            slowest.append((winner.time_ms, kernel.output, winner.result.id))
+    top = [{"kernel": k, "id": i, "ms": round(ms, 4)} for ms, k, i in sorted(slowest, reverse=True)[:5]]
+    return {"by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())}, "slowest": top}
 
 
 def absorbing_candidates(result: Any) -> dict[str, dict[str, Any]]:
