@@ -203,11 +203,12 @@ class Derivation:
         """Every e-node of one constructor, each as a term (its children extracted)."""
         return self.saturation.forms_of(constructor)
 
-    @functools.cached_property
+    @property
     def extracted(self) -> dict[str, Term]:
         """The cheapest term of each root (intermediate tensors first, then outputs)."""
         return self._extract(())
 
+    @functools.cache
     def _extract(self, excluded: tuple[str, ...]) -> dict[str, Term]:
         """The cheapest term of each root with the e-nodes of the ``excluded`` constructors
         subsumed (in a pushed scope: the e-graph is unchanged afterwards)."""
@@ -323,7 +324,7 @@ class Derivation:
         """The lowered graph cut down to the first root whose extracted term (with or without
         the streaming forms) holds a ``constructor`` form; the whole graph if none does."""
         for excluded in ((), STREAMING_FORMS):
-            for name, term in (self._extract(excluded) if excluded else self.extracted).items():
+            for name, term in self._extract(excluded).items():
                 if any(s[0] == constructor for s in t.subterms(term)):
                     axes = {name: self.lowered.root_axes[name]}
                     return dataclasses.replace(self.lowered, roots={name: self.lowered.roots[name]}, root_axes=axes,
