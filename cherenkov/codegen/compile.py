@@ -28,6 +28,7 @@ from typing import Protocol
 
 from cherenkov.codegen.cache import KernelCache, cache_key, sha256_hex
 from cherenkov.codegen.cuda import term_kernels
+from cherenkov.codegen.cuda import flash_attention_backward
 from cherenkov.codegen.cuda.flash_attention import flash_attention_source, kernel_name
 from cherenkov.codegen.cuda.flash_attention_sm90a import emit_flash_attention_sm90a
 from cherenkov.codegen.cuda.flash_attention_sm90a import kernel_name as hopper_kernel_name
@@ -35,9 +36,10 @@ from cherenkov.codegen.errors import CompileError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, KernelPlan
 from cherenkov.codegen.report import parse_ptxas_report
 from cherenkov.codegen.term_plan import TermKernelPlan
+from cherenkov.rewrites.plan_backward import BackwardPlan
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
-AnyPlan = KernelPlan | TermKernelPlan
+AnyPlan = KernelPlan | TermKernelPlan | BackwardPlan
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +145,9 @@ def _is_hopper(plan: AnyPlan) -> bool:
 
 
 def plan_source(plan: AnyPlan) -> str:
-    """The generated CUDA source of a flash-attention (``mma.sync`` or sm_90a) or a term plan."""
+    """The generated CUDA source of a flash-attention (``mma.sync`` or sm_90a), backward or term plan."""
+    if isinstance(plan, BackwardPlan):
+        return flash_attention_backward.flash_attention_backward_source(plan)
     if isinstance(plan, TermKernelPlan):
         return term_kernels.term_kernel_source(plan)
     if _is_hopper(plan):
@@ -152,7 +156,9 @@ def plan_source(plan: AnyPlan) -> str:
 
 
 def plan_kernel_name(plan: AnyPlan) -> str:
-    """The ``extern "C"`` name of a plan's kernel."""
+    """The ``extern "C"`` name of a plan's kernel (of a backward plan: its main pass)."""
+    if isinstance(plan, BackwardPlan):
+        return flash_attention_backward.kernel_name(plan)
     if isinstance(plan, TermKernelPlan):
         return term_kernels.kernel_name(plan)
     if _is_hopper(plan):
@@ -161,7 +167,9 @@ def plan_kernel_name(plan: AnyPlan) -> str:
 
 
 def plan_dynamic_smem(plan: AnyPlan) -> int:
-    """Dynamic shared memory of a plan's launch."""
+    """Dynamic shared memory of a plan's launch (of a backward plan: its main pass)."""
+    if isinstance(plan, BackwardPlan):
+        return flash_attention_backward.grids(plan)["main"][2]
     if isinstance(plan, TermKernelPlan):
         return term_kernels.term_dynamic_smem(plan)
     if _is_hopper(plan):

@@ -370,17 +370,96 @@ class HopperFlashKernel(FlashAttentionKernel):
                               (*maps, *(ctypes.c_uint64(t.data_ptr()) for t in pointers)))  # fmt: skip
 
 
-def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKernel | TermKernel:
+class FlashBackwardKernel(_StreamCache):
+    """``kernel(q, k, v, grad_output, out=None) -> {role: tensor}``: one compiled flash-attention
+    backward plan as a callable (its three launches on the current stream).
+
+    q, k, v and dO are the stored tensors the operands are read from (shapes and dtypes as
+    :meth:`~cherenkov.rewrites.plan_backward.AttentionBackwardProblem.stored_shapes` names
+    them: contiguous CUDA tensors, 16-byte aligned); ``out`` may hold a tensor per gradient
+    role (``dq``, ``dk``, ``dv``), the others are allocated. The kernel owns an fp32 workspace
+    (each query row's log-sum-exp and D, the dq accumulator), so launches of one kernel object
+    must not run concurrently on two streams."""
+
+    def __init__(self, compiled: CompiledKernel, device: int = 0):
+        import cupy
+        import torch
+
+        from cherenkov.codegen.cuda.flash_attention_backward import grids, workspace_floats
+
+        self.compiled = compiled
+        self.problem = compiled.plan.problem
+        self.device = device
+        self.launches = grids(compiled.plan)
+        names = {"statistics": "_statistics", "main": "", "dq": "_dq"}
+        with cupy.cuda.Device(device):
+            module = cupy.RawModule(path=str(compiled.cubin_path))
+            self._functions = {step: module.get_function(compiled.kernel_name + suffix) for step, suffix in names.items()}
+            for step, (_, _, smem) in self.launches.items():
+                if smem > 48 * 1024:
+                    self._functions[step].max_dynamic_shared_size_bytes = smem
+        self._module = module
+        self._workspace = torch.empty(workspace_floats(compiled.plan), dtype=torch.float32, device=f"cuda:{device}")
+
+    def __call__(self, q, k, v, grad_output, out=None) -> dict:
+        import torch
+
+        p, a = self.problem, self.problem.attention
+        name = self.compiled.kernel_name
+        dtype = getattr(torch, TORCH_DTYPES[a.dtype])
+        out = dict(out or {})
+        for gradient in p.gradients:
+            if gradient.role not in out:
+                out[gradient.role] = torch.empty(gradient.layout.shape, dtype=dtype, device=q.device)
+        for role, tensor, shape in (("q", q, a.layout("q").shape), ("k", k, a.layout("k").shape),
+                                    ("v", v, a.layout("v").shape), ("dO", grad_output, p.grad_output_layout.shape),
+                                    *((g.role, out[g.role], g.layout.shape) for g in p.gradients)):  # fmt: skip
+            check_tensor(name, role, tensor, shape, a.dtype, self.device)
+        self._launch(q, k, v, grad_output, out, torch.cuda.current_stream(q.device).cuda_stream)
+        return {g.role: out[g.role] for g in p.gradients}
+
+    def launch(self, buffers: Mapping[str, object]) -> dict:
+        """The gradients of the problem's stored tensors in ``buffers`` (by name): ``{buffer name: tensor}``."""
+        p, a = self.problem, self.problem.attention
+        q, k, v, grad_output = (buffers[n] for n in (a.q, a.k, a.v, p.grad_output))
+        values = self(q, k, v, grad_output)
+        return {p.gradient(role).tensor: tensor for role, tensor in values.items()}
+
+    def _launch(self, q, k, v, grad_output, out: Mapping[str, object], stream: int) -> None:
+        import cupy
+
+        def pointer(tensor) -> np.uint64:
+            return np.uint64(0 if tensor is None else tensor.data_ptr())
+
+        operands = tuple(pointer(t) for t in (q, k, v, grad_output))
+        workspace = pointer(self._workspace)
+        arguments = {
+            "statistics": (*operands, workspace),
+            "main": (*operands, pointer(out.get("dk")), pointer(out.get("dv")), workspace),
+            "dq": (workspace, pointer(out.get("dq"))),
+        }
+        with cupy.cuda.Device(self.device):
+            for step, (grid, threads, smem) in self.launches.items():
+                if step == "dq" and "dq" not in out:
+                    continue
+                self._functions[step](grid, (threads, 1, 1), arguments[step], shared_mem=smem,
+                                      stream=self._stream(stream))  # fmt: skip
+
+
+def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKernel | TermKernel | FlashBackwardKernel:
     """Load a compiled kernel onto CUDA device ``device`` and return it as a callable:
     a :class:`FlashAttentionKernel` (``kernel(q, k, v)``) for a flash-attention plan (a
     :class:`HopperFlashKernel` for the sm_90a family, a :class:`TmaFlashKernel` for TMA K/V
-    copies), a :class:`TermKernel`
+    copies), a :class:`FlashBackwardKernel` for a backward plan, a :class:`TermKernel`
     (``kernel(**tensors)``) for a term plan."""
     from cherenkov.codegen.term_plan import TermKernelPlan
+    from cherenkov.rewrites.plan_backward import BackwardPlan
     from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
     if isinstance(compiled.plan, TermKernelPlan):
         return TermKernel(compiled, device)
+    if isinstance(compiled.plan, BackwardPlan):
+        return FlashBackwardKernel(compiled, device)
     if isinstance(compiled.plan.schedule, HopperFlashSchedule):
         return HopperFlashKernel(compiled, device)
     if compiled.plan.schedule.tma_kv:

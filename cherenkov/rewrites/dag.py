@@ -1,8 +1,9 @@
 """The kernel DAG: which kernel reads which buffer, as a ``networkx`` DiGraph.
 
-Nodes are buffers: the graph's inputs and each kernel's output (a kernel writes exactly one
-buffer, so a kernel is named by its output); an edge ``u → v`` says the kernel writing ``v``
-reads ``u``. Kernels are in execution order, so the DAG's topological order is theirs.
+Nodes are buffers: the graph's inputs and each kernel's output (a kernel is named by its
+output); an edge ``u → v`` says the kernel writing ``v`` reads ``u``. A kernel's side outputs
+(an attention backward writes dq, dk and dv at once) hang off its output by an edge each, so
+whatever needs one needs the kernel. Kernels are in execution order, so the DAG's topological order is theirs.
 Questions about producers and consumers are graph queries here rather than walks over
 kernel lists: how many kernels read a buffer (:func:`readers`: a producer that one consumer
 alone reads may join it or be laid out for it), which kernels the outputs need
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 class Kernel(Protocol):
     output: str
     reads: tuple[str, ...]
+    side_outputs: tuple[Any, ...]  # each with an ``output`` name
 
 
 def kernel_dag(kernels: Iterable[Kernel], reads: Callable[[Kernel], Iterable[str]] | None = None) -> nx.DiGraph:
@@ -35,6 +37,9 @@ def kernel_dag(kernels: Iterable[Kernel], reads: Callable[[Kernel], Iterable[str
     for kernel in kernels:
         dag.add_node(kernel.output, kernel=kernel)
         dag.add_edges_from((name, kernel.output) for name in (reads(kernel) if reads else kernel.reads))
+        for side in getattr(kernel, "side_outputs", ()):
+            dag.add_node(side.output, kernel=kernel)
+            dag.add_edge(kernel.output, side.output)
     return dag
 
 

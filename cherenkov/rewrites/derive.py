@@ -34,6 +34,8 @@ from cherenkov.rewrites.algebra import ALGEBRA
 from cherenkov.rewrites.casts import CASTS
 from cherenkov.rewrites.contraction import CONTRACTION
 from cherenkov.rewrites.fusion import FUSION
+from cherenkov.rewrites.gradients import GRADIENTS
+from cherenkov.rewrites.attention_backward import attention_backward_problem, joined_backward
 from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem
 from cherenkov.rewrites.kernels import partition as partition_kernels
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS, prelude
@@ -41,6 +43,7 @@ from cherenkov.rewrites.lower import Lowered, lower
 from cherenkov.rewrites.masks import MASKS
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, Target, flash_schedule_problems
 from cherenkov.rewrites.rule import Ruleset
+from cherenkov.rewrites.plan_backward import AttentionBackwardProblem, BackwardPlan, backward_plans
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
 from cherenkov.rewrites.schedule import SCHEDULE, schedule_facts, schedule_from_term
 from cherenkov.rewrites.softmax import SOFTMAX
@@ -49,12 +52,16 @@ from cherenkov.rewrites.terms import Term
 
 log = logging.getLogger(__name__)
 
-RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, STREAMING, FUSION)
+RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, STREAMING, FUSION, GRADIENTS)
 MAX_PASSES = 24
 MAX_ENODES = 200_000
 
 # The one-pass streaming forms of attention: left out of the extraction where they cannot be planned.
-STREAMING_FORMS = ("FlashAttention", "FlashAttentionSplitKv", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL")
+STREAMING_FORMS = (
+    "FlashAttention", "FlashAttentionSplitKv", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "LogSumExp",
+    "AttentionDs", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
+    "FlashAttentionGradVGroup",
+)  # fmt: skip
 
 # Fused-form names accepted by ``Derivation.found`` and the constructors behind them.
 FORMS = {
@@ -64,7 +71,14 @@ FORMS = {
     "rms_norm_row": "RmsNormRow",
     "layer_norm_row": "LayerNormRow",
     "contraction": "Contract",
+    "flash_attention_backward": "FlashAttentionGradQ",  # or GradK, GradV: see Derivation.found
 }
+
+
+# Constructors whose kernels carry the rules that derive them.
+TRACED_FORMS = frozenset(FORMS.values()) | {
+    "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup", "FlashAttentionGradVGroup",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,7 +116,9 @@ def program_for(lowered: Lowered) -> tuple[str, dict[str, str]]:
         return names[term]
 
     roots = {name: bind(term) for name, term in lowered.roots.items()}
-    return "\n".join(lines), roots
+    # a root's inlined alternative is the same value: the same e-class
+    unions = [f"(union {roots[name]} {bind(term)})" for name, term in lowered.inlined.items()]
+    return "\n".join(lines + unions), roots
 
 
 def pass_schedule(rulesets: tuple[Ruleset, ...]) -> str:
@@ -219,19 +235,52 @@ class Derivation:
                 rules.append(f"(rule ((= e {node})) ((subsume {node})) :ruleset exclude)")
             self._run("\n".join([*rules, "(run exclude 1)"]))
         try:
-            result = {}
-            for name, root in self.roots.items():
-                best = self._run(f"(extract {root})")[-1]
-                result[name] = t.from_termdag(best.termdag, best.term)
-            return result
+            stored = _read_from_outputs(self._best(self.roots), self.lowered.outputs)
+            computed = self._computed_in_place() if self.lowered.inlined else None
+            if computed is not None and _cost(computed) < _cost(stored):
+                stored = computed
+            return {name: term for name, (term, _) in stored.items()}
         finally:
             if excluded:
                 self._run("(pop)")
+
+    def _best(self, roots: Mapping[str, str]) -> dict[str, tuple[Term, int]]:
+        """The cheapest term of each of ``roots`` (name -> global), with its extraction cost."""
+        result = {}
+        for name, root in roots.items():
+            best = self._run(f"(extract {root})")[-1]
+            result[name] = (t.from_termdag(best.termdag, best.term), best.cost)
+        return result
+
+    def _computed_in_place(self) -> dict[str, tuple[Term, int]] | None:
+        """The cheapest terms of the outputs with no intermediate root read (each computed where
+        it is read, through the inlined alternatives), or None where an output has no such term.
+
+        Extraction prices a read of a stored intermediate at a tensor access, not at the kernel
+        that writes it; this is the other whole answer — the outputs self-contained, as the fused
+        forms of an attention gradient are — whose total cost :meth:`_extract` weighs against
+        the stored one's."""
+        outputs = set(self.lowered.outputs)
+        intermediates = [name for name in self.roots if name not in outputs]
+        rules = ["(push)", "(ruleset unstored)"]
+        for name in intermediates:
+            read = f"(Tensor {t.literal(name)} ix)"
+            rules.append(f"(rule ((= e {read})) ((subsume {read})) :ruleset unstored)")
+        self._run("\n".join([*rules, "(run unstored 1)"]))
+        try:
+            return self._best({name: self.roots[name] for name in self.lowered.outputs})
+        except Exception:  # an output whose every term reads an intermediate: egglog finds none
+            return None
+        finally:
+            self._run("(pop)")
 
     def found(self, kind: str) -> bool:
         """Whether a valid fused form of ``kind`` (e.g. ``"flash_attention"``) is in the e-graph."""
         if kind not in FORMS:
             raise GraphError(f"found: unknown fused form {kind!r}; known: {sorted(FORMS)}")
+        if kind == "flash_attention_backward":
+            kernels = self.partition(streaming=True)
+            return any(self._backward_problem(k, kernels) is not None for k in kernels if k.kind == kind)
         if kind != "flash_attention":
             return bool(self.forms_of(FORMS[kind]))
         kernels = self.partition(streaming=True)
@@ -245,12 +294,18 @@ class Derivation:
         (of ``kernels``, by default :attr:`kernels`)."""
         shapes = dict(self.lowered.input_shapes)
         dtypes = dict(self.lowered.input_dtypes)
+        outputs = self.graph.outputs
         for name in self.lowered.roots:
             shapes[name] = self.lowered.shape(name)
-            dtypes[name] = self.lowered.buffer_dtype
+            dtypes[name] = outputs[name].dtype if name in outputs else self.lowered.buffer_dtype
         for kernel in self.kernels if kernels is None else kernels:
             shapes[kernel.output] = kernel.stored_shape
-            dtypes[kernel.output] = self.lowered.buffer_dtype
+            # a graph output is stored in its own dtype (what a caller, or inductor after a region,
+            # reads it as); intermediates in the buffer dtype
+            dtypes[kernel.output] = outputs[kernel.output].dtype if kernel.output in outputs else self.lowered.buffer_dtype
+            for side in kernel.side_outputs:
+                shapes[side.output] = side.shape
+                dtypes[side.output] = outputs[side.output].dtype if side.output in outputs else self.lowered.buffer_dtype
         return shapes, dtypes
 
     def _attention_problem(self, form: Term, kernels: list[FusedKernel],
@@ -263,6 +318,13 @@ class Derivation:
         except KernelError:
             return None
 
+    def _backward_problem(self, kernel: FusedKernel, kernels: list[FusedKernel]) -> AttentionBackwardProblem | None:
+        """The problem of a (joined) flash-attention backward kernel, or None."""
+        try:
+            return attention_backward_problem(kernel, *self.tensor_types(kernels))
+        except KernelError:
+            return None
+
     def partition(self, streaming: bool = True) -> list[FusedKernel]:
         """The kernels of the cheapest extraction, without their traces; ``streaming=False``
         leaves the streaming forms (flash attention, the online-softmax folds) out of it."""
@@ -270,7 +332,7 @@ class Derivation:
 
     @functools.cache
     def _partition(self, streaming: bool) -> list[FusedKernel]:
-        return partition_kernels(self._extract(() if streaming else STREAMING_FORMS), self.lowered)
+        return joined_backward(partition_kernels(self._extract(() if streaming else STREAMING_FORMS), self.lowered))
 
     @functools.cached_property
     def kernels(self) -> list[FusedKernel]:
@@ -279,6 +341,8 @@ class Derivation:
         kernel's operands are not tensors any flash kernel reads."""
         fused = self.partition(streaming=True)
         if any(k.kind == "flash_attention" and self._attention_problem(k.core, fused, k) is None for k in fused):
+            return self.unfused_kernels
+        if any(k.kind == "flash_attention_backward" and self._backward_problem(k, fused) is None for k in fused):
             return self.unfused_kernels
         return self._traced(fused)
 
@@ -292,12 +356,18 @@ class Derivation:
         """The kernels the graph runs on ``target``: :attr:`kernels`, or :attr:`unfused_kernels`
         where a flash-attention kernel has no plan there."""
         planned = {plan.problem.out for plan in self.plans(target)}
-        if any(k.kind == "flash_attention" and k.output not in planned for k in self.kernels):
+        if any(k.kind in ("flash_attention", "flash_attention_backward") and k.output not in planned
+               for k in self.kernels):  # fmt: skip
             return self.unfused_kernels
         return self.kernels
 
     def _traced(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
-        return [dataclasses.replace(k, trace=self._needed_rules(k.source[0]) if k.source else ()) for k in kernels]
+        """``kernels`` with the rules each one's forms need (a joined backward: all its gradients')."""
+        def trace(kernel: FusedKernel) -> tuple[str, ...]:
+            heads = ([kernel.source[0]] if kernel.source else []) + [side.term[0] for side in kernel.side_outputs]
+            return tuple(dict.fromkeys(rule for head in heads for rule in self._needed_rules(head)))
+
+        return [dataclasses.replace(k, trace=trace(k)) for k in kernels]
 
     @functools.cache
     def _needed_rules(self, constructor: str) -> tuple[str, ...]:
@@ -309,7 +379,7 @@ class Derivation:
         re-deriving all of them per trial made the ablation the bulk of a search."""
         order = [r.name for ruleset in self.rulesets for r in ruleset.rules]
         needed = sorted(self.first_pass, key=lambda r: (self.first_pass[r], order.index(r)))
-        if constructor not in FORMS.values():
+        if constructor not in TRACED_FORMS:
             return ()
         lowered = self._root_holding(constructor)
         if not self._derives(lowered, constructor, needed):
@@ -327,8 +397,9 @@ class Derivation:
             for name, term in self._extract(excluded).items():
                 if any(s[0] == constructor for s in t.subterms(term)):
                     axes = {name: self.lowered.root_axes[name]}
+                    inlined = {n: x for n, x in self.lowered.inlined.items() if n == name}
                     return dataclasses.replace(self.lowered, roots={name: self.lowered.roots[name]}, root_axes=axes,
-                                               outputs=(name,))  # fmt: skip
+                                               outputs=(name,), inlined=inlined)  # fmt: skip
         return self.lowered
 
     def _derives(self, lowered: Lowered, constructor: str, rules: list[str]) -> bool:
@@ -342,7 +413,7 @@ class Derivation:
         """Run the fused kernels' float64 references in order: the derived program's value."""
         buffers: dict[str, np.ndarray] = dict(check_inputs(self.graph, inputs))
         for kernel in self.kernels:
-            buffers[kernel.output] = kernel.evaluate(buffers)
+            buffers.update(kernel.evaluate_outputs(buffers))
         return {name: buffers[name] for name in self.graph.outputs}
 
     @functools.cached_property
@@ -355,9 +426,21 @@ class Derivation:
         """The rules ``kernels`` need, each once, kernel by kernel in their order."""
         return tuple(dict.fromkeys(rule for kernel in kernels for rule in kernel.trace))
 
-    def plans(self, target: str | Target = "sm_120") -> list[KernelPlan]:
-        """Every valid (flash-attention form × schedule) for ``target``."""
-        return list(self._plans(TARGETS[target] if isinstance(target, str) else target))
+    def plans(self, target: str | Target = "sm_120") -> list[KernelPlan | BackwardPlan]:
+        """Every valid (flash-attention form × schedule) for ``target``: the forward's, then the
+        backward's."""
+        target = TARGETS[target] if isinstance(target, str) else target
+        return [*self._plans(target), *self._backward_plans(target)]
+
+    @functools.cache
+    def _backward_plans(self, target: Target) -> tuple[BackwardPlan, ...]:
+        plans = []
+        for kernel in self.kernels:
+            if kernel.kind == "flash_attention_backward":
+                problem = self._backward_problem(kernel, self.kernels)
+                if problem is not None:
+                    plans += backward_plans(problem, target, kernel.trace)
+        return tuple(plans)
 
     @functools.cache
     def _plans(self, target: Target) -> tuple[KernelPlan, ...]:
@@ -392,6 +475,24 @@ class Derivation:
                     trace = split_trace if getattr(schedule, "kv_splits", 1) > 1 else kernel.trace
                     plans.append(KernelPlan("flash_attention", problem, schedule, target, trace))
         return tuple(sorted(set(plans), key=lambda p: p.name))
+
+
+def _cost(extracted: Mapping[str, tuple[Term, int]]) -> int:
+    return sum(cost for _, cost in extracted.values())
+
+
+def _read_from_outputs(extracted: dict[str, tuple[Term, int]],
+                       outputs: tuple[str, ...]) -> dict[str, tuple[Term, int]]:  # fmt: skip
+    """The extracted roots the outputs read, directly or through other roots (in their order): an
+    intermediate that every reader computes in place (a fused form of an inlined alternative)
+    is not stored."""
+    needed, stack = set(outputs), list(outputs)
+    while stack:
+        for sub in t.subterms(extracted[stack.pop()][0]):
+            if sub[0] == "Tensor" and sub[1] in extracted and sub[1] not in needed:
+                needed.add(sub[1])
+                stack.append(sub[1])
+    return {name: term for name, term in extracted.items() if name in needed}
 
 
 def derive(graph: Graph, **options: Any) -> Derivation:

@@ -47,6 +47,11 @@ ELEMENTWISE = frozenset(
 
 KIND_OF_CORE = {
     "FlashAttention": "flash_attention",
+    "FlashAttentionGradQ": "flash_attention_backward",
+    "FlashAttentionGradK": "flash_attention_backward",
+    "FlashAttentionGradV": "flash_attention_backward",
+    "FlashAttentionGradKGroup": "flash_attention_backward",
+    "FlashAttentionGradVGroup": "flash_attention_backward",
     "SoftmaxRow": "softmax_rows",
     "RmsNormRow": "rms_norm_rows",
     "LayerNormRow": "layer_norm_rows",
@@ -61,7 +66,8 @@ KIND_OF_CORE = {
 
 # Which core a kernel keeps when an elementwise region holds several (the rest are stored).
 CORE_PRIORITY = (
-    "FlashAttention", "Contract", "LayerNormRow", "RmsNormRow", "SoftmaxRow",
+    "FlashAttention", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
+    "FlashAttentionGradVGroup", "Contract", "LayerNormRow", "RmsNormRow", "SoftmaxRow",
     "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "Sum", "Max",
 )  # fmt: skip
 
@@ -71,6 +77,15 @@ def _core_head(core: Term) -> str:
 
 
 PAD_AXIS = ""  # a buffer axis of extent 1 that the stored term does not vary along
+
+# Term positions of each backward form's tensor operands and mask (see the constructors).
+GRADIENT_OPERANDS = {
+    "FlashAttentionGradQ": (7, 8, 9, 10, 12, 13),
+    "FlashAttentionGradK": (9, 10, 11, 12, 14, 15),
+    "FlashAttentionGradV": (7, 8, 10, 11),
+    "FlashAttentionGradKGroup": (11, 12, 13, 14, 16, 17),
+    "FlashAttentionGradVGroup": (9, 10, 12, 13),
+}
 
 
 class KernelError(ValueError):
@@ -88,9 +103,23 @@ class BufferLayout:
 
 
 @dataclass(frozen=True)
+class SideOutput:
+    """A further buffer one kernel writes: ``term`` over ``axes``, row-major (the other
+    gradients of an attention backward, which shares its work among them)."""
+
+    output: str
+    term: Term
+    axes: tuple[str, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(t.extent(a) for a in self.axes)
+
+
+@dataclass(frozen=True)
 class FusedKernel:
     """One kernel: computes ``term`` over ``axes`` and writes it to the buffer ``output``
-    (row-major over ``axes``, or as ``buffer`` says)."""
+    (row-major over ``axes``, or as ``buffer`` says), and each of ``side_outputs`` to its own."""
 
     kind: str
     term: Term
@@ -100,10 +129,24 @@ class FusedKernel:
     source: Term | None = field(default=None, compare=False)  # the core as extracted
     trace: tuple[str, ...] = field(default=(), compare=False)
     buffer: BufferLayout | None = None
+    side_outputs: tuple[SideOutput, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(t.extent(a) for a in self.axes)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """Every buffer the kernel writes: ``output``, then the side outputs."""
+        return (self.output, *(side.output for side in self.side_outputs))
+
+    def evaluate_outputs(self, buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every buffer the kernel writes, by name, in float64 (see :meth:`evaluate`)."""
+        values = {self.output: self.evaluate(buffers)}
+        for side in self.side_outputs:
+            extents = {a: t.extent(a) for a in side.axes}
+            values[side.output] = evaluate_term(side.term, {n: buffers[n] for n in self.reads}, side.axes, extents)
+        return values
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -113,7 +156,7 @@ class FusedKernel:
     @property
     def core(self) -> Term | None:
         """The fused form or reduction at the heart of the kernel (None if elementwise)."""
-        cores = _cores(self.term)
+        cores = _by_priority(_cores(self.term))
         return cores[0] if cores else None
 
     def evaluate(self, buffers: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -148,6 +191,11 @@ def _cores(term: Term) -> list[Term]:
         else:
             found.append(current)
     return found
+
+
+def _by_priority(cores: list[Term]) -> list[Term]:
+    """``cores`` in ``CORE_PRIORITY`` order (the kernel keeps the first)."""
+    return sorted(cores, key=lambda c: CORE_PRIORITY.index(_core_head(c)))
 
 
 def _reads(term: Term) -> tuple[str, ...]:
@@ -205,12 +253,16 @@ class _Partition:
     def emit(self, term: Term, output: str, axes: tuple[str, ...]) -> None:
         """Add the kernel(s) computing ``term`` into ``output``: the most valuable core
         stays in this kernel, every other core is materialised by an earlier one."""
-        cores = sorted(_cores(term), key=lambda c: CORE_PRIORITY.index(_core_head(c)))
+        cores = _by_priority(_cores(term))
         source = cores[0] if cores else None
         primary = source
-        for extra in cores[1:]:
+        extras = cores[1:]
+        while extras:
+            extra = extras.pop(0)
             access = self.materialise(extra)
+            # a core nested in a later one (a contraction inside a sum) is read from its buffer there too
             term, primary = t.replace(term, extra, access), t.replace(primary, extra, access)
+            extras = [t.replace(other, extra, access) for other in extras]
         if primary is not None:
             term = t.replace(term, primary, self.prepare(primary))
         kind = KIND_OF_CORE[_core_head(primary)] if primary is not None else "elementwise"
@@ -223,6 +275,8 @@ class _Partition:
             return self.prepare(core[1])
         if head == "FlashAttention":
             return self.prepare_flash(core)
+        if head in GRADIENT_OPERANDS:
+            return self.prepare_flash_gradient(core)
         operands = [i for i, a in enumerate(core[1:], start=1) if isinstance(a, tuple) and a[0] not in ("Ax",)]
         result = list(core)
         for position in operands:
@@ -275,6 +329,19 @@ class _Partition:
             per_kv_head = t.replace(operand, divided, t.ax(fresh))
             buffer = self.materialise(per_kv_head, tuple(fresh if a == head else a for a in layout))
             result[position] = t.replace(buffer, t.ax(fresh), divided)
+        return tuple(result)
+
+    def prepare_flash_gradient(self, core: Term) -> Term:
+        """A backward form's tensor operands (q, k, v, dO, the operand read again, a bias) as
+        reads of stored tensors: each that is not an affine view of one is materialised."""
+        result = list(core)
+        for position in GRADIENT_OPERANDS[core[0]]:
+            operand = core[position]
+            if operand[0] in ("BiasMask", "CausalMask", "NoMask"):
+                if operand[0] == "BiasMask" and not self.readable_in_place(operand[1]):
+                    result[position] = ("BiasMask", self.materialise(operand[1]))
+            elif not self.readable_in_place(operand):
+                result[position] = self.materialise(operand)
         return tuple(result)
 
     def readable_in_place(self, operand: Term) -> bool:

@@ -64,6 +64,54 @@ EXPR_CONSTRUCTORS: tuple[Constructor, ...] = (
         6,
         binds=((0, (4, 5, 6, 8)), (2, (4, 5))),
     ),
+    # log Σ_j e^{s_j}: the row statistic a backward pass recomputes probabilities from
+    Constructor("LogSumExp", ("String", "i64", "Expr"), 12, binds=((0, (2,)),)),
+    # attention's score gradient dS_ij = P_ij·(Σ_e do_ie v_je − Σ_e do_ie o_ie), P from q, k, c and
+    # the mask, o its attention output; key axis j free, d bound over q and k, e over v and do.
+    # An S×S intermediate of the backward forms, never a kernel of its own (its cost keeps it out).
+    Constructor(
+        "AttentionDs",
+        ("String", "i64", "String", "i64", "String", "i64", "Expr", "Expr", "Expr", "Expr", "f64", "Mask"),
+        1000,
+        binds=((2, (6, 7)), (4, (8, 9))),
+    ),
+    # the flash-attention backward's streaming contractions: dq = c·Σ_j dS·k2, dk = c·Σ_i dS·q2,
+    # dv = Σ_i P·do2 (k2, q2, do2: the operand read again with its own head axis); q and k may come
+    # in either order (the contraction is symmetric), so each binder covers both
+    Constructor(
+        "FlashAttentionGradQ",
+        ("String", "i64", "String", "i64", "String", "i64", "Expr", "Expr", "Expr", "Expr", "f64", "Mask", "Expr"),
+        3,
+        binds=((0, (6, 7, 8, 11, 12)), (2, (6, 7)), (4, (8, 9))),
+    ),
+    Constructor(
+        "FlashAttentionGradK",
+        ("String", "i64", "String", "i64", "String", "i64", "String", "i64", "Expr", "Expr", "Expr", "Expr", "f64",
+         "Mask", "Expr"),
+        3,
+        binds=((0, (8, 9, 11, 13, 14)), (4, (8, 9)), (6, (10, 11))),
+    ),
+    Constructor(
+        "FlashAttentionGradV",
+        ("String", "i64", "String", "i64", "String", "i64", "Expr", "Expr", "f64", "Mask", "Expr"),
+        3,
+        binds=((0, (6, 7, 9, 10)), (4, (6, 7))),
+    ),
+    # dk and dv of a K/V head shared by a group of query heads: the sum over the group axis g of
+    # the per-query-head forms (g names the query head within the group)
+    Constructor(
+        "FlashAttentionGradKGroup",
+        ("String", "i64", "String", "i64", "String", "i64", "String", "i64", "String", "i64", "Expr", "Expr", "Expr",
+         "Expr", "f64", "Mask", "Expr"),
+        3,
+        binds=((0, (10, 11, 13, 15, 16)), (2, (10, 11, 13, 15, 16)), (6, (10, 11)), (8, (12, 13))),
+    ),
+    Constructor(
+        "FlashAttentionGradVGroup",
+        ("String", "i64", "String", "i64", "String", "i64", "String", "i64", "Expr", "Expr", "f64", "Mask", "Expr"),
+        3,
+        binds=((0, (8, 9, 11, 12)), (2, (8, 9, 11, 12)), (6, (8, 9))),
+    ),
     Constructor("SoftmaxRow", ("String", "i64", "Expr"), 10),
     Constructor("RmsNormRow", ("String", "i64", "Expr", "f64"), 10),
     Constructor("LayerNormRow", ("String", "i64", "Expr", "f64"), 10),

@@ -21,7 +21,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cherenkov.graph import Graph
 from cherenkov.graph.ops import Node
@@ -45,6 +45,11 @@ class Lowered:
     outputs: tuple[str, ...]
     input_dtypes: dict[str, str]
     input_shapes: dict[str, tuple[int, ...]]
+    inlined: dict[str, Term] = field(default_factory=dict)
+    """For a root whose term reads intermediate roots: the same value with each of them computed
+    in place (an equal alternative the e-graph holds in the root's e-class, so that identities
+    can see across a stored intermediate: an attention gradient's probabilities and score
+    gradient, which its three outputs read transposed). See :func:`lower`."""
 
     @property
     def buffer_dtype(self) -> str:
@@ -68,12 +73,14 @@ def root_indices(names: tuple[str, ...]) -> tuple[Term, ...]:
 class _Lowering:
     """One lowering pass; nodes in ``split`` are read as stored tensors of those names."""
 
-    def __init__(self, graph: Graph, split: dict[int, str]) -> None:
+    def __init__(self, graph: Graph, split: dict[int, str], limit: int | None = None) -> None:
         self.graph = graph
         self.split = split
+        self.limit = limit  # memoised subterms past which define() gives up (raises _TooLarge)
         self.memo: dict[tuple, Term] = {}
         self.uses: dict[int, set[tuple[Term, ...]]] = {}
         self.reduces_below = self._reductions_below()
+        self.constant = self._constants()
 
     def _reductions_below(self) -> list[bool]:
         flags: list[bool] = []
@@ -82,9 +89,19 @@ class _Lowering:
         return flags
 
     def lower(self, index: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
-        if index in self.split:
+        if index in self.split and not self.constant[index]:
             return t.access(self.split[index], ixs)
         return self.define(index, ixs, hints)
+
+    def _constants(self) -> list[bool]:
+        """Per node: whether it is a constant, or a view or cast of one. Such a node is read as
+        its literal wherever it is used, also where it is stored (an output): ``where(m > −∞, ·, 0)``
+        must meet the literals ``−∞`` and ``0`` that the identities are stated with, not a tensor
+        that happens to hold them (a region that also hands its constants to later ops)."""
+        flags: list[bool] = []
+        for node in self.graph.nodes:
+            flags.append(node.op == "constant" or (node.op in CONSTANT_PRESERVING and flags[node.inputs[0]]))
+        return flags
 
     def define(self, index: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...] = ()) -> Term:
         """The term computing node ``index`` (not a read of its stored tensor)."""
@@ -93,6 +110,8 @@ class _Lowering:
         self.uses.setdefault(index, set()).add(ixs)
         key = (index, ixs, hints)
         if key not in self.memo:
+            if self.limit is not None and len(self.memo) >= self.limit:
+                raise _TooLarge
             self.memo[key] = self._lower(self.graph.node(index), ixs, hints)
         return self.memo[key]
 
@@ -187,6 +206,10 @@ class _Lowering:
         return term
 
 
+class _TooLarge(Exception):
+    """An inlined alternative outgrew its limit (see :data:`INLINE_LIMIT`)."""
+
+
 UNARY_TERMS = {"exp2": "Exp2", "log2": "Log2", "sin": "Sin", "sqrt": "Sqrt", "recip": "Recip", "neg": "Neg"}
 BINARY_TERMS = {"add": "Add", "mul": "Mul", "mod": "Mod", "less_than": "Lt", "maximum": "Maximum"}
 
@@ -229,8 +252,17 @@ def reshape_indices(source: tuple[int, ...], target: tuple[int, ...], ixs: tuple
     return tuple(result)
 
 
+CONSTANT_PRESERVING = frozenset({"cast", "contiguous", "permute", "expand", "reshape", "slice"})
+"""Ops whose result is a constant when their operand is one."""
+
 STORED_OR_VIEW = frozenset({"input", "constant", "iota", "permute", "expand", "reshape", "slice", "pad", "contiguous"})
 
+
+INLINE_GRAPH_NODES = 600
+"""Graphs up to this many nodes get inlined alternatives for roots that read intermediate roots
+(an attention layer and its gradient); a whole model's region is derived over stored tensors."""
+INLINE_LIMIT = 400
+"""New subterms one inlined alternative may add to the e-graph; a larger one is not offered."""
 
 FRAMES_PER_NODE = 8
 """Python frames the lowering's walk spends per graph node it passes (define, _lower,
@@ -289,4 +321,30 @@ def lower(graph: Graph) -> Lowered:
         outputs=tuple(graph.outputs),
         input_dtypes={n: x.dtype for n, x in inputs.items()},
         input_shapes={n: x.shape for n, x in inputs.items()},
+        inlined=_inlined(graph, split, roots, axes),
     )
+
+
+def _inlined(graph: Graph, split: dict[int, str], roots: dict[str, Term],
+             axes: dict[str, tuple[str, ...]]) -> dict[str, Term]:  # fmt: skip
+    """Each root that reads an intermediate root (one the outputs do not name), lowered again with
+    every intermediate computed where it is read (reading an intermediate is the same as computing
+    it there), for graphs of at most ``INLINE_GRAPH_NODES`` nodes and alternatives of at most
+    ``INLINE_LIMIT`` new subterms."""
+    outputs = set(graph.outputs)
+    intermediates = {name for name in split.values() if name not in outputs}
+    if not intermediates or len(graph.nodes) > INLINE_GRAPH_NODES:
+        return {}
+    named = {index: name for index, name in split.items() if name in outputs}
+    inliner = _Lowering(graph, named)
+    result: dict[str, Term] = {}
+    with recursion_for(graph):
+        for index, name in sorted(split.items()):
+            if not any(s[0] == "Tensor" and s[1] in intermediates for s in t.subterms(roots[name])):
+                continue
+            inliner.limit = len(inliner.memo) + INLINE_LIMIT
+            try:
+                result[name] = inliner.define(index, root_indices(axes[name]))
+            except _TooLarge:
+                continue
+    return result

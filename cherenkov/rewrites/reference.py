@@ -317,6 +317,34 @@ class TermEvaluator:
                 values = v(args[3], inner) if head != "SoftmaxFoldL" else None
                 _, l, acc = softmax_fold(arrays, scores, values, self.position[axis], self.fold_block)
                 return {"SoftmaxFoldL": l, "SoftmaxFoldAcc": acc}.get(head, normalised(xp, acc, l) if acc is not None else l)
+            case "LogSumExp":
+                axis, extent, scores = args
+                m, l, _ = softmax_fold(arrays, self.along(v(scores, {**env, axis: extent}), axis, extent), None,
+                                       self.position[axis], self.fold_block)  # fmt: skip
+                live = l > 0
+                return xp.where(live, m + xp.log(xp.where(live, l, 1.0)), -np.inf)
+            case "AttentionDs":
+                return self._score_gradient(args, env)
+            case "FlashAttentionGradQ":  # c·Σ_j dS·k2
+                key, n_keys, *_, scale, _, k2 = args
+                over_keys = {**env, key: n_keys}
+                ds = self._score_gradient(args[:12], over_keys)
+                return scale * contract(arrays, ds, v(k2, over_keys), self.position[key], n_keys)
+            case "FlashAttentionGradK":  # c·Σ_i dS·q2
+                query, n_queries, *_, scale, _, q2 = args
+                over_queries = {**env, query: n_queries}
+                ds = self._score_gradient(args[2:14], over_queries)
+                return scale * contract(arrays, ds, v(q2, over_queries), self.position[query], n_queries)
+            case "FlashAttentionGradV":  # Σ_i P·do2
+                query, n_queries, key, n_keys, dim, n_dim, q, k, scale, mask, do2 = args
+                over_queries = {**env, query: n_queries}
+                p = self._probabilities(key, n_keys, dim, n_dim, q, k, scale, mask, over_queries)
+                return contract(arrays, p, v(do2, over_queries), self.position[query], n_queries)
+            case "FlashAttentionGradKGroup" | "FlashAttentionGradVGroup":  # Σ_g of the per-head form
+                axis, extent = args[0], args[1]
+                inner = (head.removesuffix("Group"), *args[2:])
+                body = self.along(v(inner, {**env, axis: extent}), axis, extent)
+                return arrays.reduce(body, self.position[axis], "sum")
             case "FlashAttention":
                 return self._flash(args, env)
             case "FlashAttentionSplitKv":
@@ -342,20 +370,47 @@ class TermEvaluator:
                 return v(t.shifted(body, axis, delta), env)
         raise ValueError(f"no reference semantics for {head}")
 
+    def _scores(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: float, mask: Term,
+                env: Mapping[str, int]) -> Any:  # fmt: skip
+        """Attention's masked scores ``c·Σ_d q·k`` (+ mask) along ``key`` (``env`` holds it)."""
+        over_both = {**env, dim: n_dim}
+        product = contract(self.arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
+        scores = self.along(scale * product, key, n_keys)
+        if mask[0] == "CausalMask":
+            query_index = self.index(mask[1], env)
+            key_index = self.index(t.ax(key), env)
+            scores = self.xp.where(query_index < key_index, self.scalar(-np.inf), scores)
+        elif mask[0] == "BiasMask":
+            scores = scores + self.value(mask[1], env)
+        return scores
+
+    def _probabilities(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: float,
+                       mask: Term, env: Mapping[str, int]) -> Any:  # fmt: skip
+        """Attention's probabilities ``softmax_key(scores)`` (0 on a row without a live score)."""
+        xp = self.xp
+        scores = self._scores(key, n_keys, dim, n_dim, q, k, scale, mask, {**env, key: n_keys})
+        m, l, _ = softmax_fold(self.arrays, scores, None, self.position[key], self.fold_block)
+        live = l > 0
+        return xp.where(live, xp.exp(scores - xp.where(live, m, 0.0)) / xp.where(live, l, 1.0), 0.0)
+
+    def _score_gradient(self, args: tuple, env: Mapping[str, int]) -> Any:
+        """``AttentionDs``: ``P·(Σ_e do·v − Σ_e do·o)`` with ``o = Σ_key P·v`` (``env`` holds the key axis)."""
+        key, n_keys, dim, n_dim, values, n_values, q, k, v, do, scale, mask = args
+        arrays = self.arrays
+        p = self._probabilities(key, n_keys, dim, n_dim, q, k, scale, mask, env)
+        over_values = {**env, values: n_values}
+        v_e, do_e = self.value(v, over_values), self.value(do, over_values)
+        dp = contract(arrays, do_e, v_e, self.position[values], n_values)
+        o = contract(arrays, p, v_e, self.position[key], n_keys)
+        delta = contract(arrays, do_e, o, self.position[values], n_values)
+        return p * (dp - delta)
+
     def _flash(self, args: tuple, env: Mapping[str, int], splits: int = 1) -> Any:
         """Flash attention's value; with ``splits`` > 1 folded over that many chunks of the
         keys, whose partial states are then combined (:func:`split_fold`)."""
         key, n_keys, dim, n_dim, q, k, v, scale, mask = args
         over_keys = {**env, key: n_keys}
-        over_both = {**over_keys, dim: n_dim}
-        product = contract(self.arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
-        scores = self.along(scale * product, key, n_keys)
-        if mask[0] == "CausalMask":
-            query_index = self.index(mask[1], over_keys)
-            key_index = self.index(t.ax(key), over_keys)
-            scores = self.xp.where(query_index < key_index, self.scalar(-np.inf), scores)
-        elif mask[0] == "BiasMask":
-            scores = scores + self.value(mask[1], over_keys)
+        scores = self._scores(key, n_keys, dim, n_dim, q, k, scale, mask, over_keys)
         values = self.value(v, over_keys)
         if splits > 1:
             return split_fold(self.arrays, scores, values, self.position[key], splits, self.fold_block)

@@ -17,11 +17,13 @@ reference and says so once in the log: slow, for checking bindings and semantics
 Each compiled function is one ``torch.library`` custom op (:mod:`cherenkov.search.torch_ops`):
 a call dispatches ``cherenkov::<name>``, so it is one named op in ``torch.profiler``, and
 ``torch.compile(..., fullgraph=True)`` traces through it (its fake implementation knows
-the outputs' shapes). On CUDA, a signature's second call on the same tensors (the same
-addresses: a module's parameters, a static cache, an input buffer reused) records its
+the outputs' shapes). On CUDA, a signature's second call records its
 kernels as one CUDA graph (:meth:`~cherenkov.OptimizeResult.capture`) and each later call
-on those tensors replays it, returning copies of the replayed outputs; a call on other
-tensors, or one inside someone else's CUDA-graph capture, launches the kernels one by one.
+replays it, returning copies of the replayed outputs: inputs that kept their address
+(parameters, a static cache) are read in place, the others (activations allocated anew by
+the caller) are copied into the recording's own buffers first (:class:`PreparedCall`); a call
+whose parameters moved, or one inside someone else's CUDA-graph capture, launches the
+kernels one by one.
 ``cuda_graphs=False`` always launches them one by one.
 """
 
@@ -49,33 +51,59 @@ def signature_of(tensors: Sequence[Any]) -> Signature:
     return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type) for t in tensors)
 
 
+MAX_RECORDINGS = 3
+"""CUDA graphs one signature records at most: a caller whose parameters or caches keep moving
+gains nothing from recording again, and each recording costs tens of milliseconds."""
+
+
 @dataclass
 class PreparedCall:
     """One signature's captured graph, (on CUDA) its searched kernels, and the lifted
-    constants and CUDA-graph replay its calls reuse."""
+    constants and CUDA-graph replay its calls reuse.
+
+    The replay is recorded on the second call. Inputs at the same address in both calls
+    (parameters, a static cache: ``stable``) are read in place by the recording; the others
+    (activations a caller allocates anew) are recorded on private buffers that each replay
+    first fills with the call's values. A call whose stable inputs moved launches the
+    kernels one by one; the same move seen twice records again (at most ``MAX_RECORDINGS``
+    times)."""
 
     graph: Graph
     result: Any | None  # OptimizeResult on CUDA, None on the CPU
     constants: dict[str, Any] = field(default_factory=dict)
-    replay: Any | None = None  # CapturedRun of the tensors at ``replay_addresses``
+    replay: Any | None = None  # CapturedRun recorded on the stable inputs and private copies of the rest
+    stable: tuple[str, ...] = ()  # inputs the replay reads in place (at ``replay_addresses``)
     replay_addresses: tuple[int, ...] = ()
-    last_addresses: tuple[int, ...] = ()
+    last_addresses: dict[str, int] = field(default_factory=dict)
+    recordings: int = 0
 
     def launch(self, inputs: dict[str, Any], cuda_graphs: bool) -> dict[str, Any]:
-        """The kernels run on ``inputs``: a replay of the CUDA graph recorded on these very
-        tensors (recorded on the second call that sees them), else one launch per kernel."""
+        """The kernels run on ``inputs``: a replay of the recorded CUDA graph where the stable
+        inputs are where it read them, else one launch per kernel."""
         import torch
 
-        if not cuda_graphs or torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not cuda_graphs or capturing:
             return self.result.run(**inputs)
-        addresses = tuple(inputs[name].data_ptr() for name in self.graph.inputs)
-        if self.replay is None or addresses != self.replay_addresses:
-            if addresses != self.last_addresses:
-                self.last_addresses = addresses
+        addresses = {name: value.data_ptr() for name, value in inputs.items()}
+        if self.replay is None or tuple(addresses[n] for n in self.stable) != self.replay_addresses:
+            previous, self.last_addresses = self.last_addresses, addresses
+            if not previous or self.recordings >= MAX_RECORDINGS:
                 return self.result.run(**inputs)
-            self.replay, self.replay_addresses = self.result.capture(**inputs), addresses
-            log.info("ck.compile: %s recorded as a CUDA graph", self.graph.name)
+            self._record(inputs, stable=tuple(n for n in inputs if previous.get(n) == addresses[n]))
+        for name, value in inputs.items():
+            if name not in self.stable:
+                self.replay.inputs[name].copy_(value)
         return {name: value.clone() for name, value in self.replay().items()}
+
+    def _record(self, inputs: dict[str, Any], stable: tuple[str, ...]) -> None:
+        private = {name: value if name in stable else value.clone() for name, value in inputs.items()}
+        self.replay, self.stable = self.result.capture(**private), stable
+        self.replay_addresses = tuple(inputs[n].data_ptr() for n in stable)
+        self.recordings, self.last_addresses = self.recordings + 1, {}  # a later move is judged from its own calls
+        moved = sorted(set(inputs) - set(stable))
+        log.info("ck.compile: %s recorded as a CUDA graph (%d of %d inputs copied in per call: %s)", self.graph.name,
+                 len(moved), len(inputs), ", ".join(moved[:8]) + (" ..." if len(moved) > 8 else ""))  # fmt: skip
 
 
 @dataclass

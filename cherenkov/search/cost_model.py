@@ -399,10 +399,37 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     return Prediction(ms, flops / (ms * 1e9), resident, occupancy, 1.0, 1.0, waves)
 
 
+BACKWARD_EFFICIENCY = 0.35
+"""Fraction of the ``mma.sync`` peak the backward's main pass runs at (not yet fitted: no
+measurement of it exists; FlashAttention-2's backward reaches ~0.46 on the H200)."""
+BACKWARD_BLOCK_FACTOR = {(64, 32): 0.85, (64, 64): 1.0, (128, 32): 0.9, (128, 64): 1.05}
+"""Relative speed of the (BLOCK_KV, BLOCK_Q) tiles: larger tiles reuse each load for more mmas."""
+
+
+def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
+    """Predicted time of a flash-attention backward plan: its statistics pass (the forward's
+    two products) and main pass (five) at a fixed efficiency, scaled by the tiles and by
+    how evenly its key blocks fill the GPU; reported TFLOP/s count the backward's convention
+    (2.5× the forward)."""
+    gpu = gpu or GPUS[plan.target.name]
+    problem, schedule = plan.problem, plan.schedule
+    a = problem.attention
+    blocks = a.batch * a.kv_heads * -(-a.seq_kv // schedule.block_kv)
+    waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
+    knobs = BACKWARD_BLOCK_FACTOR.get((schedule.block_kv, schedule.block_q), 1.0) * (1.0 if schedule.stages > 1 else 0.9)
+    efficiency = BACKWARD_EFFICIENCY * knobs * max(waves, 0.25)
+    flops = problem.flops + a.flops  # the recomputed forward (statistics) and the backward proper
+    ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3 + 3 * LAUNCH_OVERHEAD_MS
+    return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, 1.0, waves, knobs)
+
+
 def predict_plan(plan, gpu: GpuSpec | None = None, registers: int | None = None) -> Prediction:
-    """The prediction of any plan: flash attention or a generic term kernel."""
+    """The prediction of any plan: flash attention (forward or backward) or a generic term kernel."""
     from cherenkov.codegen.term_plan import TermKernelPlan
+    from cherenkov.rewrites.plan_backward import BackwardPlan
 
     if isinstance(plan, TermKernelPlan):
         return predict_term(plan, gpu, registers)
+    if isinstance(plan, BackwardPlan):
+        return predict_backward(plan, gpu)
     return predict_flash(plan, gpu, registers)

@@ -3,7 +3,8 @@
 One worker process per GPU loads a compiled kernel, runs it on fresh random inputs into
 a NaN-poisoned output, checks it against a float32 PyTorch reference, and only then
 times it with CUDA events (warm-up, L2 flushed before every sample, median of many).
-Flash-attention candidates are checked against PyTorch's SDPA; every other kernel (a
+Flash-attention candidates are checked against PyTorch's SDPA, backward candidates each of
+their gradients against float32 autograd through SDPA's math path; every other kernel (a
 :class:`~cherenkov.codegen.term_plan.TermKernelPlan`) against its own term evaluated by
 :mod:`cherenkov.search.torch_eval` on the same random inputs (one per tensor it reads) —
 in float32 for bf16/fp16 outputs (relative L2 error ≤ 2e-2), in float64 for fp32 outputs
@@ -31,6 +32,7 @@ from cherenkov.codegen.launch import TORCH_DTYPES, mask_view, operand_view
 from cherenkov.codegen.plan import CompiledKernel
 from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.rewrites.plan import AttentionProblem
+from cherenkov.rewrites.plan_backward import AttentionBackwardProblem, BackwardPlan
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +221,62 @@ def _measure_term(task: MeasureTask, device: int, flush: Any) -> Measurement:
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
 
 
+def _strided(tensor: Any, layout: Any, shape: tuple[int, int, int, int]) -> Any:
+    """The ``(B, H, S, D)`` view of an operand in its stored tensor (its layout's strides)."""
+    import torch
+
+    return torch.as_strided(tensor, shape, (*layout.strides(), 1), layout.offset)
+
+
+def backward_reference(problem: AttentionBackwardProblem, stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The problem's gradients by float32 autograd through PyTorch's math attention, by role."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    a = problem.attention
+    leaves = {role: operand_view(a, role, stored[a.name(role)]).float().detach().requires_grad_(True) for role in "qkv"}
+    grad_output = _strided(stored[problem.grad_output], problem.grad_output_layout, a.logical_shape("q")).float()
+    with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            leaves["q"], leaves["k"], leaves["v"], is_causal=a.causal, scale=a.scale, enable_gqa=a.group_size > 1)
+        grads = torch.autograd.grad(o, [leaves[r] for r in "qkv"], grad_output)
+    return dict(zip(("dq", "dk", "dv"), grads))
+
+
+def _measure_backward(task: MeasureTask, device: int, flush: Any) -> Measurement:
+    """Verify a flash-attention backward plan's every gradient against float32 autograd, then time it."""
+    import torch
+
+    from cherenkov.codegen.launch import load_kernel
+
+    problem = task.compiled.plan.problem
+    a = problem.attention
+    kernel = load_kernel(task.compiled, device)
+    generator = torch.Generator(device=f"cuda:{device}").manual_seed(task.seed)
+    dtype = getattr(torch, TORCH_DTYPES[a.dtype])
+    stored = {name: torch.randn(shape, generator=generator, device=f"cuda:{device}").to(dtype)
+              for name, shape in problem.stored_shapes().items()}  # fmt: skip
+    out = {g.role: torch.full(g.layout.shape, float("nan"), dtype=dtype, device=f"cuda:{device}")
+           for g in problem.gradients}  # fmt: skip
+    q, k, v, grad_output = (stored[n] for n in (a.q, a.k, a.v, problem.grad_output))
+    kernel(q, k, v, grad_output, out)
+    torch.cuda.synchronize()
+    reference = backward_reference(problem, stored)
+    errors = {}
+    for gradient in problem.gradients:
+        shape = a.logical_shape("q" if gradient.role == "dq" else "k")
+        got = _strided(out[gradient.role], gradient.layout, shape).float()
+        expected = reference[gradient.role]
+        errors[gradient.role] = float((got - expected).norm() / expected.norm())
+    error = max(errors.values())
+    if not error <= TOLERANCE[a.dtype]:  # NaN fails too
+        reason = "relative errors " + ", ".join(f"{role} {e:.3g}" for role, e in errors.items())
+        return Measurement(task.candidate, "wrong", reason + f" (tolerance {TOLERANCE[a.dtype]})", error)
+    times, stopped = _time(lambda: kernel(q, k, v, grad_output, out), flush, task.samples, task.best_ms)
+    reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
+    return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
+
+
 def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
     import torch
 
@@ -226,6 +284,8 @@ def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
 
     if isinstance(task.compiled.plan, TermKernelPlan):
         return _measure_term(task, device, flush)
+    if isinstance(task.compiled.plan, BackwardPlan):
+        return _measure_backward(task, device, flush)
     problem = task.compiled.plan.problem
     kernel = load_kernel(task.compiled, device)
     stored = _inputs(problem, task.seed, device)

@@ -37,6 +37,7 @@ from cherenkov.rewrites import dag
 from cherenkov.rewrites.derive import Derivation, derive
 from cherenkov.rewrites.kernels import FusedKernel
 from cherenkov.rewrites.plan import TARGETS, KernelPlan
+from cherenkov.rewrites.plan_backward import AttentionBackwardProblem
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 from cherenkov.search import budget
 from cherenkov.search.cost_model import GPUS, predict_plan
@@ -150,6 +151,11 @@ class OptimizeResult:
         for position, (kernel, launcher, problem) in enumerate(self._launchers(torch.cuda.current_device())):
             if problem is None:
                 buffers[kernel.output] = launcher.launch(buffers)
+            elif isinstance(problem, AttentionBackwardProblem):  # several outputs: the gradients
+                stored = problem.stored_shapes()
+                a = problem.attention
+                reads = {n: viewed_as(buffers[n], stored[n], n) for n in (a.q, a.k, a.v, problem.grad_output)}
+                buffers.update(launcher.launch(reads))
             else:
                 stored = problem.stored_shapes()
                 q, k, v = (viewed_as(buffers[n], stored[n], n) for n in (problem.q, problem.k, problem.v))

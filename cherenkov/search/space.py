@@ -48,13 +48,14 @@ from cherenkov.codegen.term_plan import (
 from cherenkov.rewrites.derive import Derivation
 from cherenkov.rewrites.kernels import FusedKernel, absorptions
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, FlashSchedule, KernelPlan, Target
+from cherenkov.rewrites.plan_backward import AttentionBackwardProblem, BackwardPlan, BackwardSchedule
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 GENERATED_KINDS = frozenset(
-    {"flash_attention", "elementwise", "reduction", "contraction", "softmax_rows", "rms_norm_rows", "layer_norm_rows"}
+    {"flash_attention", "flash_attention_backward", "elementwise", "reduction", "contraction", "softmax_rows", "rms_norm_rows", "layer_norm_rows"}
 )
 
-Plan = KernelPlan | TermKernelPlan
+Plan = KernelPlan | TermKernelPlan | BackwardPlan
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def _dataclass_of(kinds: tuple[type, ...], values: Mapping[str, Any]) -> Any:
 
 
 def stored_plan(params: Mapping[str, Any], kernels: list[FusedKernel], derivation: Derivation,
-                target: Target) -> KernelPlan | TermKernelPlan:  # fmt: skip
+                target: Target) -> Plan:  # fmt: skip
     """The plan a candidate's recorded ``params`` describe, among ``kernels`` (and the forms
     that absorb a producer): ``ValueError`` when they describe none. The caller checks the
     rebuilt plan's name against the recorded id, which hashes every parameter."""
@@ -161,6 +162,13 @@ def stored_plan(params: Mapping[str, Any], kernels: list[FusedKernel], derivatio
         if kernel is None:
             raise ValueError(f"no flash-attention kernel writes {problem.out}")
         return KernelPlan("flash_attention", problem, schedule, target, kernel.trace)
+    if params.get("kind") == "flash_attention_backward":
+        problem = AttentionBackwardProblem.from_json(params["problem"])
+        kernel = next((k for k in kernels if k.output == problem.out), None)
+        if kernel is None:
+            raise ValueError(f"no flash-attention backward kernel writes {problem.out}")
+        return BackwardPlan("flash_attention_backward", problem, BackwardSchedule(**params["schedule"]), target,
+                            kernel.trace)  # fmt: skip
     wanted = params["kernel"]
     absorbed = [fused for _, fused in absorptions(kernels, frozenset(derivation.graph.outputs)).values()]
     for kernel in (*kernels, *absorbed):

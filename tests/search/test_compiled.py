@@ -153,6 +153,65 @@ def test_op_names_keep_only_safe_characters():
     assert op_name("7up")[0].isalpha() and op_name("???").startswith("function_")
 
 
+class _Recording:
+    """A stand-in for ``OptimizeResult`` on CPU tensors: ``y = x + w``, run or replayed."""
+
+    def __init__(self):
+        self.runs = self.captures = 0
+
+    def run(self, **inputs):
+        self.runs += 1
+        return {"y": inputs["x"] + inputs["w"]}
+
+    def capture(self, **inputs):
+        self.captures += 1
+
+        class Replay:
+            def __init__(self):
+                self.inputs = dict(inputs)
+
+            def __call__(self):
+                return {"y": self.inputs["x"] + self.inputs["w"]}
+
+        return Replay()
+
+
+def test_a_replay_reads_stable_inputs_in_place_and_copies_the_moving_ones():
+    """The second call records; an input at a new address each call (an activation) is copied
+    into the recording's buffer, a parameter that kept its address is read in place; a call
+    whose parameter moved runs the kernels one by one, and the same move seen twice records
+    again, at most ``MAX_RECORDINGS`` times."""
+    torch = pytest.importorskip("torch")
+    from cherenkov.search.compiled import MAX_RECORDINGS, PreparedCall
+
+    result = _Recording()
+    call = PreparedCall(graph=ck.Graph("replayed"), result=result)
+    w = torch.ones(4)
+
+    def check(w_now):
+        x = torch.randn(4)  # a new tensor, at a new address, every call
+        assert torch.equal(call.launch({"x": x, "w": w_now}, cuda_graphs=True)["y"], x + w_now)
+
+    check(w)
+    assert (result.runs, result.captures) == (1, 0)
+    check(w)
+    assert result.captures == 1 and call.stable == ("w",), "the parameter is read in place, x copied in"
+    for _ in range(3):
+        check(w)
+    assert (result.runs, result.captures) == (1, 1)
+    w.add_(1.0)  # an in-place update: the replay sees it
+    check(w)
+    moved = torch.full((4,), 3.0)
+    check(moved)
+    assert result.runs == 2, "a moved parameter runs the kernels"
+    check(moved)
+    assert result.captures == 2 and call.replay_addresses == (moved.data_ptr(),)
+    for _ in range(4 * MAX_RECORDINGS):
+        check(torch.full((4,), 5.0))
+    assert result.captures == MAX_RECORDINGS
+
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path):
     if not torch.cuda.is_available():
@@ -179,6 +238,12 @@ def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path
         with torch.no_grad():
             block.proj.weight.mul_(-1.0)  # in place: the replay reads the same parameter
         assert error() <= 2e-2
+        fresh = torch.randn_like(x)  # x moved: launched one by one, then recorded again on the new tensor
+        with torch.no_grad():
+            expected = block(fresh).float()
+        for _ in range(3):
+            assert float((compiled(fresh).float() - expected).norm() / expected.norm()) <= 2e-2
+        assert call.recordings == 2 and "x" in call.stable
         with torch.profiler.profile() as profile:
             compiled(x)
         assert f"cherenkov::{compiled.op._opname}" in [event.key for event in profile.key_averages()]

@@ -1,0 +1,601 @@
+"""The ``mma.sync`` flash-attention backward (sm_80 … sm_120): one plan → three ``__global__`` kernels.
+
+For ``o = softmax(c·q kᵀ [causal]) v`` and the gradient ``dO`` of its output, the derivation
+gives ``dS = P∘(dP − D)`` with ``P = 2^{c·log2e·q·k − LSE₂}``, ``dP = dO vᵀ``, ``D = rowsum(dO∘O)``,
+and ``dq = c·dS k``, ``dk = c·dSᵀ q``, ``dv = Pᵀ dO``
+(:mod:`cherenkov.rewrites.gradients`). The three launches:
+
+1. ``<name>_statistics`` — one block of 4 warps per 64 query rows of one head: the forward
+   once more (S = Q Kᵀ, the online softmax, O = P V in registers) over the keys the rows
+   see, then each row's ``LSE₂`` (the log-sum-exp in log2 units of the scaled scores) and
+   ``D = Σ_e dO·O``; it also zeroes the rows' fp32 dq accumulator.
+2. ``<name>`` (the main pass) — one block per ``BLOCK_KV`` keys of one K/V head; warp ``w``
+   owns keys ``16w … 16w + 15`` and holds their dk and dv in fp32 registers while the query
+   tiles of every query head of the group stream through shared memory (``STAGES`` buffers:
+   with 2 the next tile loads while this one is used). Per tile a warp computes Sᵀ = K Qᵀ,
+   Pᵀ from the saved ``LSE₂``, dv += Pᵀ dO (Pᵀ repacked from the accumulators as A operands,
+   as the forward does with P), dPᵀ = V dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dk += dSᵀ Q; dSᵀ goes to
+   shared memory, and the warps together compute the tile's dq = dS K, added to the fp32
+   accumulator with atomic adds. Causal blocks start at the first query tile that sees
+   their keys. Finally dk·c and dv are written.
+3. ``<name>_dq`` — dq = c·accumulator, rounded, written at dq's strides.
+
+Shared-memory rows are padded by 16 bytes (``PAD``), so the 8 row addresses of an ldmatrix
+phase fall in 8 different bank groups. Every problem value and tile size is a compile-time
+constant; q, k, v, dO and the gradients may lie at any strides with a contiguous head dim.
+
+Launch (:class:`cherenkov.codegen.launch.FlashBackwardKernel`): statistics on grid
+``(ceil(Sq / 64), H, B)`` × 128 threads, the main pass on ``(ceil(Skv / BLOCK_KV), H_kv, B)`` ×
+``32·BLOCK_KV/16`` threads, dq on ``(ceil(B·H·Sq·D / 512),)`` × 256 threads; arguments
+``(q, k, v, dO, dq, dk, dv, workspace)`` (pointers; a gradient not wanted is null), the
+workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq accumulator).
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda import cp_async, ldmatrix, mma
+from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, section
+from cherenkov.codegen.errors import CodegenError
+from cherenkov.rewrites.plan import OperandLayout
+from cherenkov.rewrites.plan_backward import (
+    PAD,
+    STATISTICS_KEYS,
+    STATISTICS_ROWS,
+    BackwardPlan,
+    backward_schedule_problems,
+    backward_smem_bytes,
+    statistics_smem_bytes,
+)
+
+LOG2E = 1.4426950408889634
+STATISTICS_THREADS = 4 * 32
+DQ_THREADS = 256
+
+
+def kernel_name(plan: BackwardPlan) -> str:
+    """The main pass's ``extern "C"`` name; the other two append ``_statistics`` and ``_dq``."""
+    return identifier(f"ck_flash_attention_backward_{plan.schedule.key()}")
+
+
+def dq_warp_grid(plan: BackwardPlan) -> tuple[int, int]:
+    """(row tiles, column groups) the warps split a query tile's dq (BLOCK_Q × D) into."""
+    row_tiles, warps = plan.schedule.block_q // 16, plan.schedule.warps
+    if warps % row_tiles:
+        raise CodegenError(f"{warps} warps do not split {row_tiles} dq row tiles")
+    return row_tiles, warps // row_tiles
+
+
+def workspace_floats(plan: BackwardPlan) -> int:
+    """The fp32 workspace: each query row's LSE₂ and D, then the dq accumulator (B, H, Sq, D)."""
+    a = plan.problem.attention
+    return a.batch * a.heads * a.seq_q * (2 + a.head_dim)
+
+
+def grids(plan: BackwardPlan) -> dict[str, tuple[tuple[int, int, int], int, int]]:
+    """Per launch (``statistics``, ``main``, ``dq``): grid, threads and dynamic shared memory."""
+    a, s = plan.problem.attention, plan.schedule
+    elements = a.batch * a.heads * a.seq_q * a.head_dim
+    return {
+        "statistics": ((-(-a.seq_q // STATISTICS_ROWS), a.heads, a.batch), STATISTICS_THREADS,
+                       statistics_smem_bytes(plan.problem)),
+        "main": ((-(-a.seq_kv // s.block_kv), a.kv_heads, a.batch), s.threads, backward_smem_bytes(s, plan.problem)),
+        "dq": ((max(1, -(-elements // (2 * DQ_THREADS))), 1, 1), DQ_THREADS, 0),
+    }  # fmt: skip
+
+
+def flash_attention_backward_source(plan: BackwardPlan) -> str:
+    """The deterministic CUDA C++ of one backward plan."""
+    problems = backward_schedule_problems(plan.schedule, plan.problem, plan.target)
+    if problems:
+        raise CodegenError(f"{plan.name} does not fit: {'; '.join(problems)}")
+    dq_warp_grid(plan)
+    name = kernel_name(plan)
+    parts = [
+        _header(plan, name),
+        section("problem and tile constants", _types(), _constants(plan)),
+        section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
+                ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), _helpers()),
+        section("statistics: each query row's log-sum-exp and D = rowsum(dO o)", _statistics_kernel(name)),
+        section("main pass: dk and dv held per key tile, dq accumulated", _main_kernel(name)),
+        section("dq: the accumulator scaled and rounded", _dq_kernel(name)),
+    ]  # fmt: skip
+    return "\n\n".join(parts) + "\n"
+
+
+def _header(plan: BackwardPlan, name: str) -> str:
+    a = plan.problem.attention
+    launches = grids(plan)
+    lines = [
+        f"Generated by cherenkov: flash-attention backward, plan {identifier(plan.name)} for {identifier(plan.target.name)}.",
+        f"Gradients {', '.join(plan.problem.roles)} of o = softmax(scale q k^T{' + causal mask' if a.causal else ''}) v "
+        f"given dO ({identifier(plan.problem.grad_output)}).",
+        f"B={a.batch} H={a.heads} H_kv={a.kv_heads} Sq={a.seq_q} Skv={a.seq_kv} D={a.head_dim} {a.dtype}; "
+        f"BLOCK_KV={plan.schedule.block_kv} BLOCK_Q={plan.schedule.block_q} STAGES={plan.schedule.stages}.",
+        *(f"{identifier(name + suffix)}: grid {g}, {t} threads, {m} bytes of dynamic shared memory."
+          for suffix, (g, t, m) in zip(("_statistics", "", "_dq"), launches.values())),
+    ]  # fmt: skip
+    return comment_lines(lines)
+
+
+def _types() -> str:
+    return block(
+        """
+        typedef unsigned int u32;
+        typedef unsigned short elem_t;  // the bits of one 16-bit element
+        """
+    )
+
+
+def _helpers() -> str:
+    return block(
+        """
+        // Row max / sum over the 4 lanes that share an accumulator row.
+        __device__ __forceinline__ float quad_max(float x) {
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+        }
+
+        __device__ __forceinline__ float quad_sum(float x) {
+            x += __shfl_xor_sync(0xffffffffu, x, 1);
+            return x + __shfl_xor_sync(0xffffffffu, x, 2);
+        }
+
+        __device__ __forceinline__ u32 smem_address(const void* p) {
+            return u32(__cvta_generic_to_shared(p));
+        }
+
+        // A 16-bit element's value (bf16: its bits are the float's upper half; fp16 converted).
+        __device__ __forceinline__ float to_float(elem_t x) {
+        #if CK_BF16
+            return __uint_as_float(u32(x) << 16);
+        #else
+            float f;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+            return f;
+        #endif
+        }
+
+        // Copy `rows` rows of D elements (row `r` at src + r * stride) into a padded shared tile;
+        // rows at or past `valid` are zero-filled (nothing read). All threads of the block take part.
+        template <int ROWS, int THREADS_>
+        __device__ __forceinline__ void load_rows(elem_t* tile, const elem_t* src, size_t stride, int valid) {
+            #pragma unroll
+            for (int c = int(threadIdx.x); c < ROWS * CHUNKS; c += THREADS_) {
+                const int row = c / CHUNKS, chunk = c % CHUNKS;
+                const bool in_range = row < valid;
+                cp_async_16(smem_address(tile + row * ROW + 8 * chunk), in_range ? src + row * stride + 8 * chunk : src,
+                            in_range);
+            }
+        }
+
+        // A operand (16 rows x k16 at k-step kk) of a padded tile, rows [row0, row0 + 16).
+        __device__ __forceinline__ void load_a(u32 (&a)[4], const elem_t* tile, int row0, int kk, int lane) {
+            ldmatrix_x4(a, smem_address(tile + (row0 + (lane & 15)) * ROW + 16 * kk + 8 * (lane >> 4)));
+        }
+
+        // B operands of the n8 tiles of rows [row0, row0 + 8) and [row0 + 8, row0 + 16) of a tile whose
+        // rows are the mma's n and columns its k (k-step kk): b[0..1] the first tile, b[2..3] the second.
+        __device__ __forceinline__ void load_b_rows(u32 (&b)[4], const elem_t* tile, int row0, int kk, int lane) {
+            const int row = row0 + (lane & 7) + ((lane >> 4) << 3);
+            ldmatrix_x4(b, smem_address(tile + row * ROW + 16 * kk + 8 * ((lane >> 3) & 1)));
+        }
+
+        // B operands of the n8 tiles of columns [col0, col0 + 8) and [col0 + 8, col0 + 16) over rows
+        // [16 kk, 16 kk + 16) of a tile whose rows are the mma's k (loaded transposed).
+        __device__ __forceinline__ void load_b_cols(u32 (&b)[4], const elem_t* tile, int row_elements, int kk,
+                                                    int col0, int lane) {
+            ldmatrix_x4_trans(b, smem_address(tile + (16 * kk + (lane & 15)) * row_elements + col0 + 8 * (lane >> 4)));
+        }
+
+        // A operand of rows [row0, row0 + 16) x k [16 kk, 16 kk + 16) of the transpose of a tile whose
+        // rows are k (dS^T stored keys x queries, read as dS).
+        __device__ __forceinline__ void load_a_transposed(u32 (&a)[4], const elem_t* tile, int row_elements, int row0,
+                                                          int kk, int lane) {
+            const int k = 16 * kk + (lane & 7) + 8 * ((lane >> 4) & 1);
+            ldmatrix_x4_trans(a, smem_address(tile + k * row_elements + row0 + 8 * ((lane >> 3) & 1)));
+        }
+        """
+    )
+
+
+def _strides(prefix: str, layout: OperandLayout) -> str:
+    return (f"constexpr size_t {prefix}_BATCH = {layout.batch}, {prefix}_HEAD = {layout.head}, "
+            f"{prefix}_SEQ = {layout.seq}, {prefix}_OFFSET = {layout.offset};")  # fmt: skip
+
+
+def _constants(plan: BackwardPlan) -> str:
+    p, s = plan.problem, plan.schedule
+    a = p.attention
+    scale = a.scale or a.head_dim**-0.5
+    row_tiles, column_groups = dq_warp_grid(plan)
+    unused = OperandLayout(p.grad_output_layout.shape, 0, 0, 0)
+    gradient = {role: p.gradient(role) for role in ("dq", "dk", "dv")}
+    return "\n".join([
+        f"#define CK_BF16 {int(a.dtype == 'bf16')}",
+        f"constexpr int BATCH = {a.batch}, HEADS = {a.heads}, KV_HEADS = {a.kv_heads}, GROUP = {a.group_size};",
+        f"constexpr int SEQ_Q = {a.seq_q}, SEQ_KV = {a.seq_kv}, D = {a.head_dim};",
+        f"constexpr bool CAUSAL = {bool_literal(a.causal)};  // query i sees keys j <= i",
+        f"constexpr float SCALE = {float_literal(scale)};  // of the scores",
+        f"constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scores to log2 units",
+        *(f"constexpr bool WANT_{role.upper()} = {bool_literal(gradient[role] is not None)};" for role in gradient),
+        "// element (b, h, s, d) of an operand at OFFSET + b * BATCH + h * HEAD + s * SEQ + d (h: the K/V head for k, v,",
+        "// dk, dv)",
+        _strides("Q", a.layout("q")), _strides("K", a.layout("k")), _strides("V", a.layout("v")),
+        _strides("DO", p.grad_output_layout),
+        *(_strides(role.upper(), (gradient[role] or unused).layout if gradient[role] else unused)
+          for role in gradient),
+        f"constexpr int ROW = D + {PAD};  // padded shared-memory row (elements)",
+        "constexpr int CHUNKS = D / 8;  // 16-byte chunks of a row",
+        f"constexpr int STAT_ROWS = {STATISTICS_ROWS}, STAT_KEYS = {STATISTICS_KEYS}, STAT_THREADS = 128;",
+        f"constexpr int BLOCK_KV = {s.block_kv}, BLOCK_Q = {s.block_q}, STAGES = {s.stages};",
+        "constexpr int WARPS = BLOCK_KV / 16, THREADS = 32 * WARPS;",
+        "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",
+        f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D / {column_groups};  // a warp's part of a dq tile",
+        "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;  // workspace: LSE2, D, then dq (B, H, Sq, D)",
+        f"constexpr int DQ_THREADS = {DQ_THREADS}, DQ_BLOCKS = {grids(plan)['dq'][0][0]};  // the dq launch",
+        "static_assert(D % 16 == 0 && DQ_COLUMNS % 16 == 0, \"head dims in whole k16 steps and ldmatrix pairs\");",
+    ])  # fmt: skip
+
+
+def _statistics_kernel(name: str) -> str:
+    return block(
+        """
+        extern "C" __global__ void __launch_bounds__(STAT_THREADS) @NAME@_statistics(
+            const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+            const elem_t* __restrict__ dout, float* __restrict__ workspace) {
+            extern __shared__ __align__(16) unsigned char smem[];
+            elem_t* sQ = reinterpret_cast<elem_t*>(smem);
+            elem_t* sDO = sQ + STAT_ROWS * ROW;
+            elem_t* sK = sDO + STAT_ROWS * ROW;
+            elem_t* sV = sK + STAT_KEYS * ROW;
+            const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+            const int q0 = blockIdx.x * STAT_ROWS, head = blockIdx.y, batch = blockIdx.z, kv_head = head / GROUP;
+            const elem_t* qh = q + Q_OFFSET + batch * Q_BATCH + head * Q_HEAD;
+            const elem_t* doh = dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD;
+            const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
+            const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
+            load_rows<STAT_ROWS, STAT_THREADS>(sQ, qh + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
+            load_rows<STAT_ROWS, STAT_THREADS>(sDO, doh + q0 * DO_SEQ, DO_SEQ, SEQ_Q - q0);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+            u32 qa[D / 16][4];  // this warp's 16 query rows as A operands
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], sQ, 16 * warp, kk, lane);
+            float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[D / 8][4];
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+            const int row[2] = {q0 + 16 * warp + g, q0 + 16 * warp + g + 8};
+            const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
+            for (int k0 = 0; k0 < keys; k0 += STAT_KEYS) {
+                __syncthreads();  // every warp is done with the previous K and V tiles
+                load_rows<STAT_KEYS, STAT_THREADS>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
+                load_rows<STAT_KEYS, STAT_THREADS>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
+                cp_async_commit();
+                cp_async_wait<0>();
+                __syncthreads();
+                // S = Q K^T for 16 rows x STAT_KEYS keys, in log2 units, masked
+                float s[STAT_KEYS / 8][4];
+                #pragma unroll
+                for (int n = 0; n < STAT_KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    #pragma unroll
+                    for (int p = 0; p < STAT_KEYS / 16; ++p) {
+                        u32 b[4];
+                        load_b_rows(b, sK, 16 * p, kk, lane);
+                        mma_16816(s[2 * p], qa[kk], b[0], b[1]);
+                        mma_16816(s[2 * p + 1], qa[kk], b[2], b[3]);
+                    }
+                }
+                float tile_max[2] = {-INFINITY, -INFINITY};
+                #pragma unroll
+                for (int n = 0; n < STAT_KEYS / 8; ++n) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = k0 + 8 * n + 2 * t + (e & 1);
+                        const bool masked = key >= SEQ_KV || (CAUSAL && key > row[e >> 1]);
+                        s[n][e] = masked ? -INFINITY : s[n][e] * SCALE_LOG2;
+                        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+                    }
+                }
+                float rescale[2], shift[2];
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float m_new = fmaxf(m[h], quad_max(tile_max[h]));
+                    rescale[h] = m_new == -INFINITY ? 1.0f : exp2f(m[h] - m_new);
+                    shift[h] = m_new == -INFINITY ? 0.0f : m_new;
+                    m[h] = m_new;
+                    l[h] *= rescale[h];
+                }
+                #pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    o[n][0] *= rescale[0]; o[n][1] *= rescale[0]; o[n][2] *= rescale[1]; o[n][3] *= rescale[1];
+                }
+                #pragma unroll
+                for (int n = 0; n < STAT_KEYS / 8; ++n) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[n][e] = exp2f(s[n][e] - shift[e >> 1]);
+                        l[e >> 1] += s[n][e];
+                    }
+                }
+                // O += P V: P repacked as A operands, V loaded transposed
+                #pragma unroll
+                for (int kk = 0; kk < STAT_KEYS / 16; ++kk) {
+                    const u32 a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                                      pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                    #pragma unroll
+                    for (int c = 0; c < D / 16; ++c) {
+                        u32 b[4];
+                        load_b_cols(b, sV, ROW, kk, 16 * c, lane);
+                        mma_16816(o[2 * c], a, b[0], b[1]);
+                        mma_16816(o[2 * c + 1], a, b[2], b[3]);
+                    }
+                }
+            }
+            // LSE2 = m + log2(l) (a row without a live key: +inf, so its probabilities are 0), D = rowsum(dO o)
+            float delta[2] = {0.0f, 0.0f}, inverse[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                l[h] = quad_sum(l[h]);
+                inverse[h] = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            }
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 16 * warp + g + 8 * (e >> 1), d = 8 * n + 2 * t + (e & 1);
+                    delta[e >> 1] += o[n][e] * inverse[e >> 1] * to_float(sDO[r * ROW + d]);
+                }
+            }
+            float* lse2 = workspace;
+            float* deltas = workspace + ROWS_TOTAL;
+            const size_t base = (size_t(batch) * HEADS + head) * SEQ_Q;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                delta[h] = quad_sum(delta[h]);
+                if (t == 0 && row[h] < SEQ_Q) {
+                    lse2[base + row[h]] = l[h] > 0.0f ? m[h] + log2f(l[h]) : INFINITY;
+                    deltas[base + row[h]] = delta[h];
+                }
+            }
+            if (WANT_DQ) {  // zero this tile's rows of the dq accumulator
+                float4* accumulator = reinterpret_cast<float4*>(workspace + 2 * ROWS_TOTAL + (base + q0) * D);
+                const int valid = min(STAT_ROWS, SEQ_Q - q0) * D / 4;
+                for (int i = int(threadIdx.x); i < valid; i += STAT_THREADS) accumulator[i] = make_float4(0, 0, 0, 0);
+            }
+        }
+        """
+    ).replace("@NAME@", name)
+
+
+def _main_kernel(name: str) -> str:
+    return block(
+        """
+        extern "C" __global__ void __launch_bounds__(THREADS) @NAME@(
+            const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+            const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
+            float* __restrict__ workspace) {
+            extern __shared__ __align__(16) unsigned char smem[];
+            elem_t* sK = reinterpret_cast<elem_t*>(smem);
+            elem_t* sV = sK + BLOCK_KV * ROW;
+            elem_t* sQ = sV + BLOCK_KV * ROW;             // STAGES tiles of BLOCK_Q rows
+            elem_t* sDO = sQ + STAGES * BLOCK_Q * ROW;    // STAGES tiles of BLOCK_Q rows
+            float* sLse = reinterpret_cast<float*>(sDO + STAGES * BLOCK_Q * ROW);  // STAGES x BLOCK_Q
+            float* sDelta = sLse + STAGES * BLOCK_Q;
+            elem_t* sDs = reinterpret_cast<elem_t*>(sDelta + STAGES * BLOCK_Q);  // BLOCK_KV x DS_ROW: dS^T
+            const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+            const int k0 = blockIdx.x * BLOCK_KV, kv_head = blockIdx.y, batch = blockIdx.z;
+            const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
+            const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
+            load_rows<BLOCK_KV, THREADS>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
+            load_rows<BLOCK_KV, THREADS>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
+            // the query tiles that see these keys, for each query head of the group: the steps
+            const int first = CAUSAL ? k0 / BLOCK_Q : 0;
+            const int tiles = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q - first;
+            const int steps = tiles > 0 ? GROUP * tiles : 0;
+            const float* lse2 = workspace;
+            const float* deltas = workspace + ROWS_TOTAL;
+            float* dq_accumulator = workspace + 2 * ROWS_TOTAL;
+            auto load_step = [&](int step) {  // q, dO, LSE2 and D rows of step `step` into its stage
+                const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
+                const int q0 = (first + step % tiles) * BLOCK_Q;
+                load_rows<BLOCK_Q, THREADS>(sQ + stage * BLOCK_Q * ROW,
+                                            q + Q_OFFSET + batch * Q_BATCH + head * Q_HEAD + q0 * Q_SEQ, Q_SEQ,
+                                            SEQ_Q - q0);
+                load_rows<BLOCK_Q, THREADS>(sDO + stage * BLOCK_Q * ROW,
+                                            dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD + q0 * DO_SEQ, DO_SEQ,
+                                            SEQ_Q - q0);
+                const size_t rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
+                for (int i = int(threadIdx.x); i < BLOCK_Q; i += THREADS) {
+                    const bool in_range = q0 + i < SEQ_Q;
+                    sLse[stage * BLOCK_Q + i] = in_range ? lse2[rows + i] : INFINITY;
+                    sDelta[stage * BLOCK_Q + i] = in_range ? deltas[rows + i] : 0.0f;
+                }
+            };
+            if (steps > 0) load_step(0);
+            cp_async_commit();
+            float dk[D / 8][4], dv[D / 8][4];  // keys 16 warp + g (+ 8) of this block, fp32
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+            }
+            const int key[2] = {k0 + 16 * warp + g, k0 + 16 * warp + g + 8};
+            for (int step = 0; step < steps; ++step) {
+                const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
+                const int q0 = (first + step % tiles) * BLOCK_Q;
+                cp_async_wait<0>();
+                __syncthreads();  // this step's tiles are in; every warp is done with the last step
+                if (STAGES == 1 && step > 0) {  // one buffer: load now, then wait
+                    load_step(step);
+                    cp_async_commit();
+                    cp_async_wait<0>();
+                    __syncthreads();
+                }
+                if (STAGES > 1 && step + 1 < steps) load_step(step + 1);
+                cp_async_commit();
+                const elem_t* tq = sQ + stage * BLOCK_Q * ROW;
+                const elem_t* tdo = sDO + stage * BLOCK_Q * ROW;
+                const float* tlse = sLse + stage * BLOCK_Q;
+                const float* tdelta = sDelta + stage * BLOCK_Q;
+                // S^T = K Q^T: 16 keys x BLOCK_Q queries
+                float s[BLOCK_Q / 8][4];
+                #pragma unroll
+                for (int n = 0; n < BLOCK_Q / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    u32 a[4];
+                    load_a(a, sK, 16 * warp, kk, lane);
+                    #pragma unroll
+                    for (int p = 0; p < BLOCK_Q / 16; ++p) {
+                        u32 b[4];
+                        load_b_rows(b, tq, 16 * p, kk, lane);
+                        mma_16816(s[2 * p], a, b[0], b[1]);
+                        mma_16816(s[2 * p + 1], a, b[2], b[3]);
+                    }
+                }
+                // P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked
+                #pragma unroll
+                for (int n = 0; n < BLOCK_Q / 8; ++n) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int column = 8 * n + 2 * t + (e & 1), query = q0 + column;
+                        const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || (CAUSAL && key[e >> 1] > query);
+                        s[n][e] = masked ? 0.0f : exp2f(s[n][e] * SCALE_LOG2 - tlse[column]);
+                    }
+                }
+                if (WANT_DV) {  // dv += P^T dO
+                    #pragma unroll
+                    for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
+                        const u32 a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                                          pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                          pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                        #pragma unroll
+                        for (int c = 0; c < D / 16; ++c) {
+                            u32 b[4];
+                            load_b_cols(b, tdo, ROW, kk, 16 * c, lane);
+                            mma_16816(dv[2 * c], a, b[0], b[1]);
+                            mma_16816(dv[2 * c + 1], a, b[2], b[3]);
+                        }
+                    }
+                }
+                if (WANT_DQ || WANT_DK) {
+                    // dP^T = V dO^T, then dS^T = P^T (dP^T - D) (in s)
+                    float dp[BLOCK_Q / 8][4];
+                    #pragma unroll
+                    for (int n = 0; n < BLOCK_Q / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+                    #pragma unroll
+                    for (int kk = 0; kk < D / 16; ++kk) {
+                        u32 a[4];
+                        load_a(a, sV, 16 * warp, kk, lane);
+                        #pragma unroll
+                        for (int p = 0; p < BLOCK_Q / 16; ++p) {
+                            u32 b[4];
+                            load_b_rows(b, tdo, 16 * p, kk, lane);
+                            mma_16816(dp[2 * p], a, b[0], b[1]);
+                            mma_16816(dp[2 * p + 1], a, b[2], b[3]);
+                        }
+                    }
+                    #pragma unroll
+                    for (int n = 0; n < BLOCK_Q / 8; ++n) {
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - tdelta[8 * n + 2 * t + (e & 1)];
+                    }
+                    #pragma unroll
+                    for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
+                        const u32 a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                                          pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                          pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                        if (WANT_DK) {  // dk += dS^T Q
+                            #pragma unroll
+                            for (int c = 0; c < D / 16; ++c) {
+                                u32 b[4];
+                                load_b_cols(b, tq, ROW, kk, 16 * c, lane);
+                                mma_16816(dk[2 * c], a, b[0], b[1]);
+                                mma_16816(dk[2 * c + 1], a, b[2], b[3]);
+                            }
+                        }
+                        if (WANT_DQ) {  // dS^T to shared memory, rows = this warp's keys
+                            u32* upper = reinterpret_cast<u32*>(sDs + (16 * warp + g) * DS_ROW + 16 * kk + 2 * t);
+                            u32* lower = reinterpret_cast<u32*>(sDs + (16 * warp + g + 8) * DS_ROW + 16 * kk + 2 * t);
+                            upper[0] = a[0];
+                            lower[0] = a[1];
+                            upper[4] = a[2];
+                            lower[4] = a[3];
+                        }
+                    }
+                }
+                if (WANT_DQ) {  // dq (BLOCK_Q x D) += dS K, warps over (row tile, column group), atomics
+                    __syncthreads();
+                    const int r0 = 16 * (warp % DQ_ROW_TILES), c0 = (warp / DQ_ROW_TILES) * DQ_COLUMNS;
+                    if (warp < DQ_ROW_TILES * (D / DQ_COLUMNS)) {
+                        float acc[DQ_COLUMNS / 8][4];
+                        #pragma unroll
+                        for (int n = 0; n < DQ_COLUMNS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+                        #pragma unroll
+                        for (int kk = 0; kk < BLOCK_KV / 16; ++kk) {
+                            u32 a[4];
+                            load_a_transposed(a, sDs, DS_ROW, r0, kk, lane);
+                            #pragma unroll
+                            for (int c = 0; c < DQ_COLUMNS / 16; ++c) {
+                                u32 b[4];
+                                load_b_cols(b, sK, ROW, kk, c0 + 16 * c, lane);
+                                mma_16816(acc[2 * c], a, b[0], b[1]);
+                                mma_16816(acc[2 * c + 1], a, b[2], b[3]);
+                            }
+                        }
+                        float* rows = dq_accumulator + ((size_t(batch) * HEADS + head) * SEQ_Q + q0) * D;
+                        #pragma unroll
+                        for (int n = 0; n < DQ_COLUMNS / 8; ++n) {
+                            #pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int r = r0 + g + 8 * (e >> 1), d = c0 + 8 * n + 2 * t + (e & 1);
+                                if (q0 + r < SEQ_Q) atomicAdd(rows + r * D + d, acc[n][e]);
+                            }
+                        }
+                    }
+                }
+            }
+            // dk * SCALE and dv, rounded, at their strides
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (key[h] >= SEQ_KV) continue;
+                    const int d = 8 * n + 2 * t;
+                    if (WANT_DK) {
+                        *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
+                            = pack2(dk[n][2 * h] * SCALE, dk[n][2 * h + 1] * SCALE);
+                    }
+                    if (WANT_DV) {
+                        *reinterpret_cast<u32*>(dv_out + DV_OFFSET + batch * DV_BATCH + kv_head * DV_HEAD + key[h] * DV_SEQ + d)
+                            = pack2(dv[n][2 * h], dv[n][2 * h + 1]);
+                    }
+                }
+            }
+        }
+        """
+    ).replace("@NAME@", name)
+
+
+def _dq_kernel(name: str) -> str:
+    return block(
+        """
+        extern "C" __global__ void __launch_bounds__(DQ_THREADS) @NAME@_dq(const float* __restrict__ workspace,
+                                                                   elem_t* __restrict__ dq_out) {
+            const float* accumulator = workspace + 2 * ROWS_TOTAL;
+            const size_t pairs = ROWS_TOTAL * D / 2;
+            for (size_t i = size_t(blockIdx.x) * DQ_THREADS + threadIdx.x; i < pairs; i += size_t(DQ_BLOCKS) * DQ_THREADS) {
+                const size_t element = 2 * i;
+                const int d = int(element % D);
+                const size_t row = element / D;
+                const int s = int(row % SEQ_Q), head = int(row / SEQ_Q % HEADS), batch = int(row / SEQ_Q / HEADS);
+                const float2 x = *reinterpret_cast<const float2*>(accumulator + element);
+                *reinterpret_cast<u32*>(dq_out + DQ_OFFSET + batch * DQ_BATCH + head * DQ_HEAD + s * DQ_SEQ + d)
+                    = pack2(x.x * SCALE, x.y * SCALE);
+            }
+        }
+        """
+    ).replace("@NAME@", name)

@@ -1,0 +1,204 @@
+"""Attention backward kernels: the gradient forms of one attention joined into one kernel, and its problem.
+
+The derivation gives each gradient its own form (``FlashAttentionGradQ``, ``…GradK``,
+``…GradV``: one per root of the gradient graph). The three share their work — the recomputed
+probabilities, the score gradient — so :func:`joined_backward` makes one kernel of the forms
+of one attention: the first gradient's kernel with the others as side outputs.
+:func:`attention_backward_problem` reads what it computes off the forms: q, k, v and dO as
+strided reads of stored tensors (the forward's rules: a contiguous head dim, any other
+strides), the scale, the mask, and where each gradient is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from cherenkov.rewrites import terms as t
+from cherenkov.rewrites.access import StridedRead
+from cherenkov.rewrites.kernels import FusedKernel, KernelError, SideOutput, _flash_read, attention_problem
+from cherenkov.rewrites.plan import OperandLayout
+from cherenkov.rewrites.plan_backward import GRADIENT_ROLES, AttentionBackwardProblem, GradientOutput
+from cherenkov.rewrites.terms import Term
+
+ROLE_OF_FORM = {
+    "FlashAttentionGradQ": "dq", "FlashAttentionGradK": "dk", "FlashAttentionGradV": "dv",
+    "FlashAttentionGradKGroup": "dk", "FlashAttentionGradVGroup": "dv",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GradientForm:
+    """The parts of one backward form: the key axis, the head dim (and value dim, absent for
+    dv), q and k (q the operand without the key axis), v (None for dv), dO, the scale, the mask
+    and the operand read again (k for dq, q for dk, dO for dv) with its own head axis."""
+
+    role: str
+    key: str
+    n_keys: int
+    dim: str
+    n_dim: int
+    q: Term
+    k: Term
+    v: Term | None
+    grad_output: Term
+    scale: float
+    mask: Term
+    again: Term
+
+
+def gradient_form(form: Term) -> GradientForm:
+    """The :class:`GradientForm` of a ``FlashAttentionGrad*`` term."""
+    head, args = form[0], form[1:]
+    if head.endswith("Group"):  # the sum over a K/V head's query heads: the same parts, q read per group member
+        head, args = head.removesuffix("Group"), args[2:]
+    if head == "FlashAttentionGradQ":
+        key, n_keys, dim, n_dim, _, _, q, k, v, do, scale, mask, again = args
+    elif head == "FlashAttentionGradK":
+        _, _, key, n_keys, dim, n_dim, _, _, q, k, v, do, scale, mask, again = args
+    else:
+        _, _, key, n_keys, dim, n_dim, q, k, scale, mask, again = args
+        v, do = None, again
+    if key in t.free_axes(q) and key not in t.free_axes(k):
+        q, k = k, q  # q·k and k·q contract alike
+    return GradientForm(ROLE_OF_FORM[head], key, n_keys, dim, n_dim, q, k, v, do, scale, mask, again)
+
+
+def _tensor_name(term: Term | None) -> str | None:
+    return term[1] if term is not None and term[0] == "Tensor" else None
+
+
+def _attention_key(form: GradientForm) -> tuple:
+    """What the forms of one attention share: the tensors q, k and dO are read from, the scale
+    and the kind of mask."""
+    return _tensor_name(form.q), _tensor_name(form.k), _tensor_name(form.grad_output), form.scale, form.mask[0]
+
+
+def joined_backward(kernels: list[FusedKernel]) -> list[FusedKernel]:
+    """The backward kernels of one attention as one kernel, in the place of the last of them,
+    the others its side outputs (in ``GRADIENT_ROLES`` order) — where no kernel between them
+    reads one of their outputs; every other kernel as it is."""
+    groups: dict[tuple, list[int]] = {}
+    for position, kernel in enumerate(kernels):
+        if kernel.kind == "flash_attention_backward" and kernel.term == kernel.core:
+            groups.setdefault(_attention_key(gradient_form(kernel.core)), []).append(position)
+    result: list[FusedKernel | None] = list(kernels)
+    for positions in groups.values():
+        if len(positions) < 2:
+            continue
+        members = [kernels[p] for p in positions]
+        names = {m.output for m in members}
+        between = kernels[positions[0] + 1 : positions[-1]]
+        if any(names & set(k.reads) for k in between if k not in members):
+            continue
+        members.sort(key=lambda m: GRADIENT_ROLES.index(gradient_form(m.core).role))
+        first, rest = members[0], members[1:]
+        reads = tuple(sorted({name for m in members for name in m.reads}))
+        sides = tuple(SideOutput(m.output, m.term, m.axes) for m in rest)
+        trace = tuple(dict.fromkeys(rule for m in members for rule in m.trace))
+        joined = replace(first, reads=reads, side_outputs=sides, trace=trace)
+        for p in positions:
+            result[p] = None
+        result[positions[-1]] = joined
+    return [k for k in result if k is not None]
+
+
+def _axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None, str]:
+    """(batch, head, query) axis names of an attention whose q and k read one head each (as
+    :func:`~cherenkov.rewrites.kernels.attention_problem` names them: of the axes q shares with
+    k, the head is the one q strides least)."""
+    q_axes = {atom[1] for atom in q_read.strides if atom[0] == "Ax"}
+    k_axes = {atom[1] if atom[0] == "Ax" else atom[1][1] for atom in k_read.strides}  # h // G: GQA's head
+    shared = sorted(q_axes & k_axes - {dim, key}, key=lambda a: -q_read.strides[t.ax(a)])
+    query = sorted(q_axes - set(shared) - {dim})
+    if len(shared) > 2 or len(query) != 1:
+        raise KernelError(f"flash attention backward: q ({q_read.tensor}) is read along {sorted(q_axes)}; "
+                          "expected q[b, h, i, d]")  # fmt: skip
+    head = shared[-1] if shared else None
+    batch = shared[0] if len(shared) == 2 else None
+    return batch, head, query[0]
+
+
+def _kv_axis_roles(k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None]:
+    """(batch, head) axis names of a k read: of its axes other than the key and head dim, the
+    head is the one it strides least (the K/V head)."""
+    axes = sorted((atom[1] for atom in k_read.strides if atom[0] == "Ax" and atom[1] not in (dim, key)),
+                  key=lambda a: -k_read.strides[t.ax(a)])  # fmt: skip
+    if len(axes) > 2 or any(atom[0] != "Ax" for atom in k_read.strides):
+        raise KernelError(f"flash attention backward: k ({k_read.tensor}) is not read per K/V head")
+    return (axes[0] if len(axes) == 2 else None), (axes[-1] if axes else None)
+
+
+def _layout(read: StridedRead, batch: str | None, head: str | None, seq: str, dim: str, role: str) -> OperandLayout:
+    """An operand's (B, H, S, D) placement in its stored tensor; ``KernelError`` unless its
+    head dim is contiguous and it varies along nothing else."""
+    roles = {t.ax(a) for a in (batch, head, seq, dim) if a is not None}
+    stray = [t.show(atom) for atom in read.strides if atom not in roles]
+    if stray or read.strides.get(t.ax(dim)) != 1:
+        raise KernelError(f"flash attention backward: {role} is read along {[t.show(a) for a in read.strides]}; "
+                          f"expected (batch, head, {seq}, {dim}) with {dim} contiguous")  # fmt: skip
+
+    def stride(name: str | None) -> int:
+        return read.strides.get(t.ax(name), 0) if name is not None else 0
+
+    return OperandLayout(read.shape, stride(batch), stride(head), stride(seq), read.offset)
+
+
+def _output_layout(axes: tuple[str, ...], batch: str | None, head: str | None, seq: str, role: str) -> OperandLayout:
+    """A gradient's placement in its row-major buffer over the kernel's ``axes``: the head dim is
+    the one axis that is not batch, head or ``seq``, and must be the last."""
+    shape = tuple(t.extent(a) for a in axes)
+    strides, stride = {}, 1
+    for axis, size in reversed(list(zip(axes, shape))):
+        strides[axis] = stride
+        stride *= size
+    rest = [a for a in axes if a not in (batch, head, seq) and t.extent(a) > 1]
+    if len(rest) != 1 or axes[-1] != rest[0]:
+        raise KernelError(f"flash attention backward: {role} is written over {list(axes)}; expected its head dim last")
+    return OperandLayout(shape, strides.get(batch, 0) if batch else 0, strides.get(head, 0) if head else 0,
+                         strides[seq] if seq in strides else 0)  # fmt: skip
+
+
+def attention_backward_problem(kernel: FusedKernel, shapes: Mapping[str, tuple[int, ...]],
+                               dtypes: Mapping[str, str]) -> AttentionBackwardProblem:  # fmt: skip
+    """The :class:`AttentionBackwardProblem` a (joined) backward kernel computes, or ``KernelError``."""
+    outputs = [(kernel.output, kernel.term, kernel.axes), *((s.output, s.term, s.axes) for s in kernel.side_outputs)]
+    forms = []
+    for name, term, axes in outputs:
+        if term[0] not in ROLE_OF_FORM:
+            raise KernelError(f"flash attention backward: {name} computes more than its gradient ({t.show(term)[:200]})")
+        forms.append((name, gradient_form(term), axes))
+    keys = {_attention_key(form) for _, form, _ in forms}
+    if len(keys) != 1:
+        raise KernelError(f"flash attention backward: the gradients of {[n for n, _, _ in forms]} are of different attentions")
+    by_role = {form.role: (name, form, axes) for name, form, axes in forms}
+    if len(by_role) != len(forms):
+        raise KernelError("flash attention backward: one gradient written twice")
+    _, lead, _ = next(by_role[r] for r in GRADIENT_ROLES if r in by_role)
+    values = next((f.v for _, f, _ in forms if f.v is not None), lead.k)  # dv alone reads no v
+    flash = ("FlashAttention", lead.key, lead.n_keys, lead.dim, lead.n_dim, lead.q, lead.k, values, lead.scale, lead.mask)
+    attention = attention_problem(flash, shapes, dtypes)
+    q_read, k_read = _flash_read(lead.q, "q", shapes), _flash_read(lead.k, "k", shapes)
+    batch, head, query = _axis_roles(q_read, k_read, lead.dim, lead.key)
+    do_read = _flash_read(lead.grad_output, "dO", shapes)
+    value_dim = next(iter(set(t.free_axes(lead.grad_output)) - {a for a in (batch, head, query) if a}), None)
+    if value_dim is None:
+        raise KernelError("flash attention backward: dO has no head dim")
+    grad_output_layout = _layout(do_read, batch, head, query, value_dim, "dO")
+    if dtypes[lead.grad_output[1]] != attention.dtype:
+        raise KernelError(f"flash attention backward: dO is {dtypes[lead.grad_output[1]]}, q {attention.dtype}")
+    gradients = []
+    for role in GRADIENT_ROLES:
+        if role not in by_role:
+            continue
+        name, form, axes = by_role[role]
+        if dtypes.get(name, attention.dtype) != attention.dtype:
+            raise KernelError(f"flash attention backward: {role} is stored as {dtypes[name]}, q is {attention.dtype}")
+        if role == "dq":
+            layout = _output_layout(axes, batch, head, query, role)
+        else:  # over the K/V heads (a grouped form has summed its query heads)
+            kv_batch, kv_head = _kv_axis_roles(_flash_read(form.k, "k", shapes), form.dim, form.key)
+            layout = _output_layout(axes, kv_batch, kv_head, form.key, role)
+        gradients.append(GradientOutput(role, name, layout))
+    return AttentionBackwardProblem(replace(attention, out=kernel.output), lead.grad_output[1], grad_output_layout,
+                                    tuple(gradients))  # fmt: skip

@@ -1,0 +1,218 @@
+"""Gradients: the vector-Jacobian products ``ck.grad`` writes, rewritten into the flash backward.
+
+``ck.grad`` differentiates attention primitive by primitive, so the gradient of the scores
+arrives as the chain rule spells it: through the quotient ``p / Σ_j p`` (``g·r − (Σ_j g·e)·r²``
+times ``e``), through ``exp2(x·log2 e)`` (times ``ln 2·log2 e``), and through the row maximum
+(a term that vanishes). Small identities turn it into the form a streaming kernel computes:
+
+1. the constants of the exponential's chain rule cancel, ``g·exp2(z)·ln 2·log2 e = g·exp2(z)``;
+2. the quotient's VJP is the softmax's: ``(g·r − (Σ_j g·e)·r²)·e = P∘(g − Σ_j P∘g)``,
+   ``P = e·r``;
+3. the shift by the row maximum carries no gradient: ``Σ_j P∘(g − Σ_j P∘g) = 0``;
+4. ``rowsum(P∘dP) = rowsum(dO∘O)``: with ``dP = Σ_e dO·v``, the sums over keys and over the
+   value dim swap and ``Σ_j P·v`` is the attention output ``O`` itself;
+5. ``P = e^{s − LSE(s)}``: the probabilities recomputed from the row's log-sum-exp;
+6. ``dS = P∘(dP − D)`` over scores ``c·Σ_d q·k`` (causally masked, or plus a bias tensor) is
+   ``AttentionDs``, and the three contractions of the backward stream over it:
+   ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``;
+7. with GQA, a K/V head's dk and dv sum those of its group's query heads (``Σ_g``): one form
+   streams over the group's queries.
+
+Every rule is an identity with a small random example (``tests/rewrites/test_rules.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from cherenkov.rewrites.rule import Example, Rule, Ruleset
+from cherenkov.rewrites.terms import ax, tensor
+
+x = tensor("x", "i:3", "j:7")
+s = tensor("s", "i:3", "j:7")
+g = tensor("g", "i:3", "j:7")
+w = tensor("w", "i:3", "j:7")
+u = tensor("u", "i:3")
+q, k = tensor("q", "i:3", "d:4"), tensor("k", "j:7", "d:4")
+v, do = tensor("v", "j:7", "e:2"), tensor("do", "i:3", "e:2")
+k2, q2, do2 = tensor("k", "j:7", "f:4"), tensor("q", "i:3", "f:4"), tensor("do", "i:3", "f:2")
+bias = tensor("b", "i:3", "j:7")
+SCALE = 0.5
+
+shifted = ("Exp", ("Add", s, ("Neg", ("Max", "j:7", 7, s))))
+normaliser = ("Recip", ("Sum", "j:7", 7, shifted))
+probability = ("SoftmaxRow", "j:7", 7, s)
+scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", SCALE))
+
+# The scores of the three mask kinds: (suffix, score pattern, mask term, score example, mask example)
+MASKS = (
+    ("", "(Mul (Contract d nd q k) (Num c))", "(NoMask)", scores, ("NoMask",)),
+    (
+        "-causal",
+        "(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) (Mul (Contract d nd q k) (Num c)))",
+        "(CausalMask iq)",
+        ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores),
+        ("CausalMask", ax("i:3")),
+    ),
+    (
+        "-bias",
+        "(Add (Mul (Contract d nd q k) (Num c)) (Tensor b bix))",
+        "(BiasMask (Tensor b bix))",
+        ("Add", scores, bias),
+        ("BiasMask", bias),
+    ),
+)
+
+
+def _recomputed(score: str) -> str:
+    """The probabilities of ``score`` recomputed from their row's log-sum-exp (a pattern)."""
+    return f"(Exp (Add {score} (Neg (LogSumExp j nj {score}))))"
+
+
+def _recomputed_example(score: tuple) -> tuple:
+    return ("Exp", ("Add", score, ("Neg", ("LogSumExp", "j:7", 7, score))))
+
+
+def _score_gradient_rules() -> tuple[Rule, ...]:
+    rules = []
+    for suffix, score, mask, score_example, mask_example in MASKS:
+        output = ("FlashAttention", "j:7", 7, "d:4", 4, q, k, v, SCALE, mask_example)
+        rules.append(Rule(
+            f"attention-ds{suffix}",
+            f"P∘(Σ_e dO·v − Σ_e dO·O) with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{suffix and ' ' + suffix[1:] + ' masked'} "
+            "and O its attention = AttentionDs(q, k, v, dO): the score gradient the backward streams",
+            lhs=(f"(Mul {_recomputed(score)} (Add (Contract e ne do v) "
+                 f"(Neg (Contract e ne do (FlashAttention j nj d nd q k v c {mask})))))"),
+            rhs=f"(AttentionDs j nj d nd e ne q k v do c {mask})",
+            example=Example(("Mul", _recomputed_example(score_example),
+                             ("Add", ("Contract", "e:2", 2, do, v), ("Neg", ("Contract", "e:2", 2, do, output))))),
+        ))  # fmt: skip
+    return tuple(rules)
+
+
+def _value_gradient_rules() -> tuple[Rule, ...]:
+    return tuple(
+        Rule(
+            f"flash-grad-v{suffix}",
+            f"Σ_i P·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{suffix and ' ' + suffix[1:] + ' masked'} "
+            "= FlashAttentionGradV: dv streamed over the queries",
+            lhs=f"(Contract i ni {_recomputed(score)} do2)",
+            rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {mask} do2)",
+            example=Example(("Contract", "i:3", 3, _recomputed_example(score_example), do2)),
+        )
+        for suffix, score, mask, score_example, _ in MASKS
+    )
+
+
+grouped_q, grouped_q2 = tensor("q", "g:2", "i:3", "d:4"), tensor("q", "g:2", "i:3", "f:4")
+grouped_do, grouped_do2 = tensor("do", "g:2", "i:3", "e:2"), tensor("do", "g:2", "i:3", "f:2")
+ds = ("AttentionDs", "j:7", 7, "d:4", 4, "e:2", 2, q, k, v, do, SCALE, ("NoMask",))
+gradient_of_shifted = ("Mul", probability, ("Add", g, ("Neg", ("Sum", "j:7", 7, ("Mul", probability, g)))))
+
+RULES = (
+    Rule(
+        "exp2-vjp-constants",
+        "g·exp2(z)·a·b = g·exp2(z) when a·b = 1: the chain rule of exp2(x·log2 e) multiplies by ln 2 and log2 e",
+        lhs="(Mul (Mul (Mul g (Exp2 z)) (Num a)) (Num b))",
+        rhs="(Mul g (Exp2 z))",
+        where=("(= 1.0 (* a b))",),
+        example=Example(("Mul", ("Mul", ("Mul", g, ("Exp2", x)), ("Num", math.log(2.0))), ("Num", math.log2(math.e)))),
+    ),
+    Rule(
+        "quotient-vjp",
+        "(g·r − (Σ_j g·e)·r·r)·e = (e·r)·(g − Σ_j (e·r)·g) with r = (Σ_j e)⁻¹: the softmax's VJP, P∘(g − rowsum(P∘g))",
+        lhs="(Mul (Add (Mul g r) (Neg (Mul (Mul (Sum j n (Mul g e)) r) r))) e)",
+        rhs="(Mul (Mul e r) (Add g (Neg (Sum j n (Mul (Mul e r) g)))))",
+        where=("(= r (Recip (Sum j n e)))",),
+        example=Example(("Mul", ("Add", ("Mul", g, normaliser),
+                                 ("Neg", ("Mul", ("Mul", ("Sum", "j:7", 7, ("Mul", g, shifted)), normaliser), normaliser))),
+                         shifted)),
+    ),  # fmt: skip
+    Rule(
+        "softmax-shift-gradient",
+        "x + (−Σ_j x)·w·u = x for x = P∘(g − Σ_j P∘g): the softmax's shift (its row maximum) carries no gradient",
+        lhs="(Add x (Mul (Mul (Neg (Sum j n x)) w) u))",
+        rhs="x",
+        where=("(= x (Mul (SoftmaxRow j n s) (Add g (Neg (Sum j n (Mul (SoftmaxRow j n s) g))))))",),
+        example=Example(("Add", gradient_of_shifted,
+                         ("Mul", ("Mul", ("Neg", ("Sum", "j:7", 7, gradient_of_shifted)), w), u))),
+    ),  # fmt: skip
+    Rule(
+        "softmax-shift-gradient-scaled",
+        "x·a + (−Σ_j x·a)·w·u = x·a for x = P∘(g − Σ_j P∘g) and a constant a (a base-2 softmax's shift)",
+        lhs="(Add y (Mul (Mul (Neg (Sum j n y)) w) u))",
+        rhs="y",
+        where=("(= y (Mul x (Num a)))",
+               "(= x (Mul (SoftmaxRow j n s) (Add g (Neg (Sum j n (Mul (SoftmaxRow j n s) g))))))"),
+        example=Example(("Add", ("Mul", gradient_of_shifted, ("Num", math.log(2.0))),
+                         ("Mul", ("Mul", ("Neg", ("Sum", "j:7", 7, ("Mul", gradient_of_shifted, ("Num", math.log(2.0))))),
+                                  w), u))),
+    ),  # fmt: skip
+    Rule(
+        "softmax-row-unshifted",
+        "e^{s}·(e^{max_j s}·L_j(s))⁻¹ = softmax_j(s): a softmax spelled without its shift is the row form",
+        lhs="(Mul (Exp s) (Recip (Mul (Exp (Max j n s)) (SoftmaxFoldL j n s))))",
+        rhs="(SoftmaxRow j n s)",
+        example=Example(("Mul", ("Exp", s), ("Recip", ("Mul", ("Exp", ("Max", "j:7", 7, s)),
+                                                         ("SoftmaxFoldL", "j:7", 7, s))))),
+    ),  # fmt: skip
+    Rule(
+        "masked-softmax-gradient",
+        "where(m, 0, softmax_j(where(m, −∞, s))·y) = softmax_j(where(m, −∞, s))·y: a masked score's probability is 0",
+        lhs="(Where m (Num 0.0) (Mul (SoftmaxRow j n (Where m (Num -inf) s)) y))",
+        rhs="(Mul (SoftmaxRow j n (Where m (Num -inf) s)) y)",
+        example=Example(("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", 0.0),
+                         ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))),
+                                                           ("Num", -math.inf), s)), g))),
+    ),  # fmt: skip
+    Rule(
+        "sum-swap",
+        "Σ_j a·Σ_e b·c = Σ_e b·Σ_j a·c when a does not depend on e nor b on j",
+        lhs="(Sum j n (Mul a (Sum e m (Mul b c))))",
+        rhs="(Sum e m (Mul b (Sum j n (Mul a c))))",
+        where=("(= axes-a (axes a))", "(set-not-contains axes-a e)", "(= axes-b (axes b))",
+               "(set-not-contains axes-b j)"),
+        example=Example(("Sum", "j:7", 7, ("Mul", s, ("Sum", "e:2", 2, ("Mul", do, v))))),
+    ),  # fmt: skip
+    Rule(
+        "softmax-from-logsumexp",
+        "softmax_j(s) = e^{s − LSE_j(s)}: a probability recomputed from its row's log-sum-exp",
+        lhs="(SoftmaxRow j n s)",
+        rhs="(Exp (Add s (Neg (LogSumExp j n s))))",
+        example=Example(probability),
+    ),
+    *_score_gradient_rules(),
+    Rule(
+        "flash-grad-q",
+        "c·Σ_j dS·k = FlashAttentionGradQ: dq streamed over the keys, dS recomputed tile by tile",
+        lhs="(Mul (Contract j nj (AttentionDs j nj d nd e ne q k v do c m) k2) (Num c))",
+        rhs="(FlashAttentionGradQ j nj d nd e ne q k v do c m k2)",
+        example=Example(("Mul", ("Contract", "j:7", 7, ds, k2), ("Num", SCALE))),
+    ),
+    Rule(
+        "flash-grad-k",
+        "c·Σ_i dS·q = FlashAttentionGradK: dk streamed over the queries, dS recomputed tile by tile",
+        lhs="(Mul (Contract i ni (AttentionDs j nj d nd e ne q k v do c m) q2) (Num c))",
+        rhs="(FlashAttentionGradK i ni j nj d nd e ne q k v do c m q2)",
+        example=Example(("Mul", ("Contract", "i:3", 3, ds, q2), ("Num", SCALE))),
+    ),
+    *_value_gradient_rules(),
+    Rule(
+        "flash-grad-k-group",
+        "Σ_g FlashAttentionGradK = FlashAttentionGradKGroup: a K/V head's dk sums the query heads of its group",
+        lhs="(Sum g ng (FlashAttentionGradK i ni j nj d nd e ne q k v do c m q2))",
+        rhs="(FlashAttentionGradKGroup g ng i ni j nj d nd e ne q k v do c m q2)",
+        example=Example(("Sum", "g:2", 2, ("FlashAttentionGradK", "i:3", 3, "j:7", 7, "d:4", 4, "e:2", 2, grouped_q,
+                                            k, v, grouped_do, SCALE, ("NoMask",), grouped_q2))),
+    ),  # fmt: skip
+    Rule(
+        "flash-grad-v-group",
+        "Σ_g FlashAttentionGradV = FlashAttentionGradVGroup: a K/V head's dv sums the query heads of its group",
+        lhs="(Sum g ng (FlashAttentionGradV i ni j nj d nd q k c m do2))",
+        rhs="(FlashAttentionGradVGroup g ng i ni j nj d nd q k c m do2)",
+        example=Example(("Sum", "g:2", 2, ("FlashAttentionGradV", "i:3", 3, "j:7", 7, "d:4", 4, grouped_q, k, SCALE,
+                                            ("NoMask",), grouped_do2))),
+    ),  # fmt: skip
+)
+
+GRADIENTS = Ruleset("gradients", __doc__.splitlines()[0], RULES)

@@ -1,0 +1,237 @@
+"""Flash-attention backward plans: the gradients of one attention, and the schedules computing them.
+
+An :class:`AttentionBackwardProblem` is one attention — its forward :class:`AttentionProblem`
+(q, k, v, the scale, the causal mask, their layouts) — with the gradient of its output, dO,
+and the gradients wanted: any of dq, dk and dv, each written to a buffer of its own layout.
+The derivation reaches it from ``ck.grad`` of the forward (:mod:`cherenkov.rewrites.gradients`):
+``dS = P∘(dP − D)`` with ``P = e^{s − LSE}`` recomputed and ``D = rowsum(dO∘O)``, and three
+streaming contractions ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``.
+
+The ``mma.sync`` family computes it in three launches: a statistics pass over the keys per
+query tile (the forward once more: each row's log-sum-exp and ``D``, with ``O`` kept in
+registers), the main pass — one block per key tile, its warps holding dk and dv for 16 keys
+each while the query tiles stream past (dq accumulates in fp32 by atomic adds) — and dq's
+conversion to its dtype. A :class:`BackwardSchedule` picks the key and query tiles and
+whether the streamed tiles are double-buffered; :func:`backward_schedule_problems` says why a
+schedule does not fit a problem on a target.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from cherenkov.rewrites.plan import (
+    LAYOUT_ALIGN,
+    MAX_REGISTERS_PER_THREAD,
+    SMEM_RESERVED_PER_BLOCK,
+    AttentionProblem,
+    OperandLayout,
+    Target,
+)
+
+GRADIENT_ROLES = ("dq", "dk", "dv")
+BACKWARD_HEAD_DIMS = (32, 64, 96, 128)
+"""Head dims (one for q, k and v) the backward family plans."""
+BACKWARD_DTYPES = ("bf16", "fp16")
+PAD = 8
+"""Elements each shared-memory row is padded by: 16 bytes, so that the 8 rows an ldmatrix phase
+reads start in 8 different bank groups."""
+STATISTICS_ROWS = 64
+"""Query rows of one block of the statistics pass (4 warps of 16)."""
+STATISTICS_KEYS = 64
+"""Keys of one step of the statistics pass."""
+
+
+@dataclass(frozen=True)
+class GradientOutput:
+    """One gradient the problem writes: ``role`` (dq, dk or dv), the buffer, and where each
+    element ``(b, h, s, d)`` lies in it (``h`` the query head for dq, the K/V head for dk, dv)."""
+
+    role: str
+    tensor: str
+    layout: OperandLayout
+
+    @classmethod
+    def from_json(cls, data: dict) -> GradientOutput:
+        layout = data["layout"]
+        return cls(data["role"], data["tensor"], OperandLayout(**{**layout, "shape": tuple(layout["shape"])}))
+
+
+@dataclass(frozen=True)
+class AttentionBackwardProblem:
+    """The gradients of ``o = softmax(scale · q kᵀ [causal mask]) v`` given ``dO``.
+
+    ``attention`` places q, k and v (its ``o`` layout is unused); ``grad_output`` names dO and
+    ``grad_output_layout`` places it like q; ``gradients`` lists the wanted gradients in
+    ``GRADIENT_ROLES`` order, each with its buffer. Tensor names are validated identifiers."""
+
+    attention: AttentionProblem
+    grad_output: str
+    grad_output_layout: OperandLayout
+    gradients: tuple[GradientOutput, ...]
+
+    @property
+    def out(self) -> str:
+        """The kernel's first output (the buffer it is named by)."""
+        return self.attention.out
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(g.role for g in self.gradients)
+
+    def gradient(self, role: str) -> GradientOutput | None:
+        return next((g for g in self.gradients if g.role == role), None)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The buffers written, in ``GRADIENT_ROLES`` order."""
+        return tuple(g.tensor for g in self.gradients)
+
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Stored tensor name -> shape of every tensor read or written (one entry for a shared one)."""
+        a = self.attention
+        shapes = {a.name(role): a.layout(role).shape for role in ("q", "k", "v")}
+        shapes[self.grad_output] = self.grad_output_layout.shape
+        shapes.update((g.tensor, g.layout.shape) for g in self.gradients)
+        return shapes
+
+    def layout_problems(self) -> list[str]:
+        """Why a layout cannot be read or written with 16-byte accesses; empty when all can."""
+        reasons = [r for r in self.attention.layout_problems() if not r.startswith("o'")]
+        for name, layout in ((self.grad_output, self.grad_output_layout), *((g.role, g.layout) for g in self.gradients)):
+            if any(v % LAYOUT_ALIGN for v in (*layout.strides(), layout.offset)):
+                reasons.append(f"{name}'s strides {layout.strides()} and offset {layout.offset} are not multiples of "
+                               f"{LAYOUT_ALIGN} elements")  # fmt: skip
+        return reasons
+
+    @property
+    def flops(self) -> float:
+        """The backward's matmul FLOPs by the usual convention, 2.5× the forward's (five products
+        of the forward's size: S, dP, dv, dk, dq), halved for causal."""
+        return 2.5 * self.attention.flops
+
+    @classmethod
+    def from_json(cls, data: dict) -> AttentionBackwardProblem:
+        layout = data["grad_output_layout"]
+        return cls(AttentionProblem.from_json(data["attention"]), data["grad_output"],
+                   OperandLayout(**{**layout, "shape": tuple(layout["shape"])}),
+                   tuple(GradientOutput.from_json(g) for g in data["gradients"]))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BackwardSchedule:
+    """One way to run the backward: ``block_kv`` keys a block of the main pass (16 a warp),
+    ``block_q`` queries a step, ``stages`` buffers of the streamed q/dO tiles (2: the next tile
+    loads while this one is used)."""
+
+    block_kv: int = 64
+    block_q: int = 64
+    stages: int = 2
+
+    @property
+    def warps(self) -> int:
+        return self.block_kv // 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def key(self) -> str:
+        return f"kv{self.block_kv}_q{self.block_q}_s{self.stages}"
+
+
+BACKWARD_SCHEDULES = tuple(
+    BackwardSchedule(block_kv, block_q, stages)
+    for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)
+)  # fmt: skip
+
+
+def row_elements(head_dim: int) -> int:
+    """Elements of one padded shared-memory row of a head-dim-wide tile."""
+    return head_dim + PAD
+
+
+def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
+    """Dynamic shared memory of the main pass: K and V (the block's keys), ``stages`` q and dO
+    tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's product."""
+    d = problem.attention.head_dim
+    element = 2
+    kv = 2 * schedule.block_kv * row_elements(d) * element
+    streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + 2 * 4 * schedule.block_q)
+    ds = schedule.block_kv * (schedule.block_q + PAD) * element
+    return kv + streamed + ds
+
+
+def statistics_smem_bytes(problem: AttentionBackwardProblem) -> int:
+    """Dynamic shared memory of the statistics pass: a q and a dO tile, one K and one V tile."""
+    return (2 * STATISTICS_ROWS + 2 * STATISTICS_KEYS) * row_elements(problem.attention.head_dim) * 2
+
+
+def backward_register_estimate(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
+    """Registers a thread of the main pass holds: dk and dv (16 keys × D each, over 32 lanes),
+    Sᵀ and dPᵀ (16 keys × block_q), and ~64 for addresses and fragments (D 128 with 64-query
+    tiles spills: 256)."""
+    d = problem.attention.head_dim
+    return 2 * 16 * d // 32 + 2 * 16 * schedule.block_q // 32 + 64
+
+
+def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBackwardProblem,
+                               target: Target) -> list[str]:  # fmt: skip
+    """Why ``schedule`` cannot run ``problem`` on ``target``; empty when it can."""
+    a = problem.attention
+    reasons = []
+    if a.head_dim not in BACKWARD_HEAD_DIMS or a.value_dim:
+        reasons.append(f"head dims {a.head_dim}/{a.v_dim}: the backward plans one head dim of {BACKWARD_HEAD_DIMS}")
+    if a.dtype not in BACKWARD_DTYPES:
+        reasons.append(f"dtype {a.dtype}: the backward plans {BACKWARD_DTYPES}")
+    if a.bias is not None:
+        reasons.append("a bias tensor: the backward plans no mask or the causal one")
+    row_tiles = schedule.block_q // 16
+    if schedule.warps % row_tiles or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16:
+        reasons.append(f"{schedule.warps} warps do not split a {schedule.block_q} x {a.head_dim} dq tile into 16-column parts")
+    reasons += problem.layout_problems()
+    smem = backward_smem_bytes(schedule, problem)
+    if smem + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
+        reasons.append(f"{smem} bytes of shared memory over {target.name}'s {target.smem_per_block}")
+    registers = backward_register_estimate(schedule, problem)
+    if registers > MAX_REGISTERS_PER_THREAD:
+        reasons.append(f"~{registers} registers a thread over {MAX_REGISTERS_PER_THREAD}")
+    if statistics_smem_bytes(problem) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
+        reasons.append(f"the statistics pass's shared memory over {target.name}'s {target.smem_per_block}")
+    return reasons
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """One attention backward × one schedule × one target: the unit the search measures."""
+
+    kind: Literal["flash_attention_backward"]
+    problem: AttentionBackwardProblem
+    schedule: BackwardSchedule
+    target: Target
+    trace: tuple[str, ...] = field(default=(), compare=False)
+
+    def params(self) -> dict:
+        """Plain-JSON description (problem, schedule, target) for reports and databases."""
+        return {"kind": self.kind, "problem": asdict(self.problem), "schedule": asdict(self.schedule),
+                "target": self.target.name}  # fmt: skip
+
+    @functools.cached_property
+    def name(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.kind}_{self.schedule.key()}_{digest}"
+
+    @property
+    def flops(self) -> float:
+        return self.problem.flops
+
+
+def backward_plans(problem: AttentionBackwardProblem, target: Target,
+                   trace: tuple[str, ...] = ()) -> list[BackwardPlan]:  # fmt: skip
+    """Every schedule of ``BACKWARD_SCHEDULES`` that fits ``problem`` on ``target``."""
+    return [BackwardPlan("flash_attention_backward", problem, schedule, target, trace)
+            for schedule in BACKWARD_SCHEDULES if not backward_schedule_problems(schedule, problem, target)]  # fmt: skip

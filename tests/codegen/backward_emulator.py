@@ -1,0 +1,177 @@
+"""Running a flash-attention backward plan's three kernels on the CPU: a test helper.
+
+The generated source is compiled as host C++20 with :mod:`.emulator`'s prelude (CUDA threads
+as ``std::thread``, warp collectives and ``mma.sync`` exchanged through per-warp buffers),
+its inline-PTX helpers replaced by host emulations (``ldmatrix`` plain and transposed, the
+16-bit packing, ``cp.async``, shared addresses as host pointers) and ``atomicAdd`` as an
+atomic on the host. The three launches run in order on the same buffers, exactly as
+:class:`cherenkov.codegen.launch.FlashBackwardKernel` issues them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from cherenkov.codegen import cuda_source
+from cherenkov.codegen.cuda.flash_attention_backward import grids, kernel_name, workspace_floats
+
+from .emulator import PRELUDE, _strip_functions, from_bits, to_bits
+
+REPLACED = ("mma_16816", "mma_16816_zero", "pack2", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
+            "ldmatrix_x2_trans", "cp_async_16", "cp_async_commit", "cp_async_wait", "smem_address", "to_float")  # fmt: skip
+
+HOST_HELPERS = r"""
+#include <atomic>
+#include <cstdint>
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+static inline std::uintptr_t smem_address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+static inline float to_float(unsigned short x) {
+#if CK_BF16
+    return __uint_as_float(unsigned(x) << 16);
+#else
+    return ck_from_fp16(x);
+#endif
+}
+static inline unsigned pack2(float lo, float hi) {
+#if CK_BF16
+    return unsigned(ck_to_bf16(lo)) | (unsigned(ck_to_bf16(hi)) << 16);
+#else
+    return unsigned(ck_to_fp16(lo)) | (unsigned(ck_to_fp16(hi)) << 16);
+#endif
+}
+static inline void ldmatrix_x4(unsigned (&r)[4], std::uintptr_t addr) { ck_ldsm_x4(r, reinterpret_cast<const void*>(addr)); }
+static inline void ldmatrix_x4_trans(unsigned (&r)[4], std::uintptr_t addr) {
+    ck_ldsm_x4_t(r, reinterpret_cast<const void*>(addr));
+}
+static inline void cp_async_16(std::uintptr_t smem, const void* gmem, bool in_range) {
+    ck_cp_async_16(reinterpret_cast<void*>(smem), gmem, in_range);
+}
+static inline void cp_async_commit() {}
+template <int N> static inline void cp_async_wait() {}
+"""
+
+
+def host_source(plan) -> str:
+    """The plan's source as host C++ (helpers emulated, shared memory a static buffer per kernel)."""
+    source = cuda_source(plan)
+    source = source.replace("template <int N>\n__device__ __forceinline__ void cp_async_wait()",
+                            "__device__ __forceinline__ void cp_async_wait()")  # fmt: skip
+    body = _strip_functions(source, REPLACED)
+    launches = grids(plan)
+    size = max(m for _, _, m in launches.values()) + 16
+    body = body.replace("extern __shared__ __align__(16) unsigned char smem[];",
+                        f"alignas(16) static unsigned char smem[{size}];")  # fmt: skip
+    bf16 = re.search(r"#define CK_BF16 (\d)", body)[1]
+    body = re.sub(r"#define CK_BF16 \d\n", "", body)
+    return f"#define CK_EMU_MMA_FP16 {1 - int(bf16)}\n#define CK_BF16 {bf16}\n" + PRELUDE + HOST_HELPERS + body
+
+
+def _launch(function: str, grid, threads: int, args: str) -> str:
+    gx, gy, gz = grid
+    return f"""
+    for (unsigned bz = 0; bz < {gz}; ++bz)
+    for (unsigned by = 0; by < {gy}; ++by)
+    for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{
+        std::barrier<> bar({threads});
+        std::vector<EmuWarp> warps({(threads + 31) // 32});
+        EmuBlock block{{&bar, warps.data()}};
+        std::vector<std::thread> threads;
+        for (unsigned tx = 0; tx < {threads}; ++tx) {{
+            threads.emplace_back([&, tx] {{
+                threadIdx.x = tx; blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
+                emu_block = &block;
+                {function}({args});
+                block.warps[tx >> 5].bar.arrive_and_drop();
+                bar.arrive_and_drop();
+            }});
+        }}
+        for (auto& t : threads) t.join();
+    }}
+"""
+
+
+def _main(plan) -> str:
+    name = kernel_name(plan)
+    launches = grids(plan)
+    files = ["q", "k", "v", "do", "dq", "dk", "dv", "ws"]
+    reads = "\n".join(f"    auto buf_{f} = read_file(argv[{i + 1}]);" for i, f in enumerate(files))
+    e = "unsigned short*"
+    pointers = {f: f"reinterpret_cast<{e}>(buf_{f}.data())" for f in files[:7]}
+    ws = "reinterpret_cast<float*>(buf_ws.data())"
+    main_args = ", ".join([*(pointers[f] for f in ("q", "k", "v", "do", "dk", "dv")), ws])
+    stat_args = ", ".join([*(pointers[f] for f in ("q", "k", "v", "do")), ws])
+    writes = "\n".join(
+        f'    {{ FILE* f = std::fopen(argv[{9 + i}], "wb"); std::fwrite(buf_{g}.data(), 1, buf_{g}.size() - 64, f); std::fclose(f); }}'
+        for i, g in enumerate(("dq", "dk", "dv"))
+    )
+    return f"""
+static std::vector<unsigned char> read_file(const char* path) {{
+    FILE* f = std::fopen(path, "rb");
+    std::fseek(f, 0, SEEK_END); long n = std::ftell(f); std::fseek(f, 0, SEEK_SET);
+    std::vector<unsigned char> data(n + 64);
+    if (n && std::fread(data.data(), 1, n, f) != size_t(n)) return {{}};
+    std::fclose(f);
+    return data;
+}}
+
+int main(int argc, char** argv) {{
+{reads}
+{_launch(name + "_statistics", launches["statistics"][0], launches["statistics"][1], stat_args)}
+{_launch(name, launches["main"][0], launches["main"][1], main_args)}
+{_launch(name + "_dq", launches["dq"][0], launches["dq"][1], ws + ", " + pointers["dq"]) if "dq" in plan.problem.roles else ""}
+{writes}
+    return 0;
+}}
+"""
+
+
+def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray) -> dict[str, np.ndarray]:
+    """The plan's gradients (float64; NaN where never written) for contiguous BHSD operands; the
+    gradients' buffers are laid out as the plan's layouts say (contiguous ones here)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no g++ to emulate kernels with")
+    problem = plan.problem
+    dtype = problem.attention.dtype
+    source = host_source(plan) + _main(plan)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    root = Path(tempfile.gettempdir()) / "cherenkov-emulator"
+    root.mkdir(parents=True, exist_ok=True)
+    binary = root / f"backward-{digest}.bin"
+    if not binary.exists():
+        (root / f"backward-{digest}.cpp").write_text(source)
+        result = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary),
+                                 str(root / f"backward-{digest}.cpp")], capture_output=True, text=True)  # fmt: skip
+        if result.returncode:
+            raise RuntimeError(f"host compile of {plan.name} failed:\n{result.stderr[:4000]}")
+    shapes = {g.role: g.layout.shape for g in problem.gradients}
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        paths = []
+        for label, values in (("q", q), ("k", k), ("v", v), ("do", do)):
+            path = Path(tmp) / f"{label}.bin"
+            to_bits(values, dtype).tofile(path)
+            paths.append(str(path))
+        for role in ("dq", "dk", "dv"):
+            path = Path(tmp) / f"{role}.bin"
+            count = int(np.prod(shapes[role])) if role in shapes else 1
+            np.full(2 * count, 0xFF, dtype=np.uint8).tofile(path)  # NaN poison
+            paths.append(str(path))
+        workspace = Path(tmp) / "ws.bin"
+        np.zeros(workspace_floats(plan), dtype=np.float32).tofile(workspace)
+        paths.append(str(workspace))
+        outputs = [str(Path(tmp) / f"out_{role}.bin") for role in ("dq", "dk", "dv")]
+        run = subprocess.run([str(binary), *paths, *outputs], capture_output=True, text=True, timeout=900)
+        if run.returncode:
+            raise RuntimeError(f"emulated {plan.name} failed (exit {run.returncode}): {run.stderr[:2000]}")
+        return {role: from_bits(np.fromfile(out, dtype=np.uint16), dtype).reshape(shapes[role])
+                for role, out in zip(("dq", "dk", "dv"), outputs) if role in shapes}  # fmt: skip

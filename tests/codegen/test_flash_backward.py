@@ -1,0 +1,143 @@
+"""The flash-attention backward family: sources, builds for every ``mma.sync`` target, the
+kernels emulated on the CPU against ``ck.grad``'s float64 gradients, and on the GPU against
+float32 autograd (each gradient, bf16 and fp16, causal, GQA, ragged lengths, D 32–128)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import cherenkov as ck
+from cherenkov.codegen import compile_plans, cuda_source, load_kernel
+
+from .backward_emulator import emulate_backward
+from .emulator import rounded
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
+
+
+def gradient_graph(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, dim: int, causal: bool,
+                   dtype: str = "bf16", wrt: tuple[str, ...] = ("q", "k", "v")) -> ck.Graph:  # fmt: skip
+    """``ck.grad`` of ``ck.nn.attention`` at these sizes."""
+    g = ck.Graph("attention")
+    q = g.input("q", (batch, heads, seq_q, dim), dtype)
+    k, v = (g.input(n, (batch, kv_heads, seq_kv, dim), dtype) for n in "kv")
+    g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+    return ck.grad(g, wrt=wrt)
+
+
+def backward_plans(gg: ck.Graph, target: str = "sm_90"):
+    plans = ck.derive(gg).plans(target)
+    assert plans and {p.kind for p in plans} == {"flash_attention_backward"}
+    return plans
+
+
+def test_sources_are_deterministic_and_differ_by_schedule() -> None:
+    plans = backward_plans(gradient_graph(1, 2, 2, 100, 77, 64, causal=True))
+    sources = [cuda_source(p) for p in plans]
+    assert sources == [cuda_source(p) for p in plans]
+    assert len(set(sources)) == len(plans)
+    assert all("_statistics(" in s and "_dq(" in s and "atomicAdd" in s for s in sources)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
+def test_every_plan_compiles_without_spills(target: str, compiler, kernel_cache) -> None:
+    gg = gradient_graph(2, 8, 2, 200, 333, 128, causal=True)  # the register-heaviest head dim, GQA
+    plans = backward_plans(gg, target)
+    for plan, build in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
+        assert not isinstance(build, Exception), build
+        assert build.report.spill_bytes == 0, f"{plan.name} spills on {target}: {build.report}"
+
+
+def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rounded(rng.standard_normal(t.shape), dtype) for n, t in gg.inputs.items()}
+
+
+@needs_gxx
+@pytest.mark.parametrize(("sizes", "causal", "wrt", "schedules"), [
+    ((1, 2, 2, 40, 70, 32), False, ("q", "k", "v"), ("kv64_q32_s1", "kv128_q64_s2")),
+    ((2, 4, 2, 37, 70, 32), True, ("q", "k", "v"), ("kv64_q32_s2",)),  # GQA, Sq < Skv, batch strides
+    ((1, 2, 2, 100, 77, 64), True, ("k", "v"), ("kv64_q64_s2",)),  # Sq > Skv, no dq
+], ids=["tails", "causal_gqa", "dk_dv_only"])  # fmt: skip
+def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules) -> None:
+    gg = gradient_graph(*sizes, causal=causal, wrt=wrt)
+    inputs = _inputs(gg)
+    expected = ck.evaluate(gg, inputs)
+    plans = {p.schedule.key(): p for p in backward_plans(gg)}
+    for key in schedules:
+        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"])
+        assert set(got) == {f"d{n}" for n in wrt}
+        for role, values in got.items():
+            reference = expected[f"d_{role[1]}"]
+            error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
+            assert error <= 1e-2, f"{key}: {role} differs by {error:.3g}"
+
+
+# ------------------------------------------------------------------------------ GPU
+
+GPU_CASES = [
+    ((2, 8, 2, 200, 333, 64), True, "bf16"),  # GQA, ragged, causal
+    ((1, 8, 8, 512, 512, 128), False, "bf16"),
+    ((2, 4, 4, 77, 129, 32), False, "fp16"),
+    ((1, 4, 4, 300, 200, 96), True, "bf16"),  # Sq > Skv, D 96
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96"])
+def test_gpu_backward_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
+    """Every schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32 autograd
+    through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched twice
+    (the workspace is reused)."""
+    import torch
+
+    from cherenkov.search.measure import TOLERANCE, backward_reference
+
+    plans = backward_plans(gradient_graph(*sizes, causal=causal, dtype=dtype))
+    builds = compile_plans(plans, cache_dir=kernel_cache)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    problem = plans[0].problem
+    generator = torch.Generator(device=cuda_device).manual_seed(0)
+    stored = {n: torch.randn(s, generator=generator, device=cuda_device).to(torch_dtype)
+              for n, s in problem.stored_shapes().items()}  # fmt: skip
+    reference = backward_reference(problem, stored)
+    for plan, build in zip(plans, builds):
+        assert not isinstance(build, Exception), build
+        kernel = load_kernel(build, 0)
+        for _ in range(2):
+            out = {g.role: torch.full(g.layout.shape, float("nan"), dtype=torch_dtype, device=cuda_device)
+                   for g in problem.gradients}  # fmt: skip
+            kernel(stored["q"], stored["k"], stored["v"], stored["d_o"], out)
+            torch.cuda.synchronize()
+            for role, value in out.items():
+                error = float((value.float() - reference[role]).norm() / reference[role].norm())
+                assert error <= TOLERANCE[dtype], f"{plan.name}: {role} differs by {error:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_optimize_runs_the_derived_backward(cuda_device, tmp_path) -> None:
+    """The gradient graph through ``ck.optimize``: the backward kernel is searched, verified and
+    run by ``res.run``, giving every gradient in one launch sequence."""
+    import torch
+
+    gg = gradient_graph(2, 4, 2, 256, 256, 64, causal=True)
+    from cherenkov.search.database import TuningDatabase
+
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        res = ck.optimize(gg, target="sm_90", out=tmp_path / "run", database=db, budget_s=60)
+    assert [k.kind for k in res.partition] == ["flash_attention_backward"]
+    generator = torch.Generator(device=cuda_device).manual_seed(1)
+    tensors = {n: torch.randn(t.shape, generator=generator, device=cuda_device).to(torch.bfloat16)
+               for n, t in gg.inputs.items()}  # fmt: skip
+    got = res.run(**tensors)
+    leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
+    o = torch.nn.functional.scaled_dot_product_attention(leaves["q"], leaves["k"], leaves["v"], is_causal=True,
+                                                         enable_gqa=True)  # fmt: skip
+    grads = torch.autograd.grad(o, [leaves[n] for n in "qkv"], tensors["d_o"].float())
+    for name, expected in zip(("d_q", "d_k", "d_v"), grads):
+        error = float((got[name].float() - expected).norm() / expected.norm())
+        assert error <= 2e-2, f"{name}: {error:.3g}"
