@@ -22,10 +22,11 @@ import numpy as np
 from cherenkov.codegen import cuda_source
 from cherenkov.codegen.cuda.flash_attention_backward import grids, kernel_name, workspace_floats
 
-from .emulator import PRELUDE, _strip_functions, from_bits, to_bits
+from .emulator import PRELUDE, READ_FILE, _strip_functions, from_bits, launch_blocks, to_bits
 
 REPLACED = ("mma_16816", "mma_16816_zero", "pack2", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
-            "ldmatrix_x2_trans", "cp_async_16", "cp_async_commit", "cp_async_wait", "smem_address", "to_float")  # fmt: skip
+            "ldmatrix_x2_trans", "cp_async_16", "cp_async_commit", "cp_async_wait", "smem_address", "to_float",
+            "fast_exp2")  # fmt: skip
 
 HOST_HELPERS = r"""
 #include <atomic>
@@ -58,6 +59,7 @@ static inline void cp_async_16(std::uintptr_t smem, const void* gmem, bool in_ra
 }
 static inline void cp_async_commit() {}
 template <int N> static inline void cp_async_wait() {}
+static inline float fast_exp2(float x) { return std::exp2(x); }
 """
 
 
@@ -76,30 +78,6 @@ def host_source(plan) -> str:
     return f"#define CK_EMU_MMA_FP16 {1 - int(bf16)}\n#define CK_BF16 {bf16}\n" + PRELUDE + HOST_HELPERS + body
 
 
-def _launch(function: str, grid, threads: int, args: str) -> str:
-    gx, gy, gz = grid
-    return f"""
-    for (unsigned bz = 0; bz < {gz}; ++bz)
-    for (unsigned by = 0; by < {gy}; ++by)
-    for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{
-        std::barrier<> bar({threads});
-        std::vector<EmuWarp> warps({(threads + 31) // 32});
-        EmuBlock block{{&bar, warps.data()}};
-        std::vector<std::thread> threads;
-        for (unsigned tx = 0; tx < {threads}; ++tx) {{
-            threads.emplace_back([&, tx] {{
-                threadIdx.x = tx; blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
-                emu_block = &block;
-                {function}({args});
-                block.warps[tx >> 5].bar.arrive_and_drop();
-                bar.arrive_and_drop();
-            }});
-        }}
-        for (auto& t : threads) t.join();
-    }}
-"""
-
-
 def _main(plan) -> str:
     name = kernel_name(plan)
     launches = grids(plan)
@@ -115,20 +93,13 @@ def _main(plan) -> str:
         for i, g in enumerate(("dq", "dk", "dv"))
     )
     return f"""
-static std::vector<unsigned char> read_file(const char* path) {{
-    FILE* f = std::fopen(path, "rb");
-    std::fseek(f, 0, SEEK_END); long n = std::ftell(f); std::fseek(f, 0, SEEK_SET);
-    std::vector<unsigned char> data(n + 64);
-    if (n && std::fread(data.data(), 1, n, f) != size_t(n)) return {{}};
-    std::fclose(f);
-    return data;
-}}
+{READ_FILE}
 
 int main(int argc, char** argv) {{
 {reads}
-{_launch(name + "_statistics", launches["statistics"][0], launches["statistics"][1], stat_args)}
-{_launch(name, launches["main"][0], launches["main"][1], main_args)}
-{_launch(name + "_dq", launches["dq"][0], launches["dq"][1], ws + ", " + pointers["dq"]) if "dq" in plan.problem.roles else ""}
+{launch_blocks(name + "_statistics", launches["statistics"][0], launches["statistics"][1], stat_args)}
+{launch_blocks(name, launches["main"][0], launches["main"][1], main_args)}
+{launch_blocks(name + "_dq", launches["dq"][0], launches["dq"][1], ws + ", " + pointers["dq"]) if "dq" in plan.problem.roles else ""}
 {writes}
     return 0;
 }}

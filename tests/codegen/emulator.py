@@ -211,6 +211,44 @@ C_TYPES = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", 
 NP_TYPES = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": np.uint8}
 
 
+READ_FILE = r"""
+static std::vector<unsigned char> read_file(const char* path) {
+    FILE* f = std::fopen(path, "rb");
+    std::fseek(f, 0, SEEK_END); long n = std::ftell(f); std::fseek(f, 0, SEEK_SET);
+    std::vector<unsigned char> data(n + 64);
+    if (n && std::fread(data.data(), 1, n, f) != size_t(n)) return {};
+    std::fclose(f);
+    return data;
+}
+"""
+
+
+def launch_blocks(function: str, grid: tuple[int, int, int], threads: int, args: str) -> str:
+    """Host C++ running ``function(args)`` over ``grid``: the blocks one after another, each
+    block's ``threads`` CUDA threads as ``std::thread`` s sharing its barriers."""
+    gx, gy, gz = grid
+    return f"""
+    for (unsigned bz = 0; bz < {gz}; ++bz)
+    for (unsigned by = 0; by < {gy}; ++by)
+    for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{
+        std::barrier<> bar({threads});
+        std::vector<EmuWarp> warps({(threads + 31) // 32});
+        EmuBlock block{{&bar, warps.data()}};
+        std::vector<std::thread> threads;
+        for (unsigned tx = 0; tx < {threads}; ++tx) {{
+            threads.emplace_back([&, tx] {{
+                threadIdx.x = tx; blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
+                emu_block = &block;
+                {function}({args});
+                block.warps[tx >> 5].bar.arrive_and_drop();
+                bar.arrive_and_drop();
+            }});
+        }}
+        for (auto& t : threads) t.join();
+    }}
+"""
+
+
 def _main(plan) -> str:
     (gx, gy, gz), (bx, _, _) = term_grid(plan)
     tensors = plan.tensors
@@ -221,36 +259,12 @@ def _main(plan) -> str:
     )
     last = len(tensors) - 1
     return f"""
-static std::vector<unsigned char> read_file(const char* path) {{
-    FILE* f = std::fopen(path, "rb");
-    std::fseek(f, 0, SEEK_END); long n = std::ftell(f); std::fseek(f, 0, SEEK_SET);
-    std::vector<unsigned char> data(n + 64);
-    if (n && std::fread(data.data(), 1, n, f) != size_t(n)) return {{}};
-    std::fclose(f);
-    return data;
-}}
+{READ_FILE}
 
 int main(int argc, char** argv) {{
     std::vector<std::vector<unsigned char>> bufs({len(tensors)});
 {reads}
-    for (unsigned bz = 0; bz < {gz}; ++bz)
-    for (unsigned by = 0; by < {gy}; ++by)
-    for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{
-        std::barrier<> bar({bx});
-        std::vector<EmuWarp> warps({(bx + 31) // 32});
-        EmuBlock block{{&bar, warps.data()}};
-        std::vector<std::thread> threads;
-        for (unsigned tx = 0; tx < {bx}; ++tx) {{
-            threads.emplace_back([&, tx] {{
-                threadIdx.x = tx; blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
-                emu_block = &block;
-                {kernel_name(plan)}({args});
-                block.warps[tx >> 5].bar.arrive_and_drop();
-                bar.arrive_and_drop();
-            }});
-        }}
-        for (auto& t : threads) t.join();
-    }}
+{launch_blocks(kernel_name(plan), (gx, gy, gz), bx, args)}
     FILE* f = std::fopen(argv[{last + 2}], "wb");
     std::fwrite(bufs[{last}].data(), 1, bufs[{last}].size() - 64, f);
     std::fclose(f);

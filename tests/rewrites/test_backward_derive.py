@@ -11,7 +11,7 @@ import cherenkov as ck
 from cherenkov.rewrites.plan import SMEM_RESERVED_PER_BLOCK, TARGETS
 from cherenkov.rewrites.plan_backward import backward_smem_bytes
 
-from tests.rewrites.test_derive import SPELLINGS, attention_graph, random_inputs
+from tests.rewrites.test_derive import SPELLINGS, assert_derived_program_matches, attention_graph, random_inputs
 
 # The spellings of the acceptance and the rules each one's backward needs beyond the
 # common chain (quotient VJP, shift gradient, D = rowsum(dO∘O), P from the LSE, the three forms).
@@ -27,14 +27,6 @@ BACKWARD_SPELLINGS = {
 COMMON_CHAIN = ("quotient-vjp", "sum-swap", "softmax-from-logsumexp", "online-softmax-contract", "flash-grad-q")
 
 
-def assert_gradients_match(gg: ck.Graph, d) -> None:
-    inputs = random_inputs(gg)
-    expected, got = ck.evaluate(gg, inputs), ck.evaluate(d, inputs)
-    for name in expected:
-        error = np.linalg.norm(got[name] - expected[name]) / np.linalg.norm(expected[name])
-        assert error <= 1e-9, f"{name}: derived program differs by {error:.2e}"
-
-
 @pytest.mark.parametrize("spelling", BACKWARD_SPELLINGS)
 def test_flash_attention_backward_is_derived_from_the_gradient_graph(spelling: str) -> None:
     spell, kv_heads, causal = SPELLINGS[spelling]
@@ -43,7 +35,7 @@ def test_flash_attention_backward_is_derived_from_the_gradient_graph(spelling: s
     assert d.found("flash_attention_backward")
     (kernel,) = d.kernels
     assert kernel.kind == "flash_attention_backward" and kernel.outputs == ("d_q", "d_k", "d_v")
-    assert_gradients_match(gg, d)
+    assert_derived_program_matches(gg, d)
     trace = d.trace
     for rule in (*COMMON_CHAIN, *BACKWARD_SPELLINGS[spelling]):
         assert rule in trace, f"{spelling}: {rule} missing from {trace}"
@@ -63,7 +55,7 @@ def test_a_subset_of_the_gradients_is_one_kernel_writing_those(wrt: tuple[str, .
     d = ck.derive(gg)
     (kernel,) = d.kernels
     assert kernel.kind == "flash_attention_backward" and kernel.outputs == tuple(f"d_{n}" for n in wrt)
-    assert_gradients_match(gg, d)
+    assert_derived_program_matches(gg, d)
     assert d.plans("sm_90")[0].problem.roles == tuple(f"d{n}" for n in wrt)
 
 

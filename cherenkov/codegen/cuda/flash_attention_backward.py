@@ -33,7 +33,7 @@ workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq accumulator).
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda import cp_async, ldmatrix, mma
+from cherenkov.codegen.cuda import cp_async, ldmatrix, mma, softmax
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import OperandLayout
@@ -94,7 +94,8 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
         _header(plan, name),
         section("problem and tile constants", _types(), _constants(plan)),
         section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
-                ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), _helpers()),
+                ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), softmax.emit_math_helpers(),
+                _helpers()),
         section("statistics: each query row's log-sum-exp and D = rowsum(dO o)", _statistics_kernel(name)),
         section("main pass: dk and dv held per key tile, dq accumulated", _main_kernel(name)),
         section("dq: the accumulator scaled and rounded", _dq_kernel(name)),
@@ -129,15 +130,12 @@ def _types() -> str:
 def _helpers() -> str:
     return block(
         """
-        // Row max / sum over the 4 lanes that share an accumulator row.
-        __device__ __forceinline__ float quad_max(float x) {
-            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-            return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-        }
-
-        __device__ __forceinline__ float quad_sum(float x) {
-            x += __shfl_xor_sync(0xffffffffu, x, 1);
-            return x + __shfl_xor_sync(0xffffffffu, x, 2);
+        // Two n8 accumulator tiles (16 rows x 16 columns) repacked as one mma A operand (k = the columns).
+        __device__ __forceinline__ void accumulators_as_a(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+            a[0] = pack2(lo[0], lo[1]);
+            a[1] = pack2(lo[2], lo[3]);
+            a[2] = pack2(hi[0], hi[1]);
+            a[3] = pack2(hi[2], hi[3]);
         }
 
         __device__ __forceinline__ u32 smem_address(const void* p) {
@@ -212,7 +210,7 @@ def _constants(plan: BackwardPlan) -> str:
     gradient = {role: p.gradient(role) for role in ("dq", "dk", "dv")}
     return "\n".join([
         f"#define CK_BF16 {int(a.dtype == 'bf16')}",
-        f"constexpr int BATCH = {a.batch}, HEADS = {a.heads}, KV_HEADS = {a.kv_heads}, GROUP = {a.group_size};",
+        f"constexpr int BATCH = {a.batch}, HEADS = {a.heads}, GROUP = {a.group_size};  // query heads a K/V head serves",
         f"constexpr int SEQ_Q = {a.seq_q}, SEQ_KV = {a.seq_kv}, D = {a.head_dim};",
         f"constexpr bool CAUSAL = {bool_literal(a.causal)};  // query i sees keys j <= i",
         f"constexpr float SCALE = {float_literal(scale)};  // of the scores",
@@ -323,8 +321,8 @@ def _statistics_kernel(name: str) -> str:
                 // O += P V: P repacked as A operands, V loaded transposed
                 #pragma unroll
                 for (int kk = 0; kk < STAT_KEYS / 16; ++kk) {
-                    const u32 a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                                      pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                    u32 a[4];
+                    accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
                     #pragma unroll
                     for (int c = 0; c < D / 16; ++c) {
                         u32 b[4];
@@ -469,9 +467,8 @@ def _main_kernel(name: str) -> str:
                 if (WANT_DV) {  // dv += P^T dO
                     #pragma unroll
                     for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
-                        const u32 a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                                          pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                          pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                        u32 a[4];
+                        accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
                         #pragma unroll
                         for (int c = 0; c < D / 16; ++c) {
                             u32 b[4];
@@ -505,9 +502,8 @@ def _main_kernel(name: str) -> str:
                     }
                     #pragma unroll
                     for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
-                        const u32 a[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                                          pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                          pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                        u32 a[4];
+                        accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
                         if (WANT_DK) {  // dk += dS^T Q
                             #pragma unroll
                             for (int c = 0; c < D / 16; ++c) {

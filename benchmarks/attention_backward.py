@@ -1,0 +1,177 @@
+"""cherenkov's derived flash-attention backward against PyTorch SDPA's backward, in one process.
+
+For each shape, this builds ``ck.grad`` of ``ck.nn.attention`` (dq, dk, dv from q, k, v and the
+output gradient dO), derives it (one ``flash_attention_backward`` kernel), compiles every
+plan the target admits, times each briefly and keeps the fastest (a small exhaustive search:
+at most 8 schedules), checks its every gradient against float32 autograd through SDPA's math
+path (relative L2 ≤ 2e-2), then times it and the backward of SDPA's flash (FlashAttention-2)
+and cuDNN backends on the same inputs: CUDA events, L2 flushed before every sample,
+contenders interleaved round-robin, median of ``--samples``. SDPA's backward is timed as
+``torch.autograd.grad`` of an output its forward already computed (its saved O and
+log-sum-exp); cherenkov's time includes its statistics pass, which recomputes the forward
+(the gradient graph has no saved O or LSE), and its dq conversion.
+
+    python3 benchmarks/attention_backward.py [--shapes seed,...] [--target sm_90] [--out DIR]
+
+TFLOP/s count the backward as 2.5× the forward's ``4·B·H·Sq·Skv·D`` (halved for causal), as
+FlashAttention's benchmarks do. Writes ``<out>/backward-<gpu>-<date><suffix>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cherenkov as ck  # noqa: E402
+from cherenkov.codegen import compile_plans, load_kernel  # noqa: E402
+from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+
+TOLERANCE = 2e-2
+# name: (B, H, H_kv, Sq, Skv, D, causal) — the issue's rows
+SHAPES = {
+    "seed": (1, 8, 8, 4096, 8192, 128, False),
+    "b4h16s4k_causal": (4, 16, 16, 4096, 4096, 128, True),
+    "seed_d64": (1, 8, 8, 4096, 8192, 64, False),
+    "b2h32_8_s2k_causal_gqa": (2, 32, 8, 2048, 2048, 128, True),
+}
+BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+
+
+def gradient_graph(b: int, h: int, hkv: int, sq: int, skv: int, d: int, causal: bool) -> ck.Graph:
+    g = ck.Graph("attention")
+    q = g.input("q", (b, h, sq, d), "bf16")
+    k, v = (g.input(n, (b, hkv, skv, d), "bf16") for n in "kv")
+    g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+    return ck.grad(g, wrt=("q", "k", "v"))
+
+
+def run_shape(name: str, torch, flush, args) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cherenkov.search.measure import backward_reference
+
+    b, h, hkv, sq, skv, d, causal = SHAPES[name]
+    derivation = ck.derive(gradient_graph(b, h, hkv, sq, skv, d, causal))
+    plans = [p for p in derivation.plans(args.target) if p.kind == "flash_attention_backward"]
+    if not plans:
+        raise RuntimeError(f"no backward plan on {args.target}")
+    problem = plans[0].problem
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    stored = {n: torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16) for n, s in problem.stored_shapes().items()}
+    q, k, v, do = (stored[n] for n in ("q", "k", "v", "d_o"))
+    kernels = {}
+    for plan, build in zip(plans, compile_plans(plans)):
+        if isinstance(build, Exception):
+            print(f"  {plan.schedule.key()} did not compile: {str(build).splitlines()[0]}")
+            continue
+        kernel = load_kernel(build)
+        kernels[plan.schedule.key()] = (plan, kernel, build)
+    quick = time_interleaved(torch, {key: (lambda kern=kern: kern(q, k, v, do)) for key, (_, kern, _) in kernels.items()},
+                             flush, 5)  # fmt: skip
+    best = min(quick, key=quick.get)
+    plan, kernel, build = kernels[best]
+    grads = kernel(q, k, v, do)
+    torch.cuda.synchronize()
+    reference = backward_reference(problem, stored)
+    errors = {role: float((grads[role].float() - reference[role]).norm() / reference[role].norm()) for role in grads}
+    del reference
+    if not max(errors.values()) <= TOLERANCE:
+        raise RuntimeError(f"{name}: cherenkov's gradients are wrong ({errors})")
+
+    launches = {"cherenkov": lambda: kernel(q, k, v, do)}
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    for key, backend in BACKENDS.items():
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=h != hkv)
+
+            def launch(o=o):
+                return torch.autograd.grad(o, leaves, do, retain_graph=True)
+
+            launch()
+            torch.cuda.synchronize()
+            launches[key] = launch
+        except RuntimeError as error:
+            print(f"  {key} unavailable: {str(error).splitlines()[0]}")
+    ms = time_interleaved(torch, launches, flush, args.samples)
+    tflops = {key: problem.flops / (t * 1e9) for key, t in ms.items()}
+    return {
+        "name": name,
+        "shape": {"B": b, "H": h, "H_KV": hkv, "SQ": sq, "SKV": skv, "D": d, "causal": causal, "dtype": "bf16"},
+        "ms": ms,
+        "tflops": tflops,
+        "ratios": {f"cherenkov/{key}": tflops["cherenkov"] / tflops[key] for key in tflops if key != "cherenkov"},
+        "rel_error": errors,
+        "cherenkov_plan": {"key": best, "target": args.target, "registers": build.report.registers,
+                           "spill_bytes": build.report.spill_bytes, "trace": list(plan.trace)},
+        "schedules_ms": quick,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--target", default="sm_90", help="the mma.sync family's target (sm_90 on an H200)")
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--suffix", default="")
+    args = parser.parse_args()
+    names = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; valid: {', '.join(SHAPES)}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/attention_backward.py needs a CUDA GPU")
+    flush = l2_flush_buffer(torch)
+    rows = []
+    for name in names:
+        try:
+            row = run_shape(name, torch, flush, args)
+        except Exception as error:  # noqa: BLE001 - report the shape and go on
+            rows.append({"name": name, "error": f"{type(error).__name__}: {error}"})
+            print(f"{name}: FAILED {rows[-1]['error']}", flush=True)
+            continue
+        rows.append(row)
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["tflops"].items()) + " TFLOP/s; "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items()), flush=True)  # fmt: skip
+    gpu = torch.cuda.get_device_name(0)
+    date = datetime.date.today().isoformat()
+    report = {
+        "benchmark": "attention_backward",
+        "gpu": gpu,
+        "date": date,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cherenkov": ck.__version__,
+                     "cudnn": torch.backends.cudnn.version()},
+        "method": "CUDA events, L2 flushed before each sample, contenders round-robin, median of "
+                  f"{args.samples}; cherenkov: the fastest of its target's backward schedules (5 quick samples each), "
+                  "statistics pass (the forward recomputed) included; SDPA: autograd.grad of a computed output",
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"backward-{gpu.split()[-1].lower()}-{date}{args.suffix}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{'shape':26} {'cherenkov':>10} {'flash':>7} {'cudnn':>7} {'vs flash':>9} {'vs cudnn':>9}  plan")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['name']:26} {row['error']}")
+            continue
+        t, r = row["tflops"], row["ratios"]
+        print(f"{row['name']:26} {t['cherenkov']:10.1f} {t.get('sdpa_flash', math.nan):7.1f} "
+              f"{t.get('sdpa_cudnn', math.nan):7.1f} {r.get('cherenkov/sdpa_flash', math.nan):9.2f} "
+              f"{r.get('cherenkov/sdpa_cudnn', math.nan):9.2f}  {row['cherenkov_plan']['key']}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
