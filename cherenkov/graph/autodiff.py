@@ -51,6 +51,7 @@ class _Backward:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.out = Graph(f"grad_{graph.name}"[:MAX_GRAPH_NAME])
+        self.out.is_gradient = True
         self.value: dict[int, Tensor] = {}
 
     def run(self, wrt: tuple[str, ...]) -> Graph:

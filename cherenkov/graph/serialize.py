@@ -40,7 +40,9 @@ def _decode(value: Any) -> Any:
 
 
 def _structure(graph: Graph) -> dict[str, Any]:
+    marks = {"gradient": True} if graph.is_gradient else {}  # absent otherwise: older hashes stay
     return {
+        **marks,
         "nodes": [
             {
                 "op": n.op,
@@ -99,6 +101,7 @@ def graph_from_json(text: str) -> Graph:
     if data.get("version") != VERSION:
         raise GraphError(f"from_json: version {data.get('version')!r} is not supported (this cherenkov reads {VERSION})")
     graph = Graph(data.get("name", "graph"))
+    graph.is_gradient = data.get("gradient") is True
     mapping: list[int] = []
     for position, record in enumerate(data.get("nodes", [])):
         if not isinstance(record, dict):

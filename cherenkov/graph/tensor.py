@@ -49,6 +49,9 @@ class Graph:
         self._outputs: dict[str, int] = {}
         self._examples: dict[str, np.ndarray] = {}
         self._sources: dict[str, str] = {}
+        self.is_gradient = False
+        """Set by ``ck.grad`` on the graphs it builds: their outputs read the forward's
+        intermediates transposed, and the derivation looks through them (``Lowered.inlined``)."""
 
     # ---------------------------------------------------------------- construction
 

@@ -75,10 +75,14 @@ FORMS = {
 }
 
 
+GRADIENT_FORMS = frozenset({
+    "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
+    "FlashAttentionGradVGroup",
+})  # fmt: skip
+"""The flash-attention backward's forms (one per gradient)."""
+
 # Constructors whose kernels carry the rules that derive them.
-TRACED_FORMS = frozenset(FORMS.values()) | {
-    "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup", "FlashAttentionGradVGroup",
-}  # fmt: skip
+TRACED_FORMS = frozenset(FORMS.values()) | GRADIENT_FORMS
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,7 @@ class Derivation:
         try:
             stored = _read_from_outputs(self._best(self.roots), self.lowered.outputs)
             computed = self._computed_in_place() if self.lowered.inlined else None
-            if computed is not None and _cost(computed) < _cost(stored):
+            if computed is not None and _cost(computed) < _cost(stored) and _holds_gradient_forms(computed):
                 stored = computed
             return {name: term for name, (term, _) in stored.items()}
         finally:
@@ -475,6 +479,12 @@ class Derivation:
                     trace = split_trace if getattr(schedule, "kv_splits", 1) > 1 else kernel.trace
                     plans.append(KernelPlan("flash_attention", problem, schedule, target, trace))
         return tuple(sorted(set(plans), key=lambda p: p.name))
+
+
+def _holds_gradient_forms(extracted: Mapping[str, tuple[Term, int]]) -> bool:
+    """Whether any extracted term holds a flash-attention backward form (what computing the
+    intermediates in place is for)."""
+    return any(s[0] in GRADIENT_FORMS for term, _ in extracted.values() for s in t.subterms(term))
 
 
 def _cost(extracted: Mapping[str, tuple[Term, int]]) -> int:

@@ -259,8 +259,8 @@ STORED_OR_VIEW = frozenset({"input", "constant", "iota", "permute", "expand", "r
 
 
 INLINE_GRAPH_NODES = 600
-"""Graphs up to this many nodes get inlined alternatives for roots that read intermediate roots
-(an attention layer and its gradient); a whole model's region is derived over stored tensors."""
+"""Gradient graphs up to this many nodes get inlined alternatives for roots that read intermediate
+roots (an attention layer's gradient); a larger one is derived over stored tensors."""
 INLINE_LIMIT = 400
 """New subterms one inlined alternative may add to the e-graph; a larger one is not offered."""
 
@@ -329,11 +329,13 @@ def _inlined(graph: Graph, split: dict[int, str], roots: dict[str, Term],
              axes: dict[str, tuple[str, ...]]) -> dict[str, Term]:  # fmt: skip
     """Each root that reads an intermediate root (one the outputs do not name), lowered again with
     every intermediate computed where it is read (reading an intermediate is the same as computing
-    it there), for graphs of at most ``INLINE_GRAPH_NODES`` nodes and alternatives of at most
-    ``INLINE_LIMIT`` new subterms."""
+    it there): for gradient graphs (``ck.grad``'s, whose outputs read the forward's intermediates
+    transposed: an attention's probabilities and score gradient) of at most
+    ``INLINE_GRAPH_NODES`` nodes, and alternatives of at most ``INLINE_LIMIT`` new subterms.
+    A forward graph is derived over its stored intermediates only (its e-graph stays small)."""
     outputs = set(graph.outputs)
     intermediates = {name for name in split.values() if name not in outputs}
-    if not intermediates or len(graph.nodes) > INLINE_GRAPH_NODES:
+    if not graph.is_gradient or not intermediates or len(graph.nodes) > INLINE_GRAPH_NODES:
         return {}
     named = {index: name for index, name in split.items() if name in outputs}
     inliner = _Lowering(graph, named)

@@ -25,6 +25,12 @@ the caller) are copied into the recording's own buffers first (:class:`PreparedC
 whose parameters moved, or one inside someone else's CUDA-graph capture, launches the
 kernels one by one.
 ``cuda_graphs=False`` always launches them one by one.
+
+A call on tensors that need a gradient (an argument with ``requires_grad``, or the module's
+parameters) is recorded for autograd: its backward runs ``ck.grad`` of the captured graph,
+prepared and searched once per signature like the forward
+(:mod:`cherenkov.search.compiled_autograd`), so ``loss.backward()`` and an optimiser step train
+the module through cherenkov's kernels.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class PreparedCall:
     replay_addresses: tuple[int, ...] = ()
     last_addresses: dict[str, int] = field(default_factory=dict)
     recordings: int = 0
+    backward: dict[tuple[str, ...], PreparedCall] = field(default_factory=dict)  # gradient graphs, by wrt
 
     def launch(self, inputs: dict[str, Any], cuda_graphs: bool) -> dict[str, Any]:
         """The kernels run on ``inputs``: a replay of the recorded CUDA graph where the stable
@@ -134,8 +141,13 @@ class CompiledFunction:
         self.op = register_op(self, self.name)
 
     def __call__(self, *tensors: Any) -> Any:
+        from cherenkov.search import compiled_autograd
+
         _check_tensors(tensors)
-        values = self.op(list(tensors))
+        if compiled_autograd.needs_gradient(self, tensors):  # the backward: ck.grad of the captured graph
+            values = compiled_autograd.apply(self, tensors)
+        else:
+            values = self.op(list(tensors))
         return values[0] if len(values) == 1 else tuple(values)
 
     def outputs_of(self, tensors: Sequence[Any]) -> list[Any]:

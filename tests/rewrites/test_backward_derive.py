@@ -88,3 +88,19 @@ def test_a_head_dim_the_backward_does_not_plan_runs_on_the_unfused_kernels() -> 
         buffers.update(kernel.evaluate_outputs(buffers))
     for name in expected:
         np.testing.assert_allclose(buffers[name], expected[name], rtol=1e-9, atol=1e-12)
+
+
+def test_a_gradient_graph_keeps_its_mark_through_json() -> None:
+    """``ck.grad`` marks its graphs: the derivation looks through their stored intermediates (a
+    forward graph's stay stored), and the mark survives serialisation and changes the hash."""
+    g = attention_graph(SPELLINGS["textbook"][0])
+    gg = ck.grad(g, wrt=("q", "k", "v"))
+    back = ck.Graph.from_json(gg.to_json())
+    assert gg.is_gradient and back.is_gradient and not g.is_gradient
+    assert ck.derive(back).found("flash_attention_backward")
+    unmarked = ck.Graph.from_json(gg.to_json())
+    unmarked.is_gradient = False
+    assert not ck.derive(unmarked).lowered.inlined
+    from cherenkov.graph.serialize import canonical_structure
+
+    assert canonical_structure(back) != canonical_structure(unmarked)

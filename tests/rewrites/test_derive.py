@@ -405,8 +405,8 @@ def test_saturation_is_bounded_and_small() -> None:
     for _ in range(4):
         h = ck.nn.attention(h, h, h, causal=True)
     g.output(h, "y")
-    d = ck.derive(g)  # each layer also holds the layers below it inlined (Lowered.inlined)
-    assert d.stats.saturated and d.stats.enodes < 6000 and d.stats.seconds < 5
+    d = ck.derive(g)
+    assert d.stats.saturated and d.stats.enodes < 1500 and not d.lowered.inlined, "a forward graph inlines nothing"
     assert [k.kind for k in d.kernels] == ["flash_attention"] * 4
 
 

@@ -101,3 +101,32 @@ def test_a_stored_strided_flash_plan_comes_back_equal() -> None:
     rebuilt = stored_plan(json.loads(json.dumps(plan.params())), kernels, derivation, TARGETS["sm_90a"])
     assert rebuilt == plan and rebuilt.name == plan.name
     assert all(isinstance(layout, OperandLayout) for layout in rebuilt.problem.layouts)
+
+
+@pytest.mark.gpu
+def test_gpu_nanogpt_attention_trains_through_ck_compile_like_eager(gpu, tmp_path) -> None:
+    """20 SGD steps of nanoGPT's causal self-attention (width 128, 2 heads of 64, T 256, B 4,
+    bf16) under ``ck.compile``: the forward and ``ck.grad`` of it searched and run on the GPU
+    give eager's losses within bf16 tolerance."""
+    import copy
+
+    from cherenkov.search.database import TuningDatabase
+
+    real = real_modules.nanogpt_attention(small=True, batch=4, dtype=torch.bfloat16, device="cuda", dims=(128, 2, 256))
+    eager = copy.deepcopy(real.module)
+    x = real.inputs[0]
+    target = torch.randn_like(x)
+    losses = {"cherenkov": [], "eager": []}
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        compiled = ck.compile(real.module, x, budget_s=30.0, database=db, out=tmp_path / "run")
+        for model, parameters, key in ((compiled, real.module.parameters(), "cherenkov"),
+                                       (eager, eager.parameters(), "eager")):  # fmt: skip
+            optimiser = torch.optim.SGD(parameters, lr=0.05)
+            for _ in range(20):
+                optimiser.zero_grad()
+                loss = ((model(x).float() - target.float()) ** 2).mean()
+                loss.backward()
+                optimiser.step()
+                losses[key].append(float(loss))
+    for got, expected in zip(losses["cherenkov"], losses["eager"]):
+        assert abs(got - expected) <= 2e-2 * abs(expected), losses
