@@ -1250,9 +1250,15 @@ def _arange(c: _Capture, a: dict[str, Any]) -> Any:
 # ----------------------------------------------------------------------------- detection
 
 
+def is_band(tensor: Any) -> bool:
+    """Whether ``tensor``'s values are a band (:func:`_detect_band`): a tril/triu mask."""
+    return _detect_band(tensor) is not None
+
+
 def _detect_band(tensor: Any) -> _Band | None:
-    """A band if ``tensor``'s values are exactly ``tril``/``triu`` of ones (any diagonal,
-    identical over the leading axes), else None."""
+    """A band if ``tensor``'s values are exactly ``tril``/``triu`` of two values (ones and
+    zeros, or an additive mask's zeros and −∞; any diagonal, identical over the leading
+    axes), else None."""
     import torch
 
     if tensor.ndim < 2 or tensor.numel() == 0 or tensor.is_complex():
@@ -1261,14 +1267,15 @@ def _detect_band(tensor: Any) -> _Band | None:
     if name not in _VALUE_DTYPES:
         return None
     values = tensor.detach().cpu()
-    ones = values != 0
-    if not torch.equal(values, ones.to(values.dtype)):
-        return None  # not 0/1 valued
+    at_first = values == values.reshape(-1)[0]
+    others = values[~at_first]
+    if others.numel() == 0 or not bool((others == others[0]).all()):
+        return None  # not two values, each somewhere
     rows, cols = values.shape[-2:]
     dtype = _VALUE_DTYPES[name]
-    one = {"bool": True, "int32": 1}.get(dtype, 1.0)
-    zero = {"bool": False, "int32": 0}.get(dtype, 0.0)
-    for kept, inside, outside in ((ones, one, zero), (~ones, zero, one)):
+    convert = {"bool": bool, "int32": int}.get(dtype, float)
+    first, second = convert(values.reshape(-1)[0].item()), convert(others[0].item())
+    for kept, inside, outside in ((at_first, first, second), (~at_first, second, first)):
         counts = kept.reshape(-1, rows, cols)[0].sum(-1)
         partial = [r for r in range(rows) if 0 < int(counts[r]) < cols]
         if not partial:

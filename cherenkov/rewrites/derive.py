@@ -299,17 +299,23 @@ class Derivation:
         shapes = dict(self.lowered.input_shapes)
         dtypes = dict(self.lowered.input_dtypes)
         outputs = self.graph.outputs
+
+        def stored(name: str) -> str:
+            # a graph output in its own dtype (what a caller, or inductor after a region, reads it
+            # as); a root in its graph node's; other intermediates in the buffer dtype
+            if name in outputs:
+                return outputs[name].dtype
+            return self.lowered.root_dtypes.get(name, self.lowered.buffer_dtype)
+
         for name in self.lowered.roots:
             shapes[name] = self.lowered.shape(name)
-            dtypes[name] = outputs[name].dtype if name in outputs else self.lowered.buffer_dtype
+            dtypes[name] = stored(name)
         for kernel in self.kernels if kernels is None else kernels:
             shapes[kernel.output] = kernel.stored_shape
-            # a graph output is stored in its own dtype (what a caller, or inductor after a region,
-            # reads it as); intermediates in the buffer dtype
-            dtypes[kernel.output] = outputs[kernel.output].dtype if kernel.output in outputs else self.lowered.buffer_dtype
+            dtypes[kernel.output] = stored(kernel.output)
             for side in kernel.side_outputs:
                 shapes[side.output] = side.shape
-                dtypes[side.output] = outputs[side.output].dtype if side.output in outputs else self.lowered.buffer_dtype
+                dtypes[side.output] = stored(side.output)
         return shapes, dtypes
 
     def _attention_problem(self, form: Term, kernels: list[FusedKernel],

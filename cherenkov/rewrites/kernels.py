@@ -371,12 +371,100 @@ def _stored_whole(operand: Term, nested: list[Term]) -> bool:
     return t.free_axes(operand) == frozenset().union(*(t.free_axes(core) for core in nested))
 
 
+INDEX_HEADS = frozenset({"Ax", "IxLit", "IxAdd", "IxDiv", "IxMod", "IxLin", "ICons", "INil"})
+
+
+def _elements(axes: frozenset[str]) -> int:
+    return int(np.prod([t.extent(a) for a in axes], dtype=np.int64)) if axes else 1
+
+
+def _reads_at_least_two(term: Term) -> bool:
+    """Whether ``term``'s elementwise closure reads two or more stored tensors or cores, none
+    of them over more elements than ``term`` itself has (storing it adds no broadcast)."""
+    size = _elements(t.free_axes(term))
+    reads, stack, seen = set(), [term], set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node[0] in INDEX_HEADS:
+            continue
+        seen.add(node)
+        if node[0] == "Tensor" or node[0] not in ELEMENTWISE:
+            if _elements(t.free_axes(node)) > size:
+                return False
+            reads.add(node[1] if node[0] == "Tensor" else node)
+        else:
+            stack.extend(t.children(node))
+    return len(reads) >= 2
+
+
+def shared_values(extracted: Mapping[str, Term]) -> list[Term]:
+    """Elementwise values that two or more kernels would each recompute, parents first.
+
+    A kernel inlines the elementwise work that feeds its core, so a value read by several
+    kernels is recomputed by each — and a residual stream ``h_k = h_{k-1} + f_k(h_{k-1})``
+    inlined into every later norm makes layer ``k``'s norm re-read all ``k`` earlier
+    terms. Such a value is stored once instead when it reads two or more tensors (a single
+    read recomputes for free). A kernel here is a core's operands or a root; walking the
+    terms parents first, a node's *owners* are the kernels that reach it through
+    elementwise constructors, a value chosen to be stored owning what is beneath it."""
+    order: list[Term] = []  # children before parents
+    visited: set[Term] = set()
+    for root in extracted.values():
+        stack: list[tuple[Term, bool]] = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                order.append(node)
+                continue
+            if node in visited or node[0] in INDEX_HEADS:
+                continue
+            visited.add(node)
+            stack.append((node, True))
+            stack.extend((c, False) for c in t.children(node))
+    owners: dict[Term, set] = {}
+    for name, root in extracted.items():
+        owners.setdefault(root, set()).add(name)
+    chosen: list[Term] = []
+    for node in reversed(order):
+        mine = owners.get(node, set())
+        is_value = node[0] in ELEMENTWISE and node[0] != "Tensor" and any(True for _ in t.children(node))
+        if is_value and len(mine) >= 2 and node not in extracted.values() and _reads_at_least_two(node):
+            chosen.append(node)
+        boundary = not is_value or node in chosen[-1:]
+        for child in t.children(node):
+            if child[0] not in INDEX_HEADS:
+                owners.setdefault(child, set()).update({node} if boundary else mine)
+    return chosen
+
+
+def _replaced(term: Term, mapping: Mapping[Term, Term], memo: dict[Term, Term]) -> Term:
+    """``term`` with each subterm in ``mapping`` replaced (outermost first)."""
+    if term in mapping:
+        return mapping[term]
+    if term in memo:
+        return memo[term]
+    result = term
+    if any(isinstance(a, tuple) for a in term[1:]):
+        result = tuple(_replaced(a, mapping, memo) if isinstance(a, tuple) else a for a in term)
+    memo[term] = result
+    return result
+
+
 def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKernel]:
-    """Kernels (in execution order) computing every output of an extracted graph."""
+    """Kernels (in execution order) computing every output of an extracted graph; the
+    :func:`shared_values` first, each by a kernel of its own (a contraction's epilogue where
+    one feeds it)."""
     plan = _Partition(lowered)
-    for name, term in extracted.items():
+    shared = shared_values(extracted)[::-1]  # children first
+    stored: dict[Term, Term] = {}
+    memo: dict[Term, Term] = {}
+    for name, term in extracted.items():  # roots in order: each reads only earlier ones
         plan.output_axes = lowered.root_axes[name]
-        plan.emit(term, name, lowered.root_axes[name])
+        inside = set(t.subterms(term)) if shared else set()
+        for value in shared:
+            if value in inside and value not in stored:
+                stored[value] = plan.materialise(_replaced(value, stored, {}))
+        plan.emit(_replaced(term, stored, memo), name, lowered.root_axes[name])
     return laid_out_for_consumers(plan.kernels, frozenset(lowered.outputs))
 
 

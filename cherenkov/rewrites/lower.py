@@ -45,6 +45,8 @@ class Lowered:
     outputs: tuple[str, ...]
     input_dtypes: dict[str, str]
     input_shapes: dict[str, tuple[int, ...]]
+    root_dtypes: dict[str, str] = field(default_factory=dict)
+    """Each root's dtype: that of the graph node it holds."""
     inlined: dict[str, Term] = field(default_factory=dict)
     """For a root whose term reads intermediate roots: the same value with each of them computed
     in place (an equal alternative the e-graph holds in the root's e-class, so that identities
@@ -53,9 +55,18 @@ class Lowered:
 
     @property
     def buffer_dtype(self) -> str:
-        """Dtype of intermediate buffers: that of the inputs when they agree, else fp32."""
+        """Dtype of intermediate buffers: that of the inputs when they agree; else the 16-bit
+        float dtype holding most of the inputs' elements (a model's weights and activations,
+        beside a Llama layer's float32 rotary frequencies), as eager PyTorch stores them; else
+        fp32."""
         dtypes = set(self.input_dtypes.values())
-        return dtypes.pop() if len(dtypes) == 1 else "fp32"
+        if len(dtypes) == 1:
+            return dtypes.pop()
+        elements: dict[str, int] = {}
+        for name, dtype in self.input_dtypes.items():
+            elements[dtype] = elements.get(dtype, 0) + math.prod(self.input_shapes[name])
+        most = max(elements, key=lambda d: elements[d])
+        return most if most in ("bf16", "fp16") else "fp32"
 
     def shape(self, root: str) -> tuple[int, ...]:
         return tuple(t.extent(a) for a in self.root_axes[root])
@@ -321,6 +332,8 @@ def lower(graph: Graph) -> Lowered:
         outputs=tuple(graph.outputs),
         input_dtypes={n: x.dtype for n, x in inputs.items()},
         input_shapes={n: x.shape for n, x in inputs.items()},
+        root_dtypes={**{name: graph.node(index).dtype for index, name in split.items()},
+                     **{name: graph.outputs[name].dtype for name in copies}},  # fmt: skip
         inlined=_inlined(graph, split, roots, axes),
     )
 

@@ -5,7 +5,8 @@ fold over ``j`` of the state ``(m, l, acc)`` (combine: rescale both by ``e^{m_ol
 and add), so one pass over the keys computes both sums and the normalised result. When
 the scores are themselves a scaled contraction ``c·Σ_d q·k`` (optionally causally
 masked, or plus a stored bias tensor) the streaming softmax-contraction is flash
-attention. Both give 0 for a row without a live score (all −∞), so a safe softmax's
+attention; a causal mask added as a large finite negative (PyTorch's cuDNN path) is the
+causal mask once the exponentials underflow. Both give 0 for a row without a live score (all −∞), so a safe softmax's
 ``where(max_j s > −∞, ·, 0)`` around them is the form itself.
 The fold's associativity
 splits it: folding the keys in chunks and folding the chunks' partial states gives the
@@ -27,6 +28,8 @@ shifted = ("Add", s, ("Neg", ("Max", "j:7", 7, s)))
 scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.5))
 causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores)
 bias = tensor("b", "i:3", "j:7")
+# the additive mask PyTorch's cuDNN attention path builds from a bool one: a finite −2¹⁶, not −∞
+finite_causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -65536.0), ("Num", 0.0))
 # row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
 dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.inf), s)
 
@@ -68,6 +71,15 @@ RULES = (
         ),
         rhs="(FlashAttention j n d nd q k v c (CausalMask iq))",
         example=Example(("OnlineSoftmaxContract", "j:7", 7, causal, v)),
+    ),
+    Rule(
+        "softmax-finite-causal-mask",
+        "Σ_j softmax_j(s + where(i < j, m, 0))·v_j = Σ_j softmax_j(where(i < j, −∞, s))·v_j for m ≤ −2¹⁵: each "
+        "row keeps j = 0, and e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
+        lhs="(OnlineSoftmaxContract j n (Add s (Where (Lt (Iota iq) (Iota (Ax j))) (Num m) (Num 0.0))) v)",
+        rhs="(OnlineSoftmaxContract j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) s) v)",
+        where=("(<= m -32768.0)",),
+        example=Example(("OnlineSoftmaxContract", "j:7", 7, ("Add", scores, finite_causal), v)),
     ),
     Rule(
         "flash-attention-bias",

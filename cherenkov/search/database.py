@@ -40,6 +40,7 @@ import math
 import os
 import sqlite3
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -220,7 +221,21 @@ class TuningDatabase:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, timeout_s: float = BUSY_TIMEOUT_S):
         self.path = Path(path) if path is not None else default_path()
         self._timeout_s = timeout_s
-        self._conn = self._open()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._connections = {threading.get_ident(): self._open()}
+
+    @property
+    def _conn(self) -> sqlite3.Connection:
+        """This thread's connection (autograd runs a backward search on a thread of its own;
+        WAL mode lets the connections of one file read and write side by side)."""
+        with self._lock:
+            conn = self._connections.get(threading.get_ident())
+            if self._closed:
+                raise sqlite3.ProgrammingError(f"the tuning database {self.path} is closed")
+            if conn is None:
+                conn = self._connections[threading.get_ident()] = self._connect()
+            return conn
 
     def __enter__(self) -> Self:
         return self
@@ -229,7 +244,11 @@ class TuningDatabase:
         self.close()
 
     def close(self) -> None:
-        self._conn.close()
+        with self._lock:
+            for conn in self._connections.values():
+                conn.close()
+            self._connections.clear()
+            self._closed = True
 
     # winners
 
@@ -357,7 +376,7 @@ class TuningDatabase:
             raise SchemaVersionError(f"{self.path}: {error}") from None
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=self._timeout_s, autocommit=True)
+        conn = sqlite3.connect(self.path, timeout=self._timeout_s, autocommit=True, check_same_thread=False)
         try:
             _check_integrity(conn)
             _check_schema(conn)  # before anything is changed: a foreign or newer file stays as it was

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cherenkov.graph.errors import GraphError
-from cherenkov.graph.torch_capture import lowers_node, takes_as_input
+from cherenkov.graph.torch_capture import is_band, lowers_node, takes_as_input
 from cherenkov.search.compiled import CompiledFunction, example_tensor
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
             return lowers_node(node) and _graph_holds(node)
 
     aten = _drop_empty_concatenations(_aten_graph(gm, example_inputs))
+    bands = _folded_bands(aten)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
     region_inputs = _region_inputs(fused)
@@ -69,18 +70,21 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
         if not _is_region(node):
             continue
         region = getattr(fused, node.target)
-        if not region_inputs[node.name]:  # constants only: nothing to search, the fallback folds it
+        baked = {i: _attribute(fused, a.target) for i, a in enumerate(node.args) if getattr(a, "target", None) in bands}
+        kept = [i for i in range(len(node.args)) if i not in baked]
+        if not kept:  # constants only: nothing to search, the fallback folds it
             log.info("cherenkov backend: region %s reads no tensor; it stays ATen ops", node.target)
             continue
         name = f"region_{node.target}"
-        function = CompiledFunction(_positional(region, name), dict(optimize_kwargs), name=name,
+        function = CompiledFunction(_positional(region, name, baked), dict(optimize_kwargs), name=name,
                                     cuda_graphs=cuda_graphs, traced_dtypes=True)  # fmt: skip
         try:
-            function.prepare(region_inputs[node.name])
+            function.prepare([region_inputs[node.name][i] for i in kept])
         except Exception as error:  # noqa: BLE001 - any failure leaves the region to ATen, said in the log
             log.warning("cherenkov backend: region %s (%d ops) runs as ATen ops: %s: %s", node.target,
                         sum(n.op == "call_function" for n in region.graph.nodes), type(error).__name__, error)  # fmt: skip
             continue
+        node.args = tuple(node.args[i] for i in kept)
         _call_op(fused, node, function.op, returns_tuple=_returns_tuple(region))
         compiled.append(function)
     fused.graph.eliminate_dead_code()
@@ -89,18 +93,84 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     return SplitGraph(fused, tuple(compiled))
 
 
-def _positional(region: Any, name: str) -> Any:
+def _positional(region: Any, name: str, baked: dict[int, Any] | None = None) -> Any:
     """``region`` as a module class ``name`` whose inputs are named by position (``in0``,
     ``in1``, ...): the same layer repeated gives the same ``ck.Graph`` (structure and input
     names; the graph's name is not part of it), whose search the tuning database then
-    answers once for every repetition."""
+    answers once for every repetition. The inputs at the positions of ``baked`` become the
+    module's constant buffers holding those tensors (a folded band mask: the capture reads
+    its values, and a causal mask becomes iota comparisons)."""
     import torch
 
+    baked = baked or {}
     graph = torch.fx.Graph()
     placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-    values = {n: graph.placeholder(f"in{i}") for i, n in enumerate(placeholders)}
+    values, kept = {}, 0
+    for i, n in enumerate(placeholders):
+        if i in baked:
+            region.register_buffer(f"ck_band_{i}", baked[i])
+            values[n] = graph.get_attr(f"ck_band_{i}")
+        else:
+            values[n] = graph.placeholder(f"in{kept}")
+            kept += 1
     graph.output(graph.graph_copy(region.graph, values))
     return torch.fx.GraphModule(region, graph, class_name=name)
+
+
+def _folded_bands(aten: Any) -> set[str]:
+    """Values ``aten`` computes from constants alone (no input reaches them) whose values form
+    a band (:func:`~cherenkov.graph.torch_capture.is_band`: the causal mask transformers
+    builds from position aranges, as 0/1 or 0/−∞), evaluated once and stored as buffers of
+    ``aten`` that its nodes read instead; returns their attribute names. The shapes they
+    depend on are static in a Dynamo specialisation, so the values are too."""
+    import torch
+
+    values: dict[Any, Any] = {}
+    for node in aten.graph.nodes:
+        if node.op == "get_attr":
+            values[node] = _attribute(aten, node.target)
+        elif node.op == "call_function" and _foldable(node) and all(n in values for n in node.all_input_nodes):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+            values[node] = node.target(*args, **kwargs)
+    folded = set()
+    for node, value in values.items():
+        feeds = [user for user in node.users if user not in values]
+        if node.op != "call_function" or not feeds or not isinstance(value, torch.Tensor) or not is_band(value):
+            continue
+        name = f"ck_folded_{len(folded)}"
+        aten.register_buffer(name, value.contiguous())
+        with aten.graph.inserting_before(node):
+            attribute = aten.graph.get_attr(name)
+        attribute.meta["val"] = node.meta.get("val")
+        for user in feeds:
+            user.replace_input_with(node, attribute)
+        folded.add(name)
+    if folded:
+        aten.graph.eliminate_dead_code()
+        aten.recompile()
+    return folded
+
+
+def _foldable(node: Any) -> bool:
+    """An ATen op that computes the same value from the same arguments (no randomness, no
+    in-place write) and takes no symbolic size."""
+    import torch
+
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    symbolic: list[Any] = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs),
+                                lambda a: symbolic.append(a) if isinstance(a, (torch.SymInt, torch.SymFloat)) else a)  # fmt: skip
+    return not symbolic
+
+
+def _attribute(module: Any, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def _returns_tuple(region: Any) -> bool:

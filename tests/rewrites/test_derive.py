@@ -67,6 +67,14 @@ def causal_additive(q, k, v):
     return normalised((s - s.max(axis=-1, keepdim=True)).exp(), v)
 
 
+def causal_finite(q, k, v):
+    """The additive mask PyTorch's cuDNN attention path makes of a bool one: −2¹⁶, not −∞."""
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    q_idx, k_idx = ck.arange(SQ).unsqueeze(-1), ck.arange(SKV)
+    s = s + ck.where(q_idx < k_idx, -65536.0, 0.0)
+    return normalised((s - s.max(axis=-1, keepdim=True)).exp(), v)
+
+
 def gqa_expand(q, k, v):
     groups = q.shape[1] // k.shape[1]
     k, v = (x.unsqueeze(2).expand(B, H // groups, groups, SKV, D).reshape(B, H, SKV, D) for x in (k, v))
@@ -97,6 +105,7 @@ SPELLINGS = {
     "no_max": (no_max, H, False),
     "causal_where": (causal_where, H, True),
     "causal_additive": (causal_additive, H, True),
+    "causal_finite": (causal_finite, H, True),
     "gqa_expand": (gqa_expand, H // 2, False),
     "nn_attention": (nn_attention, H, False),
     "times_reciprocal": (times_reciprocal, H, False),
@@ -458,3 +467,19 @@ def test_outputs_are_stored_in_their_own_dtype_when_the_inputs_mix_dtypes() -> N
     for kernel in d.kernels:
         plans = term_plans(kernel, shapes, dtypes, TARGETS["sm_90"])
         assert plans and {p.output.dtype for p in plans} == {g.outputs[kernel.output].dtype}
+
+
+def test_intermediates_of_a_mixed_dtype_graph_are_stored_as_its_activations():
+    """A bf16 graph reading a small float32 table (a Llama layer's rotary frequencies) stores
+    its intermediates in bf16, as eager PyTorch does, not float32: the flash and GEMM plans
+    are for 16-bit operands."""
+    g = ck.Graph("mixed_dtypes")
+    x = g.input("x", (64, 128), "bf16")
+    w = g.input("w", (128, 128), "bf16")
+    table = g.input("table", (128,), "fp32")
+    h = (x.cast("fp32") * table).cast("bf16")
+    g.output(ck.nn.softmax(h @ w, axis=-1), "out")
+    d = ck.derive(g)
+    _, dtypes = d.tensor_types()
+    (contraction,) = [k for k in d.kernels if k.kind == "contraction"]
+    assert dtypes[contraction.output] == "bf16" and dtypes["out"] == "bf16"

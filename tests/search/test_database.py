@@ -449,6 +449,18 @@ def test_stats(db):
     assert json.loads(json.dumps(stats.to_json()))["path"] == str(db.path)
 
 
+def test_another_thread_reads_and_writes_through_its_own_connection(db):
+    """autograd runs a backward's search on a thread of its own, with the caller's database."""
+    import threading
+
+    seen = []
+    worker = threading.Thread(target=lambda: (db.record_winner(winner_key(), {"best": None}),
+                                              seen.append(db.lookup_winner(winner_key()))))  # fmt: skip
+    worker.start()
+    worker.join()
+    assert seen == [{"best": None}] and db.lookup_winner(winner_key()) == {"best": None}
+
+
 def test_closed_database_refuses_use(tmp_path):
     with TuningDatabase(tmp_path / "tuning.sqlite") as database:
         pass

@@ -241,10 +241,8 @@ def test_gpu_gpt2_small_forward_through_the_backend_matches_eager(tmp_path, monk
     assert len(flash) == 12, f"{len(flash)} of the 12 layers' attention ran on flash kernels"
 
 
-def test_gpt2_layers_derive_flash_attention_reading_the_mask_transformers_builds(monkeypatch):
-    """transformers' GPT-2 under the backend's trace hands SDPA an additive mask (B, 1, T, T)
-    built outside the region: each layer's attention derives one flash kernel that reads it
-    in place as a bias, shared by the heads (the region is derived, not searched, here)."""
+def _derived_regions(model: Any, monkeypatch, *args: Any, **kwargs: Any) -> list[Any]:
+    """The derivations of ``model``'s regions under the backend's split (derived, not searched)."""
     derived = []
 
     def derive_only(self, tensors):
@@ -252,19 +250,89 @@ def test_gpt2_layers_derive_flash_attention_reading_the_mask_transformers_builds
         raise ck.GraphError("derivation only")
 
     monkeypatch.setattr(CompiledFunction, "prepare", derive_only)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=lambda gm, inputs: split_supported(gm, inputs).module)(*args, **kwargs)
+    return derived
+
+
+def _small_gpt2() -> Any:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, attn_implementation="sdpa")
-    model = transformers.GPT2LMHeadModel(config).eval().to(torch.bfloat16)  # head dim 32: a planned flash dim
-    ids = torch.randint(0, 128, (2, 16))
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=lambda gm, inputs: split_supported(gm, inputs).module)(ids, use_cache=False)
+    return transformers.GPT2LMHeadModel(config).eval().to(torch.bfloat16)  # head dim 32: a planned flash dim
+
+
+def test_gpt2_layers_derive_causal_flash_attention_from_the_mask_transformers_builds(monkeypatch):
+    """transformers' GPT-2 under the backend's trace builds its causal mask from position
+    aranges outside the region: the backend folds it (it reads no input) and the region reads
+    its values, a band, as iota comparisons, so each layer derives causal flash attention with
+    no bias to read."""
+    derived = _derived_regions(_small_gpt2(), monkeypatch, torch.randint(0, 128, (2, 16)), use_cache=False)
+    flash = [p.problem for d in derived for p in d.plans("sm_90") if p.kind == "flash_attention"]
+    assert [k.kind for d in derived for k in d.kernels].count("flash_attention") == 2
+    assert {(p.causal, p.bias) for p in flash} == {(True, None)}
+
+
+def test_llama_layers_derive_causal_bf16_flash_attention(monkeypatch):
+    """transformers' Llama (GQA, RoPE from float32 frequencies, a causal mask from position
+    aranges): each layer derives causal flash attention over bf16 buffers, the mixed-dtype
+    region's intermediates stored in bf16 as eager stores them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, intermediate_size=128, vocab_size=256, attn_implementation="sdpa")  # fmt: skip
+    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    derived = _derived_regions(model, monkeypatch, torch.randint(0, 256, (1, 64)), use_cache=False)
+    flash = [p.problem for d in derived for p in d.plans("sm_90") if p.kind == "flash_attention"]
+    assert [k.kind for d in derived for k in d.kernels_for("sm_90")].count("flash_attention") == 2
+    assert {(p.causal, p.bias, p.dtype, p.group_size) for p in flash} == {(True, None, "bf16", 2)}
+
+
+def test_gpt2_with_a_padding_mask_reads_it_as_a_bias(monkeypatch):
+    """A mask built from the caller's ``attention_mask`` (padding) depends on an input, so it
+    is not folded: each layer's flash kernel reads it in place as a bias shared by the heads."""
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, :5] = 0
+    derived = _derived_regions(_small_gpt2(), monkeypatch, torch.randint(0, 128, (2, 16)), attention_mask=padding,
+                               use_cache=False)  # fmt: skip
     flash = [p.problem for d in derived for p in d.plans("sm_90") if p.kind == "flash_attention"]
     biases = {(p.out, p.bias.shape, p.bias.head, p.bias.row, p.bias.key) for p in flash}
     assert [k.kind for d in derived for k in d.kernels].count("flash_attention") == 2
     assert len(biases) == 2 and {b[1:] for b in biases} == {((2, 1, 16, 16), 0, 16, 1)}, biases
+
+
+def test_a_band_computed_from_constants_is_folded_into_the_region():
+    """A mask the graph computes from aranges alone (an additive 0/−∞ band) is evaluated once
+    and baked into the region that reads it (no region input), which computes what the
+    function does; a mask that reads an input stays one."""
+
+    def masked(x):
+        rows = torch.arange(x.shape[-2]).unsqueeze(-1)
+        mask = torch.where(torch.arange(x.shape[-1]) > rows, float("-inf"), 0.0)
+        return torch.softmax(x * 2.0 + mask, dim=-1)
+
+    x = torch.randn(2, 8, 8)
+    split = split_supported(torch.fx.symbolic_trace(masked), [x])
+    (function,) = split.compiled
+    ((_, call),) = function.prepared.items()
+    assert list(call.graph.inputs) == ["in0"], "the folded band is no input of the region"
+    assert torch.allclose(split.module(x), masked(x), rtol=1e-5, atol=1e-6)
+
+
+def test_is_band_recognises_tril_and_additive_masks_only():
+    from cherenkov.graph.torch_capture import is_band
+
+    tril = torch.ones(6, 8).tril(2)
+    additive = torch.zeros(1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    assert is_band(tril) and is_band(tril.bool()) and is_band(additive) and is_band(1.0 - tril)
+    off = tril.clone()
+    off[5, 0] = 0.0
+    three = tril.clone()
+    three[0, 0] = 0.5
+    assert not any(is_band(v) for v in (off, three, torch.ones(6, 6), torch.randn(6, 6)))
 
 
 def test_a_region_handed_another_float_dtype_casts_to_the_traced_one_without_a_new_search():
