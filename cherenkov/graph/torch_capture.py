@@ -226,14 +226,20 @@ def lowers(target: Any) -> bool:
 def lowers_node(node: Any) -> bool:
     """Whether ``from_torch`` lowers this node of an ATen-level FX graph: a call of an op it
     :func:`lowers`, where a ``getitem`` of an SDPA kernel takes its attention output (the
-    only one lowered)."""
+    only one lowered) and the kernel has no other output read (a training graph's forward
+    keeps its log-sum-exp for the backward: that kernel stays an ATen op)."""
     if node.op != "call_function" or not lowers(node.target):
         return False
     if node.target is operator.getitem:
-        schema = getattr(getattr(node.args[0], "target", None), "_schema", None)
-        if schema is not None and schema.name.removeprefix("aten::") in SDPA_KERNELS:
-            return node.args[1] == 0
+        return not _is_sdpa_kernel(node.args[0]) or node.args[1] == 0
+    if _is_sdpa_kernel(node):  # its other outputs (the log-sum-exp a backward reads) are not lowered
+        return all(user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
     return True
+
+
+def _is_sdpa_kernel(node: Any) -> bool:
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    return schema is not None and schema.name.removeprefix("aten::") in SDPA_KERNELS
 
 
 def _source_location(node: Any, function: Callable[..., Any] | None = None) -> str:

@@ -70,9 +70,11 @@ class PreparedCall:
     The replay is recorded on the second call. Inputs at the same address in both calls
     (parameters, a static cache: ``stable``) are read in place by the recording; the others
     (activations a caller allocates anew) are recorded on private buffers that each replay
-    first fills with the call's values. A call whose stable inputs moved launches the
-    kernels one by one; the same move seen twice records again (at most ``MAX_RECORDINGS``
-    times)."""
+    first fills with the call's values. A stable input that moves while holding at most a
+    quarter of the inputs' bytes (an activation that happened to keep its address) is copied in
+    from then on, recorded again at once; a call whose larger stable inputs moved (parameters)
+    launches the kernels one by one, and the same move seen twice records again (at most
+    ``MAX_RECORDINGS`` recordings in all)."""
 
     graph: Graph
     result: Any | None  # OptimizeResult on CUDA, None on the CPU
@@ -93,7 +95,13 @@ class PreparedCall:
         if not cuda_graphs or capturing:
             return self.result.run(**inputs)
         addresses = {name: value.data_ptr() for name, value in inputs.items()}
-        if self.replay is None or tuple(addresses[n] for n in self.stable) != self.replay_addresses:
+        moved = () if self.replay is None else tuple(
+            n for n, address in zip(self.stable, self.replay_addresses) if addresses[n] != address)  # fmt: skip
+        if moved and self.recordings < MAX_RECORDINGS and 4 * _bytes(inputs, moved) <= _bytes(inputs, inputs):
+            # a small input that happened to keep its address over the first two calls (an
+            # activation from the caller's allocator) is copied in from now on
+            self._record(inputs, stable=tuple(n for n in self.stable if n not in moved))
+        elif self.replay is None or moved:
             previous, self.last_addresses = self.last_addresses, addresses
             if not previous or self.recordings >= MAX_RECORDINGS:
                 return self.result.run(**inputs)
@@ -104,6 +112,7 @@ class PreparedCall:
         return {name: value.clone() for name, value in self.replay().items()}
 
     def _record(self, inputs: dict[str, Any], stable: tuple[str, ...]) -> None:
+        """Record the replay reading ``stable`` in place and private copies of the other inputs."""
         private = {name: value if name in stable else value.clone() for name, value in inputs.items()}
         self.replay, self.stable = self.result.capture(**private), stable
         self.replay_addresses = tuple(inputs[n].data_ptr() for n in stable)
@@ -111,6 +120,10 @@ class PreparedCall:
         moved = sorted(set(inputs) - set(stable))
         log.info("ck.compile: %s recorded as a CUDA graph (%d of %d inputs copied in per call: %s)", self.graph.name,
                  len(moved), len(inputs), ", ".join(moved[:8]) + (" ..." if len(moved) > 8 else ""))  # fmt: skip
+
+
+def _bytes(inputs: dict[str, Any], names: Any) -> int:
+    return sum(inputs[n].numel() * inputs[n].element_size() for n in names)
 
 
 @dataclass
@@ -282,14 +295,19 @@ class CompiledFunction:
         return outputs
 
 
-def example_tensor(shape: Sequence[int], dtype: Any, device: Any) -> Any:
+def example_tensor(shape: Sequence[int], dtype: Any, device: Any, strides: Sequence[int] | None = None) -> Any:
     """A tensor to prepare a signature on (a capture reads shapes, not values): Gaussian
-    floats, zeros of other dtypes."""
+    floats, zeros of other dtypes; laid out at ``strides`` where given and not overlapping
+    (a traced ``view`` of a transposed tensor is valid only at its strides)."""
     import torch
 
     if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)
+        value = torch.randn(shape, dtype=dtype, device=device)
+    else:
+        value = torch.zeros(shape, dtype=dtype, device=device)
+    if strides is None or tuple(strides) == value.stride() or 0 in strides:
+        return value
+    return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device=device).copy_(value)
 
 
 def _check_tensors(tensors: Sequence[Any]) -> None:

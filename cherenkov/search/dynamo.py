@@ -265,8 +265,9 @@ def _region_inputs(fused: Any) -> dict[str, list[Any]]:
     """Tensors to prepare each fused region (``call_module`` node ``fused_*``) on: the shapes,
     dtypes and devices the trace recorded for its arguments, random values (running the
     graph again for real values would repeat its side effects, a KV cache's update)."""
-    return {node.name: [example_tensor(a.meta["val"].shape, a.meta["val"].dtype, a.meta["val"].device)
-                        for a in node.args] for node in fused.graph.nodes if _is_region(node)}  # fmt: skip
+    return {node.name: [example_tensor(a.meta["val"].shape, a.meta["val"].dtype, a.meta["val"].device,
+                                       a.meta["val"].stride()) for a in node.args]
+            for node in fused.graph.nodes if _is_region(node)}  # fmt: skip
 
 
 def _fallback(gm: Any, example_inputs: Sequence[Any], fallback: str) -> Callable[..., Any]:
@@ -296,9 +297,34 @@ def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "ind
                     **options: Any) -> Callable[..., Any]:  # fmt: skip
     """The backend's work on inputs of any device: ``gm`` split (:func:`split_supported`) and
     the split graph compiled by ``fallback``; a graph with no lowered region is compiled by
-    ``fallback`` as it is."""
+    ``fallback`` as it is. Where gradients are wanted (grad mode on and an input, or a
+    parameter Dynamo lifted, requiring them), AOTAutograd first splits ``gm`` into its forward
+    and backward ATen graphs, and each is compiled this way: a training step's backward runs
+    on cherenkov's kernels too."""
+    import torch
+
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        return _compile_joint(gm, example_inputs, fallback, **options)
     split = split_supported(gm, example_inputs, **options)
     if not split.compiled:
         _say_once(f"cherenkov backend: no op of this graph lowers to cherenkov; it runs through {fallback}")
         return _fallback(gm, example_inputs, fallback)
     return _fallback(split.module, example_inputs, fallback)
+
+
+def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **options: Any) -> Callable[..., Any]:
+    """``gm`` through AOTAutograd, its forward and backward graphs each split and compiled by
+    :func:`compile_regions` (they hold no autograd of their own)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    def compile_one(graph: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
+        # AOTAutograd compiles under its fake mode, with fake inputs: tracing, capture and the
+        # search need real tensors of their kind
+        with unset_fake_temporarily():
+            real = [example_tensor(x.shape, x.dtype, x.device) if is_fake(x) else x for x in inputs]
+            return make_boxed_func(compile_regions(graph, real, fallback, **options))
+
+    return aot_autograd(fw_compiler=compile_one, bw_compiler=compile_one)(gm, example_inputs)
+

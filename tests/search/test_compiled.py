@@ -213,6 +213,25 @@ def test_a_replay_reads_stable_inputs_in_place_and_copies_the_moving_ones():
 
 
 
+def test_a_small_input_that_kept_its_address_and_then_moves_is_copied_in_from_then_on():
+    """An activation the caller's allocator happened to hand over at one address for the
+    first two calls is read in place by the first recording; when it moves, the replay is
+    recorded again at once with it copied in, and later calls replay (no kernel-by-kernel run)."""
+    torch = pytest.importorskip("torch")
+    from cherenkov.search.compiled import PreparedCall
+
+    result = _Recording()
+    call = PreparedCall(graph=ck.Graph("replayed"), result=result)
+    w, x = torch.ones(4, 16), torch.randn(16)  # x: a fifth of the inputs' bytes
+    for _ in range(2):
+        assert torch.equal(call.launch({"x": x, "w": w}, cuda_graphs=True)["y"], x + w)
+    assert result.captures == 1 and set(call.stable) == {"x", "w"}
+    for _ in range(3):
+        fresh = torch.randn(16)
+        assert torch.equal(call.launch({"x": fresh, "w": w}, cuda_graphs=True)["y"], fresh + w)
+    assert (result.captures, call.stable, result.runs) == (2, ("w",), 1)
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path):
     if not torch.cuda.is_available():
@@ -239,12 +258,12 @@ def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path
         with torch.no_grad():
             block.proj.weight.mul_(-1.0)  # in place: the replay reads the same parameter
         assert error() <= 2e-2
-        fresh = torch.randn_like(x)  # x moved: launched one by one, then recorded again on the new tensor
+        fresh = torch.randn_like(x)  # x moved, a small input beside the weights: copied in from now on
         with torch.no_grad():
             expected = block(fresh).float()
         for _ in range(3):
             assert float((compiled(fresh).float() - expected).norm() / expected.norm()) <= 2e-2
-        assert call.recordings == 2 and "x" in call.stable
+        assert call.recordings == 2 and "x" not in call.stable
         with torch.profiler.profile() as profile:
             compiled(x)
         assert f"cherenkov::{compiled.op._opname}" in [event.key for event in profile.key_averages()]

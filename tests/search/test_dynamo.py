@@ -7,6 +7,7 @@ without a GPU the backend runs the graph through its fallback and says so once."
 from __future__ import annotations
 
 import functools
+import math
 import logging
 import operator
 import sys
@@ -122,6 +123,10 @@ def test_an_aten_sdpa_kernel_lowers_with_its_attention_output_only():
     with aten.graph.inserting_after(kernel):
         lse = aten.graph.call_function(operator.getitem, (kernel, 1))
     assert not lowers_node(lse), "the log-sum-exp output is not lowered"
+    with aten.graph.inserting_after(lse):
+        reader = aten.graph.call_function(torch.ops.aten.neg.default, (lse,))
+    assert not lowers_node(kernel), "a kernel whose log-sum-exp is read (a backward) stays an ATen op"
+    aten.graph.erase_node(reader)
     aten.graph.erase_node(lse)
     first = next(n for n in kernel.users if n.target is operator.getitem)
     assert lowers_node(kernel) and lowers_node(first)
@@ -443,3 +448,62 @@ def test_gpu_llama_greedy_generate_through_the_backend_gives_eager_tokens(tmp_pa
         got = _generate(model, ids, 32, backend=backend)
     same, description = _same_tokens_or_a_tie(got, eager, tolerance=0.0625)
     assert same, description
+
+
+class _SdpaBlock(torch.nn.Module):
+    """Causal attention through ``scaled_dot_product_attention`` and a GELU MLP, residuals."""
+
+    def __init__(self, width: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width), heads
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.GELU(), torch.nn.Linear(64, width))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("which", ["nanogpt", "sdpa"])
+def test_training_through_the_backend_runs_forward_and_backward_regions_like_eager(which):
+    """With gradients wanted, the backend hands the graph to AOTAutograd and splits both its
+    forward and its backward graph into regions: three SGD steps follow eager's losses and
+    gradients, and the backward's matrix products run in a region (on the CPU, as the
+    regions' float64 references)."""
+    import copy
+
+    from cherenkov.search import dynamo
+    from cherenkov.search.dynamo import compile_regions
+
+    torch.manual_seed(0)
+    model = real_modules.nanogpt_attention(dims=(32, 2, 16)).module if which == "nanogpt" else _SdpaBlock()
+    eager = copy.deepcopy(model)
+    x, target = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    splits = []
+
+    def recording(*args, **kwargs):
+        splits.append(split_supported(*args, **kwargs))
+        return splits[-1]
+
+    torch._dynamo.reset()
+    original, dynamo.split_supported = dynamo.split_supported, recording
+    try:
+        compiled = torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
+        losses: dict[str, list[float]] = {"compiled": [], "eager": []}
+        for fn, parameters, key in ((compiled, model.parameters(), "compiled"), (eager, eager.parameters(), "eager")):
+            optimiser = torch.optim.SGD(list(parameters), lr=0.1)
+            for _ in range(3):
+                optimiser.zero_grad()
+                loss = ((fn(x) - target) ** 2).mean()
+                loss.backward()
+                optimiser.step()
+                losses[key].append(loss.item())
+    finally:
+        dynamo.split_supported = original
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses["compiled"], losses["eager"])), losses
+    assert losses["eager"][-1] < losses["eager"][0]
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-5)
+    assert len(splits) == 2 and all(split.compiled for split in splits), "a forward and a backward region"
