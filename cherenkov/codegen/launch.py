@@ -41,6 +41,8 @@ def _cached_tensor_maps(cache: dict, key: tuple[int, ...], encode) -> tuple:
             cache.clear()
         cache[key] = encode()
     return cache[key]
+
+
 def operand_view(problem, role: str, tensor):
     """The ``(B, H, S, D)`` view of an attention operand in its stored torch tensor (its
     layout's strides and offset: no copy)."""

@@ -727,10 +727,17 @@ def matrix_items(read: Term, info: TensorInfo) -> list[tuple[Term, int]]:
     """A read's index items with the extent of the dimension each indexes, as a row-major
     matrix sees them: dimensions of extent 1 read at 0 (or along an axis of extent 1) left
     out, and a dimension read ``a·n + b`` (``b`` an axis of extent ``n``: heads split off a
-    projection's columns) counted as the two dimensions ``a`` and ``b``."""
-    kept = []
-    for ix, size in zip(t.ix_items(read[2]), info.shape):
+    projection's columns) counted as the two dimensions ``a`` and ``b``; two dimensions read
+    ``a // n`` and ``a % n`` (tokens of a batch merged into one row axis: ``x[i // T, i % T]``)
+    count as the one dimension ``a``."""
+    kept: list[tuple[Term, int]] = []
+    items = list(zip(t.ix_items(read[2]), info.shape))
+    for position, (ix, size) in enumerate(items):
         if size == 1 and (ix == t.ix_lit(0) or (ix[0] == "Ax" and t.extent(ix[1]) == 1)):
+            continue
+        if ix[0] == "IxMod" and kept and kept[-1] == (("IxDiv", ix[1], ix[2]), items[position - 1][1]) and \
+                ix[1][0] == "Ax" and size == ix[2] and kept[-1][1] * size == t.extent(ix[1][1]):  # fmt: skip
+            kept[-1] = (ix[1], t.extent(ix[1][1]))
             continue
         if ix[0] == "IxLin" and ix[1][0] == "Ax" and ix[3][0] == "Ax" and t.extent(ix[3][1]) == ix[2] and \
                 size == t.extent(ix[1][1]) * ix[2]:  # fmt: skip

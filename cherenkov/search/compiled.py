@@ -84,6 +84,7 @@ class PreparedCall:
     replay_addresses: tuple[int, ...] = ()
     last_addresses: dict[str, int] = field(default_factory=dict)
     recordings: int = 0
+    said_moving: bool = False
     backward: dict[tuple[str, ...], PreparedCall] = field(default_factory=dict)  # gradient graphs, by wrt
 
     def launch(self, inputs: dict[str, Any], cuda_graphs: bool) -> dict[str, Any]:
@@ -104,6 +105,11 @@ class PreparedCall:
         elif self.replay is None or moved:
             previous, self.last_addresses = self.last_addresses, addresses
             if not previous or self.recordings >= MAX_RECORDINGS:
+                if self.recordings >= MAX_RECORDINGS and not self.said_moving:
+                    self.said_moving = True
+                    log.warning("ck.compile: %s's large inputs (parameters) keep moving after %d CUDA-graph "
+                                "recordings; its kernels are launched one by one from now on (host work per "
+                                "kernel)", self.graph.name, MAX_RECORDINGS)  # fmt: skip
                 return self.result.run(**inputs)
             self._record(inputs, stable=tuple(n for n in inputs if previous.get(n) == addresses[n]))
         for name, value in inputs.items():

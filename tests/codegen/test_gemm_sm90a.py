@@ -95,6 +95,16 @@ def residuals_graph(m: int = 200, n: int = 328, k: int = 136) -> ck.Graph:
     return g
 
 
+def merged_tokens_graph(batch: int = 2, tokens: int = 100, n: int = 328, k: int = 136) -> ck.Graph:
+    """GPT-2's projections: ``x (B, T, K)`` as ``B·T`` rows (read ``x[i // T, i % T, k]``) by a
+    ``(K, N)`` weight, plus a residual of the output's shape read the same way."""
+    g = ck.Graph("merged_tokens")
+    x, w = g.input("x", (batch, tokens, k), "bf16"), g.input("w", (k, n), "bf16")
+    rows = x.reshape(batch * tokens, k) @ w
+    g.output(rows + g.input("r", (batch, tokens, n), "bf16").reshape(batch * tokens, n), "y")
+    return g
+
+
 def prologue_graph() -> ck.Graph:
     """A contraction whose A operand is evaluated (a scale and SiLU prologue)."""
     g = ck.Graph("prologue")
@@ -149,6 +159,7 @@ GRAPHS = {
     "split_bmm_bias_gelu": batched_bias_gelu_graph,
     "gated_tails": gated_graph,
     "residuals_tails": residuals_graph,
+    "merged_tokens": merged_tokens_graph,
 }  # fmt: skip
 
 
@@ -236,6 +247,16 @@ def test_a_batch_of_one_is_a_plain_matrix_for_tma() -> None:
     maps = tensor_maps(plans[2])
     assert {m.tensor for m in maps} == {"x", "w", "y"} and all(len(m.dims) == 2 for m in maps)
     assert sorted(m.dims for m in maps) == sorted([(136, 200), (136, 328), (328, 200)])
+
+
+def test_tokens_of_a_batch_merged_into_rows_are_a_plain_matrix_for_tma() -> None:
+    """``x (B, T, K)`` read as ``B·T`` rows (``x[i // T, i % T, k]``: a contiguous buffer's
+    rows) is a plain matrix: TMA plans with 2-D maps of ``B·T`` rows, and the residual read
+    the same way is a staged source."""
+    plans = [p for p in wgmma_plans(merged_tokens_graph()) if isinstance(p.schedule, TmaGemmSchedule)]
+    assert plans, "the TMA kernel reads the merged rows"
+    staged = next(p for p in plans if p.schedule.staged_sources)
+    assert sorted(m.dims for m in tensor_maps(staged)) == sorted([(136, 200), (328, 136), (328, 200), (328, 200)])
 
 
 def test_epilogue_sources_are_output_shaped_reads() -> None:
@@ -509,6 +530,8 @@ GPU_CASES = {
                     * x["u"].float()),
     "gated_2048x4096x512": (lambda: gated_graph(2048, 4096, 512), lambda torch, x: torch.nn.functional.silu(
         x["a"].float() @ x["b"].float()) * x["u"].float()),
+    "merged_tokens": (merged_tokens_graph, lambda torch, x: (x["x"].float().reshape(200, 136) @ x["w"].float()
+                                                             + x["r"].float().reshape(200, 328))),
     "residuals_tails": (residuals_graph, lambda torch, x: x["a"].float() @ x["b"].float() + x["r"].float()
                         + x["s"].float()),
     "residuals_2048x4096x512": (lambda: residuals_graph(2048, 4096, 512), lambda torch, x: x["a"].float()
