@@ -424,13 +424,15 @@ def shared_values(extracted: Mapping[str, Term]) -> list[Term]:
     owners: dict[Term, set] = {}
     for name, root in extracted.items():
         owners.setdefault(root, set()).add(name)
+    roots = set(extracted.values())
     chosen: list[Term] = []
-    for node in reversed(order):
+    for node in reversed(order):  # parents first
         mine = owners.get(node, set())
         is_value = node[0] in ELEMENTWISE and node[0] != "Tensor" and any(True for _ in t.children(node))
-        if is_value and len(mine) >= 2 and node not in extracted.values() and _reads_at_least_two(node):
+        stored = is_value and len(mine) >= 2 and node not in roots and _reads_at_least_two(node)
+        if stored:
             chosen.append(node)
-        boundary = not is_value or node in chosen[-1:]
+        boundary = stored or not is_value  # a core, a stored value: the kernel owning what is beneath
         for child in t.children(node):
             if child[0] not in INDEX_HEADS:
                 owners.setdefault(child, set()).update({node} if boundary else mine)

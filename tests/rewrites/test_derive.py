@@ -483,3 +483,41 @@ def test_intermediates_of_a_mixed_dtype_graph_are_stored_as_its_activations():
     _, dtypes = d.tensor_types()
     (contraction,) = [k for k in d.kernels if k.kind == "contraction"]
     assert dtypes[contraction.output] == "bf16" and dtypes["out"] == "bf16"
+
+
+def residual_stream_graph(layers: int) -> ck.Graph:
+    """A pre-norm stack as GPT-2 spells it: ``h = h + (layer_norm(h) as B·T rows @ w_l) as
+    (B, T, C)`` for each layer, then a final norm."""
+    g = ck.Graph(f"residual_stream_{layers}")
+    h = g.input("x", (2, 16, 64), "bf16")
+    for layer in range(layers):
+        h = h + (ck.nn.layer_norm(h).reshape(32, 64) @ g.input(f"w{layer}", (64, 64), "bf16")).reshape(2, 16, 64)
+    g.output(ck.nn.layer_norm(h), "out")
+    return g
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_a_residual_stream_is_stored_once_not_recomputed_by_every_later_norm(layers: int) -> None:
+    """Each residual sum read by the next norm and the next sum is stored once (a kernel of
+    its own, which the search may fold into the GEMM before it) and every norm reads one
+    stored tensor (the last sum, read by the final norm only, stays inlined there): the
+    reads grow linearly with depth instead of quadratically; the program is unchanged."""
+    g = residual_stream_graph(layers)
+    d = ck.derive(g)
+    norms = [k for k in d.kernels if k.kind == "layer_norm_rows"]
+    assert len(norms) == layers + 1 and [k.kind for k in d.kernels].count("elementwise") == layers - 1
+    assert [len(k.reads) for k in norms] == [1] * layers + [2], [k.reads for k in norms]
+    assert sum(len(k.reads) for k in d.kernels) <= 5 * layers + 2
+    assert_derived_program_matches(g, d)
+
+
+def test_a_value_one_kernel_reads_stays_inlined() -> None:
+    """An elementwise value read twice inside one kernel (GELU's ``x``, ``x³`` and ``0.5·x``)
+    is not stored: only values two kernels read are."""
+    from cherenkov.rewrites.kernels import shared_values
+
+    g = ck.Graph("gelu_after_gemm")
+    x, w, b = g.input("x", (32, 64), "bf16"), g.input("w", (64, 64), "bf16"), g.input("b", (64,), "bf16")
+    g.output(ck.nn.gelu(x @ w + b), "out")
+    d = ck.derive(g)
+    assert not shared_values(d._extract(()))
