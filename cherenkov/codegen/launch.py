@@ -69,7 +69,8 @@ def operand_map(problem, role: str, address: int, box_rows: int) -> tensor_map.T
                                          problem.dtype, box_rows)  # fmt: skip
 
 
-TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool"}
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool",
+                "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 class _StreamCache:

@@ -14,7 +14,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from cherenkov.graph.errors import GraphError
+from cherenkov.graph.fp8 import round_to_fp8
 from cherenkov.graph.ops import Node
+from cherenkov.graph.shape import FP8_DTYPES
 from cherenkov.graph.tensor import Graph
 
 
@@ -35,6 +37,8 @@ def round_to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
         finite = np.isfinite(values)
         return np.where(finite, rounded.view(np.float32), values).astype(np.float64)
+    if dtype in FP8_DTYPES:
+        return round_to_fp8(values, dtype)
     if dtype == "int32":
         return np.trunc(values).astype(np.int64)
     return values != 0

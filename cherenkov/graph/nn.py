@@ -2,7 +2,9 @@
 
 ``ck.nn.attention`` follows PyTorch's ``scaled_dot_product_attention``: K/V with fewer
 heads are shared by groups of query heads (GQA/MQA) and ``causal`` lets query ``i`` see
-keys ``j <= i`` (top-left aligned when the lengths differ).
+keys ``j <= i`` (top-left aligned when the lengths differ). 8-bit tensors are quantised and
+dequantised with their scales (``quantize``, ``dequantize``: a cast and a multiply), and
+``attention`` takes 8-bit q, k, v with their ``descale`` factors.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 
 from cherenkov.graph.errors import GraphError
+from cherenkov.graph.shape import FP8_DTYPES
 from cherenkov.graph.tensor import Tensor, arange, where
 
 # Abramowitz & Stegun 7.1.26: |erf(x) - approximation| <= 1.5e-7 for all x.
@@ -89,8 +92,50 @@ def repeat_kv_heads(x: Tensor, groups: int) -> Tensor:
     return grouped.reshape(*lead, heads * groups, seq, dim)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None) -> Tensor:
-    """``softmax(q kᵀ · scale [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``."""
+def quantize(x: Tensor, scale: Tensor | float, dtype: str = "fp8_e4m3", block: int = 1) -> Tensor:
+    """``cast(x / scale, dtype)``: ``x`` stored in 8 bits with its ``scale`` — a number, a
+    tensor broadcasting to ``x`` (per tensor, per head), or with ``block`` > 1 one scale per
+    ``block`` consecutive elements of the last axis (MX: 32), shaped ``x``'s with that axis
+    divided by ``block``."""
+    if dtype not in FP8_DTYPES:
+        raise GraphError(f"quantize: dtype {dtype!r}; valid: {', '.join(FP8_DTYPES)}")
+    per = _per_element(x, scale, block, "quantize")
+    return (x * (1.0 / per if isinstance(per, float) else per.recip())).cast(dtype)
+
+
+def dequantize(x: Tensor, scale: Tensor | float, dtype: str = "fp32", block: int = 1) -> Tensor:
+    """``cast(x, dtype) · scale`` (``scale`` as in :func:`quantize`): an 8-bit tensor's values."""
+    return x.cast(dtype) * _per_element(x, scale, block, "dequantize")
+
+
+def _per_element(x: Tensor, scale: Tensor | float, block: int, op: str) -> Tensor | float:
+    """``scale`` broadcasting to ``x``: a block scale repeated over its ``block`` elements."""
+    if not isinstance(scale, Tensor):
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise GraphError(f"{op}: scale {scale!r} must be a positive finite number or a tensor")
+        return float(scale)
+    if block == 1:
+        return scale
+    *lead, last = x.shape
+    if block < 1 or last % block or tuple(scale.shape) != (*lead, last // block):
+        raise GraphError(f"{op}: block {block} scales of shape {scale.shape} for x {x.shape}; valid: a block that "
+                         f"divides the last axis and scales shaped {(*lead, last // max(block, 1))}")  # fmt: skip
+    repeated = scale.unsqueeze(-1).expand(*lead, last // block, block)
+    return repeated.reshape(*lead, last)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+              descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None) -> Tensor:  # fmt: skip
+    """``softmax(q kᵀ · scale [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
+
+    8-bit ``q``, ``k``, ``v`` (``fp8_e4m3``, ``fp8_e5m2``) need ``descale = (s_q, s_k, s_v)``,
+    their :func:`quantize` scales: the attention of their dequantised values (float32)."""
+    stored = [name for name, x in (("q", q), ("k", k), ("v", v)) if x.dtype in FP8_DTYPES]
+    if descale is not None:
+        q, k, v = (dequantize(x, s) for x, s in zip((q, k, v), descale, strict=True))
+    elif stored:
+        raise GraphError(f"attention: {', '.join(stored)} of dtype {q.dtype if 'q' in stored else k.dtype} need "
+                         "descale=(s_q, s_k, s_v), the scales they were quantised with")  # fmt: skip
     if min(q.ndim, k.ndim, v.ndim) < 2:
         raise GraphError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} need (..., seq, dim) shapes")
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:

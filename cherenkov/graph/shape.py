@@ -15,9 +15,15 @@ from cherenkov.graph.errors import GraphError
 Shape = tuple[int, ...]
 
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
-DTYPES = (*FLOAT_DTYPES, "int32", "bool")
-INPUT_DTYPES = FLOAT_DTYPES
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+"""8-bit floats (OCP FP8: e4m3 without infinities, saturating; e5m2 with them): storage only.
+A graph reads them as inputs, casts to them (quantise) and from them (dequantise); no
+arithmetic op takes them."""
+DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES, "int32", "bool")
+INPUT_DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES)
 DTYPE_ALIASES = {
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
     "bfloat16": "bf16",
     "float16": "fp16",
     "half": "fp16",
@@ -43,7 +49,8 @@ def check_identifier(kind: str, name: object) -> str:
 
 
 def normalize_dtype(op: str, dtype: object, allowed: Sequence[str] = DTYPES) -> str:
-    """Canonical dtype name (``bf16``, ``fp16``, ``fp32``, ``int32``, ``bool``)."""
+    """Canonical dtype name (``bf16``, ``fp16``, ``fp32``, ``fp8_e4m3``, ``fp8_e5m2``, ``int32``,
+    ``bool``)."""
     name = str(dtype).removeprefix("torch.") if dtype is not None else ""
     name = DTYPE_ALIASES.get(name, name)
     if name not in allowed:
@@ -76,7 +83,12 @@ def check_stored_shape(op: str, shape: object) -> Shape:
 
 
 def promote(op: str, *dtypes: str) -> str:
-    """Result dtype of an arithmetic op: bool < int32 < floats; mixed half types give fp32."""
+    """Result dtype of an arithmetic op: bool < int32 < floats; mixed half types give fp32;
+    8-bit floats are storage only (a GraphError says to cast them first)."""
+    stored = sorted({d for d in dtypes if d in FP8_DTYPES})
+    if stored:
+        raise GraphError(f"{op}: operands of dtype {', '.join(stored)} are storage only; cast them to bf16, fp16 or "
+                         "fp32 first (ck.nn.dequantize multiplies by their scale too)")  # fmt: skip
     floats = {d for d in dtypes if d in FLOAT_DTYPES}
     if len(floats) > 1:
         return "fp32"

@@ -22,6 +22,7 @@ import numpy as np
 
 from cherenkov.graph import shape as sh
 from cherenkov.graph.errors import GraphError
+from cherenkov.graph.fp8 import round_to_fp8
 from cherenkov.graph.ops import SPECS, Node, node_flops
 
 LOG2E = math.log2(math.e)
@@ -75,7 +76,7 @@ class Graph:
         return Tensor(self, self._add(Node(op, tuple(t.id for t in operands), attrs, shape, dtype)))
 
     def input(self, name: str, shape: Sequence[int], dtype: str = "fp32") -> Tensor:
-        """Declare an input tensor. ``dtype`` is one of bf16, fp16, fp32."""
+        """Declare an input tensor. ``dtype`` is one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2."""
         if self._free:
             raise GraphError("input: free graphs (ck.arange, ck.constant) cannot have inputs")
         sh.check_identifier("input", name)
@@ -89,7 +90,7 @@ class Graph:
 
     def constant(self, value: Scalar, dtype: str = "fp32") -> Tensor:
         """A scalar constant (shape ``()``); NaN is rejected, ±inf is allowed (masks)."""
-        dtype = sh.normalize_dtype("constant", dtype)
+        dtype = sh.normalize_dtype("constant", dtype, tuple(d for d in sh.DTYPES if d not in sh.FP8_DTYPES))
         if isinstance(value, np.generic):
             value = value.item()
         if not isinstance(value, (int, float, bool)):
@@ -214,10 +215,14 @@ class Graph:
     def example_inputs(self) -> dict[str, np.ndarray]:
         """Example values per input: those captured by ``ck.from_torch``, else random normals."""
         rng = np.random.default_rng(0)
-        return {
-            name: self._examples[name] if name in self._examples else rng.standard_normal(t.shape)
-            for name, t in self.inputs.items()
-        }
+        examples = {}
+        for name, t in self.inputs.items():
+            if name in self._examples:
+                examples[name] = self._examples[name]
+            else:  # an 8-bit input's values are those its dtype holds
+                value = rng.standard_normal(t.shape)
+                examples[name] = round_to_fp8(value, t.dtype) if t.dtype in sh.FP8_DTYPES else value
+        return examples
 
     def summary(self) -> dict:
         """Inputs, outputs, op counts and FLOPs, as plain data."""

@@ -85,7 +85,8 @@ def sanitize_name(name: object, taken: set[str] | None = None) -> str:
 
 # ----------------------------------------------------------------------------- dtypes
 
-_INPUT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_INPUT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3",
+                 "float8_e5m2": "fp8_e5m2"}
 _VALUE_DTYPES = {
     **_INPUT_DTYPES,
     "bool": "bool",
@@ -106,8 +107,8 @@ def _input_dtype(dtype: Any, what: str) -> str:
     if name not in _INPUT_DTYPES:
         raise GraphError(
             f"from_torch: {what} has dtype torch.{name}; graph inputs must be torch.float32 (fp32), "
-            "torch.float16 (fp16) or torch.bfloat16 (bf16) - convert the tensor or module with .float(), "
-            ".half() or .bfloat16() before capturing"
+            "torch.float16 (fp16), torch.bfloat16 (bf16), torch.float8_e4m3fn (fp8_e4m3) or torch.float8_e5m2 "
+            "(fp8_e5m2) - convert the tensor or module with .float(), .half() or .bfloat16() before capturing"
         )
     return _INPUT_DTYPES[name]
 
@@ -122,7 +123,7 @@ def _value_dtype(dtype: Any, where_: str) -> str:
     name = _dtype_name(dtype)
     if name not in _VALUE_DTYPES:
         raise GraphError(
-            f"from_torch: {where_} produces dtype torch.{name}; supported dtypes: float32, float16, bfloat16 "
+            f"from_torch: {where_} produces dtype torch.{name}; supported dtypes: float32, float16, bfloat16, float8_e4m3fn, float8_e5m2 "
             "(and bool or integer masks and indices)"
         )
     return _VALUE_DTYPES[name]
@@ -133,7 +134,7 @@ def _to_numpy(tensor: Any) -> np.ndarray:
     import torch
 
     value = tensor.detach().cpu()
-    if value.dtype == torch.bfloat16:
+    if value.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         value = value.float()
     return value.numpy().copy()
 

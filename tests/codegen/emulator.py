@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from cherenkov.codegen import cuda_source
+from cherenkov.codegen.cuda.term_expr import C_TYPES
 from cherenkov.codegen.cuda.term_kernels import kernel_name, term_dynamic_smem, term_grid
 from cherenkov.graph.evaluate import round_to_dtype
 
@@ -207,8 +208,9 @@ def host_source(plan) -> str:
     return f"#define CK_EMU_MMA_FP16 {int(fp16)}\n" + PRELUDE + "\n" + body
 
 
-C_TYPES = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", "int32": "int", "bool": "unsigned char"}
-NP_TYPES = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": np.uint8}
+NP_TYPES = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": np.uint8,
+            "fp8_e4m3": np.uint8, "fp8_e5m2": np.uint8}
+TORCH_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # the bits, as PyTorch's casts encode them
 
 
 READ_FILE = r"""
@@ -281,6 +283,11 @@ def to_bits(values: np.ndarray, dtype: str) -> np.ndarray:
         return (rounded.view(np.uint32) >> 16).astype(np.uint16)
     if dtype == "bool":
         return (values != 0).astype(np.uint8)
+    if dtype in TORCH_FP8:
+        import torch
+
+        fp8 = getattr(torch, TORCH_FP8[dtype])
+        return torch.from_numpy(values.astype(np.float32)).to(fp8).view(torch.uint8).numpy()
     if dtype == "int32":
         return np.trunc(values).astype(np.int32)
     return values.astype(NP_TYPES[dtype])
@@ -289,6 +296,11 @@ def to_bits(values: np.ndarray, dtype: str) -> np.ndarray:
 def from_bits(data: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bf16":
         return (data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if dtype in TORCH_FP8:
+        import torch
+
+        fp8 = getattr(torch, TORCH_FP8[dtype])
+        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)).view(fp8).double().numpy()
     return data.astype(np.float64)
 
 

@@ -345,6 +345,55 @@ def _check_graph(graph: ck.Graph, families: set[str] | None = None, seed: int = 
     return checked
 
 
+def fp8_graphs() -> list[ck.Graph]:
+    """Kernels reading 8-bit floats (a softmax row of dequantised e4m3 values) and writing
+    them (e5m2 quantised from bf16)."""
+    read = ck.Graph("fp8_read")
+    x, scale = read.input("x", (6, 100), "fp8_e4m3"), read.input("scale", (), "fp32")
+    read.output(ck.nn.softmax(ck.nn.dequantize(x, scale), axis=-1).cast("bf16"), "y")
+    write = ck.Graph("fp8_write")
+    write.output(ck.nn.quantize(write.input("x", (6, 100), "bf16").cast("fp32"), 4.0, "fp8_e5m2"), "y")
+    return [read, write]
+
+
+@needs_gxx
+@pytest.mark.parametrize("graph", fp8_graphs(), ids=["fp8_read", "fp8_write"])
+def test_emulated_kernels_read_and_write_8_bit_floats(graph) -> None:
+    assert _check_graph(graph) >= 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_8_bit_reads_and_writes_compile_without_spills(arch, compiler, kernel_cache) -> None:
+    plans = [p for graph in fp8_graphs() for _, ps in plans_of(graph, arch) for p in ps]
+    assert {p.family for p in plans} >= {"pointwise", "rows"}
+    for plan, result in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
+        assert not isinstance(result, Exception), f"{plan.name}: {result}"
+        assert result.report.spill_bytes == 0, (plan.name, result.report)
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_emulated_8_bit_stores_round_as_pytorch_casts(dtype: str) -> None:
+    """Every bit of a kernel's 8-bit store equals PyTorch's cast of the same float32 values:
+    ties to even, subnormals, e4m3 saturating at ±448 (±∞ too), e5m2 overflowing to ±∞, NaN."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    largest = 448.0 if dtype == "fp8_e4m3" else 57344.0
+    values = np.concatenate([rng.standard_normal(3000) * scale for scale in (1e-3, 1.0, largest / 3)]
+                            + [[largest * 1.1, -largest * 1.2, np.inf, -np.inf, np.nan, 0.0, 2.0**-12, 1.0625]])
+    g = ck.Graph("fp8_store")
+    g.output(g.input("x", (values.size,), "fp32").cast(dtype), "y")
+    d = ck.derive(g)
+    shapes, dtypes = d.tensor_types()
+    (kernel,) = d.kernels
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[dtype]
+    expected = torch.from_numpy(values.astype(np.float32)).to(fp8).double().numpy()
+    plans = term_plans(kernel, shapes, dtypes, TARGETS["sm_90"])
+    assert plans
+    for plan in plans:
+        np.testing.assert_array_equal(emulate(plan, {"x": values}), expected, err_msg=plan.name)
+
+
 @needs_gxx
 @pytest.mark.parametrize(
     "graph",

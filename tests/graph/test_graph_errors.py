@@ -201,7 +201,7 @@ def test_input_with_unknown_dtype(dtype: object) -> None:
 def test_cast_and_constant_with_unknown_dtype() -> None:
     g = ck.Graph("g")
     x = g.input("x", (2,))
-    with _raises("cast", "'e4m3'", "bf16, fp16, fp32, int32, bool"):
+    with _raises("cast", "'e4m3'", "bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int32, bool"):
         x.cast("e4m3")
     with _raises("constant", "'double'", "bf16, fp16, fp32, int32, bool"):
         g.constant(1.0, "double")

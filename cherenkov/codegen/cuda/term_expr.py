@@ -11,8 +11,8 @@ semantics of ``cherenkov.rewrites.reference`` (float64 there, fp32 here):
   ``Mod`` is a floor modulo (sign of the divisor, like
   ``np.mod``); ``Maximum`` propagates NaN (like ``np.maximum``); ``Lt`` and ``Flag`` are
   ``1.0f`` / ``0.0f`` and ``Where`` selects on ``!= 0`` (a select, never a blend, so
-  ``-inf`` in the unselected branch is harmless); ``Cast`` rounds to bf16 / fp16 / fp32
-  (nearest even) or truncates to int32 like ``round_to_dtype``;
+  ``-inf`` in the unselected branch is harmless); ``Cast`` rounds to bf16 / fp16 / fp32 /
+  the 8-bit floats (nearest even; e4m3 saturating) or truncates to int32 like ``round_to_dtype``;
 * a ``Tensor`` read clamps each index into the tensor's extent where interval analysis
   cannot prove it in range (the reference clips), and converts the element to fp32;
 * binders (``Sum``, ``Max``, ``Contract``, the softmax folds, ``OnlineSoftmaxContract``,
@@ -49,8 +49,9 @@ INDEX_HEADS = frozenset({"Ax", "IxLit", "IxAdd", "IxDiv", "IxMod", "IxLin"})
 INT32_LIMIT = 2**31 - 1
 
 # C element type of a stored tensor of each dtype, and its size in bytes
-C_TYPES = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", "int32": "int", "bool": "unsigned char"}
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "bool": 1}
+C_TYPES = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", "int32": "int", "bool": "unsigned char",
+           "fp8_e4m3": "unsigned char", "fp8_e5m2": "unsigned char"}  # fmt: skip
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "bool": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 UNARY_FUNCTIONS = {
     "Exp2": "exp2f",
     "Exp": "expf",
@@ -171,9 +172,44 @@ def emit_prelude() -> str:
         __device__ __forceinline__ int ck_to_int32(float x) { return int(truncf(x)); }
         __device__ __forceinline__ unsigned char ck_to_bool(float x) { return x != 0.0f ? 1 : 0; }
 
+        // 8-bit floats (OCP FP8) in software, any target: (bits, mantissa, exponent bias).
+        // e4m3 has no infinities (S.1111.111 is NaN) and saturates at +-448; e5m2 is IEEE-like.
+        __device__ __forceinline__ float ck_from_fp8(unsigned char b, int mbits, int bias, bool ieee) {
+            const int e = (b & 0x7f) >> mbits, m = b & ((1 << mbits) - 1), top = (1 << (7 - mbits)) - 1;
+            float v;
+            if (ieee && e == top) v = m ? __int_as_float(0x7fc00000) : CK_INF;
+            else if (!ieee && e == top && m == (1 << mbits) - 1) v = __int_as_float(0x7fc00000);
+            else if (e == 0) v = ldexpf(float(m), 1 - bias - mbits);
+            else v = ldexpf(float((1 << mbits) + m), e - bias - mbits);
+            return (b & 0x80) ? -v : v;
+        }
+        __device__ __forceinline__ unsigned char ck_to_fp8(float x, int mbits, int bias, float largest, bool ieee) {
+            const unsigned char sign = (__float_as_uint(x) >> 31) ? 0x80 : 0;
+            const float a = fabsf(x);
+            if (a != a) return sign | 0x7f;
+            if (!ieee && a >= largest) return sign | (0x7f - 1);  // saturate, infinities too
+            if (ieee && a == CK_INF) return sign | (0x7f - ((1 << mbits) - 1));
+            int e;
+            frexpf(a, &e);  // a = f * 2^e, f in [0.5, 1)
+            const int exponent = e - 1 > 1 - bias ? e - 1 : 1 - bias;  // subnormals: the smallest normal quantum
+            const float quantum = ldexpf(1.0f, exponent - mbits);
+            const float r = rintf(a / quantum) * quantum;  // nearest, ties to even
+            if (r > largest) return ieee ? sign | (0x7f - ((1 << mbits) - 1)) : sign | (0x7f - 1);
+            if (r < ldexpf(1.0f, 1 - bias)) return sign | (unsigned char)(r / ldexpf(1.0f, 1 - bias - mbits));
+            frexpf(r, &e);
+            const int m = int(ldexpf(r, mbits - (e - 1))) - (1 << mbits);
+            return sign | (unsigned char)(((e - 1 + bias) << mbits) | m);
+        }
+        __device__ __forceinline__ float ck_from_fp8_e4m3(unsigned char b) { return ck_from_fp8(b, 3, 7, false); }
+        __device__ __forceinline__ float ck_from_fp8_e5m2(unsigned char b) { return ck_from_fp8(b, 2, 15, true); }
+        __device__ __forceinline__ unsigned char ck_to_fp8_e4m3(float x) { return ck_to_fp8(x, 3, 7, 448.0f, false); }
+        __device__ __forceinline__ unsigned char ck_to_fp8_e5m2(float x) { return ck_to_fp8(x, 2, 15, 57344.0f, true); }
+
         // Cast: round an fp32 value to a dtype and back.
         __device__ __forceinline__ float ck_round_bf16(float x) { return ck_from_bf16(ck_to_bf16(x)); }
         __device__ __forceinline__ float ck_round_fp16(float x) { return ck_from_fp16(ck_to_fp16(x)); }
+        __device__ __forceinline__ float ck_round_fp8_e4m3(float x) { return ck_from_fp8_e4m3(ck_to_fp8_e4m3(x)); }
+        __device__ __forceinline__ float ck_round_fp8_e5m2(float x) { return ck_from_fp8_e5m2(ck_to_fp8_e5m2(x)); }
 
         // np.maximum: NaN in either operand gives NaN (fmaxf would drop it).
         __device__ __forceinline__ float ck_max(float a, float b) {
@@ -439,6 +475,7 @@ class TermEmitter:
             dtype = args[0]
             expr = {
                 "bf16": f"ck_round_bf16({x})", "fp16": f"ck_round_fp16({x})", "fp32": x,
+                "fp8_e4m3": f"ck_round_fp8_e4m3({x})", "fp8_e5m2": f"ck_round_fp8_e5m2({x})",
                 "int32": f"truncf({x})", "bool": f"({x} != 0.0f ? 1.0f : 0.0f)",
             }.get(dtype)  # fmt: skip
             if expr is None:
