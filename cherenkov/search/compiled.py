@@ -307,8 +307,8 @@ def example_tensor(shape: Sequence[int], dtype: Any, device: Any, strides: Seque
     (a traced ``view`` of a transposed tensor is valid only at its strides)."""
     import torch
 
-    if dtype.is_floating_point:
-        value = torch.randn(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:  # 8-bit floats have no random generator of their own
+        value = torch.randn(shape, dtype=torch.float32 if dtype.itemsize == 1 else dtype, device=device).to(dtype)
     else:
         value = torch.zeros(shape, dtype=dtype, device=device)
     if strides is None or tuple(strides) == value.stride() or 0 in strides:
