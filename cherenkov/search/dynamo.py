@@ -134,7 +134,8 @@ def _folded_bands(aten: Any) -> set[str]:
             values[node] = node.target(*args, **kwargs)
     folded = set()
     for node, value in values.items():
-        feeds = [user for user in node.users if user not in values and user.op != "output"]  # a returned value stays computed per call
+        # the nodes computed per call that read it (a value the graph returns stays computed)
+        feeds = [user for user in node.users if user not in values and user.op != "output"]
         if node.op != "call_function" or not feeds or not isinstance(value, torch.Tensor) or not is_band(value):
             continue
         name = f"ck_folded_{len(folded)}"
