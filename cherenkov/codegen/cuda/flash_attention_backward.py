@@ -178,6 +178,27 @@ def _helpers() -> str:
             ldmatrix_x4(b, smem_address(tile + row * ROW + 16 * kk + 8 * ((lane >> 3) & 1)));
         }
 
+        // acc = A B^T over the head dim, fp32: rows [row0, row0 + 16) of tile `a` against the N rows of
+        // tile `b` (both padded tiles of D columns), as N / 8 n8 accumulator tiles.
+        template <int N>
+        __device__ __forceinline__ void rows_times_rows(float (&acc)[N / 8][4], const elem_t* a_tile, int row0,
+                                                        const elem_t* b_tile, int lane) {
+            #pragma unroll
+            for (int n = 0; n < N / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 a[4];
+                load_a(a, a_tile, row0, kk, lane);
+                #pragma unroll
+                for (int p = 0; p < N / 16; ++p) {
+                    u32 b[4];
+                    load_b_rows(b, b_tile, 16 * p, kk, lane);
+                    mma_16816(acc[2 * p], a, b[0], b[1]);
+                    mma_16816(acc[2 * p + 1], a, b[2], b[3]);
+                }
+            }
+        }
+
         // B operands of the n8 tiles of columns [col0, col0 + 8) and [col0 + 8, col0 + 16) over rows
         // [16 kk, 16 kk + 16) of a tile whose rows are the mma's k (loaded transposed).
         __device__ __forceinline__ void load_b_cols(u32 (&b)[4], const elem_t* tile, int row_elements, int kk,
@@ -440,20 +461,7 @@ def _main_kernel(name: str) -> str:
                 const float* tdelta = sDelta + stage * BLOCK_Q;
                 // S^T = K Q^T: 16 keys x BLOCK_Q queries
                 float s[BLOCK_Q / 8][4];
-                #pragma unroll
-                for (int n = 0; n < BLOCK_Q / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-                #pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    u32 a[4];
-                    load_a(a, sK, 16 * warp, kk, lane);
-                    #pragma unroll
-                    for (int p = 0; p < BLOCK_Q / 16; ++p) {
-                        u32 b[4];
-                        load_b_rows(b, tq, 16 * p, kk, lane);
-                        mma_16816(s[2 * p], a, b[0], b[1]);
-                        mma_16816(s[2 * p + 1], a, b[2], b[3]);
-                    }
-                }
+                rows_times_rows<BLOCK_Q>(s, sK, 16 * warp, tq, lane);
                 // P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked
                 #pragma unroll
                 for (int n = 0; n < BLOCK_Q / 8; ++n) {
@@ -481,20 +489,7 @@ def _main_kernel(name: str) -> str:
                 if (WANT_DQ || WANT_DK) {
                     // dP^T = V dO^T, then dS^T = P^T (dP^T - D) (in s)
                     float dp[BLOCK_Q / 8][4];
-                    #pragma unroll
-                    for (int n = 0; n < BLOCK_Q / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-                    #pragma unroll
-                    for (int kk = 0; kk < D / 16; ++kk) {
-                        u32 a[4];
-                        load_a(a, sV, 16 * warp, kk, lane);
-                        #pragma unroll
-                        for (int p = 0; p < BLOCK_Q / 16; ++p) {
-                            u32 b[4];
-                            load_b_rows(b, tdo, 16 * p, kk, lane);
-                            mma_16816(dp[2 * p], a, b[0], b[1]);
-                            mma_16816(dp[2 * p + 1], a, b[2], b[3]);
-                        }
-                    }
+                    rows_times_rows<BLOCK_Q>(dp, sV, 16 * warp, tdo, lane);
                     #pragma unroll
                     for (int n = 0; n < BLOCK_Q / 8; ++n) {
                         #pragma unroll
