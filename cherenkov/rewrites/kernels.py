@@ -378,10 +378,10 @@ def _elements(axes: frozenset[str]) -> int:
     return int(np.prod([t.extent(a) for a in axes], dtype=np.int64)) if axes else 1
 
 
-def _reads_at_least_two(term: Term) -> bool:
+def _reads_at_least_two(term: Term, axes_memo: dict[Term, frozenset[str]]) -> bool:
     """Whether ``term``'s elementwise closure reads two or more stored tensors or cores, none
     of them over more elements than ``term`` itself has (storing it adds no broadcast)."""
-    size = _elements(t.free_axes(term))
+    size = _elements(t.free_axes(term, axes_memo))
     reads, stack, seen = set(), [term], set()
     while stack:
         node = stack.pop()
@@ -389,7 +389,7 @@ def _reads_at_least_two(term: Term) -> bool:
             continue
         seen.add(node)
         if node[0] == "Tensor" or node[0] not in ELEMENTWISE:
-            if _elements(t.free_axes(node)) > size:
+            if _elements(t.free_axes(node, axes_memo)) > size:
                 return False
             reads.add(node[1] if node[0] == "Tensor" else node)
         else:
@@ -397,8 +397,9 @@ def _reads_at_least_two(term: Term) -> bool:
     return len(reads) >= 2
 
 
-def shared_values(extracted: Mapping[str, Term]) -> list[Term]:
-    """Elementwise values that two or more kernels would each recompute, parents first.
+def shared_values(extracted: Mapping[str, Term]) -> list[tuple[Term, str]]:
+    """Elementwise values that two or more kernels would each recompute, parents first, each
+    with the first root (in ``extracted``'s order) whose term holds it.
 
     A kernel inlines the elementwise work that feeds its core, so a value read by several
     kernels is recomputed by each — and a residual stream ``h_k = h_{k-1} + f_k(h_{k-1})``
@@ -408,30 +409,31 @@ def shared_values(extracted: Mapping[str, Term]) -> list[Term]:
     terms parents first, a node's *owners* are the kernels that reach it through
     elementwise constructors, a value chosen to be stored owning what is beneath it."""
     order: list[Term] = []  # children before parents
-    visited: set[Term] = set()
-    for root in extracted.values():
+    first_root: dict[Term, str] = {}  # node -> the first root reaching it (visited)
+    for name, root in extracted.items():
         stack: list[tuple[Term, bool]] = [(root, False)]
         while stack:
             node, done = stack.pop()
             if done:
                 order.append(node)
                 continue
-            if node in visited or node[0] in INDEX_HEADS:
+            if node in first_root or node[0] in INDEX_HEADS:
                 continue
-            visited.add(node)
+            first_root[node] = name
             stack.append((node, True))
             stack.extend((c, False) for c in t.children(node))
     owners: dict[Term, set] = {}
     for name, root in extracted.items():
         owners.setdefault(root, set()).add(name)
     roots = set(extracted.values())
-    chosen: list[Term] = []
+    axes_memo: dict[Term, frozenset[str]] = {}
+    chosen: list[tuple[Term, str]] = []
     for node in reversed(order):  # parents first
         mine = owners.get(node, set())
         is_value = node[0] in ELEMENTWISE and node[0] != "Tensor" and any(True for _ in t.children(node))
-        stored = is_value and len(mine) >= 2 and node not in roots and _reads_at_least_two(node)
+        stored = is_value and len(mine) >= 2 and node not in roots and _reads_at_least_two(node, axes_memo)
         if stored:
-            chosen.append(node)
+            chosen.append((node, first_root[node]))
         boundary = stored or not is_value  # a core, a stored value: the kernel owning what is beneath
         for child in t.children(node):
             if child[0] not in INDEX_HEADS:
@@ -457,15 +459,15 @@ def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKern
     :func:`shared_values` first, each by a kernel of its own (a contraction's epilogue where
     one feeds it)."""
     plan = _Partition(lowered)
-    shared = shared_values(extracted)[::-1]  # children first
+    shared: dict[str, list[Term]] = {}  # by the first root holding them, children first
+    for value, root in reversed(shared_values(extracted)):
+        shared.setdefault(root, []).append(value)
     stored: dict[Term, Term] = {}
     memo: dict[Term, Term] = {}
     for name, term in extracted.items():  # roots in order: each reads only earlier ones
         plan.output_axes = lowered.root_axes[name]
-        inside = set(t.subterms(term)) if shared else set()
-        for value in shared:
-            if value in inside and value not in stored:
-                stored[value] = plan.materialise(_replaced(value, stored, {}))
+        for value in shared.get(name, ()):
+            stored[value] = plan.materialise(_replaced(value, stored, {}))
         plan.emit(_replaced(term, stored, memo), name, lowered.root_axes[name])
     return laid_out_for_consumers(plan.kernels, frozenset(lowered.outputs))
 
