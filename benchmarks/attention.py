@@ -256,6 +256,83 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     }
 
 
+def quantized(x, torch) -> tuple:
+    """``x`` as e4m3 with a per-tensor scale (its largest magnitude maps to 448) and that scale."""
+    scale = x.abs().amax().float().clamp(min=1e-12) / 448.0
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale.reshape(())
+
+
+def fp8_graph(shape: Shape) -> ck.Graph:
+    """Attention of e4m3 q, k, v with per-tensor descales (``ck.nn.attention(..., descale=...)``)."""
+    g = ck.Graph("attention_fp8")
+    q = g.input("q", (shape.B, shape.H, shape.SQ, shape.D), "fp8_e4m3")
+    k = g.input("k", (shape.B, shape.H_KV, shape.SKV, shape.D), "fp8_e4m3")
+    v = g.input("v", (shape.B, shape.H_KV, shape.SKV, shape.dv), "fp8_e4m3")
+    scales = tuple(g.input(name, (), "fp32") for name in ("s_q", "s_k", "s_v"))
+    g.output(ck.nn.attention(q, k, v, causal=shape.causal, descale=scales).cast("bf16"), "o")
+    return g
+
+
+def run_fp8_shape(name: str, torch, flush, args, db) -> dict:
+    """One shape in 8 bits: cherenkov's e4m3 kernel against its own bf16 kernel (the same target's
+    search), SDPA cuDNN and FlashAttention-4 in bf16, on the same values; errors against float32
+    attention of the unquantised values and of the dequantised ones."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = SHAPES[name]
+    b, h, hkv, sq, skv, d, causal = shape.B, shape.H, shape.H_KV, shape.SQ, shape.SKV, shape.D, shape.causal
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    q, k, v = (torch.randn(dims, generator=gen, device="cuda").to(torch.bfloat16)
+               for dims in ((b, h, sq, d), (b, hkv, skv, d), (b, hkv, skv, shape.dv)))  # fmt: skip
+    (q8, s_q), (k8, s_k), (v8, s_v) = (quantized(x, torch) for x in (q, k, v))
+    tensors = {"q": q8, "k": k8, "v": v8, "s_q": s_q, "s_k": s_k, "s_v": s_v}
+    gqa = h != hkv
+    launches, plans = {}, {}
+    for label, graph, inputs in (("cherenkov_fp8", fp8_graph(shape), tensors),
+                                 ("cherenkov_bf16", load_example().build(shape=(b, h, hkv, sq, skv, d), causal=causal),
+                                  {"q": q, "k": k, "v": v})):  # fmt: skip
+        result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / f"{name}-{label}",
+                             budget_s=args.budget * (CAUSAL_BUDGET_FACTOR if causal else 1.0), database=db)
+        best = result.best
+        if not any(k.kind == "flash_attention" for k in result.launched):
+            raise RuntimeError(f"{name}: no flash kernel for {label}")
+        kernel = load_kernel(compile_plan(best.plan))
+        problem = best.plan.problem
+        extra = {"factors": tuple(inputs[f.tensor] for f in problem.factors)} if problem.factors else {}
+        operands = tuple(inputs[problem.name(role)] for role in "qkv")
+        launches[label] = lambda kernel=kernel, operands=operands, extra=extra: kernel(*operands, **extra)
+        plans[label] = {"key": best.plan.schedule.key(), "target": best.target, "registers": best.result.registers}
+    out8 = launches["cherenkov_fp8"]().float()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)
+        dequantised = F.scaled_dot_product_attention(q8.float() * s_q, k8.float() * s_k, v8.float() * s_v,
+                                                     is_causal=causal, enable_gqa=gqa)  # fmt: skip
+    errors = {"vs_float32_attention": float((out8 - exact).norm() / exact.norm()),
+              "vs_float32_of_dequantised": float((out8 - dequantised).norm() / dequantised.norm()),
+              "nan": bool(torch.isnan(out8).any())}  # fmt: skip
+    del exact, dequantised
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    try:
+        cudnn()
+        launches["sdpa_cudnn_bf16"] = cudnn
+    except RuntimeError as error:  # cuDNN does not take this problem
+        print(f"  sdpa_cudnn unavailable: {str(error).splitlines()[0]}")
+    fa4 = flash_attention_4()
+    if fa4 is not None:
+        q_bshd, k_bshd, v_bshd = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        launches["fa4_bf16"] = lambda: fa4(q_bshd, k_bshd, v_bshd, causal=causal)
+    ms = time_interleaved(torch, launches, flush, args.samples, args.hide_launch_gaps)
+    tflops = {key: shape.flops / (t * 1e9) for key, t in ms.items()}
+    return {"name": name, "dtype": "fp8_e4m3", "shape": {**asdict(shape), "DV": shape.dv}, "tflops": tflops, "ms": ms,
+            "ratios": {f"cherenkov_fp8/{key}": tflops["cherenkov_fp8"] / t for key, t in tflops.items()
+                       if key != "cherenkov_fp8"},
+            "errors": errors, "plans": plans, "incoherent_processing": "not implemented"}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(ISSUE_6),
@@ -270,6 +347,9 @@ def main() -> None:
     parser.add_argument("--target", default="auto", help="search target (auto: the local GPU, sm_90a on Hopper; "
                                                          "sm_90: the mma.sync family only)")
     parser.add_argument("--suffix", default="", help="results file h200-<date><suffix>.json")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
+                        help="fp8: each shape in e4m3 (per-tensor scales) against cherenkov's bf16 kernel, cuDNN "
+                             "and FlashAttention-4 in bf16, with its error against float32 attention")
     args = parser.parse_args()
     names = [n for s in args.shapes.split(",") if s for n in (ISSUE_22 if s == "issue22" else (s,))]
     unknown = [s for s in names if s not in SHAPES]
@@ -291,6 +371,12 @@ def main() -> None:
             for name in names:
                 started = time.monotonic()
                 try:
+                    if args.dtype == "fp8":
+                        row = run_fp8_shape(name, torch, flush, args, db)
+                        rows.append(row)
+                        print(f"{name} fp8: {', '.join(f'{k} {v:.1f}' for k, v in row['tflops'].items())} TFLOP/s, "
+                              f"error {row['errors']}, plans {row['plans']}", flush=True)
+                        continue
                     row = run_shape(name, example, torch, flush, args, db)
                 except Exception as error:  # noqa: BLE001 - report the shape and go on
                     rows.append({"name": name, "shape": asdict(SHAPES[name]),
@@ -327,6 +413,9 @@ def main() -> None:
     path = out_dir / f"h200-{date}{args.suffix}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
 
+    if args.dtype == "fp8":
+        print(f"wrote {path}")
+        return
     header = (f"{'shape':28} {'cherenkov':>10} {'TB/s':>6} {'flash':>7} {'cudnn':>7} {'effic':>7} {'fa4':>7} "
               f"{'vs flash':>9} {'vs cudnn':>9} {'vs fa4':>7}  plan")
     print("\n" + header)

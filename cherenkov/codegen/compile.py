@@ -28,7 +28,7 @@ from typing import Protocol
 
 from cherenkov.codegen.cache import KernelCache, cache_key, sha256_hex
 from cherenkov.codegen.cuda import term_kernels
-from cherenkov.codegen.cuda import flash_attention_backward
+from cherenkov.codegen.cuda import flash_attention_backward, flash_attention_fp8
 from cherenkov.codegen.cuda.flash_attention import flash_attention_source, kernel_name
 from cherenkov.codegen.cuda.flash_attention_sm90a import emit_flash_attention_sm90a
 from cherenkov.codegen.cuda.flash_attention_sm90a import kernel_name as hopper_kernel_name
@@ -37,6 +37,7 @@ from cherenkov.codegen.plan import CompiledKernel, FlashLayout, KernelPlan
 from cherenkov.codegen.report import parse_ptxas_report
 from cherenkov.codegen.term_plan import TermKernelPlan
 from cherenkov.rewrites.plan_backward import BackwardPlan
+from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 AnyPlan = KernelPlan | TermKernelPlan | BackwardPlan
@@ -144,14 +145,20 @@ def _is_hopper(plan: AnyPlan) -> bool:
     return isinstance(plan, KernelPlan) and isinstance(plan.schedule, HopperFlashSchedule)
 
 
+def _is_fp8(plan: AnyPlan) -> bool:
+    return isinstance(plan, KernelPlan) and isinstance(plan.schedule, Fp8FlashSchedule)
+
+
 def plan_source(plan: AnyPlan) -> str:
-    """The generated CUDA source of a flash-attention (``mma.sync`` or sm_90a), backward or term plan."""
+    """The generated CUDA source of a flash-attention (``mma.sync`` 16- or 8-bit, or sm_90a), backward or term plan."""
     if isinstance(plan, BackwardPlan):
         return flash_attention_backward.flash_attention_backward_source(plan)
     if isinstance(plan, TermKernelPlan):
         return term_kernels.term_kernel_source(plan)
     if _is_hopper(plan):
         return emit_flash_attention_sm90a(plan.problem, plan.schedule)
+    if _is_fp8(plan):
+        return flash_attention_fp8.flash_attention_fp8_source(plan)
     return flash_attention_source(plan)
 
 
@@ -163,6 +170,8 @@ def plan_kernel_name(plan: AnyPlan) -> str:
         return term_kernels.kernel_name(plan)
     if _is_hopper(plan):
         return hopper_kernel_name(plan.schedule)
+    if _is_fp8(plan):
+        return flash_attention_fp8.kernel_name(plan)
     return kernel_name(plan)
 
 
@@ -174,6 +183,8 @@ def plan_dynamic_smem(plan: AnyPlan) -> int:
         return term_kernels.term_dynamic_smem(plan)
     if _is_hopper(plan):
         return plan.schedule.smem_bytes(plan.problem.head_dim, plan.problem.dtype)
+    if _is_fp8(plan):
+        return flash_attention_fp8.fp8_dynamic_smem(plan)
     return FlashLayout.from_plan(plan).total_bytes
 
 

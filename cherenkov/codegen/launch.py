@@ -373,6 +373,56 @@ class HopperFlashKernel(FlashAttentionKernel):
                               (*maps, *(ctypes.c_uint64(t.data_ptr()) for t in pointers)))  # fmt: skip
 
 
+class Fp8FlashKernel(FlashAttentionKernel):
+    """``kernel(q, k, v, out=None, factors=()) -> out`` for a compiled 8-bit flash-attention plan
+    (:mod:`cherenkov.codegen.cuda.flash_attention_fp8`): q, k, v as ``float8_e4m3fn`` tensors,
+    ``factors`` the fp32 tensors of the problem's score factors, then its output factors
+    (:attr:`~cherenkov.rewrites.plan.AttentionProblem.factors`), the output of the problem's
+    output dtype."""
+
+    def __init__(self, compiled: CompiledKernel, device: int = 0):
+        import cupy
+
+        from cherenkov.codegen.cuda.flash_attention_fp8 import fp8_dynamic_smem, fp8_grid
+
+        self.compiled = compiled
+        self.problem = compiled.plan.problem
+        self.device = device
+        self.smem_bytes = fp8_dynamic_smem(compiled.plan)
+        self.grid, threads = fp8_grid(compiled.plan)
+        self.block = (threads, 1, 1)
+        self._workspace = None
+        with cupy.cuda.Device(device):
+            module = cupy.RawModule(path=str(compiled.cubin_path))
+            self._function = module.get_function(compiled.kernel_name)
+            self._function.max_dynamic_shared_size_bytes = self.smem_bytes
+        self._module = module
+
+    def __call__(self, q, k, v, out=None, bias=None, factors=()):
+        import torch
+
+        p = self.problem
+        name = self.compiled.kernel_name
+        if out is None:
+            out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.output_dtype]),
+                              device=q.device)  # fmt: skip
+        for role, tensor in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, role, tensor, p.layout(role).shape, p.dtype, self.device)
+        check_tensor(name, "o", out, p.layout("o").shape, p.output_dtype, self.device)
+        if bias is not None:
+            raise CodegenError(f"{name} reads no bias tensor; got one")
+        if len(factors) != len(p.factors):
+            raise CodegenError(f"{name} reads {len(p.factors)} scale factors ({[f.tensor for f in p.factors]}); "
+                               f"got {len(factors)}")  # fmt: skip
+        for factor, tensor in zip(p.factors, factors):
+            check_tensor(name, factor.tensor, tensor, factor.shape, "fp32", self.device)
+        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, tuple(factors))
+        return out
+
+    def _tail_args(self, factors) -> tuple:
+        return factors
+
+
 class FlashBackwardKernel(_StreamCache):
     """``kernel(q, k, v, grad_output, out=None) -> {role: tensor}``: one compiled flash-attention
     backward plan as a callable (its three launches on the current stream).
@@ -457,6 +507,7 @@ def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKern
     (``kernel(**tensors)``) for a term plan."""
     from cherenkov.codegen.term_plan import TermKernelPlan
     from cherenkov.rewrites.plan_backward import BackwardPlan
+    from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
     from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
     if isinstance(compiled.plan, TermKernelPlan):
@@ -465,6 +516,8 @@ def load_kernel(compiled: CompiledKernel, device: int = 0) -> FlashAttentionKern
         return FlashBackwardKernel(compiled, device)
     if isinstance(compiled.plan.schedule, HopperFlashSchedule):
         return HopperFlashKernel(compiled, device)
+    if isinstance(compiled.plan.schedule, Fp8FlashSchedule):
+        return Fp8FlashKernel(compiled, device)
     if compiled.plan.schedule.tma_kv:
         return TmaFlashKernel(compiled, device)
     return FlashAttentionKernel(compiled, device)

@@ -124,6 +124,27 @@ def _per_element(x: Tensor, scale: Tensor | float, block: int, op: str) -> Tenso
     return repeated.reshape(*lead, last)
 
 
+def _dequantized_operands(operands: tuple[Tensor, Tensor, Tensor],
+                          descale: tuple[Tensor | float, Tensor | float, Tensor | float]) -> tuple[Tensor, ...]:  # fmt: skip
+    """q, k, v dequantised with their scales; K/V heads shared by a GQA group are repeated
+    in 8 bits (with per-head scales) before, so that attention reads the stored 8-bit tensors
+    through the repeat (a view of an input) instead of a computed copy."""
+    q, k, v = operands
+    if len(descale) != 3:
+        raise GraphError(f"attention: descale has {len(descale)} entries; valid: (s_q, s_k, s_v)")
+    s_q, s_k, s_v = descale
+    if min(q.ndim, k.ndim, v.ndim) >= 3 and q.shape[-3] != k.shape[-3] and k.shape[-3] == v.shape[-3] \
+            and q.shape[-3] % k.shape[-3] == 0:
+        groups = q.shape[-3] // k.shape[-3]
+
+        def repeated(scale: Tensor | float) -> Tensor | float:
+            per_head = isinstance(scale, Tensor) and scale.ndim >= 3 and scale.shape[-3] == k.shape[-3] > 1
+            return repeat_kv_heads(scale, groups) if per_head else scale
+
+        k, v, s_k, s_v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups), repeated(s_k), repeated(s_v)
+    return tuple(dequantize(x, s) for x, s in ((q, s_q), (k, s_k), (v, s_v)))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
               descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None) -> Tensor:  # fmt: skip
     """``softmax(q kᵀ · scale [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
@@ -132,7 +153,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     their :func:`quantize` scales: the attention of their dequantised values (float32)."""
     stored = [name for name, x in (("q", q), ("k", k), ("v", v)) if x.dtype in FP8_DTYPES]
     if descale is not None:
-        q, k, v = (dequantize(x, s) for x, s in zip((q, k, v), descale, strict=True))
+        q, k, v = _dequantized_operands((q, k, v), descale)
     elif stored:
         raise GraphError(f"attention: {', '.join(stored)} of dtype {q.dtype if 'q' in stored else k.dtype} need "
                          "descale=(s_q, s_k, s_v), the scales they were quantised with")  # fmt: skip

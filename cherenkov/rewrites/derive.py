@@ -29,6 +29,7 @@ import numpy as np
 
 from cherenkov.graph import Graph, GraphError
 from cherenkov.graph.evaluate import check_inputs
+from cherenkov.graph.shape import FP8_DTYPES
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.algebra import ALGEBRA
 from cherenkov.rewrites.casts import CASTS
@@ -44,7 +45,9 @@ from cherenkov.rewrites.masks import MASKS
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, Target, flash_schedule_problems
 from cherenkov.rewrites.rule import Ruleset
 from cherenkov.rewrites.plan_backward import AttentionBackwardProblem, BackwardPlan, backward_plans
+from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule, fp8_schedule_problems
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
+from cherenkov.rewrites.scales import SCALES
 from cherenkov.rewrites.schedule import SCHEDULE, schedule_facts, schedule_from_term
 from cherenkov.rewrites.softmax import SOFTMAX
 from cherenkov.rewrites.streaming import STREAMING
@@ -52,13 +55,13 @@ from cherenkov.rewrites.terms import Term
 
 log = logging.getLogger(__name__)
 
-RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, STREAMING, FUSION, GRADIENTS)
+RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, STREAMING, SCALES, FUSION, GRADIENTS)
 MAX_PASSES = 24
 MAX_ENODES = 200_000
 
 # The one-pass streaming forms of attention: left out of the extraction where they cannot be planned.
 STREAMING_FORMS = (
-    "FlashAttention", "FlashAttentionSplitKv", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "LogSumExp",
+    "FlashAttention", "FlashAttentionScaled", "FlashAttentionSplitKv", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "LogSumExp",
     "AttentionDs", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
     "FlashAttentionGradVGroup",
 )  # fmt: skip
@@ -66,6 +69,7 @@ STREAMING_FORMS = (
 # Fused-form names accepted by ``Derivation.found`` and the constructors behind them.
 FORMS = {
     "flash_attention": "FlashAttention",
+    "flash_attention_scaled": "FlashAttentionScaled",
     "online_softmax_contract": "OnlineSoftmaxContract",
     "softmax_row": "SoftmaxRow",
     "rms_norm_row": "RmsNormRow",
@@ -120,6 +124,8 @@ def program_for(lowered: Lowered) -> tuple[str, dict[str, str]]:
         return names[term]
 
     roots = {name: bind(term) for name, term in lowered.roots.items()}
+    lines += [f"(EightBit {t.literal(name)})" for name, dtype in sorted(lowered.input_dtypes.items())
+              if dtype in FP8_DTYPES]  # fmt: skip
     # a root's inlined alternative is the same value: the same e-class
     unions = [f"(union {roots[name]} {bind(term)})" for name, term in lowered.inlined.items()]
     return "\n".join(lines + unions), roots
@@ -326,9 +332,13 @@ class Derivation:
         try:
             if kernel is None:
                 return attention_problem(form, *self.tensor_types(kernels))
-            return attention_problem(form, *self.tensor_types(kernels), kernel.axes, kernel.buffer)
+            shapes, dtypes = self.tensor_types(kernels)
+            problem = attention_problem(form, shapes, dtypes, kernel.axes, kernel.buffer)
         except KernelError:
             return None
+        if problem.dtype in FP8_DTYPES:  # 8-bit operands write the output in its own dtype
+            return dataclasses.replace(problem, out_dtype=dtypes[kernel.output])
+        return problem
 
     def _backward_problem(self, kernel: FusedKernel, kernels: list[FusedKernel]) -> AttentionBackwardProblem | None:
         """The problem of a (joined) flash-attention backward kernel, or None."""
@@ -482,7 +492,8 @@ class Derivation:
             # key splits come from the split-KV form of the same e-class (rule flash-split-kv)
             split_trace = (*kernel.trace, "flash-split-kv")
             for schedule in schedules.get(kernel.source, ()):
-                fits = hopper_schedule_problems if isinstance(schedule, HopperFlashSchedule) else flash_schedule_problems
+                fits = (hopper_schedule_problems if isinstance(schedule, HopperFlashSchedule) else
+                        fp8_schedule_problems if isinstance(schedule, Fp8FlashSchedule) else flash_schedule_problems)
                 if not fits(schedule, problem, target):
                     trace = split_trace if getattr(schedule, "kv_splits", 1) > 1 else kernel.trace
                     plans.append(KernelPlan("flash_attention", problem, schedule, target, trace))

@@ -33,7 +33,7 @@ from cherenkov.rewrites import dag
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.lower import Lowered
-from cherenkov.rewrites.plan import BIAS_DTYPES, AttentionBias, AttentionProblem, OperandLayout
+from cherenkov.rewrites.plan import BIAS_DTYPES, AttentionBias, AttentionProblem, OperandLayout, ScaleFactor
 from cherenkov.rewrites.reference import axis_names as reference_axis_names
 from cherenkov.rewrites.reference import evaluate_term
 from cherenkov.rewrites.terms import Term
@@ -47,6 +47,7 @@ ELEMENTWISE = frozenset(
 
 KIND_OF_CORE = {
     "FlashAttention": "flash_attention",
+    "FlashAttentionScaled": "flash_attention",
     "FlashAttentionGradQ": "flash_attention_backward",
     "FlashAttentionGradK": "flash_attention_backward",
     "FlashAttentionGradV": "flash_attention_backward",
@@ -66,7 +67,7 @@ KIND_OF_CORE = {
 
 # Which core a kernel keeps when an elementwise region holds several (the rest are stored).
 CORE_PRIORITY = (
-    "FlashAttention", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
+    "FlashAttention", "FlashAttentionScaled", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
     "FlashAttentionGradVGroup", "Contract", "LayerNormRow", "RmsNormRow", "SoftmaxRow",
     "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "Sum", "Max",
 )  # fmt: skip
@@ -273,7 +274,7 @@ class _Partition:
         head = core[0]
         if head == "Scheduled":
             return self.prepare(core[1])
-        if head == "FlashAttention":
+        if head in ("FlashAttention", "FlashAttentionScaled"):
             return self.prepare_flash(core)
         if head in GRADIENT_OPERANDS:
             return self.prepare_flash_gradient(core)
@@ -329,6 +330,10 @@ class _Partition:
             per_kv_head = t.replace(operand, divided, t.ax(fresh))
             buffer = self.materialise(per_kv_head, tuple(fresh if a == head else a for a in layout))
             result[position] = t.replace(buffer, t.ax(fresh), divided)
+        for position in range(10, len(core)):  # a scaled form's factors: products of stored reads
+            factor = core[position]
+            if not all(leaf[0] == "Num" or self.readable_in_place(leaf) for leaf in factor_leaves(factor)):
+                result[position] = self.materialise(factor, order(t.free_axes(factor)))
         return tuple(result)
 
     def prepare_flash_gradient(self, core: Term) -> Term:
@@ -720,6 +725,41 @@ def _head_atom(read: StridedRead, shared: set[str]) -> dict[str, Term]:
     return atoms
 
 
+def factor_leaves(factor: Term) -> list[Term]:
+    """The operands of a product ``a·b·…`` (a scaled attention form's factor)."""
+    if factor[0] == "Mul":
+        return factor_leaves(factor[1]) + factor_leaves(factor[2])
+    return [factor]
+
+
+def _scale_factors(factor: Term, roles: Mapping[str, str | None], group: int, shapes: Mapping[str, tuple[int, ...]],
+                   dtypes: Mapping[str, str]) -> tuple[float, tuple[ScaleFactor, ...]]:  # fmt: skip
+    """A factor of a scaled attention form as its constant and its :class:`ScaleFactor` reads:
+    fp32 tensors read along the batch and (query or K/V) head axes only; or ``KernelError``."""
+    constant, reads = 1.0, []
+    allowed = {t.ax(roles["batch"]): "batch"} if roles["batch"] else {}
+    if roles["head"]:
+        allowed[t.ax(roles["head"])] = "head"
+        allowed[("IxDiv", t.ax(roles["head"]), group)] = "kv_head"
+    for leaf in factor_leaves(factor):
+        if leaf[0] == "Num":
+            constant *= leaf[1]
+            continue
+        read = _flash_read(leaf, "a scale factor", shapes)
+        if dtypes[leaf[1]] != "fp32":
+            raise KernelError(f"flash attention: the scale factor {t.show(leaf)} is {dtypes[leaf[1]]}; valid: fp32")
+        stray = [t.show(atom) for atom in read.strides if atom not in allowed]
+        kinds = {allowed[atom] for atom in read.strides if atom in allowed}
+        if stray or {"head", "kv_head"} <= kinds:
+            raise KernelError(f"flash attention: the scale factor {t.show(leaf)} varies along {stray or kinds}; "
+                              "valid: the batch and head axes")  # fmt: skip
+        strides = {allowed[atom]: stride for atom, stride in read.strides.items()}
+        head = strides.get("head", strides.get("kv_head", 0))
+        reads.append(ScaleFactor(leaf[1], read.shape, strides.get("batch", 0), head,
+                                 group if "kv_head" in strides else 1, read.offset))  # fmt: skip
+    return constant, tuple(reads)
+
+
 def _attention_bias(mask: Term, roles: Mapping[str, str | None], shapes: Mapping[str, tuple[int, ...]],
                     dtypes: Mapping[str, str]) -> AttentionBias:  # fmt: skip
     """The :class:`AttentionBias` of a ``BiasMask``: an affine read of a stored tensor of a
@@ -756,7 +796,7 @@ def attention_problem(
     """
     if form[0] == "Scheduled":
         form = form[1]
-    key, n_keys, dim, n_dim, q, k, v, scale, mask = canonical_flash(form)[1:]
+    key, n_keys, dim, n_dim, q, k, v, scale, mask, *factors = canonical_flash(form)[1:]
     q_read, k_read, v_read = (_flash_read(term, role, shapes) for role, term in (("q", q), ("k", k), ("v", v)))
     if any(atom[0] != "Ax" for atom in q_read.strides):
         raise KernelError(f"flash attention: q is indexed {t.show(q)}; expected q[b, h, i, {dim}]")
@@ -798,6 +838,15 @@ def attention_problem(
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:
         raise KernelError(f"flash attention: q, k, v have different dtypes {sorted(operand_dtypes)}")
+    score_factors: tuple[ScaleFactor, ...] = ()
+    out_factors: tuple[ScaleFactor, ...] = ()
+    if factors:
+        for factor in factors[:2]:
+            constant, reads = _scale_factors(factor, roles, group, shapes, dtypes)
+            scale, score_factors = scale * constant, score_factors + reads
+        out_constant, out_factors = _scale_factors(factors[2], roles, group, shapes, dtypes)
+        if out_constant != 1.0:
+            raise KernelError(f"flash attention: a constant output factor {out_constant} (valid: 1)")
 
     def layout(shape: tuple[int, ...], strides: Mapping[Term, int], offset: int, head_atom: Term | None,
                seq: str | None) -> OperandLayout:  # fmt: skip
@@ -840,5 +889,7 @@ def attention_problem(
         layouts=layouts,
         value_dim=value_dim if value_dim != n_dim else 0,
         bias=bias,
+        score_factors=score_factors,
+        out_factors=out_factors,
     )
     return problem if problem.strided else replace(problem, layouts=())  # contiguous: one canonical plan name

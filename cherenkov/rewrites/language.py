@@ -64,6 +64,15 @@ EXPR_CONSTRUCTORS: tuple[Constructor, ...] = (
         6,
         binds=((0, (4, 5, 6, 8)), (2, (4, 5))),
     ),
+    # g·Σ_j softmax_j(c·f_q·f_k·Σ_d q·k [mask])·v_j: attention whose scores carry the factors f_q, f_k
+    # (of the operands in positions 4 and 5) and whose output a factor g, none varying along j or d
+    # (the descales of 8-bit q, k and v)
+    Constructor(
+        "FlashAttentionScaled",
+        ("String", "i64", "String", "i64", "Expr", "Expr", "Expr", "f64", "Mask", "Expr", "Expr", "Expr"),
+        6,
+        binds=((0, (4, 5, 6, 8)), (2, (4, 5))),
+    ),
     # log Σ_j e^{s_j}: the row statistic a backward pass recomputes probabilities from
     Constructor("LogSumExp", ("String", "i64", "Expr"), 12, binds=((0, (2,)),)),
     # attention's score gradient dS_ij = P_ij·(Σ_e do_ie v_je − Σ_e do_ie o_ie), P from q, k, c and
@@ -140,6 +149,7 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
             0,
         ),
         Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool", "i64"), 0),
+        Constructor("Fp8Schedule", ("i64", "i64", "i64"), 0),
     ),
     "Plan": (Constructor("Scheduled", ("Expr", "Schedule"), 0),),
 }
@@ -151,7 +161,7 @@ MUTUAL_SORTS = ("Expr", "Mask")
 AXES_FUNCTION = {"Expr": "axes", "Ix": "ixaxes", "IxList": "listaxes", "Mask": "maskaxes"}
 
 KERNEL_CONSTRUCTORS = frozenset(
-    {"FlashAttention", "SoftmaxRow", "RmsNormRow", "LayerNormRow", "OnlineSoftmaxContract", "Contract"}
+    {"FlashAttention", "FlashAttentionScaled", "SoftmaxRow", "RmsNormRow", "LayerNormRow", "OnlineSoftmaxContract", "Contract"}
 )
 
 
@@ -169,6 +179,8 @@ def declarations() -> str:
             lines.append(f"(datatype {sort} {variants(constructors)})")
     for sort, function in AXES_FUNCTION.items():
         lines.append(f"(function {function} ({sort}) StrSet :merge (set-intersect old new))")
+    # the graph inputs stored in 8 bits (the scale rules move only their factors)
+    lines.append("(relation EightBit (String))")
     for schedule in SORTS["Schedule"]:
         lines.append(f"(relation {schedule.name}Fits (i64 {' '.join(schedule.args)}))")
     lines.append("(ruleset analysis)")

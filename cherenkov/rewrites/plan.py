@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+    from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
 
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 ATTENTION_DTYPES = ("bf16", "fp16")
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 """Head dims (of q·k and of v) the ``mma.sync`` flash family plans; the Hopper family plans
@@ -136,6 +137,24 @@ class AttentionBias:
 
 
 @dataclass(frozen=True)
+class ScaleFactor:
+    """A per-tensor, per-batch or per-head fp32 factor of an attention problem (an 8-bit
+    operand's descale), read once a block: ``tensor[offset + b·batch + (h // group)·head]``
+    for batch ``b`` and query head ``h`` (a stride of 0: the same factor for every one)."""
+
+    tensor: str
+    shape: tuple[int, ...]
+    batch: int = 0
+    head: int = 0
+    group: int = 1
+    offset: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict) -> ScaleFactor:
+        return cls(**{**data, "shape": tuple(data["shape"])})
+
+
+@dataclass(frozen=True)
 class AttentionProblem:
     """One flash-attention kernel: ``o = softmax(scale · q kᵀ [+ causal mask | + bias]) v``.
 
@@ -148,7 +167,10 @@ class AttentionProblem:
     one tensor: slices of a fused projection). ``layouts`` places q, k, v and o in their
     stored tensors (:class:`OperandLayout`, in ``ATTENTION_ROLES`` order); empty: each is
     a contiguous BHSD tensor of its own. ``bias`` is a tensor added to the scores
-    (:class:`AttentionBias`; never together with ``causal``).
+    (:class:`AttentionBias`; never together with ``causal``). ``score_factors`` multiply the
+    scores and ``out_factors`` the output (:class:`ScaleFactor`: 8-bit operands' descales, moved
+    out of the contractions by the ``scales`` rules); ``out_dtype`` is o's dtype when it is not
+    the operands' (8-bit operands write a 16- or 32-bit output).
     """
 
     batch: int
@@ -167,6 +189,19 @@ class AttentionProblem:
     layouts: tuple[OperandLayout, ...] = ()
     value_dim: int = 0
     bias: AttentionBias | None = None
+    score_factors: tuple[ScaleFactor, ...] = ()
+    out_factors: tuple[ScaleFactor, ...] = ()
+    out_dtype: str = ""
+
+    @property
+    def output_dtype(self) -> str:
+        """o's dtype (``out_dtype``, or the operands' when it is empty)."""
+        return self.out_dtype or self.dtype
+
+    @property
+    def factors(self) -> tuple[ScaleFactor, ...]:
+        """The score factors, then the output factors: the tensors a kernel reads after q, k, v, o."""
+        return self.score_factors + self.out_factors
 
     @property
     def v_dim(self) -> int:
@@ -208,6 +243,8 @@ class AttentionProblem:
         shapes = {self.name(role): self.layout(role).shape for role in ATTENTION_ROLES}
         if self.bias is not None:
             shapes[self.bias.tensor] = self.bias.shape
+        for factor in self.factors:
+            shapes[factor.tensor] = factor.shape
         return shapes
 
     def layout_problems(self) -> list[str]:
@@ -234,6 +271,8 @@ class AttentionProblem:
         )
         if values.get("bias") is not None:
             values["bias"] = AttentionBias.from_json(values["bias"])
+        for key in ("score_factors", "out_factors"):
+            values[key] = tuple(ScaleFactor.from_json(f) for f in values.get(key, ()))
         return cls(**values)
 
     @property
@@ -643,7 +682,7 @@ class KernelPlan:
 
     kind: Literal["flash_attention"]
     problem: AttentionProblem
-    schedule: FlashSchedule | HopperFlashSchedule
+    schedule: FlashSchedule | HopperFlashSchedule | Fp8FlashSchedule
     target: Target
     trace: tuple[str, ...] = field(default=(), compare=False)
 
@@ -654,6 +693,9 @@ class KernelPlan:
             del problem["value_dim"]  # one D for q, k and v: the names plans had before D_v
         if problem["bias"] is None:
             del problem["bias"]  # no bias: the names plans had before biases
+        for key in ("score_factors", "out_factors", "out_dtype"):
+            if not problem[key]:
+                del problem[key]  # 16-bit operands: the names plans had before 8-bit ones
         schedule = asdict(self.schedule)
         for knob, plain in (("kv_splits", 1), ("pack_group", False), ("warp_keys", False)):
             if schedule.get(knob, plain) == plain:

@@ -349,6 +349,10 @@ class TermEvaluator:
                 return self._flash(args, env)
             case "FlashAttentionSplitKv":
                 return self._flash(args, env, splits=SPLIT_REFERENCE_CHUNKS)
+            case "FlashAttentionScaled":  # g·Σ_j softmax_j(c·f_q·f_k·Σ_d q·k)·v_j; the factors free of j and d
+                *flash, scale, mask, query_factor, key_factor, out_factor = args
+                scaled = scale * self.value(query_factor, env) * self.value(key_factor, env)
+                return self.value(out_factor, env) * self._flash((*flash, scaled, mask), env)
             case "SoftmaxRow":
                 axis, extent, scores = args
                 s = self.along(v(scores, {**env, axis: extent}), axis, extent)
@@ -370,7 +374,7 @@ class TermEvaluator:
                 return v(t.shifted(body, axis, delta), env)
         raise ValueError(f"no reference semantics for {head}")
 
-    def _scores(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: float, mask: Term,
+    def _scores(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: Any, mask: Term,
                 env: Mapping[str, int]) -> Any:  # fmt: skip
         """Attention's masked scores ``c·Σ_d q·k`` (+ mask) along ``key`` (``env`` holds it)."""
         over_both = {**env, dim: n_dim}

@@ -19,6 +19,7 @@ class Example:
 
     term: Term
     positive: tuple[str, ...] = ()  # inputs drawn positive (e.g. under a square root)
+    eight_bit: tuple[str, ...] = ()  # inputs the example's graph stores in 8 bits (relation EightBit)
 
 
 @dataclass(frozen=True)

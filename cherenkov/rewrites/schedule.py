@@ -5,9 +5,11 @@ A flash-attention e-node gains a ``Scheduled(form, FlashSchedule(...))`` plan fo
 ``Scheduled(form, HopperSchedule(...))`` plan for every Hopper schedule; its split-KV form
 (``FlashAttentionSplitKv``) gains the ``mma.sync`` schedules with more than one key split. The
 guards are the
-relations ``FlashScheduleFits`` and ``HopperScheduleFits``, filled per target from
-:func:`cherenkov.rewrites.plan.flash_schedule_problems` and
-:func:`cherenkov.rewrites.plan_sm90a.hopper_schedule_problems` (shared-memory and register
+relations ``FlashScheduleFits``, ``HopperScheduleFits`` and ``Fp8ScheduleFits`` (an 8-bit
+``FlashAttentionScaled`` form's e4m3 schedules), filled per target from
+:func:`cherenkov.rewrites.plan.flash_schedule_problems`,
+:func:`cherenkov.rewrites.plan_sm90a.hopper_schedule_problems` and
+:func:`cherenkov.rewrites.plan_fp8.fp8_schedule_problems` (shared-memory and register
 budgets, the target's instruction family), so the e-graph and the code generators share
 one resource model.
 """
@@ -28,6 +30,7 @@ from cherenkov.rewrites.plan import (
     Target,
     flash_schedule_problems,
 )
+from cherenkov.rewrites.plan_fp8 import FP8_SCHEDULES, Fp8FlashSchedule, fp8_schedule_problems
 from cherenkov.rewrites.plan_sm90a import HOPPER_SCHEDULES, HopperFlashSchedule, hopper_schedule_problems
 from cherenkov.rewrites.rule import Rule, Ruleset
 from cherenkov.rewrites.terms import literal
@@ -41,6 +44,8 @@ _VARIABLES = " ".join(KNOB_ORDER)
 _UNSPLIT = " ".join("1" if knob == "kv_splits" else knob for knob in KNOB_ORDER)
 HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers")
 _HOPPER_VARIABLES = " ".join(HOPPER_KNOB_ORDER)
+FP8_KNOB_ORDER = ("block_q", "block_kv", "stages")
+_FP8_VARIABLES = " ".join(FP8_KNOB_ORDER)
 
 RULES = (
     Rule(
@@ -65,6 +70,14 @@ RULES = (
         lhs="(FlashAttention j n d nd q k v c m)",
         where=(f"(HopperScheduleFits nd {_HOPPER_VARIABLES})",),
         rhs=f"(Scheduled __lhs (HopperSchedule {_HOPPER_VARIABLES}))",
+        union=False,
+    ),
+    Rule(
+        "fp8-flash-schedule",
+        "FlashAttentionScaled(...) runs under 8-bit schedule φ (e4m3 mma.sync) when φ fits the target",
+        lhs="(FlashAttentionScaled j n d nd q k v c m fq fk g)",
+        where=(f"(Fp8ScheduleFits nd {_FP8_VARIABLES})",),
+        rhs=f"(Scheduled __lhs (Fp8Schedule {_FP8_VARIABLES}))",
         union=False,
     ),
 )
@@ -144,6 +157,13 @@ def hopper_schedules(head_dim: int, target: Target) -> list[HopperFlashSchedule]
     return [s for s in HOPPER_SCHEDULES if any(not hopper_schedule_problems(s, probe, target) for probe in probes)]
 
 
+def fp8_schedules(head_dim: int, target: Target) -> list[Fp8FlashSchedule]:
+    """The 8-bit schedules a ``head_dim`` problem (e4m3, contiguous) fits on ``target``."""
+    probe = AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=1, seq_kv=1, head_dim=head_dim, dtype="fp8_e4m3",
+                             out_dtype="bf16")  # fmt: skip
+    return [s for s in FP8_SCHEDULES if not fp8_schedule_problems(s, probe, target)]
+
+
 @functools.cache
 def schedule_facts(target: Target, dims: tuple[tuple[int, int], ...]) -> str:
     """``FlashScheduleFits`` and ``HopperScheduleFits`` facts for the ``(head_dim, value_dim)``
@@ -160,11 +180,16 @@ def schedule_facts(target: Target, dims: tuple[tuple[int, int], ...]) -> str:
         for hopper in hopper_schedules(head_dim, target) if value_dim in (0, head_dim) else ():
             values = " ".join(literal(getattr(hopper, knob)) for knob in HOPPER_KNOB_ORDER)
             lines.append(f"(HopperScheduleFits {head_dim} {values})")
+        for eight_bit in fp8_schedules(head_dim, target) if value_dim in (0, head_dim) else ():
+            values = " ".join(literal(getattr(eight_bit, knob)) for knob in FP8_KNOB_ORDER)
+            lines.append(f"(Fp8ScheduleFits {head_dim} {values})")
     return "\n".join(lines)
 
 
-def schedule_from_term(term: tuple) -> FlashSchedule | HopperFlashSchedule:
-    """The schedule of a ``FlashSchedule(...)`` or ``HopperSchedule(...)`` term."""
+def schedule_from_term(term: tuple) -> FlashSchedule | HopperFlashSchedule | Fp8FlashSchedule:
+    """The schedule of a ``FlashSchedule(...)``, ``HopperSchedule(...)`` or ``Fp8Schedule(...)`` term."""
     if term[0] == "HopperSchedule":
         return HopperFlashSchedule(**dict(zip(HOPPER_KNOB_ORDER, term[1:])))
+    if term[0] == "Fp8Schedule":
+        return Fp8FlashSchedule(**dict(zip(FP8_KNOB_ORDER, term[1:])))
     return FlashSchedule(**dict(zip(KNOB_ORDER, term[1:])))

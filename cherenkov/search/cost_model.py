@@ -39,6 +39,7 @@ from cherenkov.rewrites.plan import (
     key_tiles_per_split,
     query_tiles,
 )
+from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 LAUNCH_OVERHEAD_MS = 0.005
@@ -253,10 +254,32 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
     return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, pipeline, waves, knobs)
 
 
+FP8_EFFICIENCY = 0.4
+"""Fraction of the 8-bit ``mma.sync`` rate the e4m3 flash family runs at (not yet fitted)."""
+FP8_MMA_SPEEDUP = {89: 2.0, 90: 1.0, 120: 2.0}
+"""The e4m3 ``mma.sync`` rate over the bf16 one: twice on sm_89 and sm_120; on Hopper ptxas runs it
+as two fp16 mma after unpacking the bytes (its 8-bit tensor-core rate is wgmma's)."""
+
+
+def predict_fp8_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Prediction:
+    """Predicted run time of an 8-bit flash-attention plan: the fixed family efficiency of the
+    target's e4m3 ``mma.sync`` rate times the wave fill."""
+    gpu = gpu or GPUS[plan.target.name]
+    schedule, problem = plan.schedule, plan.problem
+    blocks = problem.batch * problem.heads * -(-problem.seq_q // schedule.block_q)
+    waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
+    rate = gpu.mma_tflops * FP8_MMA_SPEEDUP.get(plan.target.compute_capability, 1.0)
+    efficiency = FP8_EFFICIENCY * max(waves, 0.25)
+    ms = problem.flops / (rate * 1e12 * efficiency) * 1e3 + LAUNCH_OVERHEAD_MS
+    return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, 1.0, waves, 1.0)
+
+
 def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int | None = None) -> Prediction:
     """Predicted run time of a flash-attention plan (FLOPs as ``AttentionProblem.flops``)."""
     if isinstance(plan.schedule, HopperFlashSchedule):
         return predict_hopper_flash(plan, gpu)
+    if isinstance(plan.schedule, Fp8FlashSchedule):
+        return predict_fp8_flash(plan, gpu)
     gpu = gpu or GPUS[plan.target.name]
     schedule, problem = plan.schedule, plan.problem
     resident = blocks_per_sm(plan, gpu, registers)

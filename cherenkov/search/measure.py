@@ -36,7 +36,9 @@ from cherenkov.rewrites.plan_backward import AttentionBackwardProblem, BackwardP
 
 log = logging.getLogger(__name__)
 
-TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
+TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2, "fp8_e4m3": 5e-2}
+"""Relative error of a flash kernel against float32 attention on the same stored operands (8-bit:
+the probabilities are rounded to e4m3 for the PV product)."""
 TERM_TOLERANCE = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-5, "int32": 1e-5, "bool": 1e-5}
 SAMPLES = 30
 WARMUP = 3
@@ -83,7 +85,7 @@ def _inputs(problem: AttentionProblem, seed: int, device: int) -> dict[str, Any]
     import torch
 
     generator = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.dtype]
+    dtype = getattr(torch, TORCH_DTYPES[problem.dtype])
     stored = {}
     for role in ("q", "k", "v"):
         name = problem.name(role)
@@ -94,7 +96,29 @@ def _inputs(problem: AttentionProblem, seed: int, device: int) -> dict[str, Any]
     if bias is not None:
         values = torch.randn(bias.shape, generator=generator, device=f"cuda:{device}")
         stored[bias.tensor] = values.to(getattr(torch, TORCH_DTYPES[bias.dtype]))
+    for factor in problem.factors:  # descales: positive, around 1
+        values = torch.rand(factor.shape, generator=generator, device=f"cuda:{device}")
+        stored[factor.tensor] = 0.5 + values
     return stored
+
+
+def factor_products(problem: AttentionProblem, stored: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The products of the score factors and of the output factors for each (batch, query
+    head), shaped ``(B, H, 1, 1)`` (float32)."""
+    import torch
+
+    device = next(iter(stored.values())).device
+    b = torch.arange(problem.batch, device=device).view(-1, 1)
+    h = torch.arange(problem.heads, device=device).view(1, -1)
+
+    def product(factors) -> Any:
+        total = torch.ones(problem.batch, problem.heads, device=device)
+        for f in factors:
+            index = f.offset + b * f.batch + torch.div(h, f.group, rounding_mode="floor") * f.head
+            total = total * stored[f.tensor].reshape(-1).float()[index]
+        return total.view(problem.batch, problem.heads, 1, 1)
+
+    return product(problem.score_factors), product(problem.out_factors)
 
 
 def _sdpa_mask(problem: AttentionProblem, stored: Mapping[str, Any], dtype: Any) -> Any:
@@ -104,15 +128,18 @@ def _sdpa_mask(problem: AttentionProblem, stored: Mapping[str, Any], dtype: Any)
     return mask_view(problem, stored[problem.bias.tensor]).to(dtype)
 
 
-def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None) -> Any:
-    """softmax(q kᵀ·scale [+ bias]) v in float32 (memory-efficient or math backend)."""
+def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
+               factors: tuple[Any, Any] | None = None) -> Any:  # fmt: skip
+    """g·softmax(q kᵀ·scale·f [+ bias]) v in float32 (memory-efficient or math backend); ``factors``
+    are (f, g) per batch and head (:func:`factor_products`), 1 without."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    score_factor, out_factor = factors if factors is not None else (1.0, 1.0)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=mask, is_causal=problem.causal, scale=problem.scale,
-            enable_gqa=problem.group_size > 1,
+        return out_factor * torch.nn.functional.scaled_dot_product_attention(
+            q.float() * score_factor, k.float(), v.float(), attn_mask=mask, is_causal=problem.causal,
+            scale=problem.scale or problem.head_dim**-0.5, enable_gqa=problem.group_size > 1,
         )
 
 
@@ -291,11 +318,14 @@ def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
     stored = _inputs(problem, task.seed, device)
     q, k, v = (stored[problem.name(role)] for role in ("q", "k", "v"))
     bias = stored[problem.bias.tensor] if problem.bias is not None else None
-    out = torch.full(problem.layout("o").shape, float("nan"), dtype=q.dtype, device=q.device)
-    kernel(q, k, v, out, bias)
+    out_dtype = getattr(torch, TORCH_DTYPES[problem.output_dtype])
+    out = torch.full(problem.layout("o").shape, float("nan"), dtype=out_dtype, device=q.device)
+    extra = {"factors": tuple(stored[f.tensor] for f in problem.factors)} if problem.factors else {}
+    kernel(q, k, v, out, bias, **extra)
     torch.cuda.synchronize()
     reference = _reference(problem, *(operand_view(problem, role, stored[problem.name(role)]) for role in "qkv"),
-                           _sdpa_mask(problem, stored, torch.float32))  # fmt: skip
+                           _sdpa_mask(problem, stored, torch.float32),
+                           factor_products(problem, stored) if problem.factors else None)  # fmt: skip
     got = operand_view(problem, "o", out)
     error = float((got.float() - reference).norm() / reference.norm())
     if not error <= TOLERANCE[problem.dtype]:  # NaN fails too
@@ -304,7 +334,7 @@ def _measure(task: MeasureTask, device: int, flush: Any) -> Measurement:
             f"; {unwritten} output elements NaN (unwritten or invalid)" if unwritten else ""
         )
         return Measurement(task.candidate, "wrong", reason, error)
-    times, stopped = _time(lambda: kernel(q, k, v, out, bias), flush, task.samples, task.best_ms)
+    times, stopped = _time(lambda: kernel(q, k, v, out, bias, **extra), flush, task.samples, task.best_ms)
     reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
 
@@ -314,6 +344,8 @@ def _references(problem: AttentionProblem, device: int, flush: Any) -> dict[str,
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if problem.factors or problem.dtype not in ("bf16", "fp16"):
+        return {}  # SDPA takes no 8-bit operands
     stored = _inputs(problem, 0, device)
     q, k, v = (operand_view(problem, role, stored[problem.name(role)]).contiguous() for role in "qkv")
     mask = _sdpa_mask(problem, stored, q.dtype)

@@ -161,7 +161,10 @@ class OptimizeResult:
                 q, k, v = (viewed_as(buffers[n], stored[n], n) for n in (problem.q, problem.k, problem.v))
                 bias = None if problem.bias is None else viewed_as(buffers[problem.bias.tensor], problem.bias.shape,
                                                                    problem.bias.tensor)  # fmt: skip
-                buffers[kernel.output] = viewed_as(launcher(q, k, v, bias=bias), kernel.stored_shape, kernel.output)
+                extra = {"factors": tuple(viewed_as(buffers[f.tensor], f.shape, f.tensor) for f in problem.factors)
+                         } if problem.factors else {}  # fmt: skip
+                buffers[kernel.output] = viewed_as(launcher(q, k, v, bias=bias, **extra), kernel.stored_shape,
+                                                   kernel.output)  # fmt: skip
             for name in self._dead_after[position]:
                 del buffers[name]
         return {name: buffers[name] for name in self.graph.outputs}

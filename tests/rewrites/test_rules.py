@@ -32,7 +32,7 @@ def rewritten_forms(ruleset: Ruleset, rule: Rule) -> tuple[list[tuple], int]:
     """All root forms of the rule's example after running only that rule."""
     example = rule.example
     assert example is not None, f"rule {rule.name} has no example"
-    lowered = Lowered({"ex": example.term}, {"ex": ()}, ("ex",), {}, {})
+    lowered = Lowered({"ex": example.term}, {"ex": ()}, ("ex",), dict.fromkeys(example.eight_bit, "fp8_e4m3"), {})
     lets, roots = program_for(lowered)
     single = Ruleset(ruleset.name, ruleset.doc, (rule,))
     egraph = egg.EGraph()
