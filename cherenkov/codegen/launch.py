@@ -21,6 +21,7 @@ import numpy as np
 from cherenkov.codegen import tensor_map
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, FlashTiling
+from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES
 
 MAX_CACHED_TENSOR_MAPS = 64  # tensor-map sets a TMA kernel keeps (keyed by its operands' data pointers)
 
@@ -65,8 +66,9 @@ def mask_view(problem, tensor):
 def operand_map(problem, role: str, address: int, box_rows: int) -> tensor_map.TensorMap:
     """The TMA tensor map of one attention operand at its layout's strides (both families)."""
     layout = problem.layout(role)
+    dtype = problem.output_dtype if role == "o" else problem.dtype
     return tensor_map.operand_tensor_map(address, problem.logical_shape(role), layout.strides(), layout.offset,
-                                         problem.dtype, box_rows)  # fmt: skip
+                                         dtype, box_rows)  # fmt: skip
 
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool",
@@ -90,7 +92,7 @@ class _StreamCache:
 
 
 class FlashAttentionKernel(_StreamCache):
-    """``kernel(q, k, v, out=None, bias=None) -> out``: one compiled flash-attention plan as a callable.
+    """``kernel(q, k, v, out=None, bias=None, factors=()) -> out``: one compiled flash-attention plan as a callable.
 
     q, k, v (and out, if given) are the stored tensors the operands are read from (the same
     one more than once for slices of a fused projection): contiguous CUDA tensors on one
@@ -98,7 +100,9 @@ class FlashAttentionKernel(_StreamCache):
     (:meth:`~cherenkov.rewrites.plan.AttentionProblem.stored_shapes`; BHSD for a plain
     problem), 16-byte aligned. ``bias`` is the problem's bias tensor (required when it has
     one: :class:`~cherenkov.rewrites.plan.AttentionBias`, contiguous, of its dtype and
-    shape). Returns ``out`` (allocated if None). A plan with key splits
+    shape); ``factors`` the fp32 tensors of the problem's score factors, then of its output
+    factors (:attr:`~cherenkov.rewrites.plan.AttentionProblem.factors`: 8-bit operands'
+    descales); o is of the problem's output dtype. Returns ``out`` (allocated if None). A plan with key splits
     owns a zeroed fp32 workspace on the device (its partial states and arrival counters,
     which every launch leaves zeroed again), so launches of one kernel object must not run
     concurrently on two streams.
@@ -125,34 +129,42 @@ class FlashAttentionKernel(_StreamCache):
             self._function.max_dynamic_shared_size_bytes = self.smem_bytes
         self._module = module
 
-    def __call__(self, q, k, v, out=None, bias=None):
+    def __call__(self, q, k, v, out=None, bias=None, factors=()):
         import torch
 
         p = self.problem
         if out is None:
-            out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.dtype]), device=q.device)
+            out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.output_dtype]),
+                              device=q.device)  # fmt: skip
         name = self.compiled.kernel_name
         for role, tensor in (("q", q), ("k", k), ("v", v), ("o", out)):
-            check_tensor(name, role, tensor, p.layout(role).shape, p.dtype, self.device)
+            check_tensor(name, role, tensor, p.layout(role).shape, p.output_dtype if role == "o" else p.dtype,
+                         self.device)  # fmt: skip
         if p.bias is None and bias is not None:
             raise CodegenError(f"{name} reads no bias tensor; got one")
         if p.bias is not None:
             check_tensor(name, p.bias.tensor, bias, p.bias.shape, p.bias.dtype, self.device)
-        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, bias)
+        if len(factors) != len(p.factors):
+            raise CodegenError(f"{name} reads {len(p.factors)} scale factors ({[f.tensor for f in p.factors]}); "
+                               f"got {len(factors)}")  # fmt: skip
+        for factor, tensor in zip(p.factors, factors):
+            check_tensor(name, factor.tensor, tensor, factor.shape, "fp32", self.device)
+        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, bias, tuple(factors))
         return out
 
-    def _launch(self, q, k, v, out, stream: int, bias=None) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:
         """Launch on checked tensors, on the raw CUDA stream handle ``stream``."""
         import cupy
 
         with cupy.cuda.Device(self.device):
-            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out, *self._tail_args(bias)))
+            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out, *self._tail_args(bias, factors)))
             self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=self._stream(stream))
 
-    def _tail_args(self, bias) -> tuple:
-        """The tensors after the operands: the bias (if the problem has one), then the
-        key splits' workspace (if the plan has one)."""
-        return (() if bias is None else (bias,)) + (() if self._workspace is None else (self._workspace,))
+    def _tail_args(self, bias, factors=()) -> tuple:
+        """The tensors after the operands: the bias (if the problem has one), the factors, then
+        the key splits' workspace (if the plan has one)."""
+        return ((() if bias is None else (bias,)) + tuple(factors)
+                + (() if self._workspace is None else (self._workspace,)))  # fmt: skip
 
 
 class TermKernel(_StreamCache):
@@ -317,7 +329,7 @@ class TmaFlashKernel(FlashAttentionKernel):
         super().__init__(compiled, device)
         self._maps: dict[tuple[int, int], tuple[tensor_map.TensorMap, ...]] = {}
 
-    def _launch(self, q, k, v, out, stream: int, bias=None) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:
         import torch
 
         rows = self.compiled.plan.schedule.block_kv
@@ -331,12 +343,15 @@ class TmaFlashKernel(FlashAttentionKernel):
 
 
 class HopperFlashKernel(FlashAttentionKernel):
-    """``kernel(q, k, v, out=None, bias=None) -> out`` for a compiled sm_90a flash-attention plan.
+    """``kernel(q, k, v, out=None, bias=None, factors=()) -> out`` for a compiled sm_90a flash-attention plan.
 
     Same contract as :class:`FlashAttentionKernel`; the kernel reads q, k and v and may write
     o through TMA tensor maps (encoded per data pointers and cached; o's boxes are one
     consumer warpgroup's 64 rows), passed by value with the output pointer through
-    ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`); the bias follows as a pointer."""
+    ``cuLaunchKernel`` (:mod:`cherenkov.codegen.tensor_map`); the bias or the factors follow as
+    pointers. With 8-bit operands a first launch writes V transposed (keys contiguous, in P's
+    slot order) into a workspace of this object, which the kernel's V tensor map reads: launches
+    of one kernel object must not run concurrently on two streams."""
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
@@ -354,31 +369,57 @@ class HopperFlashKernel(FlashAttentionKernel):
             self._function = self._raw_kernel.kernel.ptr  # the CUfunction handle on this device
         tensor_map.set_max_dynamic_smem(self._function, self.smem_bytes)
         self._maps: dict[tuple[int, int, int, int], tuple[tensor_map.TensorMap, ...]] = {}
+        self._transposed = None  # 8-bit: V transposed, and the kernel writing it
+        if p.dtype in HOPPER_EIGHT_BIT_DTYPES:
+            import torch
+
+            from cherenkov.codegen.cuda.flash_attention_sm90a import transpose_kernel_name, transposed_keys
+
+            keys = transposed_keys(p.seq_kv)
+            workspace = torch.empty(p.batch * p.kv_heads * p.head_dim * keys, dtype=torch.uint8,
+                                    device=f"cuda:{device}")  # fmt: skip
+            with cupy.cuda.Device(device):
+                transpose = self._module.get_function(transpose_kernel_name(s))
+            self._transposed = (workspace, keys, transpose)
 
     def _tensor_maps(self, q, k, v, out) -> tuple[tensor_map.TensorMap, ...]:
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
         p, s = self.problem, self.schedule
+
+        def v_map() -> tensor_map.TensorMap:
+            if self._transposed is None:
+                return operand_map(p, "v", key[2], s.block_kv)
+            workspace, keys, _ = self._transposed  # [B][H_kv][D][keys]: D rows of a key tile's bytes a box
+            d = p.head_dim
+            return tensor_map.operand_tensor_map(workspace.data_ptr(), (p.batch, p.kv_heads, d, keys),
+                                                 (p.kv_heads * d * keys, d * keys, keys), 0, p.dtype, d)  # fmt: skip
+
         return _cached_tensor_maps(self._maps, key, lambda: (
-            operand_map(p, "q", key[0], s.block_q), operand_map(p, "k", key[1], s.block_kv),
-            operand_map(p, "v", key[2], s.block_kv), operand_map(p, "o", key[3], s.block_q // s.consumer_warpgroups),
+            operand_map(p, "q", key[0], s.block_q), operand_map(p, "k", key[1], s.block_kv), v_map(),
+            operand_map(p, "o", key[3], s.block_q // s.consumer_warpgroups),
         ))  # fmt: skip
 
-    def _launch(self, q, k, v, out, stream: int, bias=None) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:
+        import cupy
         import torch
 
+        if self._transposed is not None:
+            from cherenkov.codegen.cuda.flash_attention_sm90a import TRANSPOSE_THREADS, transpose_grid
+
+            workspace, _, transpose = self._transposed
+            with cupy.cuda.Device(self.device):
+                transpose(transpose_grid(self.problem), (TRANSPOSE_THREADS, 1, 1),
+                          (np.uint64(v.data_ptr()), np.uint64(workspace.data_ptr())), stream=self._stream(stream))
         maps = self._tensor_maps(q, k, v, out)
-        pointers = (out,) if bias is None else (out, bias)
+        pointers = (out,) + (() if bias is None else (bias,)) + tuple(factors)
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function, self.grid, self.block, self.smem_bytes, stream,
                               (*maps, *(ctypes.c_uint64(t.data_ptr()) for t in pointers)))  # fmt: skip
 
 
 class Fp8FlashKernel(FlashAttentionKernel):
-    """``kernel(q, k, v, out=None, factors=()) -> out`` for a compiled 8-bit flash-attention plan
-    (:mod:`cherenkov.codegen.cuda.flash_attention_fp8`): q, k, v as ``float8_e4m3fn`` tensors,
-    ``factors`` the fp32 tensors of the problem's score factors, then its output factors
-    (:attr:`~cherenkov.rewrites.plan.AttentionProblem.factors`), the output of the problem's
-    output dtype."""
+    """:class:`FlashAttentionKernel` for a compiled 8-bit ``mma.sync`` plan
+    (:mod:`cherenkov.codegen.cuda.flash_attention_fp8`): q, k, v as ``float8_e4m3fn`` tensors."""
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
@@ -397,30 +438,6 @@ class Fp8FlashKernel(FlashAttentionKernel):
             self._function = module.get_function(compiled.kernel_name)
             self._function.max_dynamic_shared_size_bytes = self.smem_bytes
         self._module = module
-
-    def __call__(self, q, k, v, out=None, bias=None, factors=()):
-        import torch
-
-        p = self.problem
-        name = self.compiled.kernel_name
-        if out is None:
-            out = torch.empty(p.layout("o").shape, dtype=getattr(torch, TORCH_DTYPES[p.output_dtype]),
-                              device=q.device)  # fmt: skip
-        for role, tensor in (("q", q), ("k", k), ("v", v)):
-            check_tensor(name, role, tensor, p.layout(role).shape, p.dtype, self.device)
-        check_tensor(name, "o", out, p.layout("o").shape, p.output_dtype, self.device)
-        if bias is not None:
-            raise CodegenError(f"{name} reads no bias tensor; got one")
-        if len(factors) != len(p.factors):
-            raise CodegenError(f"{name} reads {len(p.factors)} scale factors ({[f.tensor for f in p.factors]}); "
-                               f"got {len(factors)}")  # fmt: skip
-        for factor, tensor in zip(p.factors, factors):
-            check_tensor(name, factor.tensor, tensor, factor.shape, "fp32", self.device)
-        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, tuple(factors))
-        return out
-
-    def _tail_args(self, factors) -> tuple:
-        return factors
 
 
 class FlashBackwardKernel(_StreamCache):

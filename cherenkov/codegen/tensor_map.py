@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 TENSOR_MAP_BYTES = 128
 TENSOR_MAP_ALIGN = 64
-DATA_TYPES = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
-ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
+DATA_TYPES = {"fp16": 6, "bf16": 9, "fp8_e4m3": 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1}
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
 L2_PROMOTION_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
@@ -87,7 +87,7 @@ def _aligned_tensor_map() -> TensorMap:
 def encode_tiled(
     address: int, dtype: str, dims: Sequence[int], strides: Sequence[int], box: Sequence[int]
 ) -> TensorMap:
-    """``cuTensorMapEncodeTiled`` for a 16-bit tensor with the 128-byte swizzle.
+    """``cuTensorMapEncodeTiled`` for a 16- or 8-bit tensor with the 128-byte swizzle.
 
     ``dims`` are the sizes innermost first (the innermost contiguous), ``strides`` the
     byte strides of dims 1.. (multiples of 16), ``box`` the box size a copy moves (its

@@ -183,6 +183,9 @@ def declarations() -> str:
     lines.append("(relation EightBit (String))")
     for schedule in SORTS["Schedule"]:
         lines.append(f"(relation {schedule.name}Fits (i64 {' '.join(schedule.args)}))")
+    # the Hopper schedules an 8-bit form fits (the e4m3 variant has its own limits)
+    hopper = next(c for c in SORTS["Schedule"] if c.name == "HopperSchedule")
+    lines.append(f"(relation HopperFp8ScheduleFits (i64 {' '.join(hopper.args)}))")
     lines.append("(ruleset analysis)")
     return "\n".join(lines)
 

@@ -160,6 +160,34 @@ Three consumer warpgroups (160 registers each) are valid but not offered: at hea
 they measured 0.7x two ping-ponging consumers on the H200, and with a query tail they spill."""
 
 
+HOPPER_EIGHT_BIT_DTYPES = ("fp8_e4m3",)
+"""8-bit operands of the family: ``wgmma`` e4m3 for both products, V read transposed (the
+8-bit wgmma takes K-major operands only; the launch writes V transposed first)."""
+
+
+def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
+    """Why the 8-bit variant cannot run a schedule and problem: rows of 128 bytes (head dim 128
+    or 256), 128-key tiles (the transposed V tile's 128-byte rows), one Q buffer and register
+    stores of a 16-bit output, no bias, 16-byte aligned strides."""
+    reasons = []
+    if p.head_dim not in (128, 256):
+        reasons.append(f"8-bit head dim {p.head_dim} (valid: 128, 256: whole 128-byte rows)")
+    if s.block_kv != 128:
+        reasons.append(f"8-bit block_kv {s.block_kv} (valid: 128, the transposed V tile's 128-byte rows)")
+    if s.q_buffers != 1:
+        reasons.append("the 8-bit variant stores O from registers, beside one Q buffer")
+    if p.output_dtype not in ATTENTION_DTYPES:
+        reasons.append(f"8-bit output dtype {p.output_dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
+    if p.bias is not None:
+        reasons.append("an additive bias with 8-bit operands")
+    for role in ("q", "k", "v"):
+        layout = p.layout(role)
+        if any(v % 16 for v in (*layout.strides(), layout.offset)):
+            reasons.append(f"{role}'s strides {layout.strides()} and offset {layout.offset} are not multiples of 16 "
+                           "8-bit elements")  # fmt: skip
+    return reasons
+
+
 def hopper_schedule_problems(
     schedule: HopperFlashSchedule, problem: AttentionProblem, target: Target = SM90A
 ) -> list[str]:
@@ -171,8 +199,12 @@ def hopper_schedule_problems(
     reasons = p.layout_problems()
     if target.family != "wgmma":
         reasons.append(f"{target.name} has no wgmma (the sm_90a family needs sm_90a)")
-    if p.dtype not in ATTENTION_DTYPES:
-        reasons.append(f"dtype {p.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
+    if p.dtype not in (*ATTENTION_DTYPES, *HOPPER_EIGHT_BIT_DTYPES):
+        reasons.append(f"dtype {p.dtype} (valid: {', '.join((*ATTENTION_DTYPES, *HOPPER_EIGHT_BIT_DTYPES))})")
+    if p.dtype in HOPPER_EIGHT_BIT_DTYPES:
+        reasons += _eight_bit_problems(s, p)
+    elif p.factors:
+        reasons.append("score and output factors come with 8-bit operands only")
     if p.head_dim not in HOPPER_HEAD_DIMS or p.v_dim != p.head_dim:
         reasons.append(f"head dims {p.head_dim} (q, k) and {p.v_dim} (v) (valid: one of {HOPPER_HEAD_DIMS} for all; "
                        "the mma.sync family plans the others)")

@@ -73,6 +73,14 @@ RULES = (
         union=False,
     ),
     Rule(
+        "hopper-fp8-flash-schedule",
+        "FlashAttentionScaled(...) runs under Hopper schedule η with e4m3 wgmma when η fits the target",
+        lhs="(FlashAttentionScaled j n d nd q k v c m fq fk g)",
+        where=(f"(HopperFp8ScheduleFits nd {_HOPPER_VARIABLES})",),
+        rhs=f"(Scheduled __lhs (HopperSchedule {_HOPPER_VARIABLES}))",
+        union=False,
+    ),
+    Rule(
         "fp8-flash-schedule",
         "FlashAttentionScaled(...) runs under 8-bit schedule φ (e4m3 mma.sync) when φ fits the target",
         lhs="(FlashAttentionScaled j n d nd q k v c m fq fk g)",
@@ -157,6 +165,16 @@ def hopper_schedules(head_dim: int, target: Target) -> list[HopperFlashSchedule]
     return [s for s in HOPPER_SCHEDULES if any(not hopper_schedule_problems(s, probe, target) for probe in probes)]
 
 
+def hopper_fp8_schedules(head_dim: int, target: Target) -> list[HopperFlashSchedule]:
+    """The Hopper schedules an e4m3 problem of ``head_dim`` fits on ``target`` (none off wgmma targets)."""
+    probes = [
+        AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=64 * 3 * 176, seq_kv=64 * 3 * 176, head_dim=head_dim,
+                         dtype="fp8_e4m3", causal=causal, out_dtype="bf16")
+        for causal in (False, True)
+    ]  # fmt: skip
+    return [s for s in HOPPER_SCHEDULES if any(not hopper_schedule_problems(s, probe, target) for probe in probes)]
+
+
 def fp8_schedules(head_dim: int, target: Target) -> list[Fp8FlashSchedule]:
     """The 8-bit schedules a ``head_dim`` problem (e4m3, contiguous) fits on ``target``."""
     probe = AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=1, seq_kv=1, head_dim=head_dim, dtype="fp8_e4m3",
@@ -180,6 +198,9 @@ def schedule_facts(target: Target, dims: tuple[tuple[int, int], ...]) -> str:
         for hopper in hopper_schedules(head_dim, target) if value_dim in (0, head_dim) else ():
             values = " ".join(literal(getattr(hopper, knob)) for knob in HOPPER_KNOB_ORDER)
             lines.append(f"(HopperScheduleFits {head_dim} {values})")
+        for hopper in hopper_fp8_schedules(head_dim, target) if value_dim in (0, head_dim) else ():
+            values = " ".join(literal(getattr(hopper, knob)) for knob in HOPPER_KNOB_ORDER)
+            lines.append(f"(HopperFp8ScheduleFits {head_dim} {values})")
         for eight_bit in fp8_schedules(head_dim, target) if value_dim in (0, head_dim) else ():
             values = " ".join(literal(getattr(eight_bit, knob)) for knob in FP8_KNOB_ORDER)
             lines.append(f"(Fp8ScheduleFits {head_dim} {values})")

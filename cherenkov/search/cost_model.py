@@ -40,7 +40,7 @@ from cherenkov.rewrites.plan import (
     query_tiles,
 )
 from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
-from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, HopperFlashSchedule
 
 LAUNCH_OVERHEAD_MS = 0.005
 
@@ -250,7 +250,8 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
     if schedule.persistent and problem.causal:
         knobs *= HOPPER_PERSISTENT_CAUSAL_FACTOR
     efficiency = HOPPER_BASE_EFFICIENCY * pipeline * knobs * waves
-    ms = problem.flops / (gpu.wgmma_tflops * 1e12 * efficiency) * 1e3 + LAUNCH_OVERHEAD_MS
+    rate = gpu.wgmma_tflops * (2.0 if problem.dtype in HOPPER_EIGHT_BIT_DTYPES else 1.0)  # e4m3: twice bf16's
+    ms = problem.flops / (rate * 1e12 * efficiency) * 1e3 + LAUNCH_OVERHEAD_MS
     return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, pipeline, waves, knobs)
 
 

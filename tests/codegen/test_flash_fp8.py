@@ -181,3 +181,53 @@ def test_emulated_fp8_kernel_matches_attention_of_the_dequantised_values(problem
     expected = product(problem.out_factors) * (p / p.sum(-1, keepdims=True)) @ v
     error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
     assert error <= 3e-2, error
+
+
+HOPPER_CASES = [
+    AttentionProblem(1, 8, 8, 4096, 8192, 128, dtype="fp8_e4m3", out_dtype="bf16",
+                     score_factors=(ScaleFactor("sq", ()), ScaleFactor("sk", ())), out_factors=(ScaleFactor("sv", ()),)),
+    AttentionProblem(2, 8, 2, 1000, 3000, 128, dtype="fp8_e4m3", causal=True, out_dtype="fp16",
+                     score_factors=(ScaleFactor("sq", (2, 8), 8, 1), ScaleFactor("sk", (2, 2), 2, 1, group=4)),
+                     out_factors=(ScaleFactor("sv", (2, 2), 2, 1, group=4),)),
+]  # fmt: skip
+
+
+def _hopper_plans(problem: AttentionProblem) -> list[KernelPlan]:
+    from cherenkov.rewrites.plan_sm90a import HOPPER_SCHEDULES, hopper_schedule_problems
+
+    target = TARGETS["sm_90a"]
+    return [KernelPlan("flash_attention", problem, s, target) for s in HOPPER_SCHEDULES
+            if not hopper_schedule_problems(s, problem, target)]  # fmt: skip
+
+
+def test_hopper_fp8_plans_compile_with_e4m3_wgmma_in_sass(nvcc, sass, kernel_cache) -> None:
+    plans = _hopper_plans(HOPPER_CASES[1])
+    assert len(plans) >= 3
+    for plan in plans:
+        compiled = compile_plan(plan, compiler=nvcc, cache_dir=kernel_cache)
+        assert compiled.report.spill_bytes == 0, (plan.name, compiled.report)
+        if sass is not None:
+            text = sass(compiled.cubin_path)
+            assert "QGMMA.64x128x32.F32.E4M3.E4M3" in text and "F2FP.SATFINITE.E4M3.F32.PACK" in text, plan.name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem", HOPPER_CASES, ids=["seed-bf16", "ragged-causal-gqa-per-head-fp16"])
+def test_hopper_fp8_kernels_match_float32_attention_of_the_dequantised_values(problem: AttentionProblem, cuda_device,
+                                                                              kernel_cache) -> None:  # fmt: skip
+    import torch
+
+    from cherenkov.search.measure import _inputs, _reference, factor_products
+
+    if torch.cuda.get_device_capability(cuda_device) != (9, 0):
+        pytest.skip("the wgmma family needs a Hopper GPU")
+    stored = _inputs(problem, 0, cuda_device.index or 0)
+    expected = _reference(problem, *(stored[problem.name(r)] for r in "qkv"), None, factor_products(problem, stored))
+    for plan in _hopper_plans(problem):
+        kernel = load_kernel(compile_plan(plan, cache_dir=kernel_cache))
+        out = kernel(*(stored[problem.name(r)] for r in "qkv"), factors=tuple(stored[f.tensor] for f in problem.factors))
+        torch.cuda.synchronize()
+        got = out.float()
+        assert not torch.isnan(got).any(), plan.name
+        error = float((got - expected).norm() / expected.norm())
+        assert error <= 5e-2, (plan.name, error)

@@ -50,13 +50,14 @@ from __future__ import annotations
 
 from cherenkov.codegen.cuda import attention_mask, mma, softmax, tma, wgmma
 from cherenkov.codegen.cuda.flash_attention import operand_strides, problem_summary, softmax_scale
+from cherenkov.codegen.cuda.flash_attention_fp8 import P_EXPONENT_SHIFT
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import AttentionProblem
 from cherenkov.rewrites.plan_sm90a import (
+    HOPPER_EIGHT_BIT_DTYPES,
     ROWS_PER_CONSUMER,
     SWIZZLE_ALIGN,
-    TMA_BOX_COLUMNS,
     HopperFlashSchedule,
     hopper_schedule_problems,
 )
@@ -88,27 +89,43 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
     """Deterministic CUDA C++ of one problem × schedule (same inputs → same bytes)."""
     check(problem, schedule)
     dtype, s = problem.dtype, schedule
+    eight_bit = dtype in HOPPER_EIGHT_BIT_DTYPES
     kv_wgmma = (s.block_kv, dtype, False, False)  # S = Q K^T: A, B K-major in shared memory
-    o_wgmma = (problem.head_dim, dtype, True, True)  # O += P V: A registers, B MN-major
+    # O += P V: A registers, B MN-major (V); 8-bit: B K-major (V transposed by the launch)
+    o_wgmma = (problem.head_dim, dtype, True, not eight_bit)
     parts = [
         _header(problem, schedule),
-        section("types and helpers", _types(dtype)),
+        section("types and helpers", _types(dtype), *([_EIGHT_BIT_HELPERS] if eight_bit else [])),
         section("problem and schedule constants", _constants(problem, schedule)),
         section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype))),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(4),
                 tma.emit_fence_proxy_async(), tma.emit_tma_store(4)),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
         section("wgmma", wgmma.emit_descriptor(), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
-                wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(dtype)),
+                wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(problem.output_dtype)),
         section("online softmax", softmax.emit_math_helpers(), attention_mask.emit_bias_score(problem),
-                _softmax(problem.bias is not None)),
+                _softmax(problem.bias is not None, eight_bit)),
         section("work tiles", _work_tiles()),
-        section("producer warpgroup", _producer()),
-        section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma), _pingpong(s.pingpong),
-                _consumer(s, problem.bias is not None)),
-        section("kernel", _kernel(schedule, problem.bias is not None)),
+        section("producer warpgroup", _producer(eight_bit)),
+        section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma, eight_bit), _pingpong(s.pingpong),
+                _consumer(s, problem)),
+        *([section("V transposed for the 8-bit P V", _transpose_values(schedule))] if eight_bit else []),
+        section("kernel", _kernel(schedule, problem)),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+_EIGHT_BIT_HELPERS = block(
+    """
+    // four floats rounded to e4m3 (saturating), the first in the lowest byte
+    __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+        unsigned short lo, hi;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\\n" : "=h"(lo) : "f"(x1), "f"(x0));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\\n" : "=h"(hi) : "f"(x3), "f"(x2));
+        return u32(lo) | (u32(hi) << 16);
+    }
+    """
+)
 
 
 def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
@@ -130,10 +147,11 @@ def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
 
 
 def _types(dtype: str) -> str:
+    what = "one 16-bit output element" if dtype in HOPPER_EIGHT_BIT_DTYPES else f"one {dtype} element"
     return block(
         f"""
         typedef unsigned int u32;
-        typedef unsigned short elem_t;  // the bits of one {dtype} element
+        typedef unsigned short elem_t;  // the bits of {what}
         """
     )
 
@@ -144,7 +162,8 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
     split = s.register_split
     regs = f"constexpr int PRODUCER_REGS = {split[0]};\n        constexpr int CONSUMER_REGS = {split[1]};" if split else (
         "// one consumer warpgroup: 256 threads get 255 registers, no reallocation")
-    q_tail = ("// rows past SEQ_Q: the o tensor map clips the TMA stores" if s.o_through_smem else
+    eight_bit = p.dtype in HOPPER_EIGHT_BIT_DTYPES
+    q_tail = ("// rows past SEQ_Q: the o tensor map clips the TMA stores" if _through_smem(s, p) else
               "constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;     // the last query tile has rows past the end")
     return block(
         f"""
@@ -167,17 +186,21 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         constexpr int THREADS = {s.threads};
         constexpr bool PINGPONG = {bool_literal(s.pingpong)};
         constexpr bool SPLIT_RELEASE = {bool_literal(s.split_release)};  // K and V of a stage released separately
-        constexpr bool O_THROUGH_SMEM = {bool_literal(s.o_through_smem)};  // O leaves by TMA stores from shared memory
+        constexpr bool O_THROUGH_SMEM = {bool_literal(_through_smem(s, p))};  // O leaves by TMA stores from shared memory
         {regs}
         constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;
         constexpr int KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;
         {q_tail}
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;  // the last key tile has keys past the end
         constexpr int TILES = Q_TILES * HEADS * BATCH;  // work tiles: query tile x head x batch
-        constexpr int D_BOXES = HEAD_DIM / {TMA_BOX_COLUMNS};  // 64-column (128-byte) TMA boxes across the head dim
+        constexpr int ELEM_BYTES = {1 if eight_bit else 2};  // of q, k and v
+        constexpr int BOX_COLUMNS = 128 / ELEM_BYTES;  // elements of a 128-byte TMA box row
+        constexpr int D_BOXES = HEAD_DIM / BOX_COLUMNS;  // 128-byte TMA boxes across the head dim
+        constexpr int QK_STEPS = HEAD_DIM * ELEM_BYTES / 32, PV_STEPS = BLOCK_KV * ELEM_BYTES / 32;  // wgmma k steps
         constexpr int S_REGS = BLOCK_KV / 2;  // fp32 accumulators of S a thread
         constexpr int O_REGS = HEAD_DIM / 2;  // fp32 accumulators of O a thread
-        constexpr int P_REGS = BLOCK_KV / 4;  // packed 16-bit pairs of P a thread
+        constexpr int P_REGS = BLOCK_KV * ELEM_BYTES / 8;  // packed P a thread (16-bit pairs or e4m3 quads)
+        constexpr float P_SHIFT = {float_literal(P_EXPONENT_SHIFT if eight_bit else 0.0)};  // log2 of P's factor
         static_assert(BLOCK_Q == {ROWS_PER_CONSUMER} * CONSUMERS && THREADS == 128 * (CONSUMERS + 1), "warp roles");
         """
     ).replace("@MASK_CONSTANTS@", attention_mask.emit_mask_constants(p, 1.0 / scale, "1 / scale")) + "\n\n" + operand_strides(p)
@@ -213,9 +236,9 @@ def _layout_constants(smem_bytes: int) -> str:
     )
 
 
-def _softmax(bias: bool) -> str:
+def _softmax(bias: bool, eight_bit: bool = False) -> str:
     """The row state, masks and online softmax; ``bias``: the problem has a bias tensor (every
-    tile is masked, each score gains its bias)."""
+    tile is masked, each score gains its bias); ``eight_bit``: P is packed as e4m3 quads."""
     text = block(
         """
         // The running softmax state of this thread's two rows (g and g + 8 of its warp's 16).
@@ -243,9 +266,11 @@ def _softmax(bias: bool) -> str:
         }
 
         // Scores -> unnormalised probabilities in place; returns each row's rescale factor for O.
-        // p = 2^(s * c - m * c) with c = scale * log2(e): one FMA and one ex2 a score. A row that
-        // has seen only masked scores keeps offset 0, so exp2(-inf) gives 0, not NaN.
-        __device__ __forceinline__ void online_softmax(float (&s)[S_REGS], RowState& st, float (&alpha)[2]) {
+        // p = 2^(s * c - m * c + P_SHIFT) with c = scale * log2(e) (times the score factors): one FMA
+        // and one ex2 a score. A row that has seen only masked scores keeps offset 0, so exp2(-inf)
+        // gives 0, not NaN.
+        __device__ __forceinline__ void online_softmax(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
+                                                       float scale_log2) {
             float row_max[2] = {st.max[0], st.max[1]};
             #pragma unroll
             for (int c = 0; c < BLOCK_KV / 8; ++c) {
@@ -255,14 +280,15 @@ def _softmax(bias: bool) -> str:
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 row_max[r] = quad_max(row_max[r]);
-                const float offset = row_max[r] == neg_inf() ? 0.0f : row_max[r] * SCALE_LOG2;
-                alpha[r] = fast_exp2(st.max[r] * SCALE_LOG2 - offset);
+                const float offset = row_max[r] == neg_inf() ? 0.0f : row_max[r] * scale_log2;
+                alpha[r] = fast_exp2(st.max[r] * scale_log2 - offset);
                 st.max[r] = row_max[r];
+                const float shifted = offset - P_SHIFT;
                 float sum = 0.0f;
                 #pragma unroll
                 for (int c = 0; c < BLOCK_KV / 8; ++c) {
-                    s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], SCALE_LOG2, -offset));
-                    s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], SCALE_LOG2, -offset));
+                    s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
+                    s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
                     sum += s[4 * c + 2 * r] + s[4 * c + 2 * r + 1];
                 }
                 st.sum[r] = st.sum[r] * alpha[r] + sum;
@@ -274,13 +300,9 @@ def _softmax(bias: bool) -> str:
             for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i >> 1) & 1];
         }
 
-        // P as wgmma A fragments: accumulator pairs (2i, 2i + 1) packed in order, 4 registers a k16 step.
-        __device__ __forceinline__ void pack_probabilities(const float (&s)[S_REGS], u32 (&p)[P_REGS]) {
-            #pragma unroll
-            for (int i = 0; i < P_REGS; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
-        }
+        @PACK@
         """
-    )
+    ).replace("@PACK@", _PACK_EIGHT_BIT if eight_bit else _PACK_SIXTEEN_BIT)
     values = {"@BIAS_NOTE@": "", "@BIAS_PARAM@": "", "@BIAS@": ""}
     if bias:
         values = {
@@ -293,6 +315,35 @@ def _softmax(bias: bool) -> str:
     for placeholder, value in values.items():
         text = text.replace(placeholder, value)
     return text
+
+
+_PACK_SIXTEEN_BIT = block(
+    """
+    // P as wgmma A fragments: accumulator pairs (2i, 2i + 1) packed in order, 4 registers a k16 step.
+    __device__ __forceinline__ void pack_probabilities(const float (&s)[S_REGS], u32 (&p)[P_REGS]) {
+        #pragma unroll
+        for (int i = 0; i < P_REGS; ++i) p[i] = pack2(s[2 * i], s[2 * i + 1]);
+    }
+    """
+)
+
+_PACK_EIGHT_BIT = block(
+    """
+    // P·2^8 as e4m3 wgmma A fragments, 4 registers a k32 step. A thread holds keys {2t, 2t+1} of each
+    // 8-key chunk, the A operand 4 consecutive k slots: slot 4t + i of each 16-key half is key
+    // {2t, 2t+1, 8+2t, 9+2t}[i], the order in which the launch writes V transposed.
+    __device__ __forceinline__ void pack_probabilities(const float (&s)[S_REGS], u32 (&p)[P_REGS]) {
+        #pragma unroll
+        for (int kk = 0; kk < P_REGS / 4; ++kk) {
+            const int c = 16 * kk;  // accumulator index of the step's first 8-key chunk
+            p[4 * kk + 0] = pack_e4m3x4(s[c + 0], s[c + 1], s[c + 4], s[c + 5]);
+            p[4 * kk + 1] = pack_e4m3x4(s[c + 2], s[c + 3], s[c + 6], s[c + 7]);
+            p[4 * kk + 2] = pack_e4m3x4(s[c + 8], s[c + 9], s[c + 12], s[c + 13]);
+            p[4 * kk + 3] = pack_e4m3x4(s[c + 10], s[c + 11], s[c + 14], s[c + 15]);
+        }
+    }
+    """
+)
 
 
 def _work_tiles() -> str:
@@ -335,7 +386,17 @@ def _work_tiles() -> str:
     )
 
 
-def _producer() -> str:
+def _producer(eight_bit: bool = False) -> str:
+    """The producer's copies; ``eight_bit``: V comes from its transposed copy (D rows of the key
+    tile's 128 key bytes: one box of the transposed map, at coordinates (keys, 0, head, batch))."""
+    v_copy = (
+        "tma_load_4d(smem + V_SMEM + stage * KV_TILE_BYTES, v_map, v_bar, j * BLOCK_KV, 0, w.kv_head, w.batch);"
+        if eight_bit else
+        "#pragma unroll\n"
+        "for (int b = 0; b < D_BOXES; ++b)\n"
+        "    tma_load_4d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, BOX_COLUMNS * b,\n"
+        "                j * BLOCK_KV, w.kv_head, w.batch);"
+    )
     return block(
         """
         // K_j and V_j of one work tile into the ring's next slot, once every consumer warp has
@@ -347,14 +408,11 @@ def _producer() -> str:
             mbar_arrive_expect_tx(k_bar, KV_TILE_BYTES);
             #pragma unroll
             for (int b = 0; b < D_BOXES; ++b)
-                tma_load_4d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, 64 * b,
+                tma_load_4d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, BOX_COLUMNS * b,
                             j * BLOCK_KV, w.kv_head, w.batch);
             if (SPLIT_RELEASE) mbar_wait(smem + V_EMPTY + 8 * stage, phase ^ 1);
             mbar_arrive_expect_tx(v_bar, KV_TILE_BYTES);
-            #pragma unroll
-            for (int b = 0; b < D_BOXES; ++b)
-                tma_load_4d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, 64 * b,
-                            j * BLOCK_KV, w.kv_head, w.batch);
+            @V_COPY@
             advance<STAGES>(stage, phase);
         }
 
@@ -366,8 +424,8 @@ def _producer() -> str:
             mbar_arrive_expect_tx(q_bar, Q_TILE_BYTES);
             #pragma unroll
             for (int b = 0; b < D_BOXES; ++b)
-                tma_load_4d(smem + Q_SMEM + q_slot * Q_TILE_BYTES + b * Q_BOX_BYTES, q_map, q_bar, 64 * b, w.q0,
-                            w.head, w.batch);
+                tma_load_4d(smem + Q_SMEM + q_slot * Q_TILE_BYTES + b * Q_BOX_BYTES, q_map, q_bar, BOX_COLUMNS * b,
+                            w.q0, w.head, w.batch);
             advance<Q_BUFFERS>(q_slot, q_phase);
         }
 
@@ -391,37 +449,51 @@ def _producer() -> str:
             }
         }
         """
-    )
+    ).replace("@V_COPY@", indent(v_copy, 3).lstrip())
 
 
-def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple) -> str:
+def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False) -> str:
     qk = wgmma.wgmma_name(*kv_wgmma)
     pv = wgmma.wgmma_name(*o_wgmma)
-    return block(
+    values = block(
         f"""
-        // S = Q K^T for this warpgroup's 64 rows: HEAD_DIM / 16 k-steps. A k16 step is 32 bytes of
-        // each 128-byte swizzled row; every fourth step moves to the next 64-column box.
-        __device__ __forceinline__ void issue_scores(float (&s)[S_REGS], unsigned long long q_desc,
-                                                     unsigned long long k_desc) {{
+        // O += P V with V transposed (K-major, keys in P's slot order): BLOCK_KV / 32 k-steps of 32
+        // key bytes of each 128-byte swizzled row of the D-row tile.
+        __device__ __forceinline__ void issue_values(float (&o)[O_REGS], const u32 (&p)[P_REGS],
+                                                     unsigned long long v_desc) {{
             #pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {{
-                const u32 q_step = (kk / 4) * Q_BOX_BYTES + (kk % 4) * 32;
-                const u32 k_step = (kk / 4) * KV_BOX_BYTES + (kk % 4) * 32;
-                {qk}(s, q_desc + (q_step >> 4), k_desc + (k_step >> 4), kk > 0);
-            }}
+            for (int kk = 0; kk < PV_STEPS; ++kk)
+                {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_desc + ((kk * 32) >> 4), 1);
         }}
-
+        """
+    ) if eight_bit else block(
+        f"""
         // O += P V: BLOCK_KV / 16 k-steps of 16 V rows (2048 bytes); N = HEAD_DIM spans D_BOXES
         // boxes, KV_BOX_BYTES apart (the descriptor's LBO).
         __device__ __forceinline__ void issue_values(float (&o)[O_REGS], const u32 (&p)[P_REGS],
                                                      unsigned long long v_desc) {{
             #pragma unroll
-            for (int kk = 0; kk < BLOCK_KV / 16; ++kk)
+            for (int kk = 0; kk < PV_STEPS; ++kk)
                 {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
                     v_desc + ((kk * 16 * ROW_BYTES) >> 4), 1);
         }}
         """
     )
+    return block(
+        f"""
+        // S = Q K^T for this warpgroup's 64 rows: QK_STEPS k-steps. A k step is 32 bytes of each
+        // 128-byte swizzled row; every fourth step moves to the next 128-byte box.
+        __device__ __forceinline__ void issue_scores(float (&s)[S_REGS], unsigned long long q_desc,
+                                                     unsigned long long k_desc) {{
+            #pragma unroll
+            for (int kk = 0; kk < QK_STEPS; ++kk) {{
+                const u32 q_step = (kk / 4) * Q_BOX_BYTES + (kk % 4) * 32;
+                const u32 k_step = (kk / 4) * KV_BOX_BYTES + (kk % 4) * 32;
+                {qk}(s, q_desc + (q_step >> 4), k_desc + (k_step >> 4), kk > 0);
+            }}
+        }}
+        """
+    ) + "\n\n" + values
 
 
 def _pingpong(enabled: bool) -> str:
@@ -450,9 +522,13 @@ def _pingpong(enabled: bool) -> str:
     )
 
 
-def _consumer(schedule: HopperFlashSchedule, bias: bool) -> str:
-    """``consume_tile`` and ``consume``; ``bias``: they pass the bias tensor on."""
-    epilogue = _epilogue_through_smem() if schedule.o_through_smem else _epilogue_from_registers()
+def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
+    """``consume_tile`` and ``consume``: they pass the bias tensor and the factors on; 8-bit
+    operands: V is read transposed (K-major)."""
+    bias, eight_bit = problem.bias is not None, problem.dtype in HOPPER_EIGHT_BIT_DTYPES
+    epilogue = _epilogue_through_smem() if _through_smem(schedule, problem) else _epilogue_from_registers()
+    factor_params, _, score_factor, out_factor = factor_arguments(problem)
+    v_lbo = "16" if eight_bit else "KV_BOX_BYTES"
     text = block(
         """
         // Hand a shared-memory buffer back to the producer: one arrival per warp.
@@ -470,7 +546,8 @@ def _consumer(schedule: HopperFlashSchedule, bias: bool) -> str:
         // slot of the tile's first key tile and comes back as the slot after its last.
         __device__ __forceinline__ void consume_tile(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o,@BIAS_PARAM@
                                                      int consumer, const WorkTile& w, int q_slot, u32 q_phase,
-                                                     int& stage, u32& phase, bool last_tile) {
+                                                     int& stage, u32& phase, bool last_tile, float scale_log2,
+                                                     float out_factor) {
             const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
             const int g = lane / 4, t = lane % 4;
             const int row0 = w.q0 + consumer * 64 + warp * 16 + g;  // this thread's first row (second: + 8)
@@ -478,7 +555,7 @@ def _consumer(schedule: HopperFlashSchedule, bias: bool) -> str:
             const u32 q_tile = smem + Q_SMEM + q_slot * Q_TILE_BYTES;
             const unsigned long long q_desc = make_smem_desc(q_tile + consumer * 64 * ROW_BYTES, 16, 1024);
             const unsigned long long k_desc = make_smem_desc(smem + K_SMEM, 16, 1024);
-            const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, KV_BOX_BYTES, 1024);
+            const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, @V_LBO@, 1024);
 
             float s[S_REGS];
             float o_acc[O_REGS];
@@ -500,7 +577,7 @@ def _consumer(schedule: HopperFlashSchedule, bias: bool) -> str:
             fence_operands(s);
             if (SPLIT_RELEASE) release(smem + K_EMPTY + 8 * stage, lane);
             if (needs_mask(0, first_row)) mask_scores(s, row0, 0, t@BIAS_ARG@);
-            online_softmax(s, st, alpha);
+            online_softmax(s, st, alpha, scale_log2);
             pack_probabilities(s, p);
 
             int prev = stage;  // the ring slot of key tile j - 1
@@ -524,7 +601,7 @@ def _consumer(schedule: HopperFlashSchedule, bias: bool) -> str:
                 fence_operands(s);
                 if (SPLIT_RELEASE) release(smem + K_EMPTY + 8 * stage, lane);
                 if (needs_mask(kv0, first_row)) mask_scores(s, row0, kv0, t@BIAS_ARG@);
-                online_softmax(s, st, alpha);
+                online_softmax(s, st, alpha, scale_log2);
                 wgmma_wait<0>();
                 fence_operands(o_acc);
                 fence_operands(p);
@@ -556,19 +633,23 @@ def _consumer(schedule: HopperFlashSchedule, bias: bool) -> str:
 
         // A consumer warpgroup walks the block's work tiles; the ring slot and the Q buffer run on.
         __device__ __forceinline__ void consume(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o,@BIAS_PARAM@
-                                                int consumer) {
+                                                int consumer@FACTOR_PARAMS@) {
             int stage = 0, q_slot = 0;
             u32 phase = 0, q_phase = 0;
             if (PINGPONG && consumer == 1) named_barrier_arrive(1, 256);  // consumer 0 goes first
             for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
-                consume_tile(smem, o_map, o,@BIAS_PASS@ consumer, work_tile(tile), q_slot, q_phase, stage, phase,
-                             tile + (int)gridDim.x >= TILES);
+                const WorkTile w = work_tile(tile);
+                const float scale_log2 = SCALE_LOG2 * @SCORE_FACTOR@;  // times the tile's score factors
+                consume_tile(smem, o_map, o,@BIAS_PASS@ consumer, w, q_slot, q_phase, stage, phase,
+                             tile + (int)gridDim.x >= TILES, scale_log2, @OUT_FACTOR@);
                 advance<Q_BUFFERS>(q_slot, q_phase);
             }
             if (O_THROUGH_SMEM && threadIdx.x % 128 == 0) bulk_wait_all();  // shared memory must outlive the stores
         }
         """
     ).replace("    @EPILOGUE@", indent(epilogue))
+    text = (text.replace("@V_LBO@", v_lbo).replace("@FACTOR_PARAMS@", factor_params)
+            .replace("@SCORE_FACTOR@", f"({score_factor})").replace("@OUT_FACTOR@", out_factor))
     values = {"@BIAS_PARAM@": "", "@BIAS_ROWS@": "", "@BIAS_ARG@": "", "@BIAS_PASS@": ""}
     if bias:
         values = {
@@ -590,7 +671,7 @@ def _epilogue_from_registers() -> str:
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float sum = quad_sum(st.sum[r]);
-                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row without a live score gives 0
+                const float inv = sum > 0.0f ? out_factor / sum : 0.0f;  // a row without a live score gives 0
                 if (Q_TAIL && row0 + 8 * r >= SEQ_Q) continue;
                 u32* out_row = reinterpret_cast<u32*>(o + O_OFFSET + w.batch * O_BATCH_STRIDE + w.head * O_HEAD_STRIDE
                                                       + size_t(row0 + 8 * r) * O_ROW_STRIDE);
@@ -638,9 +719,86 @@ def _epilogue_through_smem() -> str:
     )
 
 
-def _kernel(schedule: HopperFlashSchedule, bias: bool) -> str:
+def _through_smem(schedule: HopperFlashSchedule, problem: AttentionProblem) -> bool:
+    """Whether O leaves by TMA stores from shared memory (16-bit operands only: an 8-bit Q tile
+    cannot stage a 16-bit O tile)."""
+    return schedule.o_through_smem and problem.dtype not in HOPPER_EIGHT_BIT_DTYPES
+
+
+def factor_arguments(problem: AttentionProblem) -> tuple[str, str, str, str]:
+    """The kernel parameters of the problem's factors (fp32 pointers, named after their
+    tensors), the arguments passing them on, and the C expressions of the score and output
+    factors of a work tile ``w``."""
+    names = [f"factor{i}_{identifier(f.tensor)}" for i, f in enumerate(problem.factors)]
+
+    def product(pairs: list) -> str:
+        reads = [f"__ldg({name} + {f.offset} + w.batch * {f.batch} + (w.head / {f.group}) * {f.head})"
+                 for name, f in pairs]  # fmt: skip
+        return " * ".join(reads) if reads else "1.0f"
+
+    pairs = list(zip(names, problem.factors))
+    split = len(problem.score_factors)
+    params = "".join(f", const float* __restrict__ {name}" for name in names)
+    return params, "".join(f", {name}" for name in names), product(pairs[:split]), product(pairs[split:])
+
+
+def transpose_kernel_name(schedule: HopperFlashSchedule) -> str:
+    """The ``extern "C"`` name of the 8-bit variant's V transposition kernel."""
+    return identifier(f"{kernel_name(schedule)}_transpose_v")
+
+
+def transposed_keys(seq_kv: int) -> int:
+    """Key slots of a row of the transposed V: the keys rounded up to whole 16-key groups."""
+    return -(-seq_kv // 16) * 16
+
+
+TRANSPOSE_THREADS = 256
+
+
+def transpose_grid(problem: AttentionProblem) -> tuple[int, int, int]:
+    """The V transposition's grid: units of 4 keys x 4 head-dim bytes, ``TRANSPOSE_THREADS`` a block."""
+    units = transposed_keys(problem.seq_kv) // 16 * 4 * (problem.head_dim // 4)
+    return -(-units // TRANSPOSE_THREADS), problem.kv_heads, problem.batch
+
+
+def _transpose_values(schedule: HopperFlashSchedule) -> str:
+    return block(
+        f"""
+        // V (BHSD at its strides) -> V^T [BATCH][KV_HEADS][HEAD_DIM][VT_KEYS]: within each 16-key group,
+        // slot 4t + i holds key {{2t, 2t+1, 8+2t, 9+2t}}[i] (P's register order); keys past SEQ_KV are 0.
+        // A thread moves 4 keys x 4 head-dim bytes (a 4x4 byte transpose with byte permutes).
+        constexpr int VT_KEYS = (SEQ_KV + 15) / 16 * 16;
+        extern "C" __global__ void __launch_bounds__({TRANSPOSE_THREADS})
+        {transpose_kernel_name(schedule)}(const unsigned char* __restrict__ v, unsigned char* __restrict__ vt) {{
+            const int unit = blockIdx.x * {TRANSPOSE_THREADS} + threadIdx.x;
+            const int t = unit % 4, d4 = (unit / 4) % (HEAD_DIM / 4), group = unit / HEAD_DIM;
+            if (group >= VT_KEYS / 16) return;
+            const int kv_head = blockIdx.y, batch = blockIdx.z;
+            const unsigned char* src = v + V_OFFSET + batch * V_BATCH_STRIDE + kv_head * V_HEAD_STRIDE + 4 * d4;
+            const int keys[4] = {{16 * group + 2 * t, 16 * group + 2 * t + 1, 16 * group + 8 + 2 * t,
+                                 16 * group + 9 + 2 * t}};
+            u32 w[4];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                w[i] = keys[i] < SEQ_KV ? *reinterpret_cast<const u32*>(src + size_t(keys[i]) * V_ROW_STRIDE) : 0u;
+            const u32 x01 = __byte_perm(w[0], w[1], 0x5140), x23 = __byte_perm(w[2], w[3], 0x5140);
+            const u32 y01 = __byte_perm(w[0], w[1], 0x7362), y23 = __byte_perm(w[2], w[3], 0x7362);
+            unsigned char* dst = vt + (size_t(batch) * KV_HEADS + kv_head) * HEAD_DIM * VT_KEYS
+                                 + size_t(4 * d4) * VT_KEYS + 16 * group + 4 * t;
+            *reinterpret_cast<u32*>(dst) = __byte_perm(x01, x23, 0x5410);
+            *reinterpret_cast<u32*>(dst + VT_KEYS) = __byte_perm(x01, x23, 0x7632);
+            *reinterpret_cast<u32*>(dst + 2 * VT_KEYS) = __byte_perm(y01, y23, 0x5410);
+            *reinterpret_cast<u32*>(dst + 3 * VT_KEYS) = __byte_perm(y01, y23, 0x7632);
+        }}
+        """
+    )
+
+
+def _kernel(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
     name = kernel_name(schedule)
+    bias = problem.bias is not None
     bias_param, bias_arg = (", const bias_t* __restrict__ bias", " bias,") if bias else ("", "")
+    factor_params, factor_args, _, _ = factor_arguments(problem)
     if schedule.register_split:
         producer_regs, consumer_regs = "reg_dealloc<PRODUCER_REGS>();", "reg_alloc<CONSUMER_REGS>();"
     else:
@@ -650,7 +808,7 @@ def _kernel(schedule: HopperFlashSchedule, bias: bool) -> str:
         extern "C" __global__ void __launch_bounds__(THREADS, 1)
         {name}(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                 const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
-                elem_t* __restrict__ o{bias_param}) {{
+                elem_t* __restrict__ o{bias_param}{factor_params}) {{
             extern __shared__ unsigned char smem_raw[];
             const u32 smem = (smem_u32(smem_raw) + {SWIZZLE_ALIGN - 1}u) & ~{SWIZZLE_ALIGN - 1}u;
             if (threadIdx.x == 0) {{
@@ -677,7 +835,7 @@ def _kernel(schedule: HopperFlashSchedule, bias: bool) -> str:
                 if (threadIdx.x == 0) produce(&q_map, &k_map, &v_map, smem);
             }} else {{
                 {consumer_regs}
-                consume(smem, &o_map, o,{bias_arg} warpgroup - 1);
+                consume(smem, &o_map, o,{bias_arg} warpgroup - 1{factor_args});
             }}
         }}
         """

@@ -131,11 +131,16 @@ def emit_sync() -> str:
     )
 
 
+WGMMA_K = {"bf16": 16, "fp16": 16, "fp8_e4m3": 32}
+"""The K of one wgmma: 32 bytes of each operand row (16 16-bit or 32 8-bit elements)."""
+WGMMA_TYPES = {**PTX_TYPES, "fp8_e4m3": "e4m3"}
+
+
 def wgmma_name(n: int, dtype: str, a_from_registers: bool, trans_b: bool, trans_a: bool = False) -> str:
     """``wgmma_m64n128k16_ss_bf16`` (``rs``: A from registers; ``_ta``: A MN-major; ``_tb``:
-    B MN-major)."""
+    B MN-major; 8-bit operands: ``k32``)."""
     mode = "rs" if a_from_registers else "ss"
-    return f"wgmma_m64n{n}k16_{mode}_{dtype}{'_ta' if trans_a else ''}{'_tb' if trans_b else ''}"
+    return f"wgmma_m64n{n}k{WGMMA_K[dtype]}_{mode}_{dtype}{'_ta' if trans_a else ''}{'_tb' if trans_b else ''}"
 
 
 def emit_wgmma(n: int, dtype: str, a_from_registers: bool, trans_b: bool, trans_a: bool = False) -> str:
@@ -149,7 +154,9 @@ def emit_wgmma(n: int, dtype: str, a_from_registers: bool, trans_b: bool, trans_
         raise CodegenError(f"wgmma N {n} is not a multiple of 8 in 8..256")
     if trans_a and a_from_registers:
         raise CodegenError("wgmma: only an A operand in shared memory can be MN-major (transposed)")
-    ptx = PTX_TYPES[dtype]
+    if WGMMA_K[dtype] != 16 and (trans_a or trans_b):
+        raise CodegenError(f"wgmma: {dtype} operands must be K-major (no transposed descriptors)")
+    ptx, k = WGMMA_TYPES[dtype], WGMMA_K[dtype]
     regs = n // 2
     chunks = [",".join(f"%{i}" for i in range(j, min(j + 16, regs))) for j in range(0, regs, 16)]
     acc = "\n".join(f'{" " * 16}"{"{" if j == 0 else ""}{c}{"}, " if j == len(chunks) - 1 else ","}"'
@@ -163,26 +170,26 @@ def emit_wgmma(n: int, dtype: str, a_from_registers: bool, trans_b: bool, trans_
         b_index, scale_index = regs + 4, regs + 5
         inputs = '"r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d)'
         a_param = "u32 a0, u32 a1, u32 a2, u32 a3"
-        tail = f"p, 1, 1, {int(trans_b)}"
-        what = "A (64x16) from registers"
+        tail = f"p, 1, 1, {int(trans_b)}" if k == 16 else "p, 1, 1"  # 8-bit: no transpose immediates
+        what = f"A (64x{k}) from registers"
     else:
         a_operand = f"%{regs}"
         b_index, scale_index = regs + 1, regs + 2
         inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
         a_param = "unsigned long long desc_a"
-        tail = f"p, 1, 1, {int(trans_a)}, {int(trans_b)}"
-        what = f"A (64x16, {'MN' if trans_a else 'K'}-major) from shared memory"
+        tail = f"p, 1, 1, {int(trans_a)}, {int(trans_b)}" if k == 16 else "p, 1, 1"
+        what = f"A (64x{k}, {'MN' if trans_a else 'K'}-major) from shared memory"
     name = wgmma_name(n, dtype, a_from_registers, trans_b, trans_a)
     layout = "MN-major" if trans_b else "K-major"
     return block(
         f"""
-        // d (64x{n}, fp32) = d * (scale_d != 0) + A * B: {what}, B (16x{n}, {layout}) from shared memory.
+        // d (64x{n}, fp32) = d * (scale_d != 0) + A * B: {what}, B ({k}x{n}, {layout}) from shared memory.
         __device__ __forceinline__ void {name}(float (&d)[{regs}], {a_param}, unsigned long long desc_b, int scale_d) {{
             asm volatile(
                 "{{\\n"
                 ".reg .pred p;\\n"
                 "setp.ne.b32 p, %{scale_index}, 0;\\n"
-                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
+                "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx}.{ptx} "
 {acc}
                 "{a_operand}, %{b_index}, {tail};\\n"
                 "}}\\n"
