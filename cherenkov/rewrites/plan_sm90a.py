@@ -145,6 +145,7 @@ class HopperFlashSchedule:
 HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 3, 2, True),
     HopperFlashSchedule(128, 3, 2, True, persistent=True),
+    HopperFlashSchedule(128, 4, 2, True, persistent=True),
     HopperFlashSchedule(192, 3, 2, True),
     HopperFlashSchedule(192, 3, 2, True, persistent=True),
     HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2),
@@ -157,7 +158,8 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
 )
 """The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
-they measured 0.7x two ping-ponging consumers on the H200, and with a query tail they spill."""
+they measured 0.7x two ping-ponging consumers on the H200, and with a query tail they spill.
+Four stages fit 128-key tiles of 8-bit operands at head dim 128 (and 16-bit ones at 64)."""
 
 
 HOPPER_EIGHT_BIT_DTYPES = ("fp8_e4m3",)
