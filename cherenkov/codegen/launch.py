@@ -72,7 +72,7 @@ def operand_map(problem, role: str, address: int, box_rows: int) -> tensor_map.T
 
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool",
-                "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+                "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "e8m0": "float8_e8m0fnu"}
 
 
 class _StreamCache:

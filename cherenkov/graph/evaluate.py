@@ -14,9 +14,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from cherenkov.graph.errors import GraphError
-from cherenkov.graph.fp8 import round_to_fp8
+from cherenkov.graph.fp8 import round_to_e8m0, round_to_fp8
 from cherenkov.graph.ops import Node
-from cherenkov.graph.shape import FP8_DTYPES
+from cherenkov.graph.shape import FP8_DTYPES, SCALE_DTYPES
 from cherenkov.graph.tensor import Graph
 
 
@@ -39,6 +39,8 @@ def round_to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
         return np.where(finite, rounded.view(np.float32), values).astype(np.float64)
     if dtype in FP8_DTYPES:
         return round_to_fp8(values, dtype)
+    if dtype in SCALE_DTYPES:
+        return round_to_e8m0(values)
     if dtype == "int32":
         return np.trunc(values).astype(np.int64)
     return values != 0

@@ -14,6 +14,19 @@ import numpy as np
 FP8_FORMATS = {"fp8_e4m3": (3, -6, 448.0, True), "fp8_e5m2": (2, -14, 57344.0, False)}
 
 
+def round_to_e8m0(values: np.ndarray) -> np.ndarray:
+    """``values`` as MX scales hold them, as PyTorch's cast to ``float8_e8m0fnu`` rounds: to the
+    power of two below or above, whichever is nearer (a mantissa of 1.5 rounds up), within
+    ``[2^-127, 2^127]``; NaN for values that are not positive and finite (E8M0 has no zero,
+    sign or ∞)."""
+    values = np.asarray(values, dtype=np.float64)
+    valid = np.isfinite(values) & (values > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        below = np.floor(np.log2(np.where(valid, values, 1.0)))
+        exponent = np.clip(below + (np.where(valid, values, 1.0) / np.exp2(below) >= 1.5), -127, 127)
+    return np.where(valid, np.exp2(exponent), np.nan)
+
+
 def round_to_fp8(values: np.ndarray, dtype: str) -> np.ndarray:
     """``values`` rounded to the 8-bit float ``dtype`` (a key of ``FP8_FORMATS``), as float64."""
     mantissa, min_exponent, largest, saturating = FP8_FORMATS[dtype]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from cherenkov.graph.errors import GraphError
-from cherenkov.graph.shape import FP8_DTYPES
+from cherenkov.graph.shape import FP8_DTYPES, SCALE_DTYPES
 from cherenkov.graph.tensor import Tensor, arange, where
 
 # Abramowitz & Stegun 7.1.26: |erf(x) - approximation| <= 1.5e-7 for all x.
@@ -104,7 +104,8 @@ def quantize(x: Tensor, scale: Tensor | float, dtype: str = "fp8_e4m3", block: i
 
 
 def dequantize(x: Tensor, scale: Tensor | float, dtype: str = "fp32", block: int = 1) -> Tensor:
-    """``cast(x, dtype) · scale`` (``scale`` as in :func:`quantize`): an 8-bit tensor's values."""
+    """``cast(x, dtype) · scale`` (``scale`` as in :func:`quantize`, or ``e8m0`` MX scales with
+    ``block=32``): an 8-bit tensor's values."""
     return x.cast(dtype) * _per_element(x, scale, block, "dequantize")
 
 
@@ -114,14 +115,16 @@ def _per_element(x: Tensor, scale: Tensor | float, block: int, op: str) -> Tenso
         if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
             raise GraphError(f"{op}: scale {scale!r} must be a positive finite number or a tensor")
         return float(scale)
+    widened = scale.cast("fp32") if scale.dtype in SCALE_DTYPES else scale  # MX scales: powers of two
     if block == 1:
-        return scale
+        return widened
     *lead, last = x.shape
     if block < 1 or last % block or tuple(scale.shape) != (*lead, last // block):
         raise GraphError(f"{op}: block {block} scales of shape {scale.shape} for x {x.shape}; valid: a block that "
                          f"divides the last axis and scales shaped {(*lead, last // max(block, 1))}")  # fmt: skip
-    repeated = scale.unsqueeze(-1).expand(*lead, last // block, block)
-    return repeated.reshape(*lead, last)
+    # repeated before the widening cast: a view of a stored tensor, not a computed copy
+    repeated = scale.unsqueeze(-1).expand(*lead, last // block, block).reshape(*lead, last)
+    return repeated.cast("fp32") if scale.dtype in SCALE_DTYPES else repeated
 
 
 def _dequantized_operands(operands: tuple[Tensor, Tensor, Tensor],

@@ -19,11 +19,16 @@ FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 """8-bit floats (OCP FP8: e4m3 without infinities, saturating; e5m2 with them): storage only.
 A graph reads them as inputs, casts to them (quantise) and from them (dequantise); no
 arithmetic op takes them."""
-DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES, "int32", "bool")
-INPUT_DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES)
+SCALE_DTYPES = ("e8m0",)
+"""MX block scales (OCP E8M0: an 8-bit exponent, the value ``2^(e − 127)``): storage only, an
+input that is cast to a float (``ck.nn.dequantize`` with ``block=32``); never a cast target."""
+STORAGE_DTYPES = (*FP8_DTYPES, *SCALE_DTYPES)
+DTYPES = (*FLOAT_DTYPES, *STORAGE_DTYPES, "int32", "bool")
+INPUT_DTYPES = (*FLOAT_DTYPES, *STORAGE_DTYPES)
 DTYPE_ALIASES = {
     "float8_e4m3fn": "fp8_e4m3",
     "float8_e5m2": "fp8_e5m2",
+    "float8_e8m0fnu": "e8m0",
     "bfloat16": "bf16",
     "float16": "fp16",
     "half": "fp16",
@@ -85,7 +90,7 @@ def check_stored_shape(op: str, shape: object) -> Shape:
 def promote(op: str, *dtypes: str) -> str:
     """Result dtype of an arithmetic op: bool < int32 < floats; mixed half types give fp32;
     8-bit floats are storage only (a GraphError says to cast them first)."""
-    stored = sorted({d for d in dtypes if d in FP8_DTYPES})
+    stored = sorted({d for d in dtypes if d in STORAGE_DTYPES})
     if stored:
         raise GraphError(f"{op}: operands of dtype {', '.join(stored)} are storage only; cast them to bf16, fp16 or "
                          "fp32 first (ck.nn.dequantize multiplies by their scale too)")  # fmt: skip

@@ -22,7 +22,7 @@ import numpy as np
 
 from cherenkov.graph import shape as sh
 from cherenkov.graph.errors import GraphError
-from cherenkov.graph.fp8 import round_to_fp8
+from cherenkov.graph.fp8 import round_to_e8m0, round_to_fp8
 from cherenkov.graph.ops import SPECS, Node, node_flops
 
 LOG2E = math.log2(math.e)
@@ -90,7 +90,7 @@ class Graph:
 
     def constant(self, value: Scalar, dtype: str = "fp32") -> Tensor:
         """A scalar constant (shape ``()``); NaN is rejected, ±inf is allowed (masks)."""
-        dtype = sh.normalize_dtype("constant", dtype, tuple(d for d in sh.DTYPES if d not in sh.FP8_DTYPES))
+        dtype = sh.normalize_dtype("constant", dtype, tuple(d for d in sh.DTYPES if d not in sh.STORAGE_DTYPES))
         if isinstance(value, np.generic):
             value = value.item()
         if not isinstance(value, (int, float, bool)):
@@ -221,7 +221,8 @@ class Graph:
                 examples[name] = self._examples[name]
             else:  # an 8-bit input's values are those its dtype holds
                 value = rng.standard_normal(t.shape)
-                examples[name] = round_to_fp8(value, t.dtype) if t.dtype in sh.FP8_DTYPES else value
+                examples[name] = (round_to_fp8(value, t.dtype) if t.dtype in sh.FP8_DTYPES else
+                                  round_to_e8m0(value) if t.dtype in sh.SCALE_DTYPES else value)  # fmt: skip
         return examples
 
     def summary(self) -> dict:
@@ -432,6 +433,9 @@ class Tensor:
 
     def cast(self, dtype: str) -> Tensor:
         dtype = sh.normalize_dtype("cast", dtype)
+        if dtype in sh.SCALE_DTYPES and dtype != self.dtype:
+            raise GraphError(f"cast: to {dtype} (an MX scale dtype, inputs only); valid: "
+                             f"{', '.join(d for d in sh.DTYPES if d not in sh.SCALE_DTYPES)}")  # fmt: skip
         return self if dtype == self.dtype else self.graph._apply("cast", (self,), (dtype,))
 
     to = cast

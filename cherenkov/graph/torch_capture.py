@@ -86,7 +86,7 @@ def sanitize_name(name: object, taken: set[str] | None = None) -> str:
 # ----------------------------------------------------------------------------- dtypes
 
 _INPUT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3",
-                 "float8_e5m2": "fp8_e5m2"}
+                 "float8_e5m2": "fp8_e5m2", "float8_e8m0fnu": "e8m0"}
 _VALUE_DTYPES = {
     **_INPUT_DTYPES,
     "bool": "bool",

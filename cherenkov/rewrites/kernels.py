@@ -33,7 +33,8 @@ from cherenkov.rewrites import dag
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.lower import Lowered
-from cherenkov.rewrites.plan import BIAS_DTYPES, AttentionBias, AttentionProblem, OperandLayout, ScaleFactor
+from cherenkov.graph.shape import SCALE_DTYPES
+from cherenkov.rewrites.plan import BIAS_DTYPES, AttentionBias, AttentionProblem, BlockScales, OperandLayout, ScaleFactor
 from cherenkov.rewrites.reference import axis_names as reference_axis_names
 from cherenkov.rewrites.reference import evaluate_term
 from cherenkov.rewrites.terms import Term
@@ -317,7 +318,8 @@ class _Partition:
             layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), mask[1])
         result = list(core)
         for position, (layout, operand) in layouts.items():
-            if self.readable_in_place(operand):
+            # an 8-bit q or k times its MX scales is read in place too (the block-scaled mma)
+            if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
                 continue
             if position == 9:  # a bias read through a computed index: stored over its axes, key last
                 result[position] = (mask[0], self.materialise(operand, layout))
@@ -348,6 +350,12 @@ class _Partition:
             elif not self.readable_in_place(operand):
                 result[position] = self.materialise(operand)
         return tuple(result)
+
+    def block_scaled_in_place(self, operand: Term) -> bool:
+        """Whether ``operand`` is a stored tensor read times a read of an input's MX scales (``e8m0``)."""
+        dtypes = self.lowered.input_dtypes
+        return (operand[0] == "Mul" and all(self.readable_in_place(leaf) for leaf in operand[1:])
+                and any(leaf[1] in dtypes and dtypes[leaf[1]] in SCALE_DTYPES for leaf in operand[1:]))  # fmt: skip
 
     def readable_in_place(self, operand: Term) -> bool:
         """Whether ``operand`` is an affine view of a stored tensor (input or buffer)."""
@@ -725,6 +733,42 @@ def _head_atom(read: StridedRead, shared: set[str]) -> dict[str, Term]:
     return atoms
 
 
+MX_BLOCK = 32
+"""Elements of the head dim one MX scale covers."""
+
+
+def _split_block_scales(operand: Term, dtypes: Mapping[str, str]) -> tuple[Term, Term | None]:
+    """An operand ``x·s`` with ``s`` a read of an ``e8m0`` tensor (MX scales) as ``(x, s)``;
+    any other operand as ``(operand, None)``."""
+    if operand[0] != "Mul":
+        return operand, None
+    for data, scales in ((operand[1], operand[2]), (operand[2], operand[1])):
+        if scales[0] == "Tensor" and dtypes.get(scales[1]) in SCALE_DTYPES and data[0] == "Tensor":
+            return data, scales
+    return operand, None
+
+
+def _block_scales(term: Term, role: str, roles: Mapping[str, str | None], dim: str, group: int,
+                  shapes: Mapping[str, tuple[int, ...]]) -> BlockScales:  # fmt: skip
+    """The :class:`BlockScales` of q's or k's MX scales: read along the batch, (K/V) head and
+    sequence axes and ``d // 32``; or ``KernelError``."""
+    read = _flash_read(term, f"{role}'s MX scales", shapes)
+    sequence = roles["row"] if role == "q" else roles["key"]
+    by_atom = {("IxDiv", t.ax(dim), MX_BLOCK): "block"}
+    for name, axis in (("batch", roles["batch"]), ("row", sequence)):
+        if axis is not None:
+            by_atom[t.ax(axis)] = name
+    if roles["head"] is not None:
+        by_atom[t.ax(roles["head"]) if role == "q" or group == 1 else ("IxDiv", t.ax(roles["head"]), group)] = "head"
+    stray = [t.show(atom) for atom in read.strides if atom not in by_atom]
+    if stray or ("IxDiv", t.ax(dim), MX_BLOCK) not in read.strides:
+        raise KernelError(f"flash attention: {role}'s MX scales {t.show(term)} must vary along the batch, head and "
+                          f"sequence axes and {dim} // {MX_BLOCK} only")  # fmt: skip
+    strides = {by_atom[atom]: stride for atom, stride in read.strides.items()}
+    return BlockScales(term[1], read.shape, strides.get("batch", 0), strides.get("head", 0), strides.get("row", 0),
+                       strides["block"], read.offset)  # fmt: skip
+
+
 def factor_leaves(factor: Term) -> list[Term]:
     """The operands of a product ``a·b·…`` (a scaled attention form's factor)."""
     if factor[0] == "Mul":
@@ -797,6 +841,7 @@ def attention_problem(
     if form[0] == "Scheduled":
         form = form[1]
     key, n_keys, dim, n_dim, q, k, v, scale, mask, *factors = canonical_flash(form)[1:]
+    (q, q_scales), (k, k_scales) = _split_block_scales(q, dtypes), _split_block_scales(k, dtypes)
     q_read, k_read, v_read = (_flash_read(term, role, shapes) for role, term in (("q", q), ("k", k), ("v", v)))
     if any(atom[0] != "Ax" for atom in q_read.strides):
         raise KernelError(f"flash attention: q is indexed {t.show(q)}; expected q[b, h, i, {dim}]")
@@ -838,6 +883,8 @@ def attention_problem(
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:
         raise KernelError(f"flash attention: q, k, v have different dtypes {sorted(operand_dtypes)}")
+    block_scales = {role: _block_scales(term, role, roles, dim, group, shapes)
+                    for role, term in (("q", q_scales), ("k", k_scales)) if term is not None}  # fmt: skip
     score_factors: tuple[ScaleFactor, ...] = ()
     out_factors: tuple[ScaleFactor, ...] = ()
     if factors:
@@ -891,5 +938,7 @@ def attention_problem(
         bias=bias,
         score_factors=score_factors,
         out_factors=out_factors,
+        q_block_scales=block_scales.get("q"),
+        k_block_scales=block_scales.get("k"),
     )
     return problem if problem.strided else replace(problem, layouts=())  # contiguous: one canonical plan name

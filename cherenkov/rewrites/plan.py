@@ -43,6 +43,7 @@ class Target:
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     smem_per_sm: int = 0  # shared memory of one SM (0: smem_per_block + 1 KB)
+    block_scale: bool = False  # mma.sync with MX block scales (kind::mxf8f6f4.block_scale: sm_120a)
 
     @property
     def smem_per_multiprocessor(self) -> int:
@@ -67,6 +68,8 @@ TARGETS: dict[str, Target] = {
     # Hopper with its architecture-specific features (wgmma, TMA, setmaxnreg): both families
     "sm_90a": Target("sm_90a", 90, 227 * 1024, family="wgmma", smem_per_sm=228 * 1024),
     "sm_120": Target("sm_120", 120, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024),
+    # Blackwell GeForce with its architecture-specific features: block-scaled (MX) mma.sync
+    "sm_120a": Target("sm_120a", 120, 99 * 1024, max_threads_per_sm=1536, smem_per_sm=100 * 1024, block_scale=True),
 }
 
 SMEM_RESERVED_PER_BLOCK = 1024
@@ -155,6 +158,25 @@ class ScaleFactor:
 
 
 @dataclass(frozen=True)
+class BlockScales:
+    """The MX scales of an 8-bit q or k (``e8m0``, one per 32 elements of the head dim): the
+    scale of element ``(b, h, s, d)`` is ``tensor[offset + b·batch + h·head + s·row + (d // 32)·block]``
+    (``h`` the query head for q, the K/V head for k)."""
+
+    tensor: str
+    shape: tuple[int, ...]
+    batch: int
+    head: int
+    row: int
+    block: int
+    offset: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict) -> BlockScales:
+        return cls(**{**data, "shape": tuple(data["shape"])})
+
+
+@dataclass(frozen=True)
 class AttentionProblem:
     """One flash-attention kernel: ``o = softmax(scale · q kᵀ [+ causal mask | + bias]) v``.
 
@@ -192,6 +214,8 @@ class AttentionProblem:
     score_factors: tuple[ScaleFactor, ...] = ()
     out_factors: tuple[ScaleFactor, ...] = ()
     out_dtype: str = ""
+    q_block_scales: BlockScales | None = None
+    k_block_scales: BlockScales | None = None
 
     @property
     def output_dtype(self) -> str:
@@ -245,6 +269,9 @@ class AttentionProblem:
             shapes[self.bias.tensor] = self.bias.shape
         for factor in self.factors:
             shapes[factor.tensor] = factor.shape
+        for scales in (self.q_block_scales, self.k_block_scales):
+            if scales is not None:
+                shapes[scales.tensor] = scales.shape
         return shapes
 
     def layout_problems(self) -> list[str]:
@@ -273,6 +300,9 @@ class AttentionProblem:
             values["bias"] = AttentionBias.from_json(values["bias"])
         for key in ("score_factors", "out_factors"):
             values[key] = tuple(ScaleFactor.from_json(f) for f in values.get(key, ()))
+        for key in ("q_block_scales", "k_block_scales"):
+            if values.get(key) is not None:
+                values[key] = BlockScales.from_json(values[key])
         return cls(**values)
 
     @property
@@ -693,7 +723,7 @@ class KernelPlan:
             del problem["value_dim"]  # one D for q, k and v: the names plans had before D_v
         if problem["bias"] is None:
             del problem["bias"]  # no bias: the names plans had before biases
-        for key in ("score_factors", "out_factors", "out_dtype"):
+        for key in ("score_factors", "out_factors", "out_dtype", "q_block_scales", "k_block_scales"):
             if not problem[key]:
                 del problem[key]  # 16-bit operands: the names plans had before 8-bit ones
         schedule = asdict(self.schedule)

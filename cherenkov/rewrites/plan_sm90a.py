@@ -182,6 +182,8 @@ def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str
         reasons.append(f"8-bit output dtype {p.output_dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
     if p.bias is not None:
         reasons.append("an additive bias with 8-bit operands")
+    if p.q_block_scales or p.k_block_scales:
+        reasons.append("MX block scales (the block-scaled mma.sync of sm_120a runs them)")
     for role in ("q", "k", "v"):
         layout = p.layout(role)
         if any(v % 16 for v in (*layout.strides(), layout.offset)):

@@ -209,8 +209,8 @@ def host_source(plan) -> str:
 
 
 NP_TYPES = {"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "int32": np.int32, "bool": np.uint8,
-            "fp8_e4m3": np.uint8, "fp8_e5m2": np.uint8}
-TORCH_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # the bits, as PyTorch's casts encode them
+            "fp8_e4m3": np.uint8, "fp8_e5m2": np.uint8, "e8m0": np.uint8}
+TORCH_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "e8m0": "float8_e8m0fnu"}  # the bits, as PyTorch's casts encode them
 
 
 READ_FILE = r"""

@@ -25,7 +25,7 @@ from cherenkov.codegen.cuda.flash_attention_fp8 import fp8_dynamic_smem, fp8_gri
 from .emulator import PRELUDE, READ_FILE, _strip_functions, launch_blocks, to_bits
 
 REPLACED = ("smem_address", "cp_async_16", "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_e4m3_16832",
-            "pack_e4m3x4", "fast_exp2")  # fmt: skip
+            "mma_mx_e4m3_16832", "pack_e4m3x4", "fast_exp2")  # fmt: skip
 
 HOST_HELPERS = r"""
 #include <cstdint>
@@ -92,6 +92,29 @@ static inline void mma_e4m3_16832(float (&d)[4], const unsigned (&a)[4], unsigne
 }
 """
 
+BLOCK_SCALED_MMA = r"""
+// the block-scaled m16n8k32 (scale_vec::1X, thread-id 0, byte-id 0): row r of A is scaled by byte 0 of lane
+// (r % 8) * 4 + (r >= 8)'s sa, column c of B by byte 0 of lane 4c's sb, each 2^(byte - 127)
+static inline void mma_mx_e4m3_16832(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, unsigned sa,
+                                     unsigned sb) {
+    EmuWarp& w = emu_warp();
+    const int lane = emu_lane();
+    w.words[lane][6] = sa; w.words[lane][7] = sb;
+    w.bar.arrive_and_wait();
+    const int g = lane / 4, t = lane % 4;
+    float scaled[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        scaled[e] = std::ldexp(1.0f, int(w.words[(row % 8) * 4 + (row >= 8)][6] & 0xffu) - 127)
+                  * std::ldexp(1.0f, int(w.words[col * 4][7] & 0xffu) - 127);
+    }
+    w.bar.arrive_and_wait();
+    float product[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_e4m3_16832(product, a, b0, b1);
+    for (int e = 0; e < 4; ++e) d[e] += scaled[e] * product[e];
+}
+"""
+
 OUT_CONVERSIONS = r"""
 template <> inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return ck_to_bf16(x); }
 template <> inline __half from_float<__half>(float x) { return __half{ck_to_fp16(x)}; }
@@ -112,17 +135,19 @@ def host_source(plan) -> str:
                         "template <class T> __device__ __forceinline__ T from_float(float x);" + OUT_CONVERSIONS)
     body = body.replace("extern __shared__ __align__(16) unsigned char smem[];",
                         f"alignas(16) static unsigned char smem[{fp8_dynamic_smem(plan) + 16}];")  # fmt: skip
-    return "#define CK_EMU_MMA_FP16 0\n" + PRELUDE + HOST_HELPERS + body
+    return "#define CK_EMU_MMA_FP16 0\n" + PRELUDE + HOST_HELPERS + BLOCK_SCALED_MMA + body
 
 
 def _main(plan) -> str:
     grid, threads = fp8_grid(plan)
     problem = plan.problem
-    files = ["q", "k", "v", "o", *(f"f{i}" for i in range(len(problem.factors)))]
+    scales = ["qs", "ks"] if problem.q_block_scales is not None else []
+    files = ["q", "k", "v", "o", *scales, *(f"f{i}" for i in range(len(problem.factors)))]
     reads = "\n".join(f"    auto buf_{f} = read_file(argv[{i + 1}]);" for i, f in enumerate(files))
     out_type = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}[problem.output_dtype]
     args = ", ".join([*(f"reinterpret_cast<const uint8_t*>(buf_{f}.data())" for f in "qkv"),
                       f"reinterpret_cast<{out_type}*>(buf_o.data())",
+                      *(f"reinterpret_cast<const unsigned char*>(buf_{s}.data())" for s in scales),
                       *(f"reinterpret_cast<const float*>(buf_f{i}.data())" for i in range(len(problem.factors)))])  # fmt: skip
     return f"""
 {READ_FILE}
@@ -167,6 +192,11 @@ def emulate_fp8_flash(plan, stored: dict[str, np.ndarray]) -> np.ndarray:
         width = {"bf16": 2, "fp16": 2, "fp32": 4}[problem.output_dtype]
         np.full(int(np.prod(out_shape)) * width, 0xFF, dtype=np.uint8).tofile(poison)
         paths.append(str(poison))
+        for label, scales in (("qs", problem.q_block_scales), ("ks", problem.k_block_scales)):
+            if scales is not None:
+                path = Path(tmp) / f"{label}.bin"
+                to_bits(stored[scales.tensor], "e8m0").tofile(path)
+                paths.append(str(path))
         for i, factor in enumerate(problem.factors):
             path = Path(tmp) / f"f{i}.bin"
             np.asarray(stored[factor.tensor], dtype=np.float32).tofile(path)

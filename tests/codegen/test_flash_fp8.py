@@ -235,3 +235,54 @@ def test_hopper_fp8_kernels_match_float32_attention_of_the_dequantised_values(pr
         assert not torch.isnan(got).any(), plan.name
         error = float((got - expected).norm() / expected.norm())
         assert error <= 5e-2, (plan.name, error)
+
+
+def mx_graph(heads: int = 8, kv_heads: int = 2, seq_q: int = 256, seq_kv: int = 512, dim: int = 128) -> ck.Graph:
+    """Causal attention of e4m3 q and k with MX scales (``e8m0``, one per 32 head-dim elements) and an e4m3 v
+    with a per-tensor descale."""
+    g = ck.Graph("mx_attention")
+    q = g.input("q", (1, heads, seq_q, dim), "fp8_e4m3")
+    k, v = g.input("k", (1, kv_heads, seq_kv, dim), "fp8_e4m3"), g.input("v", (1, kv_heads, seq_kv, dim), "fp8_e4m3")
+    sq, sk = g.input("sq", (1, heads, seq_q, dim // 32), "e8m0"), g.input("sk", (1, kv_heads, seq_kv, dim // 32), "e8m0")
+    group = heads // kv_heads
+    k, sk, v = (ck.nn.repeat_kv_heads(x, group) for x in (k, sk, v))
+    o = ck.nn.attention(ck.nn.dequantize(q, sq, block=32), ck.nn.dequantize(k, sk, block=32),
+                        ck.nn.dequantize(v, g.input("sv", (), "fp32")), causal=True)  # fmt: skip
+    g.output(o.cast("bf16"), "o")
+    return g
+
+
+def test_mx_attention_plans_the_block_scaled_mma_on_sm120a_only(nvcc, sass, kernel_cache) -> None:
+    d = ck.derive(mx_graph())
+    (kernel,) = d.kernels
+    assert kernel.source[0] == "FlashAttentionScaled"
+    for target in ("sm_89", "sm_90", "sm_90a", "sm_120"):
+        assert d.plans(target) == [], target  # the MX scales need the block-scaled mma
+    plans = d.plans("sm_120a")
+    assert plans and all(p.problem.q_block_scales and p.problem.k_block_scales for p in plans)
+    for plan in plans:
+        compiled = compile_plan(plan, compiler=nvcc, cache_dir=kernel_cache)
+        assert compiled.report.spill_bytes == 0, (plan.name, compiled.report)
+        if sass is not None:
+            assert "QMMA.SF.16832.F32.E4M3.E4M3.E8" in sass(compiled.cubin_path), plan.name
+
+
+def test_emulated_block_scaled_kernel_matches_attention_of_the_dequantised_values() -> None:
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to emulate kernels with")
+    from .fp8_flash_emulator import emulate_fp8_flash
+
+    d = ck.derive(mx_graph(heads=4, kv_heads=2, seq_q=40, seq_kv=100, dim=64))
+    plan = next(p for p in d.plans("sm_120a") if p.schedule.block_q == 64)
+    rng = np.random.default_rng(6)
+    inputs = {n: round_to_fp8(rng.standard_normal(t.shape) * 2.0, "fp8_e4m3")
+              for n, t in d.graph.inputs.items() if t.dtype == "fp8_e4m3"}  # fmt: skip
+    inputs.update(sq=np.exp2(rng.integers(-3, 4, d.graph.inputs["sq"].shape)),
+                  sk=np.exp2(rng.integers(-3, 4, d.graph.inputs["sk"].shape)), sv=np.array(0.75))  # fmt: skip
+    expected = ck.evaluate(d.graph, inputs)["o"].astype(np.float64)
+    got = emulate_fp8_flash(plan, inputs)
+    assert not np.isnan(got).any()
+    error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert error <= 3e-2, error

@@ -102,3 +102,24 @@ def test_8_bit_tensors_are_captured_from_pytorch_and_serialised() -> None:
     np.testing.assert_allclose(got["out"], expected.numpy(), rtol=1e-12)
     again = ck.Graph.from_json(g.to_json())
     assert again.inputs[name].dtype == "fp8_e4m3" and again.structural_hash() == g.structural_hash()
+
+
+def test_mx_scales_are_e8m0_inputs_rounded_as_pytorch_casts_and_never_a_cast_target() -> None:
+    from cherenkov.graph.fp8 import round_to_e8m0
+
+    values = np.concatenate([[2.0**-127, 0.3, 0.75, 1.5, 2.5, 3.0, 1e30, 2.0**127],
+                             np.exp(np.random.default_rng(4).uniform(-80, 80, 2000))])  # fmt: skip
+    values = values.astype(np.float32).astype(np.float64)
+    expected = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e8m0fnu).double().numpy()
+    np.testing.assert_array_equal(round_to_e8m0(values), expected)
+    g = ck.Graph("mx")
+    x = g.input("x", (2, 64), "fp8_e4m3")
+    scales = g.input("s", (2, 2), "e8m0")
+    g.output(ck.nn.dequantize(x, scales, block=32), "y")
+    xs = round_to_fp8(np.random.default_rng(1).standard_normal((2, 64)), "fp8_e4m3")
+    s = np.array([[0.5, 4.0], [2.0**-10, 1.0]])
+    np.testing.assert_array_equal(ck.evaluate(g, {"x": xs, "s": s})["y"], xs * np.repeat(s, 32, axis=1))
+    with pytest.raises(ck.GraphError, match="cast: to e8m0"):
+        x.cast("e8m0")
+    with pytest.raises(ck.GraphError, match="storage only"):
+        scales * 2.0

@@ -27,7 +27,7 @@ score factors, then the output factors, fp32).
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, section
+from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import KernelPlan, ScaleFactor
 from cherenkov.rewrites.plan_fp8 import FP8_PAD, fp8_schedule_problems, fp8_smem_bytes
@@ -59,12 +59,13 @@ def flash_attention_fp8_source(plan: KernelPlan) -> str:
     reasons = fp8_schedule_problems(plan.schedule, plan.problem, plan.target)
     if reasons:
         raise CodegenError(f"{plan.name}: " + "; ".join(reasons))
+    block_scaled = plan.problem.q_block_scales is not None
     parts = [
         _header(plan),
-        section("types and helpers", _HELPERS),
+        section("types and helpers", _HELPERS, *([_BLOCK_SCALED_MMA] if block_scaled else [])),
         section("problem and schedule constants", _constants(plan)),
         section("tile copies", _COPIES),
-        section("one key tile", _TRANSPOSE_V, _SCORES, _SOFTMAX, _VALUES),
+        section("one key tile", _TRANSPOSE_V, _BLOCK_SCALED_SCORES if block_scaled else _SCORES, _SOFTMAX, _VALUES),
         section("kernel", _kernel(plan)),
     ]
     return "\n\n".join(parts) + "\n"
@@ -167,7 +168,18 @@ def _constants(plan: KernelPlan) -> str:
         constexpr int CHUNKS = HEAD_DIM / 16;  // 16-byte copies a row
         constexpr int D_STEPS = HEAD_DIM / 32, KV_STEPS = BLOCK_KV / 32;  // k32 steps of QK^T and PV
         constexpr int KV_NTILES = BLOCK_KV / 8, D_NTILES = HEAD_DIM / 8;
-    """)
+    """) + _block_scale_constants(p)
+
+
+def _block_scale_constants(p) -> str:
+    """Strides of q's and k's MX scales (one byte per 32 head-dim elements), when the problem has them."""
+    if p.q_block_scales is None:
+        return ""
+    lines = ["", "// MX scales (e8m0) of q and k: element strides of batch, head, row and 32-element block"]
+    for prefix, scales in (("QS", p.q_block_scales), ("KS", p.k_block_scales)):
+        lines.append(f"constexpr long long {prefix}_BATCH = {scales.batch}, {prefix}_HEAD = {scales.head}, "
+                     f"{prefix}_ROW = {scales.row}, {prefix}_BLOCK = {scales.block}, {prefix}_OFFSET = {scales.offset};")
+    return "\n".join(lines)
 
 
 _COPIES = block(r"""
@@ -222,6 +234,45 @@ _SCORES = block(r"""
                 ldmatrix_x4(b, smem_address(k_tile + row * ROW + 32 * kk + 16 * ((lane >> 3) & 1)));
                 mma_e4m3_16832(s[n], qf[kk], b[0], b[1]);
                 mma_e4m3_16832(s[n + 1], qf[kk], b[2], b[3]);
+            }
+        }
+    }
+""")
+
+_BLOCK_SCALED_MMA = block(r"""
+    // d += (a·2^(sa - 127))·(b·2^(sb - 127)), m16n8k32 e4m3 with one MX scale (ue8m0) per row of A and column of
+    // B for the 32 k values: thread-id-a 0 (lanes 4g and 4g + 1 give rows g and g + 8), thread-id-b 0 (lane 4g
+    // gives column g), byte-id 0 (each scale in its register's lowest byte)
+    __device__ __forceinline__ void mma_mx_e4m3_16832(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
+                                                      unsigned sa, unsigned sb) {
+        asm volatile("mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.e4m3.f32.ue8m0 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3}, %10, {0, 0}, %11, {0, 0};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(sa), "r"(sb));
+    }
+""")
+
+_BLOCK_SCALED_SCORES = block(r"""
+    // S = (Q·2^sq) (K·2^sk)^T with the MX scales applied by the mma: qs[kk] holds this lane's row scale for the
+    // 32-byte step kk (lanes 4g, 4g + 1), k_scales the K/V head's key rows
+    __device__ __forceinline__ void tile_scores(float (&s)[KV_NTILES][4], const unsigned (&qf)[D_STEPS][4],
+                                                const unsigned char* k_tile, int lane, const unsigned (&qs)[D_STEPS],
+                                                const unsigned char* k_scales, int key0) {
+        #pragma unroll
+        for (int n = 0; n < KV_NTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < D_STEPS; ++kk) {
+            #pragma unroll
+            for (int n = 0; n < KV_NTILES; n += 2) {
+                unsigned b[4];
+                const int row = 8 * n + (lane & 7) + 8 * (lane >> 4);
+                ldmatrix_x4(b, smem_address(k_tile + row * ROW + 32 * kk + 16 * ((lane >> 3) & 1)));
+                const int key = key0 + 8 * n + (lane >> 2);
+                const bool gives = (lane & 3) == 0;
+                const unsigned sb0 = gives && key < SEQ_KV ? __ldg(k_scales + key * KS_ROW + kk * KS_BLOCK) : 127u;
+                const unsigned sb1 = gives && key + 8 < SEQ_KV ? __ldg(k_scales + (key + 8) * KS_ROW + kk * KS_BLOCK) : 127u;
+                mma_mx_e4m3_16832(s[n], qf[kk], b[0], b[1], qs[kk], sb0);
+                mma_mx_e4m3_16832(s[n + 1], qf[kk], b[2], b[3], qs[kk], sb1);
             }
         }
     }
@@ -309,10 +360,26 @@ def _kernel(plan: KernelPlan) -> str:
 
     score = product(factors[: len(p.score_factors)])
     out = product(factors[len(p.score_factors):])
+    block_scaled = p.q_block_scales is not None
+    scale_params = (", const unsigned char* __restrict__ q_scales, const unsigned char* __restrict__ k_scales"
+                    if block_scaled else "")  # fmt: skip
+    row_scales = block("""
+        // this lane's MX scales of Q for each 32-byte step: lane 4g gives row g, lane 4g + 1 row g + 8
+        unsigned qs[D_STEPS];
+        {
+            const int row = row0 + (lane >> 2) + 8 * (lane & 1);
+            const unsigned char* row_scales = q_scales + QS_OFFSET + batch * QS_BATCH + head * QS_HEAD + row * QS_ROW;
+            #pragma unroll
+            for (int kk = 0; kk < D_STEPS; ++kk) qs[kk] = (lane & 3) < 2 && row < SEQ_Q ? __ldg(row_scales + kk * QS_BLOCK) : 127u;
+        }
+        const unsigned char* k_row_scales = k_scales + KS_OFFSET + batch * KS_BATCH + kv_head * KS_HEAD;
+    """) if block_scaled else ""
+    scores = ("tile_scores(s, qf, k_tile, lane, qs, k_row_scales, j * BLOCK_KV);" if block_scaled
+              else "tile_scores(s, qf, k_tile, lane);")  # fmt: skip
     return block(f"""
         extern "C" __global__ void __launch_bounds__(THREADS)
         {kernel_name(plan)}(const uint8_t* __restrict__ q, const uint8_t* __restrict__ k,
-                {' ' * len(kernel_name(plan))}const uint8_t* __restrict__ v, out_t* __restrict__ o{arguments}) {{
+                {' ' * len(kernel_name(plan))}const uint8_t* __restrict__ v, out_t* __restrict__ o{scale_params}{arguments}) {{
             extern __shared__ __align__(16) unsigned char smem[];
             unsigned char* q_tile = smem;
             unsigned char* vt = smem + VT_OFFSET;
@@ -326,6 +393,7 @@ def _kernel(plan: KernelPlan) -> str:
             const uint8_t* v_base = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
             // causal: keys past the block's last row are never seen
             const int tiles = CAUSAL ? min(KV_TILES, (min(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+            @ROW_SCALES@
 
             // prologue: Q and the first STAGES - 1 key tiles
             load_rows(q_tile, q_base, Q_SEQ, q0, BLOCK_Q, SEQ_Q);
@@ -367,7 +435,7 @@ def _kernel(plan: KernelPlan) -> str:
                 const unsigned char* k_tile = smem + Q_BYTES + (j % STAGES) * 2 * KV_BYTES;
                 transpose_values(k_tile + KV_BYTES, vt);
                 float s[KV_NTILES][4];
-                tile_scores(s, qf, k_tile, lane);
+                @SCORES@
                 tile_softmax(s, o_acc, m, l, scale_log2, j * BLOCK_KV, row0, lane);
                 __syncthreads();  // the transposed V tile is complete
                 tile_values(o_acc, s, vt, lane);
@@ -392,4 +460,5 @@ def _kernel(plan: KernelPlan) -> str:
                 }}
             }}
         }}
-    """)
+    """).replace("@ROW_SCALES@", indent(row_scales, 3).lstrip() if row_scales else "// (no MX scales)").replace(
+        "@SCORES@", scores)

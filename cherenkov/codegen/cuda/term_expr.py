@@ -50,8 +50,8 @@ INT32_LIMIT = 2**31 - 1
 
 # C element type of a stored tensor of each dtype, and its size in bytes
 C_TYPES = {"bf16": "unsigned short", "fp16": "unsigned short", "fp32": "float", "int32": "int", "bool": "unsigned char",
-           "fp8_e4m3": "unsigned char", "fp8_e5m2": "unsigned char"}  # fmt: skip
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "bool": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+           "fp8_e4m3": "unsigned char", "fp8_e5m2": "unsigned char", "e8m0": "unsigned char"}  # fmt: skip
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "bool": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "e8m0": 1}
 UNARY_FUNCTIONS = {
     "Exp2": "exp2f",
     "Exp": "expf",
@@ -202,6 +202,10 @@ def emit_prelude() -> str:
         }
         __device__ __forceinline__ float ck_from_fp8_e4m3(unsigned char b) { return ck_from_fp8(b, 3, 7, false); }
         __device__ __forceinline__ float ck_from_fp8_e5m2(unsigned char b) { return ck_from_fp8(b, 2, 15, true); }
+        // an MX scale (E8M0): 2^(b - 127); 0 is 2^-127 (a subnormal float), 255 NaN
+        __device__ __forceinline__ float ck_from_e8m0(unsigned char b) {
+            return b == 255 ? __uint_as_float(0x7fc00000u) : b ? __uint_as_float(u32(b) << 23) : __uint_as_float(0x00400000u);
+        }
         __device__ __forceinline__ unsigned char ck_to_fp8_e4m3(float x) { return ck_to_fp8(x, 3, 7, 448.0f, false); }
         __device__ __forceinline__ unsigned char ck_to_fp8_e5m2(float x) { return ck_to_fp8(x, 2, 15, 57344.0f, true); }
 
