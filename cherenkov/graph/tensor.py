@@ -432,10 +432,11 @@ class Tensor:
         return self.maximum(-self)
 
     def cast(self, dtype: str) -> Tensor:
-        dtype = sh.normalize_dtype("cast", dtype)
-        if dtype in sh.SCALE_DTYPES and dtype != self.dtype:
-            raise GraphError(f"cast: to {dtype} (an MX scale dtype, inputs only); valid: "
-                             f"{', '.join(d for d in sh.DTYPES if d not in sh.SCALE_DTYPES)}")  # fmt: skip
+        targets = tuple(d for d in sh.DTYPES if d not in sh.SCALE_DTYPES)
+        name = str(dtype).removeprefix("torch.")
+        if sh.DTYPE_ALIASES.get(name, name) in sh.SCALE_DTYPES:
+            raise GraphError(f"cast: to {dtype} (an MX scale dtype, inputs only); valid: {', '.join(targets)}")
+        dtype = sh.normalize_dtype("cast", dtype, targets)
         return self if dtype == self.dtype else self.graph._apply("cast", (self,), (dtype,))
 
     to = cast
