@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
-from cherenkov.rewrites.plan import KernelPlan, ScaleFactor
+from cherenkov.rewrites.plan import KernelPlan
 from cherenkov.rewrites.plan_fp8 import FP8_PAD, fp8_schedule_problems, fp8_smem_bytes
 
 LOG2E = 1.4426950408889634
@@ -62,10 +62,10 @@ def flash_attention_fp8_source(plan: KernelPlan) -> str:
     block_scaled = plan.problem.q_block_scales is not None
     parts = [
         _header(plan),
-        section("types and helpers", _HELPERS, *([_BLOCK_SCALED_MMA] if block_scaled else [])),
+        section("types and helpers", _HELPERS, PACK_E4M3X4, *([_BLOCK_SCALED_MMA] if block_scaled else [])),
         section("problem and schedule constants", _constants(plan)),
         section("tile copies", _COPIES),
-        section("one key tile", _TRANSPOSE_V, _BLOCK_SCALED_SCORES if block_scaled else _SCORES, _SOFTMAX, _VALUES),
+        section("one key tile", _TRANSPOSE_V, _scores(block_scaled), _SOFTMAX, _VALUES),
         section("kernel", _kernel(plan)),
     ]
     return "\n\n".join(parts) + "\n"
@@ -114,14 +114,6 @@ _HELPERS = block(r"""
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 
-    // four floats rounded to e4m3 (saturating), the first in the lowest byte
-    __device__ __forceinline__ unsigned pack_e4m3x4(float x0, float x1, float x2, float x3) {
-        unsigned short lo, hi;
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
-        return unsigned(lo) | (unsigned(hi) << 16);
-    }
-
     __device__ __forceinline__ float fast_exp2(float x) {
         float y;
         asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -135,10 +127,21 @@ _HELPERS = block(r"""
 """)
 
 
-def _factor_expression(factor: ScaleFactor) -> str:
-    """The fp32 factor of the block's batch and query head, read from its argument."""
-    index = f"{factor.offset} + batch * {factor.batch} + (head / {factor.group}) * {factor.head}"
-    return f"__ldg({identifier(factor.tensor)}_factor + {index})"
+def factor_arguments(problem, batch: str, head: str) -> tuple[str, str, str, str]:
+    """The kernel parameters of the problem's factors (fp32 pointers, named after their tensors),
+    the arguments passing them on, and the C expressions of the score and output factors of the
+    batch and query head held by the C expressions ``batch`` and ``head`` (both 8-bit families)."""
+    names = [f"factor{i}_{identifier(f.tensor)}" for i, f in enumerate(problem.factors)]
+
+    def product(pairs: list) -> str:
+        reads = [f"__ldg({name} + {f.offset} + {batch} * {f.batch} + ({head} / {f.group}) * {f.head})"
+                 for name, f in pairs]  # fmt: skip
+        return " * ".join(reads) if reads else "1.0f"
+
+    pairs = list(zip(names, problem.factors))
+    split = len(problem.score_factors)
+    params = "".join(f", const float* __restrict__ {name}" for name in names)
+    return params, "".join(f", {name}" for name in names), product(pairs[:split]), product(pairs[split:])
 
 
 def _constants(plan: KernelPlan) -> str:
@@ -219,23 +222,51 @@ _TRANSPOSE_V = block(r"""
     }
 """)
 
-_SCORES = block(r"""
-    // S = Q K^T for the warp's 16 rows and the tile's keys (raw dot products)
-    __device__ __forceinline__ void tile_scores(float (&s)[KV_NTILES][4], const unsigned (&qf)[D_STEPS][4],
-                                                const unsigned char* k_tile, int lane) {
-        #pragma unroll
-        for (int n = 0; n < KV_NTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        #pragma unroll
-        for (int kk = 0; kk < D_STEPS; ++kk) {
-            #pragma unroll
-            for (int n = 0; n < KV_NTILES; n += 2) {
-                unsigned b[4];
-                const int row = 8 * n + (lane & 7) + 8 * (lane >> 4);
-                ldmatrix_x4(b, smem_address(k_tile + row * ROW + 32 * kk + 16 * ((lane >> 3) & 1)));
+def _scores(block_scaled: bool) -> str:
+    """``tile_scores``: S = Q Kᵀ for the warp's 16 rows and the tile's keys; with MX scales the mma
+    applies them (``qs[kk]``: this lane's row scale for the 32-byte step ``kk``, lanes 4g and 4g + 1;
+    ``k_scales``: the K/V head's key rows)."""
+    if block_scaled:
+        params = ", const unsigned (&qs)[D_STEPS],\n" + " " * 52 + "const unsigned char* k_scales, int key0"
+        mmas = """
+                const int key = key0 + 8 * n + (lane >> 2);
+                const bool gives = (lane & 3) == 0;
+                const unsigned sb0 = gives && key < SEQ_KV ? __ldg(k_scales + key * KS_ROW + kk * KS_BLOCK) : 127u;
+                const unsigned sb1 = gives && key + 8 < SEQ_KV ? __ldg(k_scales + (key + 8) * KS_ROW + kk * KS_BLOCK) : 127u;
+                mma_mx_e4m3_16832(s[n], qf[kk], b[0], b[1], qs[kk], sb0);
+                mma_mx_e4m3_16832(s[n + 1], qf[kk], b[2], b[3], qs[kk], sb1);"""
+    else:
+        params = ""
+        mmas = """
                 mma_e4m3_16832(s[n], qf[kk], b[0], b[1]);
-                mma_e4m3_16832(s[n + 1], qf[kk], b[2], b[3]);
-            }
-        }
+                mma_e4m3_16832(s[n + 1], qf[kk], b[2], b[3]);"""
+    what = "(Q·2^sq) (K·2^sk)^T, the MX scales applied by the mma" if block_scaled else "Q K^T (raw dot products)"
+    return block(f"""
+        // S = {what}, for the warp's 16 rows and the tile's keys
+        __device__ __forceinline__ void tile_scores(float (&s)[KV_NTILES][4], const unsigned (&qf)[D_STEPS][4],
+                                                    const unsigned char* k_tile, int lane{params}) {{
+            #pragma unroll
+            for (int n = 0; n < KV_NTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            #pragma unroll
+            for (int kk = 0; kk < D_STEPS; ++kk) {{
+                #pragma unroll
+                for (int n = 0; n < KV_NTILES; n += 2) {{
+                    unsigned b[4];
+                    const int row = 8 * n + (lane & 7) + 8 * (lane >> 4);
+                    ldmatrix_x4(b, smem_address(k_tile + row * ROW + 32 * kk + 16 * ((lane >> 3) & 1)));@MMAS@
+                }}
+            }}
+        }}
+    """).replace("@MMAS@", "\n" + indent(block(mmas), 3))
+
+
+PACK_E4M3X4 = block(r"""
+    // four floats rounded to e4m3 (saturating), the first in the lowest byte (both 8-bit families)
+    __device__ __forceinline__ unsigned pack_e4m3x4(float x0, float x1, float x2, float x3) {
+        unsigned short lo, hi;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+        return unsigned(lo) | (unsigned(hi) << 16);
     }
 """)
 
@@ -249,32 +280,6 @@ _BLOCK_SCALED_MMA = block(r"""
                      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3}, %10, {0, 0}, %11, {0, 0};\n"
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(sa), "r"(sb));
-    }
-""")
-
-_BLOCK_SCALED_SCORES = block(r"""
-    // S = (Q·2^sq) (K·2^sk)^T with the MX scales applied by the mma: qs[kk] holds this lane's row scale for the
-    // 32-byte step kk (lanes 4g, 4g + 1), k_scales the K/V head's key rows
-    __device__ __forceinline__ void tile_scores(float (&s)[KV_NTILES][4], const unsigned (&qf)[D_STEPS][4],
-                                                const unsigned char* k_tile, int lane, const unsigned (&qs)[D_STEPS],
-                                                const unsigned char* k_scales, int key0) {
-        #pragma unroll
-        for (int n = 0; n < KV_NTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        #pragma unroll
-        for (int kk = 0; kk < D_STEPS; ++kk) {
-            #pragma unroll
-            for (int n = 0; n < KV_NTILES; n += 2) {
-                unsigned b[4];
-                const int row = 8 * n + (lane & 7) + 8 * (lane >> 4);
-                ldmatrix_x4(b, smem_address(k_tile + row * ROW + 32 * kk + 16 * ((lane >> 3) & 1)));
-                const int key = key0 + 8 * n + (lane >> 2);
-                const bool gives = (lane & 3) == 0;
-                const unsigned sb0 = gives && key < SEQ_KV ? __ldg(k_scales + key * KS_ROW + kk * KS_BLOCK) : 127u;
-                const unsigned sb1 = gives && key + 8 < SEQ_KV ? __ldg(k_scales + (key + 8) * KS_ROW + kk * KS_BLOCK) : 127u;
-                mma_mx_e4m3_16832(s[n], qf[kk], b[0], b[1], qs[kk], sb0);
-                mma_mx_e4m3_16832(s[n + 1], qf[kk], b[2], b[3], qs[kk], sb1);
-            }
-        }
     }
 """)
 
@@ -347,19 +352,7 @@ _VALUES = block(r"""
 
 def _kernel(plan: KernelPlan) -> str:
     p = plan.problem
-    names = [identifier(f.tensor) for f in p.factors]
-    if len(set(names)) != len(names):  # one tensor twice: give each read its own argument name
-        names = [f"{name}_{i}" for i, name in enumerate(names)]
-    factors = [(name, f) for name, f in zip(names, p.factors)]
-    arguments = "".join(f", const float* __restrict__ {name}_factor" for name, _ in factors)
-
-    def product(chosen: list[tuple[str, ScaleFactor]]) -> str:
-        reads = [_factor_expression(ScaleFactor(name, f.shape, f.batch, f.head, f.group, f.offset))
-                 for name, f in chosen]  # fmt: skip
-        return " * ".join(reads) if reads else "1.f"
-
-    score = product(factors[: len(p.score_factors)])
-    out = product(factors[len(p.score_factors):])
+    arguments, _, score, out = factor_arguments(p, "batch", "head")
     block_scaled = p.q_block_scales is not None
     scale_params = (", const unsigned char* __restrict__ q_scales, const unsigned char* __restrict__ k_scales"
                     if block_scaled else "")  # fmt: skip

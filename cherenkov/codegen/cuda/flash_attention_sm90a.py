@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from cherenkov.codegen.cuda import attention_mask, mma, softmax, tma, wgmma
 from cherenkov.codegen.cuda.flash_attention import operand_strides, problem_summary, softmax_scale
-from cherenkov.codegen.cuda.flash_attention_fp8 import P_EXPONENT_SHIFT
+from cherenkov.codegen.cuda.flash_attention_fp8 import P_EXPONENT_SHIFT, PACK_E4M3X4, factor_arguments
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import AttentionProblem
@@ -95,7 +95,7 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
     o_wgmma = (problem.head_dim, dtype, True, not eight_bit)
     parts = [
         _header(problem, schedule),
-        section("types and helpers", _types(dtype), *([_EIGHT_BIT_HELPERS] if eight_bit else [])),
+        section("types and helpers", _types(dtype), *([PACK_E4M3X4] if eight_bit else [])),
         section("problem and schedule constants", _constants(problem, schedule)),
         section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype))),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(4),
@@ -113,19 +113,6 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
         section("kernel", _kernel(schedule, problem)),
     ]
     return "\n\n".join(parts) + "\n"
-
-
-_EIGHT_BIT_HELPERS = block(
-    """
-    // four floats rounded to e4m3 (saturating), the first in the lowest byte
-    __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
-        unsigned short lo, hi;
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\\n" : "=h"(lo) : "f"(x1), "f"(x0));
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\\n" : "=h"(hi) : "f"(x3), "f"(x2));
-        return u32(lo) | (u32(hi) << 16);
-    }
-    """
-)
 
 
 def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
@@ -527,7 +514,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
     operands: V is read transposed (K-major)."""
     bias, eight_bit = problem.bias is not None, problem.dtype in HOPPER_EIGHT_BIT_DTYPES
     epilogue = _epilogue_through_smem() if _through_smem(schedule, problem) else _epilogue_from_registers()
-    factor_params, _, score_factor, out_factor = factor_arguments(problem)
+    factor_params, _, score_factor, out_factor = factor_arguments(problem, "w.batch", "w.head")
     v_lbo = "16" if eight_bit else "KV_BOX_BYTES"
     text = block(
         """
@@ -725,23 +712,6 @@ def _through_smem(schedule: HopperFlashSchedule, problem: AttentionProblem) -> b
     return schedule.o_through_smem and problem.dtype not in HOPPER_EIGHT_BIT_DTYPES
 
 
-def factor_arguments(problem: AttentionProblem) -> tuple[str, str, str, str]:
-    """The kernel parameters of the problem's factors (fp32 pointers, named after their
-    tensors), the arguments passing them on, and the C expressions of the score and output
-    factors of a work tile ``w``."""
-    names = [f"factor{i}_{identifier(f.tensor)}" for i, f in enumerate(problem.factors)]
-
-    def product(pairs: list) -> str:
-        reads = [f"__ldg({name} + {f.offset} + w.batch * {f.batch} + (w.head / {f.group}) * {f.head})"
-                 for name, f in pairs]  # fmt: skip
-        return " * ".join(reads) if reads else "1.0f"
-
-    pairs = list(zip(names, problem.factors))
-    split = len(problem.score_factors)
-    params = "".join(f", const float* __restrict__ {name}" for name in names)
-    return params, "".join(f", {name}" for name in names), product(pairs[:split]), product(pairs[split:])
-
-
 def transpose_kernel_name(schedule: HopperFlashSchedule) -> str:
     """The ``extern "C"`` name of the 8-bit variant's V transposition kernel."""
     return identifier(f"{kernel_name(schedule)}_transpose_v")
@@ -798,7 +768,7 @@ def _kernel(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
     name = kernel_name(schedule)
     bias = problem.bias is not None
     bias_param, bias_arg = (", const bias_t* __restrict__ bias", " bias,") if bias else ("", "")
-    factor_params, factor_args, _, _ = factor_arguments(problem)
+    factor_params, factor_args, _, _ = factor_arguments(problem, "w.batch", "w.head")
     if schedule.register_split:
         producer_regs, consumer_regs = "reg_dealloc<PRODUCER_REGS>();", "reg_alloc<CONSUMER_REGS>();"
     else:
