@@ -21,7 +21,7 @@ import numpy as np
 from cherenkov.codegen import tensor_map
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, FlashTiling
-from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES
+from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, ROWS_PER_CONSUMER
 
 MAX_CACHED_TENSOR_MAPS = 64  # tensor-map sets a TMA kernel keeps (keyed by its operands' data pointers)
 
@@ -63,12 +63,12 @@ def mask_view(problem, tensor):
                             (b.batch, b.head, b.row, b.key), b.offset)  # fmt: skip
 
 
-def operand_map(problem, role: str, address: int, box_rows: int) -> tensor_map.TensorMap:
+def operand_map(problem, role: str, address: int, box_rows: int, box_heads: int = 1) -> tensor_map.TensorMap:
     """The TMA tensor map of one attention operand at its layout's strides (both families)."""
     layout = problem.layout(role)
     dtype = problem.output_dtype if role == "o" else problem.dtype
     return tensor_map.operand_tensor_map(address, problem.logical_shape(role), layout.strides(), layout.offset,
-                                         dtype, box_rows)  # fmt: skip
+                                         dtype, box_rows, box_heads)  # fmt: skip
 
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool",
@@ -360,7 +360,7 @@ class HopperFlashKernel(FlashAttentionKernel):
         self.problem = p = compiled.plan.problem
         self.schedule = s = compiled.plan.schedule
         self.device = device
-        self.smem_bytes = s.smem_bytes(p.head_dim, p.dtype)
+        self.smem_bytes = s.smem_bytes(p.head_dim, p.dtype, p.v_dim)
         self.block = (s.threads, 1, 1)
         with cupy.cuda.Device(device):
             self.grid = (s.grid_blocks(p, _multiprocessors(device)), 1, 1)
@@ -394,9 +394,12 @@ class HopperFlashKernel(FlashAttentionKernel):
             return tensor_map.operand_tensor_map(workspace.data_ptr(), (p.batch, p.kv_heads, d, keys),
                                                  (p.kv_heads * d * keys, d * keys, keys), 0, p.dtype, d)  # fmt: skip
 
+        # q's box is a work tile (packed: Sq rows of each of its heads), o's one consumer's 64 rows
+        heads = s.tile_heads(p)
+        q_rows, o_rows = s.block_q // heads, min(s.block_q // heads, ROWS_PER_CONSUMER)
         return _cached_tensor_maps(self._maps, key, lambda: (
-            operand_map(p, "q", key[0], s.block_q), operand_map(p, "k", key[1], s.block_kv), v_map(),
-            operand_map(p, "o", key[3], s.block_q // s.consumer_warpgroups),
+            operand_map(p, "q", key[0], q_rows, heads), operand_map(p, "k", key[1], s.block_kv), v_map(),
+            operand_map(p, "o", key[3], o_rows, ROWS_PER_CONSUMER // o_rows),
         ))  # fmt: skip
 
     def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:

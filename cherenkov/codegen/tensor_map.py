@@ -115,12 +115,13 @@ def encode_tiled(
 
 
 def operand_tensor_map(address: int, logical: Sequence[int], strides: Sequence[int], offset: int, dtype: str,
-                       box_rows: int) -> TensorMap:  # fmt: skip
+                       box_rows: int, box_heads: int = 1) -> TensorMap:  # fmt: skip
     """The tensor map of an attention operand of ``logical`` shape ``(B, H, S, D)`` whose
     element ``(b, h, s, d)`` lies at ``offset + b·strides[0] + h·strides[1] + s·strides[2] +
-    d`` elements from ``address``: 4-D ``(D, S, H, B)`` with boxes of ``64 × box_rows × 1 × 1``
-    (coordinates ``(d, s, h, b)`` in the kernel). An axis of extent 1 gets a stride that
-    never moves (its coordinate is always 0)."""
+    d`` elements from ``address``: 4-D ``(D, S, H, B)`` with boxes of ``64 × box_rows ×
+    box_heads × 1`` (coordinates ``(d, s, h, b)`` in the kernel; a box of several heads lands
+    as their row blocks one after another). An axis of extent 1 gets a stride that never
+    moves (its coordinate is always 0)."""
     batch, heads, seq, head_dim = logical
     elem = ELEMENT_BYTES.get(dtype, 2)
     sizes = {"b": batch, "h": heads, "s": seq}
@@ -129,7 +130,7 @@ def operand_tensor_map(address: int, logical: Sequence[int], strides: Sequence[i
     moving = {axis: byte_strides[axis] if sizes[axis] > 1 else still for axis in "bhs"}
     return encode_tiled(
         address + offset * elem, dtype, (head_dim, seq, heads, batch), (moving["s"], moving["h"], moving["b"]),
-        (SWIZZLE_BYTES // elem, box_rows, 1, 1),
+        (SWIZZLE_BYTES // elem, box_rows, box_heads, 1),
     )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 ATTENTION_DTYPES = ("bf16", "fp16")
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 """Head dims (of q·k and of v) the ``mma.sync`` flash family plans; the Hopper family plans
-``HOPPER_HEAD_DIMS`` (:mod:`cherenkov.rewrites.plan_sm90a`)."""
+multiples of 16 up to 256 (:mod:`cherenkov.rewrites.plan_sm90a`)."""
 MAX_REGISTERS_PER_THREAD = 255
 
 

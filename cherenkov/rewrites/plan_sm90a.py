@@ -10,7 +10,10 @@ barriers, so one warpgroup's softmax runs while the other's matmuls occupy the t
 cores. ``persistent`` launches one block per SM that walks the work tiles (query tile ×
 head) in a stride, so the producer loads the next tile's Q and K while the consumers
 normalise and store the last one; ``q_buffers`` 2 gives such a block a second Q tile (and
-an O tile for TMA stores), so the next tile's Q is loaded during the current one. The code
+an O tile for TMA stores), so the next tile's Q is loaded during the current one.
+``pack_group`` fills a tile of a short query (``Sq`` of 8 to 64 rows) with the rows of
+``block_q / Sq`` query heads of one K/V head, so K and V are read once for all of them and
+no tile rows are wasted (chunked prefill: 64 queries of 4 heads a K/V head). The code
 generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
 
 This module holds only the schedule, its resource estimates and its validity rules; it
@@ -24,19 +27,27 @@ from dataclasses import dataclass
 
 from cherenkov.rewrites.plan import ATTENTION_DTYPES, ELEMENT_BYTES, TARGETS, AttentionProblem, Target
 
-HOPPER_HEAD_DIMS = (64, 128, 192, 256)
-"""Head dims of the sm_90a family (one for q, k and v): whole 64-column TMA boxes, and an
-O accumulator (64 rows a warpgroup, one wgmma of N = head dim) that fits its registers —
-at 192 and 256 only beside 64-key tiles."""
+MAX_HEAD_DIM = 256
+"""The widest head dim (of q·k or of v) of the sm_90a family: O is one wgmma of N = the v
+tile's width, at most 256."""
 
 SM90A = TARGETS["sm_90a"]
 """The Hopper target with its architecture-specific features (wgmma, setmaxnreg)."""
 
 WARPGROUP_THREADS = 128
 ROWS_PER_CONSUMER = 64  # one wgmma m64 tile of query rows per consumer warpgroup
-TMA_BOX_COLUMNS = 64  # 64 16-bit elements = 128 bytes, the width of the 128-byte swizzle
+SWIZZLE_ROW_BYTES = 128  # a TMA box row: 64 16-bit elements, the width of the 128-byte swizzle
 SWIZZLE_ALIGN = 1024  # one 128-byte-swizzle atom: 8 rows of 128 bytes
 MBARRIER_BYTES = 8
+
+
+def tile_columns(dim: int, dtype: str = "bf16") -> int:
+    """Columns a head dim occupies in shared memory: whole 128-byte TMA boxes. A head dim that
+    is not a whole number of boxes (80, 96 in 16 bits) reads the last box's columns past its
+    end as zeros (the tensor map's out-of-bounds fill), which add nothing to ``Q Kᵀ`` and give
+    O columns that are never stored."""
+    box = SWIZZLE_ROW_BYTES // ELEMENT_BYTES[dtype]
+    return -(-dim // box) * box
 
 # setmaxnreg budgets (producer, consumer) by number of consumer warpgroups: the block's
 # register file is 64K, and each warpgroup's share must be a multiple of 8.
@@ -56,7 +67,12 @@ class HopperFlashSchedule:
     walk many work tiles (otherwise one block a tile, each paying its own prologue and
     epilogue, exposed when a tile has few key tiles); ``q_buffers`` 2 (persistent only)
     double-buffers Q, so the producer loads the next work tile's Q while the current one
-    still runs instead of after its last scores.
+    still runs instead of after its last scores; ``pack_group`` packs the query rows of
+    several heads of a GQA group into a tile (one TMA box of ``Sq`` rows × heads; non-causal
+    short queries only); ``balanced`` (causal, persistent) orders the work tiles longest
+    first over all heads and alternates each round's direction over the blocks, so every
+    block's sum of key tiles is about the same (otherwise a block's share is whatever lengths
+    its stride meets).
     """
 
     block_kv: int = 128
@@ -65,6 +81,8 @@ class HopperFlashSchedule:
     pingpong: bool = True
     persistent: bool = False
     q_buffers: int = 1
+    pack_group: bool = False
+    balanced: bool = False
 
     @property
     def block_q(self) -> int:
@@ -99,36 +117,46 @@ class HopperFlashSchedule:
         block with one Q buffer keeps register stores: Q is released before the epilogue."""
         return self.q_buffers == 2 or not self.persistent
 
-    def smem_bytes(self, head_dim: int, dtype: str = "bf16") -> int:
+    def smem_bytes(self, head_dim: int, dtype: str = "bf16", v_dim: int = 0) -> int:
         """Dynamic shared memory of one block: ``q_buffers`` Q tiles, ``stages`` × (K tile +
         V tile), with two Q buffers an O tile, the mbarriers (Q full and Q empty per Q buffer;
         K full, V full and K/V empty per stage, or K empty and V empty with ``split_release``)
-        and 1 KB to align the tiles to the 128-byte swizzle atom."""
+        and 1 KB to align the tiles to the 128-byte swizzle atom. Tiles are whole TMA boxes
+        wide (:func:`tile_columns`); ``v_dim`` is v's head dim (0: ``head_dim``)."""
         elem = ELEMENT_BYTES[dtype]
-        q_tile = self.block_q * head_dim * elem
-        tiles = self.q_buffers * q_tile + self.stages * 2 * self.block_kv * head_dim * elem
+        qk_columns, v_columns = tile_columns(head_dim, dtype), tile_columns(v_dim or head_dim, dtype)
+        tiles = self.q_buffers * self.block_q * qk_columns * elem
+        tiles += self.stages * self.block_kv * (qk_columns + v_columns) * elem
         if self.q_buffers == 2:
-            tiles += q_tile  # the O staging tile
+            tiles += self.block_q * v_columns * elem  # the O staging tile
         barriers = MBARRIER_BYTES * (2 * self.q_buffers + (4 if self.split_release else 3) * self.stages)
         return tiles + barriers + SWIZZLE_ALIGN
 
-    def register_estimate(self, head_dim: int) -> int:
+    def register_estimate(self, v_dim: int, dtype: str = "bf16") -> int:
         """Registers a consumer thread needs: O and S accumulators (fp32, half a column each
-        per thread of the m64 tile), packed P (16-bit pairs) and 32 for the rest (ptxas,
-        nvcc 13.0: D128/kv176 fits 232 and D64/kv128 fits 160 without spills)."""
-        return head_dim // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
+        per thread of the m64 tile; O as wide as v's tile), packed P (16-bit pairs) and 32 for
+        the rest (ptxas, nvcc 13.0: D128/kv176 fits 232 and D64/kv128 fits 160 without spills)."""
+        return tile_columns(v_dim, dtype) // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
 
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent; ``_q2``: two
-        Q buffers)."""
+        Q buffers; ``_pk``: packed GQA group; ``_lpt``: balanced causal tiles)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_s{self.stages}_c{self.consumer_warpgroups}"
             f"{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
-            f"{f'_q{self.q_buffers}' if self.q_buffers != 1 else ''}"
+            f"{f'_q{self.q_buffers}' if self.q_buffers != 1 else ''}{'_pk' if self.pack_group else ''}"
+            f"{'_lpt' if self.balanced else ''}"
         )
 
+    def tile_heads(self, problem: AttentionProblem) -> int:
+        """Query heads a work tile serves: ``block_q / Sq`` packed, else 1."""
+        return self.block_q // problem.seq_q if self.pack_group else 1
+
     def tiles(self, problem: AttentionProblem) -> int:
-        """Work tiles of a problem: query tiles × heads × batch."""
+        """Work tiles of a problem: query tiles × heads × batch (packed: one query tile for
+        every ``tile_heads`` heads)."""
+        if self.pack_group:
+            return problem.heads // self.tile_heads(problem) * problem.batch
         return -(-problem.seq_q // self.block_q) * problem.heads * problem.batch
 
     def grid_blocks(self, problem: AttentionProblem, sms: int) -> int:
@@ -155,11 +183,19 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 2, 1, False),
     HopperFlashSchedule(64, 2, 2, True),
     HopperFlashSchedule(64, 2, 2, True, persistent=True),
+    HopperFlashSchedule(80, 2, 2, True),
+    HopperFlashSchedule(80, 2, 2, True, persistent=True),
+    HopperFlashSchedule(128, 3, 2, True, pack_group=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, pack_group=True),
+    HopperFlashSchedule(176, 2, 2, True, pack_group=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True),
+    HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2, balanced=True),
 )
 """The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
 they measured 0.7x two ping-ponging consumers on the H200, and with a query tail they spill.
-Four stages fit 128-key tiles of 8-bit operands at head dim 128 (and 16-bit ones at 64)."""
+Four stages fit 128-key tiles of 8-bit operands at head dim 128 (and 16-bit ones at 64). 80-key
+tiles are the widest two stages of head dim 256 fit (224 KB)."""
 
 
 HOPPER_EIGHT_BIT_DTYPES = ("fp8_e4m3",)
@@ -172,8 +208,8 @@ def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str
     or 256), 128-key tiles (the transposed V tile's 128-byte rows), one Q buffer and register
     stores of a 16-bit output, no bias, 16-byte aligned strides."""
     reasons = []
-    if p.head_dim not in (128, 256):
-        reasons.append(f"8-bit head dim {p.head_dim} (valid: 128, 256: whole 128-byte rows)")
+    if p.head_dim not in (128, 256) or p.v_dim != p.head_dim:
+        reasons.append(f"8-bit head dims {p.head_dim} and {p.v_dim} (valid: one of 128, 256: whole 128-byte rows)")
     if s.block_kv != 128:
         reasons.append(f"8-bit block_kv {s.block_kv} (valid: 128, the transposed V tile's 128-byte rows)")
     if s.q_buffers != 1:
@@ -189,6 +225,23 @@ def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str
         if any(v % 16 for v in (*layout.strides(), layout.offset)):
             reasons.append(f"{role}'s strides {layout.strides()} and offset {layout.offset} are not multiples of 16 "
                            "8-bit elements")  # fmt: skip
+    return reasons
+
+
+def _packing_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
+    """Why a packed schedule cannot run a problem: a work tile is whole heads of ``Sq`` rows
+    (a multiple of 8, the swizzle atom's rows, dividing a consumer's 64), all of one K/V
+    head; every row attends to every key (no causal mask, no bias); 16-bit operands."""
+    reasons = []
+    if p.seq_q % 8 or ROWS_PER_CONSUMER % p.seq_q:
+        reasons.append(f"packing needs Sq {p.seq_q} to be 8, 16, 32 or 64 (whole heads a consumer's 64 rows)")
+    elif p.group_size % (s.block_q // p.seq_q):
+        reasons.append(f"packing {s.block_q // p.seq_q} heads a tile needs them to share a K/V head "
+                       f"(group of {p.group_size})")
+    if p.causal or p.bias is not None:
+        reasons.append("packing needs every row to attend to every key (no causal mask, no bias)")
+    if p.dtype not in ATTENTION_DTYPES:
+        reasons.append(f"packing with {p.dtype} operands (valid: {', '.join(ATTENTION_DTYPES)})")
     return reasons
 
 
@@ -209,9 +262,10 @@ def hopper_schedule_problems(
         reasons += _eight_bit_problems(s, p)
     elif p.factors:
         reasons.append("score and output factors come with 8-bit operands only")
-    if p.head_dim not in HOPPER_HEAD_DIMS or p.v_dim != p.head_dim:
-        reasons.append(f"head dims {p.head_dim} (q, k) and {p.v_dim} (v) (valid: one of {HOPPER_HEAD_DIMS} for all; "
-                       "the mma.sync family plans the others)")
+    dims_valid = all(d % 16 == 0 and 16 <= d <= MAX_HEAD_DIM for d in (p.head_dim, p.v_dim))
+    if not dims_valid:
+        reasons.append(f"head dims {p.head_dim} (q, k) and {p.v_dim} (v) (valid: multiples of 16 up to "
+                       f"{MAX_HEAD_DIM}; the mma.sync family plans the others)")
     if s.consumer_warpgroups not in (1, 2, 3):
         reasons.append(f"{s.consumer_warpgroups} consumer warpgroups (valid: 1, 2, 3)")
     if s.pingpong and s.consumer_warpgroups != 2:
@@ -222,17 +276,25 @@ def hopper_schedule_problems(
         reasons.append(f"{s.q_buffers} Q buffers (valid: 1, 2)")
     if s.q_buffers == 2 and not s.persistent:
         reasons.append("two Q buffers need a persistent grid (a block of one work tile loads one Q)")
-    if s.block_kv < 128 and p.head_dim < 192:
-        reasons.append("64-key tiles only for head dims 192 and 256, where wider ones do not fit the registers")
     if s.stages < 2:
         reasons.append(f"{s.stages} stage(s): the consumers hold two K/V stages at once, so the ring needs 2 or more")
     if p.heads % p.kv_heads:
         reasons.append(f"kv_heads {p.kv_heads} does not divide heads {p.heads}")
-    if p.head_dim in HOPPER_HEAD_DIMS and p.dtype in ELEMENT_BYTES:
-        smem = s.smem_bytes(p.head_dim, p.dtype)
+    if s.pack_group:
+        reasons += _packing_problems(s, p)
+    if s.balanced and not (s.persistent and p.causal):
+        reasons.append("balanced tile order is for causal problems on a persistent grid")
+    if dims_valid and p.dtype in ELEMENT_BYTES:
+        qk_columns, v_columns = tile_columns(p.head_dim, p.dtype), tile_columns(p.v_dim, p.dtype)
+        if s.block_kv < 128 and max(qk_columns, v_columns) < 192:
+            reasons.append("64-key tiles only for head dims of 192 and more, where wider ones may not fit")
+        if s.o_through_smem and s.q_buffers == 1 and v_columns > qk_columns:
+            reasons.append(f"O ({v_columns} columns) is staged in the Q tile ({qk_columns} columns): v's head dim "
+                           "must not be wider than q's in a one-tile block")
+        smem = s.smem_bytes(p.head_dim, p.dtype, p.v_dim)
         if smem > target.smem_per_block:
             reasons.append(f"shared memory {smem} B exceeds {target.name}'s {target.smem_per_block} B")
-        regs = s.register_estimate(p.head_dim)
+        regs = s.register_estimate(p.v_dim, p.dtype)
         if regs > s.consumer_registers:
             reasons.append(f"about {regs} registers a consumer thread exceeds its {s.consumer_registers}")
     return reasons

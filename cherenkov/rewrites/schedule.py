@@ -42,7 +42,8 @@ KNOB_ORDER = (
 )
 _VARIABLES = " ".join(KNOB_ORDER)
 _UNSPLIT = " ".join("1" if knob == "kv_splits" else knob for knob in KNOB_ORDER)
-HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers")
+HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers", "pack_group",
+                     "balanced")
 _HOPPER_VARIABLES = " ".join(HOPPER_KNOB_ORDER)
 FP8_KNOB_ORDER = ("block_q", "block_kv", "stages")
 _FP8_VARIABLES = " ".join(FP8_KNOB_ORDER)
@@ -152,16 +153,19 @@ def short_query_schedules(head_dim: int, target: Target, value_dim: int = 0) -> 
     return schedules
 
 
-def hopper_schedules(head_dim: int, target: Target) -> list[HopperFlashSchedule]:
-    """The Hopper schedules a ``head_dim`` problem fits on ``target`` (none off wgmma targets).
+def hopper_schedules(head_dim: int, target: Target, value_dim: int = 0) -> list[HopperFlashSchedule]:
+    """The Hopper schedules a problem of head dims ``head_dim`` (q·k) and ``value_dim`` (v; 0:
+    the same) fits on ``target`` (none off wgmma targets).
 
-    As for :func:`flash_schedules`, a probe problem (sequence lengths a multiple of every
-    tile) decides; the plans of a concrete problem are filtered again with it."""
+    As for :func:`flash_schedules`, probe problems (sequence lengths a multiple of every
+    tile; a short query of a group of 8 heads for the packed schedules) decide; the plans of
+    a concrete problem are filtered again with it."""
     probes = [
         AttentionProblem(batch=1, heads=1, kv_heads=1, seq_q=64 * 3 * 176, seq_kv=64 * 3 * 176, head_dim=head_dim,
-                         causal=causal)
+                         causal=causal, value_dim=value_dim)
         for causal in (False, True)
-    ]  # fmt: skip
+    ] + [AttentionProblem(batch=1, heads=8, kv_heads=1, seq_q=64, seq_kv=64 * 3 * 176, head_dim=head_dim,
+                          value_dim=value_dim)]  # fmt: skip
     return [s for s in HOPPER_SCHEDULES if any(not hopper_schedule_problems(s, probe, target) for probe in probes)]
 
 
@@ -190,12 +194,10 @@ def schedule_facts(target: Target, dims: tuple[tuple[int, int], ...]) -> str:
     head dim; a value dim's schedules join its head dim's."""
     lines = []
     for head_dim, value_dim in sorted(set(dims)):
-        if head_dim not in ATTENTION_HEAD_DIMS:
-            continue
-        for schedule in flash_schedules(head_dim, target, value_dim):
+        for schedule in flash_schedules(head_dim, target, value_dim) if head_dim in ATTENTION_HEAD_DIMS else ():
             values = " ".join(literal(getattr(schedule, knob)) for knob in KNOB_ORDER)
             lines.append(f"(FlashScheduleFits {head_dim} {values})")
-        for hopper in hopper_schedules(head_dim, target) if value_dim in (0, head_dim) else ():
+        for hopper in hopper_schedules(head_dim, target, value_dim):
             values = " ".join(literal(getattr(hopper, knob)) for knob in HOPPER_KNOB_ORDER)
             lines.append(f"(HopperScheduleFits {head_dim} {values})")
         for hopper in hopper_fp8_schedules(head_dim, target) if value_dim in (0, head_dim) else ():

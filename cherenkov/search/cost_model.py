@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from cherenkov.rewrites.plan import (
     ELEMENT_BYTES,
     SMEM_RESERVED_PER_BLOCK,
+    AttentionProblem,
     KernelPlan,
     flash_register_estimate,
     flash_smem_bytes,
@@ -40,7 +41,7 @@ from cherenkov.rewrites.plan import (
     query_tiles,
 )
 from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
-from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, HopperFlashSchedule
+from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, HopperFlashSchedule, tile_columns
 
 LAUNCH_OVERHEAD_MS = 0.005
 
@@ -219,7 +220,16 @@ HOPPER_BASE_EFFICIENCY = 0.75
 HOPPER_STAGE_FACTOR = {2: 0.99, 3: 1.0, 4: 1.0}
 HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
 HOPPER_NO_PINGPONG_FACTOR = 0.95
-HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}  # 192 and 256: not measured yet
+HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}  # by q's tile width; 192, 256: not measured yet
+
+
+def hopper_head_dim_factor(problem: AttentionProblem) -> float:
+    """The family's efficiency at a problem's head dims: by q's tile width (whole 64-column
+    boxes), times the share of the tensor-core work that is not on the zero columns a head dim
+    short of whole boxes pads (D 96: O is 128 wide, so P V does 4/3 of its work)."""
+    qk_columns, v_columns = tile_columns(problem.head_dim, problem.dtype), tile_columns(problem.v_dim, problem.dtype)
+    useful = (problem.head_dim + problem.v_dim) / (problem.head_dim + v_columns)
+    return HOPPER_HEAD_DIM_FACTOR.get(qk_columns, 1.0) * useful
 HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
 HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
 HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
@@ -235,19 +245,21 @@ def hopper_tile_overhead(schedule: HopperFlashSchedule) -> float:
 def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Prediction:
     """Predicted run time of an sm_90a flash-attention plan: one block per SM (its
     shared-memory ring fills the SM), the fitted family efficiency times the wave fill and
-    the share of a work tile's time spent in its key-tile loop."""
+    the share of a work tile's time spent in its key-tile loop, and the share of the tiles'
+    rows that hold query rows (a 64-row query fills half a 128-row tile unless packed)."""
     gpu = gpu or GPUS[plan.target.name]
     schedule, problem = plan.schedule, plan.problem
     blocks = schedule.tiles(problem)
     waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
+    waves *= problem.batch * problem.heads * problem.seq_q / (blocks * schedule.block_q)  # rows filled
     key_tiles = problem.seq_kv / schedule.block_kv / (2 if problem.causal else 1)
     pipeline = HOPPER_STAGE_FACTOR.get(schedule.stages, 1.0)
     pipeline *= key_tiles / (key_tiles + hopper_tile_overhead(schedule))
-    knobs = HOPPER_CONSUMER_FACTOR.get(schedule.consumer_warpgroups, 0.5) * HOPPER_HEAD_DIM_FACTOR[problem.head_dim]
+    knobs = HOPPER_CONSUMER_FACTOR.get(schedule.consumer_warpgroups, 0.5) * hopper_head_dim_factor(problem)
     knobs *= HOPPER_BLOCK_KV_FACTOR.get(schedule.block_kv, 1.0)
     if not schedule.pingpong:
         knobs *= HOPPER_NO_PINGPONG_FACTOR
-    if schedule.persistent and problem.causal:
+    if schedule.persistent and problem.causal and not schedule.balanced:
         knobs *= HOPPER_PERSISTENT_CAUSAL_FACTOR
     efficiency = HOPPER_BASE_EFFICIENCY * pipeline * knobs * waves
     rate = gpu.wgmma_tflops * (2.0 if problem.dtype in HOPPER_EIGHT_BIT_DTYPES else 1.0)  # e4m3: twice bf16's

@@ -44,6 +44,11 @@ SAMPLES = 30
 WARMUP = 3
 EARLY_STOP_AFTER = 5
 EARLY_STOP_FACTOR = 1.3
+SPIN_CYCLES = 400_000
+"""~0.2 ms of GPU spin queued before each sample's start event: the host enqueues the launch
+while the GPU spins, so a sample is device time (what a CUDA-graph replay runs), not the
+launcher's host cost (ctypes ``cuLaunchKernel`` with tensor maps costs more than cupy's
+launch, which ranked short Hopper kernels below slower ``mma.sync`` ones)."""
 STARTUP_TIMEOUT_S = 180.0
 CANDIDATE_TIMEOUT_S = 30.0
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
@@ -145,8 +150,9 @@ def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = No
 
 def _time(launch: Callable[[], Any], flush: Any, samples: int, best_ms: float | None,
           credit_ms: float = 0.0) -> tuple[list[float], bool]:  # fmt: skip
-    """CUDA-event times of ``launch``, L2 flushed before each; stops early when clearly
-    slower than ``best_ms`` after its first samples (net of ``credit_ms``)."""
+    """CUDA-event device times of ``launch``, L2 flushed before each (and the GPU kept busy
+    while the host launches: :data:`SPIN_CYCLES`); stops early when clearly slower than
+    ``best_ms`` after its first samples (net of ``credit_ms``)."""
     import torch
 
     for _ in range(WARMUP):
@@ -156,6 +162,7 @@ def _time(launch: Callable[[], Any], flush: Any, samples: int, best_ms: float | 
     times: list[float] = []
     for sample in range(samples):
         flush.zero_()
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         launch()
         end.record()

@@ -16,6 +16,7 @@ import pytest
 import cherenkov as ck
 from cherenkov.codegen import CompileError, compile_plans
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, flash_schedule_problems
+from cherenkov.rewrites.plan_sm90a import hopper_schedule_problems
 from cherenkov.rewrites.schedule import flash_schedules
 from cherenkov.search.cost_model import predict_flash
 from tests.codegen.test_flash_gpu import case_id
@@ -68,6 +69,15 @@ def test_value_dims_reach_the_problem():
     assert (problem.head_dim, problem.value_dim, problem.v_dim) == (192, 128, 128)
     assert problem.logical_shape("v")[-1] == problem.logical_shape("o")[-1] == 128
     assert problem.flops == 2.0 * 2 * 16 * 2048 * 2048 * (192 + 128)
+
+
+@pytest.mark.parametrize("name", ["b2h16s2k_d96", "b2h16s2k_d192_dv128", "b2h16s2k_d256"])
+def test_head_dims_off_whole_boxes_and_value_dims_get_hopper_plans(name):
+    hopper = [p for p in derivation(name).plans("sm_90a") if hasattr(p.schedule, "consumer_warpgroups")]
+    assert hopper, f"{name}: no sm_90a plan"
+    shape = benchmark().SHAPES[name]
+    assert all(not hopper_schedule_problems(p.schedule, p.problem, p.target) for p in hopper)
+    assert {(p.problem.head_dim, p.problem.v_dim) for p in hopper} == {(shape.D, shape.DV or shape.D)}
 
 
 @pytest.mark.parametrize("name", ["decode_b16_8k", "decode_b1_64k"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -28,7 +29,11 @@ COMPILE_PROBLEMS = [
     AttentionProblem(1, 4, 4, 2048, 2048, 128, causal=True, dtype="fp16"),
     AttentionProblem(1, 8, 8, 1536, 3072, 64),
     AttentionProblem(1, 8, 8, 1024, 2048, 256, causal=True),
+    AttentionProblem(2, 8, 2, 1000, 1500, 96, causal=True),  # q, k, v rows of 1.5 boxes
+    AttentionProblem(1, 8, 8, 1024, 2048, 192, value_dim=128),
+    AttentionProblem(8, 32, 8, 64, 8192, 128),  # chunked prefill: packed GQA groups
 ]
+PACKED = HopperFlashSchedule(128, 3, 2, True, pack_group=True)
 PERSISTENT = HopperFlashSchedule(persistent=True)
 TWO_Q = HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2)
 
@@ -118,7 +123,11 @@ def test_schedule_resources_and_names():
         (HopperFlashSchedule(block_kv=256), SEED, "shared memory"),
         (HopperFlashSchedule(consumer_warpgroups=3, pingpong=False), AttentionProblem(1, 8, 8, 768, 1024, 128),
          "registers"),
-        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 96), "head dims"),
+        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 72), "head dims"),
+        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 64, value_dim=128), "staged in the Q tile"),
+        (HopperFlashSchedule(64, 2, 2, True), AttentionProblem(1, 8, 8, 4096, 8192, 128), "64-key tiles"),
+        (HopperFlashSchedule(balanced=True), AttentionProblem(1, 8, 8, 4096, 4096, 128, causal=True), "balanced"),
+        (replace(PERSISTENT, balanced=True), SEED, "balanced"),
     ],
 )
 def test_invalid_schedules_say_why(schedule, problem, reason):
@@ -135,7 +144,7 @@ def test_persistent_grid_has_a_block_an_sm_at_most():
     assert PERSISTENT.grid_blocks(AttentionProblem(1, 2, 2, 1024, 1024, 128), 132) == 16
     assert PERSISTENT.key() == "q128_kv128_s3_c2_pp_ps"
     source = emit_flash_attention_sm90a(short, PERSISTENT)
-    assert "grid (min(2048, SMs),)" in source and "constexpr int TILES = Q_TILES * HEADS * BATCH;" in source
+    assert "grid (min(2048, SMs),)" in source and "constexpr int TILES = Q_TILES * (HEADS / TILE_HEADS) * BATCH;" in source
     # one Q buffer: a persistent block stores O from registers (Q is released before the epilogue),
     # a one-tile block through its Q tile and TMA stores
     one_tile = emit_flash_attention_sm90a(short, DEFAULT)
@@ -164,6 +173,41 @@ def test_source_is_deterministic_and_specialised():
     assert "wgmma_m64n128k16_rs_bf16_tb" in a and "wgmma_m64n128k16_ss_bf16" in a
     for line in a.splitlines():
         assert line == line.rstrip() and "\t" not in line
+
+
+def test_packed_groups_fill_a_tile_with_the_heads_of_one_kv_head():
+    chunk = AttentionProblem(8, 32, 8, 64, 8192, 128)
+    assert PACKED.key() == "q128_kv128_s3_c2_pp_pk" and PACKED.tile_heads(chunk) == 2
+    assert PACKED.tiles(chunk) == 8 * 16 and HopperFlashSchedule().tiles(chunk) == 8 * 32
+    assert not hopper_schedule_problems(PACKED, chunk)
+    source = emit_flash_attention_sm90a(chunk, PACKED)
+    assert "constexpr bool PACK = true;" in source and "constexpr int TILES = Q_TILES * (HEADS / TILE_HEADS) * BATCH;" in source
+    assert "row_head(w, consumer * 64)" in source
+    for problem, reason in [
+        (replace(chunk, causal=True), "every key"),
+        (replace(chunk, kv_heads=32), "share a K/V head"),
+        (replace(chunk, seq_q=48), "8, 16, 32 or 64"),
+        (replace(chunk, seq_q=128), "8, 16, 32 or 64"),
+    ]:
+        assert any(reason in r for r in hopper_schedule_problems(PACKED, problem)), problem
+
+
+def test_head_dims_short_of_whole_boxes_pad_to_the_next_box():
+    # D 96: q and k rows of 1.5 boxes, 6 k steps of Q K^T (the zero columns are not multiplied);
+    # O is 128 wide (V's last box reads zeros past column 96) and only 96 columns are stored
+    d96 = AttentionProblem(2, 16, 16, 1024, 1024, 96)
+    assert DEFAULT.smem_bytes(96) == DEFAULT.smem_bytes(128)
+    source = emit_flash_attention_sm90a(d96, PERSISTENT)
+    assert "constexpr int QK_BOXES = (HEAD_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;" in source
+    assert "constexpr int HEAD_DIM = 96;" in source and "constexpr int V_DIM = 96;" in source
+    assert "wgmma_m64n128k16_rs_bf16_tb" in source and "for (int c = 0; c < V_DIM / 8; ++c)" in source
+    # D_qk 192, D_v 128: K tiles of three boxes, V tiles of two; O is one wgmma of N = 128
+    mla = AttentionProblem(1, 8, 8, 1024, 2048, 192, value_dim=128)
+    kv128 = HopperFlashSchedule(128, 2, 2, True)
+    assert kv128.smem_bytes(192, "bf16", 128) == 128 * 192 * 2 + 2 * 128 * (192 + 128) * 2 + 10 * 8 + 1024
+    assert kv128.register_estimate(128) == kv128.register_estimate(96) < kv128.register_estimate(192)
+    assert not hopper_schedule_problems(kv128, mla)
+    assert "wgmma_m64n128k16_rs_bf16_tb" in emit_flash_attention_sm90a(mla, kv128)
 
 
 # ---- nvcc for sm_90a: every variant compiles; the default spills nothing; SASS ------------
@@ -241,6 +285,31 @@ GPU_CASES = [
     (AttentionProblem(1, 8, 8, 1024, 2048, 192, causal=True), HopperFlashSchedule(128, 2, 1, False)),
     (AttentionProblem(2, 8, 8, 1024, 1024, 256), HopperFlashSchedule(64, 2, 2, True, persistent=True)),
     (AttentionProblem(1, 8, 2, 777, 1333, 256, causal=True, dtype="fp16"), HopperFlashSchedule(64, 2, 2, True)),
+    # head dims short of whole boxes (the last box's columns past the end read as zeros, O's are
+    # dropped) and D_v != D_qk: O through the Q tile, from registers, through its own tile
+    (AttentionProblem(2, 16, 16, 1024, 1024, 96), DEFAULT),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 96, causal=True), PERSISTENT),
+    (AttentionProblem(2, 8, 8, 777, 1024, 80, dtype="fp16"), TWO_Q),
+    (AttentionProblem(1, 8, 8, 1024, 1024, 32), DEFAULT),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 192, value_dim=128), HopperFlashSchedule(128, 2, 2, True)),
+    (AttentionProblem(1, 8, 8, 1024, 2048, 192, causal=True, value_dim=128), HopperFlashSchedule(64, 2, 2, True, True)),
+    (AttentionProblem(1, 8, 8, 1024, 1024, 128, value_dim=64), TWO_Q),
+    (AttentionProblem(2, 8, 2, 700, 900, 64, causal=True, value_dim=128), PERSISTENT),
+    # packed GQA groups: a tile of Sq rows of each of 128 / Sq heads; O through shared memory
+    # (a box of 64 / Sq heads) or from registers
+    (AttentionProblem(8, 32, 8, 64, 2048, 128), PACKED),
+    (AttentionProblem(2, 16, 4, 32, 1000, 96), replace(PACKED, persistent=True)),
+    (AttentionProblem(2, 16, 2, 16, 700, 128, dtype="fp16"), PACKED),
+    (AttentionProblem(3, 8, 2, 64, 333, 64), replace(PACKED, persistent=True)),
+    (AttentionProblem(2, 8, 4, 64, 1500, 128), HopperFlashSchedule(176, 2, 2, True, pack_group=True)),
+    # balanced causal tiles: longest first over all heads, rounds alternating over the blocks
+    (AttentionProblem(2, 16, 4, 2048, 2048, 128, causal=True), replace(PERSISTENT, balanced=True)),
+    (AttentionProblem(3, 8, 8, 777, 333, 128, causal=True), replace(TWO_Q, balanced=True)),
+    (AttentionProblem(1, 32, 8, 4096, 4096, 128, causal=True), replace(TWO_Q, balanced=True)),
+    (AttentionProblem(2, 4, 4, 1000, 1000, 96, causal=True), replace(PERSISTENT, balanced=True)),
+    # head dim 256 with 80-key tiles (the widest two stages fit)
+    (AttentionProblem(2, 8, 8, 1000, 1000, 256), HopperFlashSchedule(80, 2, 2, True)),
+    (AttentionProblem(1, 8, 2, 777, 1333, 256, causal=True), HopperFlashSchedule(80, 2, 2, True, persistent=True)),
 ]
 
 

@@ -1,9 +1,14 @@
 """The Hopper (sm_90a) flash-attention kernel family: TMA, wgmma, warp specialisation.
 
-``o = softmax(scale · q kᵀ [causal mask]) v`` for BHSD-contiguous q, k, v, o (bf16 or
-fp16, head dim 64 or 128, GQA). A work tile is ``BLOCK_Q = 64 · CONSUMERS`` query rows of
-one (batch, head); a block walks the tiles ``blockIdx.x, blockIdx.x + gridDim.x, …`` (one
-tile when the grid has a block per tile; many when it is persistent, one block an SM).
+``o = softmax(scale · q kᵀ [causal mask]) v`` for q, k, v, o at their strides (bf16 or
+fp16, or e4m3 operands; head dims of q·k and of v multiples of 16 up to 256, GQA). A head
+dim that is not a whole number of 64-column TMA boxes (80, 96) reads its last box's columns
+past the end as zeros: ``Q Kᵀ`` skips their k steps, and O's columns from them are dropped
+(the o tensor map clips them, the register stores skip them).
+
+A work tile is ``BLOCK_Q = 64 · CONSUMERS`` query rows of one (batch, head); a block walks
+the tiles ``blockIdx.x, blockIdx.x + gridDim.x, …`` (one tile when the grid has a block per
+tile; many when it is persistent, one block an SM).
 Its warpgroups have fixed roles:
 
 * warpgroup 0, the producer, lowers its registers (``setmaxnreg``) and one thread issues
@@ -58,12 +63,13 @@ from cherenkov.rewrites.plan_sm90a import (
     HOPPER_EIGHT_BIT_DTYPES,
     ROWS_PER_CONSUMER,
     SWIZZLE_ALIGN,
+    SWIZZLE_ROW_BYTES,
     HopperFlashSchedule,
     hopper_schedule_problems,
+    tile_columns,
 )
 
 LOG2E = 1.4426950408889634
-SWIZZLE_ROW_BYTES = 128  # one row of a 128-byte-swizzled box
 
 
 def kernel_name(schedule: HopperFlashSchedule) -> str:
@@ -92,12 +98,12 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
     eight_bit = dtype in HOPPER_EIGHT_BIT_DTYPES
     kv_wgmma = (s.block_kv, dtype, False, False)  # S = Q K^T: A, B K-major in shared memory
     # O += P V: A registers, B MN-major (V); 8-bit: B K-major (V transposed by the launch)
-    o_wgmma = (problem.head_dim, dtype, True, not eight_bit)
+    o_wgmma = (tile_columns(problem.v_dim, dtype), dtype, True, not eight_bit)
     parts = [
         _header(problem, schedule),
         section("types and helpers", _types(dtype), *([PACK_E4M3X4] if eight_bit else [])),
         section("problem and schedule constants", _constants(problem, schedule)),
-        section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype))),
+        section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype, problem.v_dim))),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(4),
                 tma.emit_fence_proxy_async(), tma.emit_tma_store(4)),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
@@ -127,7 +133,7 @@ def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         f"registers (producer, consumer)={s.register_split}.",
         f"Launch: grid ({'min(' if s.persistent else ''}{s.tiles(p)}{', SMs)' if s.persistent else ''},), "
         f"{s.threads} threads, "
-        f"{s.smem_bytes(p.head_dim, p.dtype)} bytes dynamic shared memory, args (q_map, k_map, v_map, o_map, o"
+        f"{s.smem_bytes(p.head_dim, p.dtype, p.v_dim)} bytes dynamic shared memory, args (q_map, k_map, v_map, o_map, o"
         f"{', bias' if p.bias is not None else ''}).",
     ]
     return comment_lines(lines)
@@ -151,7 +157,7 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         "// one consumer warpgroup: 256 threads get 255 registers, no reallocation")
     eight_bit = p.dtype in HOPPER_EIGHT_BIT_DTYPES
     q_tail = ("// rows past SEQ_Q: the o tensor map clips the TMA stores" if _through_smem(s, p) else
-              "constexpr bool Q_TAIL = SEQ_Q % BLOCK_Q != 0;     // the last query tile has rows past the end")
+              "constexpr bool Q_TAIL = !PACK && SEQ_Q % BLOCK_Q != 0;  // the last query tile has rows past the end")
     return block(
         f"""
         constexpr int BATCH = {p.batch};
@@ -160,7 +166,8 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         constexpr int GROUP = {p.group_size};  // query heads per K/V head
         constexpr int SEQ_Q = {p.seq_q};
         constexpr int SEQ_KV = {p.seq_kv};
-        constexpr int HEAD_DIM = {p.head_dim};
+        constexpr int HEAD_DIM = {p.head_dim};  // of q and k
+        constexpr int V_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
         @MASK_CONSTANTS@
@@ -175,17 +182,23 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         constexpr bool SPLIT_RELEASE = {bool_literal(s.split_release)};  // K and V of a stage released separately
         constexpr bool O_THROUGH_SMEM = {bool_literal(_through_smem(s, p))};  // O leaves by TMA stores from shared memory
         {regs}
-        constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;
+        constexpr bool PACK = {bool_literal(s.pack_group)};  // a tile holds the rows of TILE_HEADS heads of one K/V head
+        constexpr int PACK_ROWS = PACK ? SEQ_Q : BLOCK_Q;  // rows of one head in a work tile
+        constexpr bool BALANCED = {bool_literal(s.balanced)};  // causal work tiles longest first, rounds alternating
+        constexpr int TILE_HEADS = BLOCK_Q / PACK_ROWS;  // query heads a work tile serves
+        constexpr int Q_TILES = PACK ? 1 : (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;
         constexpr int KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;
         {q_tail}
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;  // the last key tile has keys past the end
-        constexpr int TILES = Q_TILES * HEADS * BATCH;  // work tiles: query tile x head x batch
+        constexpr int TILES = Q_TILES * (HEADS / TILE_HEADS) * BATCH;  // work tiles: query tile x heads x batch
         constexpr int ELEM_BYTES = {1 if eight_bit else 2};  // of q, k and v
         constexpr int BOX_COLUMNS = 128 / ELEM_BYTES;  // elements of a 128-byte TMA box row
-        constexpr int D_BOXES = HEAD_DIM / BOX_COLUMNS;  // 128-byte TMA boxes across the head dim
+        // 128-byte TMA boxes across the head dims; a last box past a head dim's end reads zeros
+        constexpr int QK_BOXES = (HEAD_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;
+        constexpr int V_BOXES = (V_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;
         constexpr int QK_STEPS = HEAD_DIM * ELEM_BYTES / 32, PV_STEPS = BLOCK_KV * ELEM_BYTES / 32;  // wgmma k steps
         constexpr int S_REGS = BLOCK_KV / 2;  // fp32 accumulators of S a thread
-        constexpr int O_REGS = HEAD_DIM / 2;  // fp32 accumulators of O a thread
+        constexpr int O_REGS = V_BOXES * BOX_COLUMNS / 2;  // fp32 accumulators of O a thread (whole boxes)
         constexpr int P_REGS = BLOCK_KV * ELEM_BYTES / 8;  // packed P a thread (16-bit pairs or e4m3 quads)
         constexpr float P_SHIFT = {float_literal(P_EXPONENT_SHIFT if eight_bit else 0.0)};  // log2 of P's factor
         static_assert(BLOCK_Q == {ROWS_PER_CONSUMER} * CONSUMERS && THREADS == 128 * (CONSUMERS + 1), "warp roles");
@@ -197,18 +210,20 @@ def _layout_constants(smem_bytes: int) -> str:
     return block(
         f"""
         // [Q buffer 0..Q_BUFFERS-1 | K stage 0..STAGES-1 | V stage 0..STAGES-1 | O (two Q buffers) | mbarriers],
-        // offsets from a {SWIZZLE_ALIGN}-byte aligned base. A tile is D_BOXES boxes of (rows x 64 columns),
-        // {SWIZZLE_ROW_BYTES}-byte swizzled rows; O has Q's layout.
+        // offsets from a {SWIZZLE_ALIGN}-byte aligned base. A tile is QK_BOXES (V and O: V_BOXES) boxes of
+        // (rows x 64 columns), {SWIZZLE_ROW_BYTES}-byte swizzled rows; O has Q's layout.
         constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};
         constexpr u32 Q_BOX_BYTES = BLOCK_Q * ROW_BYTES;
         constexpr u32 KV_BOX_BYTES = BLOCK_KV * ROW_BYTES;
-        constexpr u32 Q_TILE_BYTES = D_BOXES * Q_BOX_BYTES;
-        constexpr u32 KV_TILE_BYTES = D_BOXES * KV_BOX_BYTES;
+        constexpr u32 Q_TILE_BYTES = QK_BOXES * Q_BOX_BYTES;
+        constexpr u32 O_TILE_BYTES = V_BOXES * Q_BOX_BYTES;
+        constexpr u32 K_TILE_BYTES = QK_BOXES * KV_BOX_BYTES;
+        constexpr u32 V_TILE_BYTES = V_BOXES * KV_BOX_BYTES;
         constexpr u32 Q_SMEM = 0;
         constexpr u32 K_SMEM = Q_SMEM + Q_BUFFERS * Q_TILE_BYTES;
-        constexpr u32 V_SMEM = K_SMEM + STAGES * KV_TILE_BYTES;
-        constexpr u32 O_SMEM = V_SMEM + STAGES * KV_TILE_BYTES;
-        constexpr u32 BAR_SMEM = O_SMEM + (Q_BUFFERS == 2 ? Q_TILE_BYTES : 0);
+        constexpr u32 V_SMEM = K_SMEM + STAGES * K_TILE_BYTES;
+        constexpr u32 O_SMEM = V_SMEM + STAGES * V_TILE_BYTES;
+        constexpr u32 BAR_SMEM = O_SMEM + (Q_BUFFERS == 2 ? O_TILE_BYTES : 0);
         constexpr u32 Q_FULL = BAR_SMEM;                   // + 8 * buffer: Q landed
         constexpr u32 Q_EMPTY = Q_FULL + 8 * Q_BUFFERS;    // + 8 * buffer: every consumer warp is done with Q
         constexpr u32 K_FULL = Q_EMPTY + 8 * Q_BUFFERS;    // + 8 * stage: K tile landed
@@ -336,29 +351,46 @@ _PACK_EIGHT_BIT = block(
 def _work_tiles() -> str:
     return block(
         """
-        // One work tile: BLOCK_Q query rows of one (batch, head) and the key tiles they attend to.
+        // One work tile: BLOCK_Q query rows of one (batch, head) (packed: SEQ_Q rows of each of
+        // TILE_HEADS heads) and the key tiles they attend to.
         struct WorkTile {
             int q0;        // first query row
-            int head;      // query head (of q and o)
+            int head;      // (first) query head (of q and o)
             int kv_head;   // K/V head (of k and v; GQA: GROUP query heads share it)
             int batch;
             int kv_tiles;  // key tiles visited
         };
 
         // The query tiles of one head are consecutive, so concurrent blocks share its K and V in L2;
-        // causal: longest first within the head.
+        // causal: longest first within the head. BALANCED (causal, persistent): longest first over
+        // every head (the query tiles of one length are consecutive).
         __device__ __forceinline__ WorkTile work_tile(int tile) {
-            const int q_tile = CAUSAL ? Q_TILES - 1 - tile % Q_TILES : tile % Q_TILES;
-            const int slab = tile / Q_TILES;  // batch * HEADS + head
+            constexpr int SLABS = BATCH * (HEADS / TILE_HEADS);
+            const int q_tile = BALANCED ? Q_TILES - 1 - tile / SLABS
+                               : CAUSAL ? Q_TILES - 1 - tile % Q_TILES : tile % Q_TILES;
+            const int slab = BALANCED ? tile % SLABS : tile / Q_TILES;  // batch * HEADS / TILE_HEADS + head / TILE_HEADS
             WorkTile w;
             w.q0 = q_tile * BLOCK_Q;
-            w.head = slab % HEADS;
+            w.head = slab % (HEADS / TILE_HEADS) * TILE_HEADS;
             w.kv_head = w.head / GROUP;
-            w.batch = slab / HEADS;
+            w.batch = slab / (HEADS / TILE_HEADS);
             // Causal: keys up to the tile's last row (top-left aligned, key j <= query i).
             w.kv_tiles = CAUSAL ? min(KV_TILES, (w.q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
             return w;
         }
+
+        // The block's round-th work tile: tiles blockIdx.x, blockIdx.x + gridDim.x, ...; BALANCED: odd
+        // rounds run the other way (block b takes the (gridDim.x - 1 - b)-th tile of the round), so a
+        // block that took one of a round's longest tiles takes one of the next round's shortest.
+        __device__ __forceinline__ int block_tile(int round) {
+            const int b = BALANCED && (round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+            return round * gridDim.x + b;
+        }
+
+        // Row tile_row of a work tile is query position w.q0 + tile_row % PACK_ROWS of head
+        // w.head + tile_row / PACK_ROWS (unpacked: position w.q0 + tile_row of w.head).
+        __device__ __forceinline__ int row_head(const WorkTile& w, int tile_row) { return w.head + tile_row / PACK_ROWS; }
+        __device__ __forceinline__ int row_position(const WorkTile& w, int tile_row) { return w.q0 + tile_row % PACK_ROWS; }
 
         // The next slot of a ring of SLOTS buffers (the K/V stages, the Q buffers): its index and the
         // phase its mbarriers are in.
@@ -377,11 +409,11 @@ def _producer(eight_bit: bool = False) -> str:
     """The producer's copies; ``eight_bit``: V comes from its transposed copy (D rows of the key
     tile's 128 key bytes: one box of the transposed map, at coordinates (keys, 0, head, batch))."""
     v_copy = (
-        "tma_load_4d(smem + V_SMEM + stage * KV_TILE_BYTES, v_map, v_bar, j * BLOCK_KV, 0, w.kv_head, w.batch);"
+        "tma_load_4d(smem + V_SMEM + stage * V_TILE_BYTES, v_map, v_bar, j * BLOCK_KV, 0, w.kv_head, w.batch);"
         if eight_bit else
         "#pragma unroll\n"
-        "for (int b = 0; b < D_BOXES; ++b)\n"
-        "    tma_load_4d(smem + V_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, BOX_COLUMNS * b,\n"
+        "for (int b = 0; b < V_BOXES; ++b)\n"
+        "    tma_load_4d(smem + V_SMEM + stage * V_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, BOX_COLUMNS * b,\n"
         "                j * BLOCK_KV, w.kv_head, w.batch);"
     )
     return block(
@@ -392,13 +424,13 @@ def _producer(eight_bit: bool = False) -> str:
                                                          const WorkTile& w, int j, int& stage, u32& phase) {
             const u32 k_bar = smem + K_FULL + 8 * stage, v_bar = smem + V_FULL + 8 * stage;
             mbar_wait(smem + K_EMPTY + 8 * stage, phase ^ 1);
-            mbar_arrive_expect_tx(k_bar, KV_TILE_BYTES);
+            mbar_arrive_expect_tx(k_bar, K_TILE_BYTES);
             #pragma unroll
-            for (int b = 0; b < D_BOXES; ++b)
-                tma_load_4d(smem + K_SMEM + stage * KV_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, BOX_COLUMNS * b,
+            for (int b = 0; b < QK_BOXES; ++b)
+                tma_load_4d(smem + K_SMEM + stage * K_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, BOX_COLUMNS * b,
                             j * BLOCK_KV, w.kv_head, w.batch);
             if (SPLIT_RELEASE) mbar_wait(smem + V_EMPTY + 8 * stage, phase ^ 1);
-            mbar_arrive_expect_tx(v_bar, KV_TILE_BYTES);
+            mbar_arrive_expect_tx(v_bar, V_TILE_BYTES);
             @V_COPY@
             advance<STAGES>(stage, phase);
         }
@@ -410,7 +442,7 @@ def _producer(eight_bit: bool = False) -> str:
             mbar_wait(smem + Q_EMPTY + 8 * q_slot, q_phase ^ 1);
             mbar_arrive_expect_tx(q_bar, Q_TILE_BYTES);
             #pragma unroll
-            for (int b = 0; b < D_BOXES; ++b)
+            for (int b = 0; b < QK_BOXES; ++b)
                 tma_load_4d(smem + Q_SMEM + q_slot * Q_TILE_BYTES + b * Q_BOX_BYTES, q_map, q_bar, BOX_COLUMNS * b,
                             w.q0, w.head, w.batch);
             advance<Q_BUFFERS>(q_slot, q_phase);
@@ -427,7 +459,7 @@ def _producer(eight_bit: bool = False) -> str:
             tma_prefetch_map(v_map);
             int stage = 0, q_slot = 0;
             u32 phase = 0, q_phase = 0;
-            for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
+            for (int round = 0, tile; (tile = block_tile(round)) < TILES; ++round) {
                 const WorkTile w = work_tile(tile);
                 if (Q_BUFFERS > 1) produce_query_tile(q_map, smem, w, q_slot, q_phase);
                 produce_key_tile(k_map, v_map, smem, w, 0, stage, phase);
@@ -455,8 +487,8 @@ def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False) 
         """
     ) if eight_bit else block(
         f"""
-        // O += P V: BLOCK_KV / 16 k-steps of 16 V rows (2048 bytes); N = HEAD_DIM spans D_BOXES
-        // boxes, KV_BOX_BYTES apart (the descriptor's LBO).
+        // O += P V: BLOCK_KV / 16 k-steps of 16 V rows (2048 bytes); N = V_BOXES * 64 columns spans
+        // V_BOXES boxes, KV_BOX_BYTES apart (the descriptor's LBO).
         __device__ __forceinline__ void issue_values(float (&o)[O_REGS], const u32 (&p)[P_REGS],
                                                      unsigned long long v_desc) {{
             #pragma unroll
@@ -469,7 +501,8 @@ def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False) 
     return block(
         f"""
         // S = Q K^T for this warpgroup's 64 rows: QK_STEPS k-steps. A k step is 32 bytes of each
-        // 128-byte swizzled row; every fourth step moves to the next 128-byte box.
+        // 128-byte swizzled row; every fourth step moves to the next 128-byte box (the zero
+        // columns of a last box past HEAD_DIM are never read).
         __device__ __forceinline__ void issue_scores(float (&s)[S_REGS], unsigned long long q_desc,
                                                      unsigned long long k_desc) {{
             #pragma unroll
@@ -557,7 +590,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             mbar_wait(smem + K_FULL + 8 * stage, phase);
             matmul_turn_begin(consumer);
             wgmma_fence();
-            issue_scores(s, q_desc, k_desc + ((stage * KV_TILE_BYTES) >> 4));
+            issue_scores(s, q_desc, k_desc + ((stage * K_TILE_BYTES) >> 4));
             wgmma_commit();
             matmul_turn_end(consumer, false);
             wgmma_wait<0>();
@@ -577,11 +610,11 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
                 fence_operands(o_acc);
                 fence_operands(p);
                 wgmma_fence();
-                issue_scores(s, q_desc, k_desc + ((stage * KV_TILE_BYTES) >> 4));
+                issue_scores(s, q_desc, k_desc + ((stage * K_TILE_BYTES) >> 4));
                 wgmma_commit();
                 mbar_wait(smem + V_FULL + 8 * prev, prev_phase);
                 wgmma_fence();
-                issue_values(o_acc, p, v_desc + ((prev * KV_TILE_BYTES) >> 4));
+                issue_values(o_acc, p, v_desc + ((prev * V_TILE_BYTES) >> 4));
                 wgmma_commit();
                 matmul_turn_end(consumer, false);
                 wgmma_wait<1>();  // S_j is ready, P_(j-1) V_(j-1) may still run
@@ -608,7 +641,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             fence_operands(o_acc);
             fence_operands(p);
             wgmma_fence();
-            issue_values(o_acc, p, v_desc + ((prev * KV_TILE_BYTES) >> 4));
+            issue_values(o_acc, p, v_desc + ((prev * V_TILE_BYTES) >> 4));
             wgmma_commit();
             matmul_turn_end(consumer, last_tile);
             wgmma_wait<0>();
@@ -624,11 +657,11 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             int stage = 0, q_slot = 0;
             u32 phase = 0, q_phase = 0;
             if (PINGPONG && consumer == 1) named_barrier_arrive(1, 256);  // consumer 0 goes first
-            for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
+            for (int round = 0, tile; (tile = block_tile(round)) < TILES; ++round) {
                 const WorkTile w = work_tile(tile);
                 const float scale_log2 = SCALE_LOG2 * @SCORE_FACTOR@;  // times the tile's score factors
                 consume_tile(smem, o_map, o,@BIAS_PASS@ consumer, w, q_slot, q_phase, stage, phase,
-                             tile + (int)gridDim.x >= TILES, scale_log2, @OUT_FACTOR@);
+                             block_tile(round + 1) >= TILES, scale_log2, @OUT_FACTOR@);
                 advance<Q_BUFFERS>(q_slot, q_phase);
             }
             if (O_THROUGH_SMEM && threadIdx.x % 128 == 0) bulk_wait_all();  // shared memory must outlive the stores
@@ -654,16 +687,20 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
 def _epilogue_from_registers() -> str:
     return block(
         """
-            // Normalise by the row sums and store: each thread writes 2 values a row per 8 columns.
+            // Normalise by the row sums and store: each thread writes 2 values a row per 8 columns (of
+            // V_DIM; O's columns past it, from the zeros of V's last box, are dropped).
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float sum = quad_sum(st.sum[r]);
                 const float inv = sum > 0.0f ? out_factor / sum : 0.0f;  // a row without a live score gives 0
-                if (Q_TAIL && row0 + 8 * r >= SEQ_Q) continue;
-                u32* out_row = reinterpret_cast<u32*>(o + O_OFFSET + w.batch * O_BATCH_STRIDE + w.head * O_HEAD_STRIDE
-                                                      + size_t(row0 + 8 * r) * O_ROW_STRIDE);
+                const int tile_row = consumer * 64 + warp * 16 + g + 8 * r;
+                const int position = row_position(w, tile_row);
+                if (Q_TAIL && position >= SEQ_Q) continue;
+                u32* out_row = reinterpret_cast<u32*>(o + O_OFFSET + w.batch * O_BATCH_STRIDE
+                                                      + row_head(w, tile_row) * O_HEAD_STRIDE
+                                                      + size_t(position) * O_ROW_STRIDE);
                 #pragma unroll
-                for (int c = 0; c < HEAD_DIM / 8; ++c)
+                for (int c = 0; c < V_DIM / 8; ++c)
                     out_row[4 * c + t] = pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv);
             }
         """
@@ -677,7 +714,9 @@ def _epilogue_through_smem() -> str:
             // own buffer; else the Q rows this warpgroup has finished with), in Q's 128-byte-swizzled
             // box layout: the 16-byte chunk k of row r sits at chunk k ^ (r % 8), so the 8 rows of a
             // store hit 8 different bank groups. Then one thread stores the boxes with the copy engine
-            // (full 128-byte lines, rows past SEQ_Q clipped by the tensor map) and the warpgroup goes on.
+            // (packed: a box of 64 / SEQ_Q heads of SEQ_Q rows)
+            // (full 128-byte lines, rows past SEQ_Q and columns past V_DIM clipped by the tensor map) and
+            // the warpgroup goes on.
             const u32 o_tile = (Q_BUFFERS == 2 ? smem + O_SMEM : q_tile) + consumer * 64 * ROW_BYTES;
             const bool store_thread = threadIdx.x % 128 == 0;
             if (Q_BUFFERS == 2) {  // the O tile's last store has read it
@@ -690,7 +729,7 @@ def _epilogue_through_smem() -> str:
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row without a live score gives 0
                 const u32 row = warp * 16 + g + 8 * r;  // row % 8 == g
                 #pragma unroll
-                for (int c = 0; c < HEAD_DIM / 8; ++c)
+                for (int c = 0; c < V_BOXES * 8; ++c)
                     st_shared_u32(o_tile + (c / 8) * Q_BOX_BYTES + row * ROW_BYTES + (((c % 8) ^ g) << 4) + 4 * t,
                                   pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv));
             }
@@ -698,8 +737,9 @@ def _epilogue_through_smem() -> str:
             named_barrier_sync(3 + consumer, 128);
             if (store_thread) {
                 #pragma unroll
-                for (int b = 0; b < D_BOXES; ++b)
-                    tma_store_4d(o_map, o_tile + b * Q_BOX_BYTES, 64 * b, w.q0 + consumer * 64, w.head, w.batch);
+                for (int b = 0; b < V_BOXES; ++b)
+                    tma_store_4d(o_map, o_tile + b * Q_BOX_BYTES, 64 * b, row_position(w, consumer * 64),
+                                 row_head(w, consumer * 64), w.batch);
                 bulk_commit();
             }
         """
