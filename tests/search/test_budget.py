@@ -206,9 +206,9 @@ def test_a_larger_budget_resumes_a_partial_search(tmp_path, monkeypatch) -> None
 # ------------------------------------------------------------------------------ no flash plan
 
 
-@pytest.mark.parametrize("head_dim", [48, 112, 512])
+@pytest.mark.parametrize("head_dim", [40, 120, 512])
 def test_attention_without_a_flash_plan_runs_on_the_unfused_kernels(head_dim) -> None:
-    d = ck.derive(attention(head_dim, causal=head_dim == 112))
+    d = ck.derive(attention(head_dim, causal=head_dim == 120))
     assert d.found("flash_attention") and [k.kind for k in d.kernels] == ["flash_attention"]
     for target in ("sm_80", "sm_90", "sm_90a", "sm_120"):
         assert d.plans(target) == []
@@ -229,6 +229,14 @@ def test_attention_without_a_flash_plan_runs_on_the_unfused_kernels(head_dim) ->
 def test_attention_with_a_flash_plan_keeps_it() -> None:
     d = ck.derive(attention(128))
     assert [k.kind for k in d.kernels_for("sm_120")] == ["flash_attention"] and d.plans("sm_120")
+
+
+@pytest.mark.parametrize("head_dim", [48, 112])
+def test_head_dims_only_the_hopper_family_plans_keep_flash_there(head_dim) -> None:
+    d = ck.derive(attention(head_dim, causal=head_dim == 112))
+    assert d.plans("sm_90a") and all(hasattr(p.schedule, "consumer_warpgroups") for p in d.plans("sm_90a"))
+    assert [k.kind for k in d.kernels_for("sm_90a")] == ["flash_attention"]
+    assert d.plans("sm_90") == [] and [k.kind for k in d.kernels_for("sm_90")] != ["flash_attention"]
 
 
 def test_the_unfused_search_says_why_in_its_notes(tmp_path, monkeypatch) -> None:
@@ -296,7 +304,7 @@ def test_gpu_budgeted_transformer_block_runs_with_a_verified_winner_per_kernel(g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, causal", [(512, False), (112, True), (48, False)])
+@pytest.mark.parametrize("head_dim, causal", [(512, False), (120, True), (40, False)])
 def test_gpu_attention_without_a_flash_plan_is_correct_through_the_unfused_kernels(gpu, tmp_path, head_dim, causal) -> None:
     torch = gpu
     g = ck.Graph(f"attention_d{head_dim}")
