@@ -227,11 +227,18 @@ class TmaGemmSchedule(WgmmaTile):
     output's own element, a residual or the other half of a gated product) come into
     staging boxes of their own by TMA loads — issued when a tile starts, so they land while
     its k steps run — instead of one global load per element after the last k step; the
-    result is written over the first source's box and stored from there."""
+    result is written over the first source's box and stored from there.
+
+    ``copy_out`` (with ``store_boxes``, for an output whose rows are not 16-byte aligned,
+    which no TMA store can write: an LM head's vocabulary of 50257 columns): the
+    warpgroup's threads copy each staged box to the output themselves, a warp a row of the
+    box at a time — one coalesced 4-byte store a lane where the row's element pairs are
+    4-byte aligned, a 2-byte store at a row's odd start or end — instead of the copy engine."""
 
     persistent: bool = True
     store_boxes: int = 0
     staged_sources: int = 0
+    copy_out: bool = False
     split_k: ClassVar[int] = 1  # no split-K: one block owns a tile
 
     @property
@@ -246,7 +253,7 @@ class TmaGemmSchedule(WgmmaTile):
         return self.store_boxes * max(1, self.staged_sources)
 
     def key(self) -> str:
-        stores = f"_o{self.store_boxes}" if self.store_boxes else ""
+        stores = f"_o{self.store_boxes}{'_copy' if self.copy_out else ''}" if self.store_boxes else ""
         sources = f"_src{self.staged_sources}" if self.staged_sources else ""
         return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}{stores}{sources}"
 
@@ -336,6 +343,9 @@ TMA_GEMM_SCHEDULES = (
     TmaGemmSchedule(128, 256, 64, 2, 3, True, 4, 1),
     TmaGemmSchedule(128, 256, 64, 2, 3, True, 2, 2),
     TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, 1),
+    # outputs whose rows no TMA store can write (not 16-byte aligned): boxes copied out by threads
+    TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, copy_out=True),
+    TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, copy_out=True),
 )
 
 
@@ -764,10 +774,13 @@ def tma_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
 def tma_store_problems(plan: TermKernelPlan, layout: GemmLayout) -> list[str]:
     """Why a TMA GEMM plan cannot stage its output for TMA stores (none without
     ``store_boxes``): the output must be a row-major ``M × N`` matrix with 16-byte rows,
-    and a tile's boxes a whole number of rounds of the staging buffers."""
+    and a tile's boxes a whole number of rounds of the staging buffers; or, ``copy_out``,
+    a row-major ``M × N`` matrix whose rows are not 16-byte aligned (where TMA stores can,
+    they do), with no staged sources (TMA loads, which need the aligned rows too)."""
     s = plan.schedule
     if not s.store_boxes:
-        return ["staged sources go through the output's staging boxes (store_boxes > 0)"] if s.staged_sources else []
+        reasons = ["staged sources go through the output's staging boxes (store_boxes > 0)"] if s.staged_sources else []
+        return reasons + (["copy_out copies the staging boxes out (store_boxes > 0)"] if s.copy_out else [])
     reasons = []
     if s.store_boxes not in (1, 2, 4):
         reasons.append(f"store_boxes {s.store_boxes} (0, 1, 2 or 4 staging boxes a warpgroup)")
@@ -777,8 +790,14 @@ def tma_store_problems(plan: TermKernelPlan, layout: GemmLayout) -> list[str]:
     if tuple(a for a in plan.kernel.axes if t.extent(a) > 1) != tuple(a for a in (*layout.m_axes, *layout.n_axes)
                                                                   if t.extent(a) > 1):  # fmt: skip
         reasons.append("the output is not a row-major M x N matrix (TMA stores write a 2-D tensor map)")
-    if layout.n * DTYPE_BYTES[plan.output.dtype] % 16:
+    aligned = layout.n * DTYPE_BYTES[plan.output.dtype] % 16 == 0
+    if not aligned and not s.copy_out:
         reasons.append(f"output rows of N {layout.n} are not a multiple of 16 bytes (a TMA store's row stride)")
+    if aligned and s.copy_out:
+        reasons.append(f"output rows of N {layout.n} are 16-byte aligned: TMA stores write them (copy_out is for "
+                       "rows they cannot)")
+    if s.copy_out and s.staged_sources:
+        reasons.append("staged sources come by TMA loads, which need 16-byte rows: not with copy_out")
     sources = epilogue_sources(plan.kernel, layout, plan.tensor_map)
     if s.staged_sources > len(sources):
         reasons.append(f"{s.staged_sources} staged sources, but the epilogue reads {len(sources)} M x N source "

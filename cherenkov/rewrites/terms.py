@@ -174,12 +174,31 @@ def replace(term: Term, old: Term, new: Term) -> Term:
 
 def substitute_axes(term: Term, mapping: dict[str, Term]) -> Term:
     """``term`` with each free ``Ax a`` of ``mapping`` replaced by ``mapping[a]`` at once
-    (an index term), so that no replacement is itself replaced again."""
+    (an index term), so that no replacement is itself replaced again; each index term
+    around a replacement is rebuilt by its smart constructor (:func:`canonical_index`), so
+    that a row split ``(i // T, i % T)`` read at a merged index ``b·T + t`` is ``(b, t)``."""
     if term[0] == "Ax":
         return mapping.get(term[1], term)
     if not any(isinstance(a, tuple) for a in term[1:]):
         return term
-    return tuple(substitute_axes(a, mapping) if isinstance(a, tuple) else a for a in term)
+    result = tuple(substitute_axes(a, mapping) if isinstance(a, tuple) else a for a in term)
+    return canonical_index(result) if result != term else result
+
+
+def canonical_index(ix: Term) -> Term:
+    """An index term rebuilt by the smart constructor of its head (its operands canonical
+    already): ``(a·c + b) // c`` is ``a``, ``(a·c + b) % c`` is ``b``, ``(x + 1) + 2`` is
+    ``x + 3``; any other term is returned as it is."""
+    head = ix[0]
+    if head == "IxAdd":
+        return ix_add(ix[1], ix[2])
+    if head == "IxDiv":
+        return ix_div(ix[1], ix[2])
+    if head == "IxMod":
+        return ix_mod(ix[1], ix[2])
+    if head == "IxLin":
+        return ix_lin(ix[1], ix[2], ix[3])
+    return ix
 
 
 def shifted(term: Term, axis: str, delta: int) -> Term:

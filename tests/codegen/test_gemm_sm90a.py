@@ -7,13 +7,21 @@ twice: the arrival counters reset, and the result is the same bits). A matmul th
 the RMSNorm feeding it runs in the TMA kernel (A from registers: CPU, nvcc, SASS) and the
 mma kernel, and matches torch's norm and matmul with and without a weight, with tails, in
 fp16 (GPU). TMA GEMMs that store through shared memory (checked on CPU: valid outputs,
-the tensor map, UTMASTG) run in the same GPU cases."""
+the tensor map, UTMASTG) run in the same GPU cases; where the output's rows are not 16-byte
+aligned (odd N) the threads copy the staged boxes out (``copy_out``: the copy checked on the
+CPU by running its generated C++ on the host, every element once and every 4-byte store
+aligned). An LM head's logits viewed as ``(B, T, V)`` absorb the matmul into one TMA GEMM
+whose rows are the merged tokens (CPU: plans, nvcc; GPU: against torch)."""
 
 from __future__ import annotations
 
 import math
 import re
+import shutil
+import subprocess
 from dataclasses import replace
+
+import numpy as np
 
 import pytest
 
@@ -22,7 +30,7 @@ from cherenkov.codegen import compile_plans, cuda_source, load_kernel, term_plan
 from cherenkov.codegen.cuda.term_kernels import term_dynamic_smem
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.report import parse_ptxas_report
-from cherenkov.codegen.cuda.gemm_sm90a_tma import OperandMap, tensor_maps
+from cherenkov.codegen.cuda.gemm_sm90a_tma import OperandMap, copy_out_lambda, tensor_maps, tma_stores
 from cherenkov.codegen.term_plan import (
     TMA_GEMM_SCHEDULES,
     GemmSchedule,
@@ -40,6 +48,7 @@ from cherenkov.codegen.term_plan import (
 )
 from cherenkov.rewrites.kernels import absorptions
 from cherenkov.rewrites.plan import TARGETS
+from tests.codegen.emulator import PRELUDE, launch_blocks
 from tests.codegen.rotary_graphs import rope_projection_graph, rope_reference
 
 SM90A = TARGETS["sm_90a"]
@@ -105,6 +114,16 @@ def merged_tokens_graph(batch: int = 2, tokens: int = 100, n: int = 328, k: int 
     return g
 
 
+def lm_head_graph(batch: int = 2, tokens: int = 100, vocab: int = 327, k: int = 136) -> ck.Graph:
+    """GPT-2's LM head: ``x (B, T, K)`` as ``B·T`` rows by a tied ``(V, K)`` embedding, the
+    ``(B·T, V)`` logits viewed as ``(B, T, V)`` (a vocabulary of odd size: rows of the output
+    not 16-byte aligned)."""
+    g = ck.Graph("lm_head")
+    x, w = g.input("x", (batch, tokens, k), "bf16"), g.input("w", (vocab, k), "bf16")
+    g.output((x.reshape(batch * tokens, k) @ w.transpose(0, 1)).reshape(batch, tokens, vocab), "y")
+    return g
+
+
 def prologue_graph() -> ck.Graph:
     """A contraction whose A operand is evaluated (a scale and SiLU prologue)."""
     g = ck.Graph("prologue")
@@ -126,6 +145,11 @@ def absorbed_plans(graph: ck.Graph) -> list[TermKernelPlan]:
     shapes, dtypes = d.tensor_types()
     ((_, fused),) = absorptions(d.kernels, frozenset(graph.outputs)).values()
     return term_plans(fused, shapes, dtypes, SM90A)
+
+
+def view_plans(graph: ck.Graph) -> list[TermKernelPlan]:
+    """The plans of the matmul absorbed by the graph's view of its output (an LM head)."""
+    return absorbed_plans(graph)
 
 
 def rope_plans(graph: ck.Graph, target=SM90A) -> list[TermKernelPlan]:
@@ -189,9 +213,10 @@ def test_every_schedule_is_offered_first_on_sm90a() -> None:
             WGMMA_GEMM_SCHEDULES
         ), name
         tma_offered = [s for s in valid if isinstance(s, TmaGemmSchedule)]
-        stores = layout.n % 8 == 0  # 16-byte output rows: TMA stores
+        stores = layout.n % 8 == 0  # 16-byte output rows: TMA stores; else the threads copy the boxes out
         sources = len(epilogue_sources(plans[0].kernel, layout, plans[0].tensor_map))
-        expected = [s for s in TMA_GEMM_SCHEDULES if (stores or not s.store_boxes) and s.staged_sources <= sources]
+        expected = [s for s in TMA_GEMM_SCHEDULES
+                    if (not s.store_boxes or stores != s.copy_out) and s.staged_sources <= sources]  # fmt: skip
         assert tma_offered == ([] if layout.batch_size > 1 else expected), name
         assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}, name
 
@@ -257,6 +282,123 @@ def test_tokens_of_a_batch_merged_into_rows_are_a_plain_matrix_for_tma() -> None
     assert plans, "the TMA kernel reads the merged rows"
     staged = next(p for p in plans if p.schedule.staged_sources)
     assert sorted(m.dims for m in tensor_maps(staged)) == sorted([(136, 200), (328, 136), (328, 200), (328, 200)])
+
+
+def test_copy_out_is_for_output_rows_tma_stores_cannot_write() -> None:
+    """Odd N (rows of 654 bytes): the staged schedules copy their boxes out by threads (no
+    tensor map of the output, no TMA store, the odd N's last column read in range), and say
+    why not where TMA stores can, without staging boxes, or with staged sources."""
+    plans = {p.schedule: p for p in wgmma_plans(GRAPHS["split_nt_odd_n"]()) if isinstance(p.schedule, TmaGemmSchedule)}
+    copied = TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, copy_out=True)
+    assert copied.key() == "wgmma_tma_m128_n256_k64_wg2_s4_p_o2_copy"
+    assert {s for s in plans if s.store_boxes} == {s for s in TMA_GEMM_SCHEDULES if s.copy_out}
+    plan = plans[copied]
+    assert [m.tensor for m in tensor_maps(plan)] == ["a", "b"], "no tensor map of the output"
+    text = cuda_source(plan)
+    assert "y_map" not in text and "tma_store_2d" not in text and "copy_out(box, " in text
+    assert "min(n + 1, N - 1)" in text, "column n + 1 past the odd N is read in range (its value is not stored)"
+    aligned = wgmma_plans(GRAPHS["nn_tails"]())[0]
+    for base, schedule, reason in (
+        (aligned, copied, "TMA stores write them"),
+        (plan, replace(copied, store_boxes=0), "copy_out copies the staging boxes out"),
+        (plan, replace(copied, staged_sources=1), "not with copy_out"),
+    ):  # fmt: skip
+        problems = term_plan_problems(replace(base, schedule=schedule))
+        assert any(reason in p for p in problems), (schedule, problems)
+
+
+COPY_OUT_HARNESS = r"""
+typedef unsigned int u32;
+constexpr int M = {m}, N = {n}, STORE_BOX = 64;
+constexpr u32 ROW_BYTES = 128;
+alignas(16) static unsigned char emu_box[STORE_BOX * ROW_BYTES];
+static inline u32 ld_shared_u32(u32 addr) {{ u32 v; std::memcpy(&v, emu_box + addr, 4); return v; }}
+static inline u32 __shfl_up_sync(unsigned, u32 v, int delta) {{
+    EmuWarp& w = emu_warp();
+    const int lane = emu_lane();
+    w.words[lane][0] = v;
+    w.bar.arrive_and_wait();
+    const u32 r = w.words[lane >= delta ? lane - delta : lane][0];
+    w.bar.arrive_and_wait();
+    return r;
+}}
+// byte i of the result is byte (s >> 4i) & 7 of the eight bytes y:x (x the low four)
+static inline u32 __byte_perm(u32 x, u32 y, u32 s) {{
+    const unsigned long long v = x | static_cast<unsigned long long>(y) << 32;
+    u32 r = 0;
+    for (int i = 0; i < 4; ++i) r |= u32((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+    return r;
+}}
+static inline void st_global_b32(void* at, u32 value) {{
+    if (reinterpret_cast<std::uintptr_t>(at) % 4) std::abort();  // a misaligned 4-byte store faults on a GPU
+    std::memcpy(at, &value, 4);
+}}
+static inline void st_global_b16(void* at, u32 value) {{
+    const unsigned short half = static_cast<unsigned short>(value);
+    std::memcpy(at, &half, 2);
+}}
+void copy_box(unsigned short* y, int row0, int col0) {{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+{copy_out}
+    copy_out(0, row0, col0);
+}}
+int main(int argc, char** argv) {{
+    const int row0 = std::atoi(argv[1]), col0 = std::atoi(argv[2]);
+    for (int r = 0; r < STORE_BOX; ++r)  // element (r, c) is 64 r + c; chunk c / 8 of row r at chunk (c / 8) ^ (r % 8)
+        for (int c = 0; c < STORE_BOX; ++c) {{
+            const unsigned short value = static_cast<unsigned short>(STORE_BOX * r + c);
+            std::memcpy(emu_box + r * ROW_BYTES + (((c / 8) ^ (r % 8)) << 4) + 2 * (c % 8), &value, 2);
+        }}
+    std::vector<unsigned short> y(static_cast<size_t>(M) * N, 0xffff);
+    {launch}
+    std::fwrite(y.data(), 2, y.size(), stdout);
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    "m, n, row0, col0",
+    [
+        (130, 327, 64, 256),  # a whole box, odd N: rows start at even and odd elements in turn
+        (130, 327, 128, 320),  # two rows and seven columns left
+        (70, 319, 64, 256),  # 63 columns: an odd row's last pair and column 63 past N
+        (130, 330, 0, 256),  # even N (rows of 660 bytes): every row starts at an even element
+    ],
+)
+def test_copy_out_stores_every_element_of_a_box_once_with_aligned_words(tmp_path, m, n, row0, col0) -> None:
+    """The generated ``copy_out`` run on the host (a CUDA thread a ``std::thread``, warp
+    shuffles through the emulator's warp buffers): the box's elements in range land at their
+    output elements, nothing else is written, and every 4-byte store is 4-byte aligned."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ to run the copy on the host")
+    launch = launch_blocks("copy_box", (1, 1, 1), 128, "y.data(), row0, col0")
+    lambda_text = "\n".join("    " + line for line in copy_out_lambda("y", "int"))
+    harness = COPY_OUT_HARNESS.format(m=m, n=n, copy_out=lambda_text, launch=launch)
+    source = "#define CK_EMU_MMA_FP16 0\n" + PRELUDE + harness  # the prelude's scale_pair names the macro
+    (tmp_path / "copy_out.cpp").write_text(source)
+    binary = tmp_path / "copy_out"
+    build = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary),
+                            str(tmp_path / "copy_out.cpp")], capture_output=True, text=True)  # fmt: skip
+    assert build.returncode == 0, build.stderr[:4000]
+    run = subprocess.run([str(binary), str(row0), str(col0)], capture_output=True, timeout=120)
+    assert run.returncode == 0, "a misaligned 4-byte store (or a crash)"
+    got = np.frombuffer(run.stdout, dtype=np.uint16).reshape(m, n)
+    expected = np.full((m, n), 0xFFFF, dtype=np.uint16)
+    rows, cols = min(64, m - row0), min(64, n - col0)
+    expected[row0:row0 + rows, col0:col0 + cols] = 64 * np.arange(rows)[:, None] + np.arange(cols)[None, :]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_a_view_of_a_matmul_runs_in_the_tma_gemm() -> None:
+    """An LM head's ``(B·T, V)`` logits viewed as ``(B, T, V)``: the view absorbs the matmul,
+    whose operand ``x`` is read as a plain matrix of ``B·T`` rows; with an odd vocabulary the
+    staged schedules copy their boxes out."""
+    plans = view_plans(lm_head_graph())
+    tma = [p for p in plans if isinstance(p.schedule, TmaGemmSchedule)]
+    assert [p.schedule for p in tma] == [s for s in TMA_GEMM_SCHEDULES if not s.store_boxes or s.copy_out]
+    assert tma[0].kernel.axes == ("i0:2", "i1:100", "i2:327") and tma[0].output.shape == (2, 100, 327)
+    assert sorted(m.dims for m in tensor_maps(tma[0])) == [(136, 200), (136, 327)]
 
 
 def test_epilogue_sources_are_output_shaped_reads() -> None:
@@ -475,7 +617,10 @@ def test_every_schedule_compiles_without_spills_to_hgmma(nvcc, sass, graph, tmp_
         assert (".tnspA" in code) != layout.a_kmajor and (".tnspB" in code) != layout.b_kmajor, plan.name
         assert " LDL" not in code and " STL" not in code, plan.name
         assert ("UTMALDG" in code) == isinstance(plan.schedule, TmaGemmSchedule), plan.name
-        assert ("UTMASTG" in code) == bool(getattr(plan.schedule, "store_boxes", 0)), plan.name
+        tma_stored = isinstance(plan.schedule, TmaGemmSchedule) and tma_stores(plan.schedule)
+        assert ("UTMASTG" in code) == tma_stored, plan.name
+        if getattr(plan.schedule, "copy_out", False):  # coalesced 4-byte stores of the copied boxes
+            assert re.search(r"STG\.E desc", code) and "SHFL.UP" in code, plan.name
     if sass is None:
         pytest.skip("cuobjdump is not installed: compiled and ptxas-checked only")
 
@@ -489,6 +634,13 @@ def test_absorbed_norm_compiles_to_register_a_hgmma_without_spills(nvcc, sass, g
         assert re.search(rf"HGMMA\.64x{plan.schedule.block_n}x16\.F32\S* R\d+, R\d+, gdesc", code), plan.name
         assert "LDSM.16.M88.4" in code and "UTMALDG" in code and " LDL" not in code and " STL" not in code
         assert ("UTMASTG" in code) == bool(plan.schedule.store_boxes), plan.name
+
+
+def test_a_view_of_a_matmul_compiles_without_spills(nvcc, sass, tmp_path) -> None:
+    for plan in [p for p in view_plans(lm_head_graph()) if isinstance(p.schedule, TmaGemmSchedule)]:
+        code = compiled_sass(nvcc, sass, plan, tmp_path)
+        if code is not None:
+            assert "UTMALDG" in code and "UTMASTG" not in code and " LDL" not in code, plan.name
 
 
 @pytest.mark.parametrize("graph", list(ROPE_GRAPHS))
@@ -595,6 +747,31 @@ def test_absorbed_rms_norm_matches_torch(gpu, case, tmp_path) -> None:
     for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
         assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
         out = torch.full(plan.output.shape, math.nan, device="cuda", dtype=dtypes[plan.output.dtype])
+        load_kernel(compiled).launch(inputs, out)
+        torch.cuda.synchronize()
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        assert error <= TOLERANCE, f"{plan.name}: relative L2 error {error:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 100, 327, 136), (4, 256, 2053, 768)])
+def test_a_view_of_a_matmul_matches_torch(gpu, shape, tmp_path) -> None:
+    """The LM head's absorbed matmul (every TMA schedule, the boxes copied out by threads
+    among them, odd vocabularies) against torch's float32 logits."""
+    torch = gpu
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a kernels need a Hopper GPU")
+    batch, tokens, vocab, k = shape
+    graph = lm_head_graph(batch, tokens, vocab, k)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    inputs = {name: torch.randn(t.shape, generator=generator, device="cuda").to(torch.bfloat16)
+              for name, t in graph.inputs.items()}  # fmt: skip
+    reference = (inputs["x"].float().reshape(batch * tokens, k) @ inputs["w"].float().T).reshape(batch, tokens, vocab)
+    plans = [p for p in view_plans(graph) if isinstance(p.schedule, TmaGemmSchedule)]
+    assert any(p.schedule.copy_out for p in plans)
+    for plan, compiled in zip(plans, compile_plans(plans, cache_dir=tmp_path), strict=True):
+        assert not isinstance(compiled, Exception), f"{plan.name}: {compiled}"
+        out = torch.full(plan.output.shape, math.nan, device="cuda", dtype=torch.bfloat16)
         load_kernel(compiled).launch(inputs, out)
         torch.cuda.synchronize()
         error = ((out.float() - reference).norm() / reference.norm()).item()

@@ -332,6 +332,35 @@ def test_rope_joins_the_projection_that_feeds_it() -> None:
     np.testing.assert_allclose(fused.evaluate(inputs), d.evaluate(inputs)["y"], rtol=1e-12, atol=1e-12)
 
 
+def test_a_view_of_a_matmul_reads_its_operand_through_plain_axes_when_absorbed() -> None:
+    """An LM head's logits: ``(x.reshape(B·T, K) @ wᵀ).reshape(B, T, N)`` stores the matmul
+    over merged rows and copies it into the output's view; the copy absorbs the matmul, whose
+    operand read ``x[(b·T + t) // T, (b·T + t) % T, k]`` is then ``x[b, t, k]`` (a plain
+    matrix of ``B·T`` rows), and the absorbed kernel equals the two."""
+    g = ck.Graph("lm_head")
+    x, w = g.input("x", (2, 6, 16)), g.input("w", (9, 16))
+    g.output((x.reshape(12, 16) @ w.transpose(0, 1)).reshape(2, 6, 9), "y")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["contraction", "elementwise"]
+    ((consumer, (_, fused)),) = absorptions(d.kernels, frozenset(g.outputs)).items()
+    assert consumer == "y" and fused.kind == "contraction" and fused.axes == d.kernels[1].axes
+    (read,) = [s for s in t.subterms(fused.term) if s[0] == "Tensor" and s[1] == "x"]
+    assert t.ix_items(read[2]) == tuple(t.ax(a) for a in ("i0:2", "i1:6", "r0:16"))
+    inputs = random_inputs(g, seed=4)
+    np.testing.assert_allclose(fused.evaluate(inputs), d.evaluate(inputs)["y"], rtol=1e-12, atol=1e-12)
+
+
+def test_substituted_index_terms_are_canonical() -> None:
+    """Axes replaced by index terms rebuild the index terms around them: a split of a merged
+    index is its parts, steps add up, a split of anything else stays."""
+    merged = t.ix_lin(t.ax("b:2"), 6, t.ax("t:6"))
+    split = t.access("x", (t.ix_div(t.ax("i:12"), 6), t.ix_mod(t.ax("i:12"), 6), t.ax("k:4")))
+    assert t.substitute_axes(split, {"i:12": merged}) == t.access("x", (t.ax("b:2"), t.ax("t:6"), t.ax("k:4")))
+    assert t.shifted(t.access("y", (t.ix_add(t.ax("d:8"), 1),)), "d:8", 2) == t.access("y", (t.ix_add(t.ax("d:8"), 3),))
+    other = t.substitute_axes(split, {"i:12": t.ax("j:12")})
+    assert other == t.access("x", (t.ix_div(t.ax("j:12"), 6), t.ix_mod(t.ax("j:12"), 6), t.ax("k:4")))
+
+
 def projection_core(kernel) -> tuple:
     """The one contraction of an absorbed kernel that is not shifted."""
     (core,) = {s for s in t.subterms(kernel.term) if s[0] == "Contract"}

@@ -315,17 +315,19 @@ def epilogue_pair_store(em: TermEmitter, plan, layout: GemmLayout, batch_env: di
 
 def epilogue_pair_values(em: TermEmitter, plan, layout: GemmLayout, batch_env: dict[str, Binding],
                          accumulators: tuple[str, str], known: Mapping[Term, tuple[str, str]] | None = None,
-                         ) -> tuple[list[str], list[str], dict[str, Binding]]:  # fmt: skip
+                         next_column: str = "(n + 1)") -> tuple[list[str], list[str], dict[str, Binding]]:
     """``(statements, values, env)``: the kernel's term at output columns ``n`` and ``n + 1``
     of row ``m`` (both in range), with ``accumulators`` in place of its contraction and each
     subterm of ``known`` by its two given fp32 values (a staged source's pair, the
     accumulators a shifted contraction finds a few columns on) — the statements that bind
     them, the two fp32 value expressions and column ``n``'s index bindings — for an
-    epilogue that stores the pair itself."""
+    epilogue that stores the pair itself. ``next_column`` is where the second value's reads
+    index (``min(n + 1, N - 1)`` where column ``n + 1`` may lie past an odd N: a value no
+    store keeps, read from inside the tensors)."""
     depth = em.push()
     m_lines, m_env = decompose("m", layout.m_axes, depth, "em")
     values, envs, lines = [], [], list(m_lines)
-    for half, (accumulator, column, prefix) in enumerate(zip(accumulators, ("n", "(n + 1)"), ("en", "eo"),
+    for half, (accumulator, column, prefix) in enumerate(zip(accumulators, ("n", next_column), ("en", "eo"),
                                                              strict=True)):  # fmt: skip
         em.overrides[layout.core] = lambda _env, accumulator=accumulator: accumulator
         for subterm, pair in (known or {}).items():

@@ -39,6 +39,12 @@ different bank groups), into one of its ``store_boxes`` staging buffers, and one
 hands each box to the copy engine (``cp.async.bulk.tensor`` store, full 128-byte lines,
 what lies past M or N clipped by the output's tensor map) while the warpgroup goes on. A
 buffer is written again only once its previous store has read it (``wait_group.read``).
+Where the output's rows are not 16-byte aligned (a TMA store's row stride must be;
+``copy_out``), the warpgroup's threads copy each written box out themselves instead: a
+warp a row of the box at a time, each lane one word of it, stored as one coalesced 4-byte
+store where the row's element pairs are 4-byte aligned and, in a row that starts at an
+odd element, the pairs realigned by one column (the odd column from the lane before) with
+the row's first and last column stored alone.
 
 Parities: a stage's barriers complete once per use; pass ``u`` of the ring over stage
 ``s`` waits for phase parity ``u & 1`` of full[s] (consumers) and ``(u & 1) ^ 1`` of
@@ -48,7 +54,7 @@ first pass does not wait).
 Launch: grid ``(min(TILES, PERSISTENT_BLOCKS), 1, 1)`` when persistent, else ``(TILES, 1,
 1)``, ``128 · (CONSUMERS + 1)`` threads, :func:`~cherenkov.codegen.term_plan.wgmma_smem_bytes`
 of dynamic shared memory; parameters: the TMA tensor maps of A and B (and of the output
-with ``store_boxes``; by value, ``__grid_constant__``; :func:`tensor_maps` says how the
+with TMA stores; by value, ``__grid_constant__``; :func:`tensor_maps` says how the
 host encodes them), then the pointers of every tensor as in every term kernel.
 """
 
@@ -109,7 +115,7 @@ class OperandMap:
 def tensor_maps(plan) -> tuple[OperandMap, ...]:
     """The tensor maps a TMA GEMM plan's launch passes: A and B — K-major operands in boxes
     of ``64 k × tile rows``, MN-major ones in boxes of ``64 rows × 64 k`` — then, with
-    ``store_boxes``, the output's, in staging boxes of ``STORE_BOX × STORE_BOX``."""
+    TMA stores (:func:`tma_stores`), the output's, in staging boxes of ``STORE_BOX × STORE_BOX``."""
     s = plan.schedule
     layout = gemm_layout(plan.kernel, tensor_infos(plan))
     maps = []
@@ -120,12 +126,18 @@ def tensor_maps(plan) -> tuple[OperandMap, ...]:
             raise CodegenError(f"kernel {plan.kernel.output}: an operand is not a plain matrix read")
         box = (64, tile) if kmajor else (BOX_ROWS, 64)
         maps.append(OperandMap(plan.tensor_map[op[1]].name, dims, dims[0] * 2, box))
-    if s.store_boxes:
+    if tma_stores(s):
         maps.append(OperandMap(plan.output.name, (layout.n, layout.m), layout.n * 2, (STORE_BOX, STORE_BOX)))
     for read in staged_sources(plan, layout):
         maps.append(OperandMap(plan.tensor_map[read[1]].name, (layout.n, layout.m), layout.n * 2,
                                (STORE_BOX, STORE_BOX)))  # fmt: skip
     return tuple(maps)
+
+
+def tma_stores(schedule) -> bool:
+    """Whether the copy engine stores the schedule's staging boxes (else its threads copy
+    them out, or there are none)."""
+    return bool(schedule.store_boxes) and not schedule.copy_out
 
 
 def staged_sources(plan, layout: GemmLayout) -> tuple:
@@ -246,13 +258,12 @@ def _norm_main_loop(mma_name: str) -> list[str]:
     ]
 
 
-def _box_loop(header: list[str], setup: list[str], element: list[str], fence_note: str,
-              after_store: Sequence[str] = (), after_box: Sequence[str] = ()) -> list[str]:  # fmt: skip
+def _box_loop(header: list[str], setup: list[str], element: list[str], store: list[str],
+              after_box: Sequence[str] = ()) -> list[str]:  # fmt: skip
     """The loop of the consumer's epilogues through staging boxes: per box (m64 tile ``mi``,
     64 columns ``j``) the ``setup`` statements; per pair of columns ``n``, ``n + 1`` of row
     ``m`` in range (row ``r``, 16-byte chunk ``c`` of the box) the ``element`` statements;
-    then a fence (``fence_note`` says which accesses it orders), the warpgroup's barrier and
-    one thread's TMA store of the box, followed by ``after_store`` (that thread) and
+    then the ``store`` of the box (:func:`_tma_box_store`, :func:`_copied_box_store`) and
     ``after_box`` (every thread)."""
     return [
         *header,
@@ -273,23 +284,112 @@ def _box_loop(header: list[str], setup: list[str], element: list[str], fence_not
         "                }",
         "            }",
         "        }",
-        f"        fence_proxy_async();  // {fence_note}",
-        "        named_barrier_sync(1 + warpgroup, 128);",
-        "        if (store_thread) {",
-        "            tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + warpgroup * WG_M + 64 * mi);",
-        "            bulk_commit();",
-        *indent_lines(after_store, 3),
-        "        }",
+        *indent_lines(store, 2),
         *indent_lines(after_box, 2),
         "    }",
         "}",
     ]
 
 
-def _staged_epilogue(epilogue: list[str], values: list[str]) -> list[str]:
-    """The consumer's epilogue through its staging boxes: per box, ``epilogue`` binds the
-    ``values`` of each in-range pair, which lands at row ``r``, 16-byte chunk ``c`` of the
-    box; then one thread stores the box."""
+def _tma_box_store(fence_note: str, after_store: Sequence[str] = ()) -> list[str]:
+    """A written box to the output by one thread's TMA store, after a fence (``fence_note``
+    says which accesses it orders) and the warpgroup's barrier; then ``after_store`` (that
+    thread)."""
+    return [
+        f"fence_proxy_async();  // {fence_note}",
+        "named_barrier_sync(1 + warpgroup, 128);",
+        "if (store_thread) {",
+        "    tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + warpgroup * WG_M + 64 * mi);",
+        "    bulk_commit();",
+        *indent_lines(after_store, 1),
+        "}",
+    ]
+
+
+def _copied_box_store() -> list[str]:
+    """A written box to the output by the warpgroup's threads (:func:`copy_out_lambda`),
+    once all of it is written."""
+    return [
+        "named_barrier_sync(1 + warpgroup, 128);  // the box is written",
+        "copy_out(box, m0 + warpgroup * WG_M + 64 * mi, n0 + STORE_BOX * j);",
+    ]
+
+
+def copy_out_lambda(output: str, index: str) -> list[str]:
+    """``copy_out(box, row0, col0)``: a staged box to the output (the pointer ``output``,
+    rows of ``N`` elements, offsets of type ``index``) at row ``row0``, column ``col0``,
+    what lies past M or N left out — a lambda of the consumer. Warp ``w`` copies rows
+    ``16 w .. 16 w + 15``: it first reads every row's word ``lane`` (columns ``2 lane``,
+    ``2 lane + 1``; 16-byte chunk ``c`` of row ``r`` sits at chunk ``c ^ (r % 8)``: 32
+    lanes, 32 banks), then stores each row — as its words where the row starts at an even
+    element of the output, else (N odd, an odd row) column 0 alone, the realigned words
+    of columns ``2 lane - 1``, ``2 lane`` (the odd column is lane ``lane - 1``'s) and
+    column 63 alone."""
+    return [
+        "// the staged box at (row0, col0) to the output, a warp 16 rows, a lane a word of each: 4-byte stores must",
+        "// be 4-byte aligned, so a row that starts at an odd element stores its columns 2l - 1, 2l as a word",
+        "auto copy_out = [&](u32 box, int row0, int col0) {",
+        "    constexpr int ROWS = STORE_BOX / 4;  // rows of a warp",
+        "    u32 word[ROWS];",
+        "    #pragma unroll",
+        "    for (int i = 0; i < ROWS; ++i) {",
+        "        const int r = ROWS * warp + i;",
+        "        word[i] = ld_shared_u32(box + r * ROW_BYTES + (((lane >> 2) ^ (r & 7)) << 4) + 4 * (lane & 3));",
+        "    }",
+        "    #pragma unroll",
+        "    for (int i = 0; i < ROWS; ++i) {",
+        "        const u32 before = __shfl_up_sync(0xffffffffu, word[i], 1);  // columns 2l - 2, 2l - 1",
+        "        const int m = row0 + ROWS * warp + i, n = col0 + 2 * lane;",
+        "        if (m >= M) break;  // the warp's later rows are past M too",
+        f"        const {index} start = {index}(m) * N + col0;  // the row's first column in the output",
+        f"        auto* row = {output} + start;",
+        "        if ((start & 1) == 0) {  // columns 2l, 2l + 1 are an aligned word",
+        "            if (n + 1 < N) st_global_b32(row + 2 * lane, word[i]);",
+        "            else if (n < N) st_global_b16(row + 2 * lane, word[i]);",
+        "        } else {  // columns 2l - 1, 2l are an aligned word; columns 0 and 63 stand alone",
+        "            if (lane == 0) {",
+        "                if (n < N) st_global_b16(row, word[i]);",
+        "            } else if (n < N) {",
+        "                st_global_b32(row + 2 * lane - 1, __byte_perm(before, word[i], 0x5432));",
+        "            } else if (n - 1 < N) {",
+        "                st_global_b16(row + 2 * lane - 1, before >> 16);",
+        "            }",
+        "            if (lane == 31 && n + 1 < N) st_global_b16(row + 2 * lane + 1, word[i] >> 16);",
+        "        }",
+        "    }",
+        "};",
+    ]
+
+
+def emit_global_stores() -> str:
+    """``st_global_b32`` / ``st_global_b16``: a word, or its low half, to global memory."""
+    return block(
+        """
+        // A 4-byte word (two 16-bit outputs, 4-byte aligned) or its low 16 bits to global memory.
+        __device__ __forceinline__ void st_global_b32(void* at, u32 value) {
+            asm volatile("st.global.b32 [%0], %1;\\n" :: "l"(at), "r"(value));
+        }
+
+        __device__ __forceinline__ void st_global_b16(void* at, u32 value) {
+            asm volatile("st.global.b16 [%0], %1;\\n" :: "l"(at), "h"(static_cast<unsigned short>(value)));
+        }
+        """
+    )
+
+
+def _staged_epilogue(epilogue: list[str], values: list[str], copy_out: bool, buffers: int) -> list[str]:
+    """The consumer's epilogue through its ``buffers`` staging boxes: per box, ``epilogue``
+    binds the ``values`` of each in-range pair, which lands at row ``r``, 16-byte chunk
+    ``c`` of the box; then one thread stores the box, or (``copy_out``) the warpgroup's
+    threads copy it out. A buffer is written again once its last store has read it: the
+    copy engine's, or every thread's copy (with two buffers or more, each thread's copy
+    precedes its arrival at the barrier of the box written since)."""
+    if copy_out:
+        single = ["named_barrier_sync(1 + warpgroup, 128);  // the buffer's last copy has read it"]
+        wait = single if buffers == 1 else []
+    else:
+        wait = ["if (store_thread) bulk_wait_read<STORE_BOXES - 1>();  // the buffer's last store has read it",
+                "named_barrier_sync(1 + warpgroup, 128);"]  # fmt: skip
     return _box_loop(
         [
             "// epilogue through shared memory, a 64x64 box at a time (the producer loads the next tile meanwhile):",
@@ -299,15 +399,14 @@ def _staged_epilogue(epilogue: list[str], values: list[str]) -> list[str]:
         [
             "const int buffer = (mi * (BN / STORE_BOX) + j) % STORE_BOXES;",
             "const u32 box = smem + STORE_SMEM + (warpgroup * STORE_BOXES + buffer) * BOX_BYTES;",
-            "if (store_thread) bulk_wait_read<STORE_BOXES - 1>();  // the buffer's last store has read it",
-            "named_barrier_sync(1 + warpgroup, 128);",
+            *wait,
         ],
         [
             *epilogue,
             "st_shared_u32(box + r * ROW_BYTES + ((c ^ (lane >> 2)) << 4) + 4 * (lane & 3),",
             f"              pack2({values[0]}, {values[1]}));",
         ],
-        "the generic-proxy writes before the copy engine's reads",
+        _copied_box_store() if copy_out else _tma_box_store("the generic-proxy writes before the copy engine's reads"),
     )
 
 
@@ -335,13 +434,12 @@ def _sourced_epilogue(epilogue: list[str], values: list[str], sources: int) -> l
             *epilogue,
             f"st_shared_u32(box + at, pack2({values[0]}, {values[1]}));",
         ],
-        "the generic-proxy accesses before the copy engine's",
-        after_store=[
+        _tma_box_store("the generic-proxy accesses before the copy engine's", after_store=[
             "if (b + STORE_BOXES < BOXES) {  // the buffer's next box, once this store has read it",
             "    bulk_wait_read<0>();",
             "    load_sources(b + STORE_BOXES, m0, n0);",
             "}",
-        ],
+        ]),
         after_box=["if (buffer == STORE_BOXES - 1) source_phase ^= 1;  // a round of the buffers is done"],
     )
 
@@ -383,7 +481,7 @@ def _partners(shifts: dict, index: str, scale: str) -> dict:
 
 def _signature(plan, name: str, threads: int) -> str:
     params = ["const __grid_constant__ TensorMap a_map", "const __grid_constant__ TensorMap b_map"]
-    if plan.schedule.store_boxes:
+    if tma_stores(plan.schedule):
         params.append("const __grid_constant__ TensorMap y_map")
     params += [f"const __grid_constant__ TensorMap s{i}_map" for i in range(plan.schedule.staged_sources)]
     params += [f"const {i.c_type}* __restrict__ {i.param}" for i in plan.inputs]
@@ -483,14 +581,16 @@ def gemm_sm90a_tma_source(plan) -> str:
     batch_lines, batch_env = decompose("0", layout.batch, 0, "bz")
     scale = " * row_scale[mi][e >> 1]" if norm else ""  # columns e, e + 1 share a row
     shifts = shifted_cores(kernel, layout)
-    if s.store_boxes:  # the output's rows are 16-byte aligned: columns n, n + 1 are one word
+    if s.store_boxes:  # columns n, n + 1 (n even) are one word of a staging box
         paired = False
         chunk = "STORE_BOX / 8 * j + c"  # the n8 tile of chunk c of box j
         known = {read: (f"unpack_lo(src{i})", f"unpack_hi(src{i})") for i, read in enumerate(sources)}
         known |= _partners(shifts, f"4 * ({chunk}) + e", scale)
+        next_column = "min(n + 1, N - 1)" if layout.n % 2 else "(n + 1)"  # an odd N's last column has no pair
         lines, values, _ = epilogue_pair_values(em, plan, layout, batch_env, (
-            f"acc[mi][4 * ({chunk}) + e]{scale}", f"acc[mi][4 * ({chunk}) + e + 1]{scale}"), known)
-        epilogue = _sourced_epilogue(lines, values, len(sources)) if sources else _staged_epilogue(lines, values)
+            f"acc[mi][4 * ({chunk}) + e]{scale}", f"acc[mi][4 * ({chunk}) + e + 1]{scale}"), known, next_column)
+        epilogue = (_sourced_epilogue(lines, values, len(sources)) if sources
+                    else _staged_epilogue(lines, values, s.copy_out, s.store_boxes))  # fmt: skip
     else:
         paired, stores = accumulator_epilogue(em, plan, layout, batch_env, f"acc[mi][4 * c + e]{scale}",
                                               f"acc[mi][4 * c + e + 1]{scale}", _partners(shifts, "4 * c + e", scale))
@@ -537,7 +637,8 @@ def gemm_sm90a_tma_source(plan) -> str:
         "reg_alloc<CONSUMER_REGS>();",
         "const int warpgroup = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;",
         *(["const bool store_thread = threadIdx.x % 128 == 0;  // hands the warpgroup's boxes to the copy engine"]
-          if s.store_boxes else []),
+          if tma_stores(s) else []),
+        *(copy_out_lambda(plan.output.param, em.index_type) if s.copy_out else []),
         *batch_lines,
         *(["// values every tile shares (batch-only parts of the terms)", *top] if top else []),
         *([] if norm else [
@@ -576,7 +677,7 @@ def gemm_sm90a_tma_source(plan) -> str:
         "",
         *indent_lines(epilogue, 1),
         "}",
-        *(["if (store_thread) bulk_wait_all();  // shared memory must outlive the stores"] if s.store_boxes else []),
+        *(["if (store_thread) bulk_wait_all();  // shared memory must outlive the stores"] if tma_stores(s) else []),
     ]  # fmt: skip
     body = [
         f"// shared memory: the tile ring at the first {SWIZZLE_ALIGN}-byte boundary, then the mbarriers",
@@ -611,7 +712,8 @@ def gemm_sm90a_tma_source(plan) -> str:
         f"N={layout.n} K={layout.k}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.consumer_warpgroups} consumer "
         f"warpgroups and a TMA producer warpgroup, {s.stages} stages{', persistent' if s.persistent else ''}; "
         f"A {order(layout.a_kmajor)}, B {order(layout.b_kmajor)}."
-        + (f" The output goes through {s.store_boxes} shared-memory box(es) a warpgroup and TMA stores."
+        + (f" The output goes through {s.store_boxes} shared-memory box(es) a warpgroup and "
+           f"{'the threads copy them out (rows not 16-byte aligned)' if s.copy_out else 'TMA stores'}."
            if s.store_boxes else "")
         + (f" The epilogue's source{'s' if len(sources) > 1 else ''} "
            f"{', '.join(plan.tensor_map[r[1]].name for r in sources)} come{'' if len(sources) > 1 else 's'} into "
@@ -620,7 +722,7 @@ def gemm_sm90a_tma_source(plan) -> str:
            "epilogue." if norm else "")
     )
     launch = (f"grid ({blocks}, 1, 1), {s.threads} threads, {smem_bytes} bytes of dynamic shared memory; "
-              f"the tensor maps of A{', B and the output' if s.store_boxes else ' and B'}"
+              f"the tensor maps of A{', B and the output' if tma_stores(s) else ' and B'}"
               f"{' and the staged sources' if sources else ''} first")  # fmt: skip
     helpers = [
         emit_prelude(),
@@ -633,10 +735,16 @@ def gemm_sm90a_tma_source(plan) -> str:
         wgmma.emit_wgmma(s.block_n, dtype, norm is not None, not layout.b_kmajor,
                          not layout.a_kmajor and norm is None),
     ]
+    if tma_stores(s):
+        helpers += [tma.emit_tma_store(2), tma.emit_fence_proxy_async()]
     if s.store_boxes:
-        helpers += [tma.emit_tma_store(2), tma.emit_fence_proxy_async(), tma.emit_named_barriers(), mma.emit_pack(dtype)]
+        helpers += [tma.emit_named_barriers(), mma.emit_pack(dtype)]
+    if sources or s.copy_out:
+        helpers.append(tma.emit_ld_shared())
     if sources:
-        helpers += [tma.emit_ld_shared(), mma.emit_unpack(plan.output.dtype)]
+        helpers.append(mma.emit_unpack(plan.output.dtype))
+    if s.copy_out:
+        helpers += [tma.emit_st_shared(), emit_global_stores()]
     if norm is not None:
         helpers += [emit_ldmatrix_primitives(4), emit_norm_helpers(dtype)]
     if paired:

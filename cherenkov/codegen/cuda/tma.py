@@ -141,18 +141,25 @@ def emit_tma_load(rank: int = 3) -> str:
     )
 
 
+def emit_st_shared() -> str:
+    """``st_shared_u32``: one 32-bit word into shared memory (a staging box)."""
+    return block(
+        """
+        __device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {
+            asm volatile("st.shared.b32 [%0], %1;\\n" :: "r"(addr), "r"(value) : "memory");
+        }
+        """
+    )
+
+
 def emit_tma_store(rank: int) -> str:
     """``tma_store_{rank}d(map, src, c0, ...)``: one box from shared memory into global memory
     as a bulk async-group of the calling thread; ``bulk_commit``, ``bulk_wait_read<N>`` (at
     most the N latest groups may still be reading their shared memory), ``bulk_wait_all``
     (every group has written), and ``st_shared_u32`` to fill the box."""
     coords, braces, inputs = _coordinates(rank, 2)
-    return block(
+    return emit_st_shared() + "\n\n" + block(
         f"""
-        __device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {{
-            asm volatile("st.shared.b32 [%0], %1;\\n" :: "r"(addr), "r"(value) : "memory");
-        }}
-
         // Store one box of `map` at coordinates (c0 innermost, ...) from shared memory at `src`
         // (a bulk async-group of this thread; what lies outside the tensor is not written).
         __device__ __forceinline__ void tma_store_{rank}d(const TensorMap* map, u32 src, {coords}) {{
