@@ -26,7 +26,9 @@ Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov
 for a kernel: see :func:`absorbing_candidates`) and the search's wall time; a whole-model
 row has ``ms`` {``cherenkov``, ``eager``, ``inductor``} or ``tokens_per_s``, the count of
 its regions and of their launched kernels by kind, the searched winners' measured ms by kind
-and the five slowest (``winners_ms``: where the model's kernel time goes), whether its tokens
+and the five slowest with how many of their candidates were measured (``winners_ms``: where
+the model's kernel time goes), the best fused candidate of each kernel that had one
+(``absorbing``: why a GELU or a residual add stayed a kernel of its own), whether its tokens
 equal eager's, and the row's wall time (searches and compiles included); and prints a table.
 
     python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,gpt2_small,...]
@@ -171,8 +173,10 @@ def benchmark_whole_model(label: str, args: argparse.Namespace, db: TuningDataba
     regions = [f for split in splits for f in split.compiled]
     results = [call.result for f in regions for call in f.prepared.values() if call.result is not None]
     kernels = [k.kind for result in results for k in result.launched]
+    absorbing = {kernel: best for result in results for kernel, best in absorbing_candidates(result).items()}
     row.update(name=label, row_s=round(time.perf_counter() - start, 1), regions=len(regions),
-               kernels=dict(sorted(Counter(kernels).items())), winners_ms=winner_times(results))  # fmt: skip
+               kernels=dict(sorted(Counter(kernels).items())), winners_ms=winner_times(results),
+               absorbing=absorbing)  # fmt: skip
     log.warning("%s", json.dumps(row))
     return row
 
@@ -243,7 +247,8 @@ def _decode_row(model: Any, backend: Any, torch: Any, prompt: int = 64, tokens: 
 def winner_times(results: list[Any]) -> dict[str, Any]:
     """Where a whole model's kernel time goes, by the search's own measurements: the launched
     winners' measured ms summed per kind and family (one region's result per prepared
-    signature), and the five slowest winners (kernel, candidate id, ms)."""
+    signature), and the five slowest winners (kernel, candidate id, ms, and how many of the
+    kernel's candidates the search measured)."""
     by_kind: Counter[str] = Counter()
     slowest = []
     for result in results:
@@ -252,8 +257,10 @@ def winner_times(results: list[Any]) -> dict[str, Any]:
             if winner is None or winner.time_ms is None:
                 continue
             by_kind[f"{kernel.kind}:{getattr(winner.plan, 'family', 'flash')}"] += winner.time_ms
-            slowest.append((winner.time_ms, kernel.output, winner.result.id))
-    top = [{"kernel": k, "id": i, "ms": round(ms, 4)} for ms, k, i in sorted(slowest, reverse=True)[:5]]
+            measured = sum(1 for r in result.candidates if r.kernel == kernel.output and r.time_ms is not None)
+            slowest.append((winner.time_ms, kernel.output, winner.result.id, measured))
+    top = [{"kernel": k, "id": i, "ms": round(ms, 4), "measured": n}
+           for ms, k, i, n in sorted(slowest, reverse=True)[:5]]  # fmt: skip
     return {"by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())}, "slowest": top}
 
 

@@ -1,0 +1,55 @@
+"""``benchmarks/models.py``'s summaries of a whole model's searches (CPU, on recorded
+results): where the kernel time goes, how much of each slow kernel's space was measured,
+and the fused candidates that competed for a kernel."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _models_benchmark():
+    spec = importlib.util.spec_from_file_location("cherenkov_benchmark_models", ROOT / "benchmarks" / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(kernel: str, kind: str, ms: float | None, status: str = "ok") -> SimpleNamespace:
+    return SimpleNamespace(kernel=kernel, kind=kind, time_ms=ms, id=f"{kind}_{kernel}_{ms}", status=status,
+                           reason=None)  # fmt: skip
+
+
+def _result() -> SimpleNamespace:
+    """A region of a GEMM (t4) and its GELU (t3): the GELU's pointwise winner, measured
+    against one vectorised variant and a GEMM that absorbs t4, which was slower."""
+    gemm, gelu = SimpleNamespace(output="t4", kind="contraction"), SimpleNamespace(output="t3", kind="elementwise")
+    candidates = [
+        _record("t4", "contraction", 0.060), _record("t4", "contraction", None, "unmeasured"),
+        _record("t3", "elementwise", 0.081), _record("t3", "elementwise", 0.090),
+        _record("t3", "contraction", 0.150), _record("t3", "contraction", None, "unmeasured"),
+    ]  # fmt: skip
+    winners = {
+        "t4": SimpleNamespace(time_ms=0.060, plan=SimpleNamespace(family="wgmma"), result=candidates[0]),
+        "t3": SimpleNamespace(time_ms=0.081, plan=SimpleNamespace(family="pointwise"), result=candidates[2]),
+    }
+    return SimpleNamespace(launched=[gemm, gelu], partition=[gemm, gelu], kernels=winners, candidates=candidates)
+
+
+def test_winner_times_sum_by_kind_and_count_what_was_measured():
+    models = _models_benchmark()
+    summary = models.winner_times([_result(), _result()])
+    assert summary["by_kind"] == {"contraction:wgmma": 0.12, "elementwise:pointwise": 0.162}
+    slowest = summary["slowest"]
+    assert [(s["kernel"], s["ms"], s["measured"]) for s in slowest[:2]] == [("t3", 0.081, 3), ("t3", 0.081, 3)]
+    assert slowest[-1]["kernel"] == "t4" and slowest[-1]["measured"] == 1
+
+
+def test_absorbing_candidates_show_the_fused_form_a_kernel_kept_apart():
+    best = _models_benchmark().absorbing_candidates(_result())
+    assert set(best) == {"t3"} and best["t3"]["ms"] == 0.150 and best["t3"]["status"] == "ok"
