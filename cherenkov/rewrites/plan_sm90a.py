@@ -13,7 +13,9 @@ normalise and store the last one; ``q_buffers`` 2 gives such a block a second Q 
 an O tile for TMA stores), so the next tile's Q is loaded during the current one.
 ``pack_group`` fills a tile of a short query (``Sq`` of 8 to 64 rows) with the rows of
 ``block_q / Sq`` query heads of one K/V head, so K and V are read once for all of them and
-no tile rows are wasted (chunked prefill: 64 queries of 4 heads a K/V head). The code
+no tile rows are wasted (chunked prefill: 64 queries of 4 heads a K/V head).
+``balanced`` (causal, persistent) hands a persistent grid its work tiles longest first
+over all heads, each round in the other direction, so the blocks' shares even out. The code
 generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
 
 This module holds only the schedule, its resource estimates and its validity rules; it
