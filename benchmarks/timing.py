@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cherenkov.search.measure import SPIN_CYCLES  # ~0.2 ms of GPU spin (torch.cuda._sleep) before a start event
+
 WARMUP = 3
-SPIN_CYCLES = 400_000  # ~0.2 ms of GPU spin (torch.cuda._sleep) before a start event
 
 
 def l2_flush_buffer(torch: Any) -> Any:

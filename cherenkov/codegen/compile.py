@@ -182,7 +182,7 @@ def plan_dynamic_smem(plan: AnyPlan) -> int:
     if isinstance(plan, TermKernelPlan):
         return term_kernels.term_dynamic_smem(plan)
     if _is_hopper(plan):
-        return plan.schedule.smem_bytes(plan.problem.head_dim, plan.problem.dtype, plan.problem.v_dim)
+        return plan.schedule.problem_smem_bytes(plan.problem)
     if _is_fp8(plan):
         return flash_attention_fp8.fp8_dynamic_smem(plan)
     return FlashLayout.from_plan(plan).total_bytes

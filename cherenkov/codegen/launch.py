@@ -360,7 +360,7 @@ class HopperFlashKernel(FlashAttentionKernel):
         self.problem = p = compiled.plan.problem
         self.schedule = s = compiled.plan.schedule
         self.device = device
-        self.smem_bytes = s.smem_bytes(p.head_dim, p.dtype, p.v_dim)
+        self.smem_bytes = s.problem_smem_bytes(p)
         self.block = (s.threads, 1, 1)
         with cupy.cuda.Device(device):
             self.grid = (s.grid_blocks(p, _multiprocessors(device)), 1, 1)

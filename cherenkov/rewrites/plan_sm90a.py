@@ -134,6 +134,10 @@ class HopperFlashSchedule:
         barriers = MBARRIER_BYTES * (2 * self.q_buffers + (4 if self.split_release else 3) * self.stages)
         return tiles + barriers + SWIZZLE_ALIGN
 
+    def problem_smem_bytes(self, problem: AttentionProblem) -> int:
+        """:meth:`smem_bytes` at a problem's head dims and dtype."""
+        return self.smem_bytes(problem.head_dim, problem.dtype, problem.v_dim)
+
     def register_estimate(self, v_dim: int, dtype: str = "bf16") -> int:
         """Registers a consumer thread needs: O and S accumulators (fp32, half a column each
         per thread of the m64 tile; O as wide as v's tile), packed P (16-bit pairs) and 32 for
@@ -293,7 +297,7 @@ def hopper_schedule_problems(
         if s.o_through_smem and s.q_buffers == 1 and v_columns > qk_columns:
             reasons.append(f"O ({v_columns} columns) is staged in the Q tile ({qk_columns} columns): v's head dim "
                            "must not be wider than q's in a one-tile block")
-        smem = s.smem_bytes(p.head_dim, p.dtype, p.v_dim)
+        smem = s.problem_smem_bytes(p)
         if smem > target.smem_per_block:
             reasons.append(f"shared memory {smem} B exceeds {target.name}'s {target.smem_per_block} B")
         regs = s.register_estimate(p.v_dim, p.dtype)

@@ -221,6 +221,9 @@ HOPPER_STAGE_FACTOR = {2: 0.99, 3: 1.0, 4: 1.0}
 HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
 HOPPER_NO_PINGPONG_FACTOR = 0.95
 HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}  # by q's tile width; 192, 256: not measured yet
+HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
+HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
+HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
 
 
 def hopper_head_dim_factor(problem: AttentionProblem) -> float:
@@ -230,9 +233,6 @@ def hopper_head_dim_factor(problem: AttentionProblem) -> float:
     qk_columns, v_columns = tile_columns(problem.head_dim, problem.dtype), tile_columns(problem.v_dim, problem.dtype)
     useful = (problem.head_dim + problem.v_dim) / (problem.head_dim + v_columns)
     return HOPPER_HEAD_DIM_FACTOR.get(qk_columns, 1.0) * useful
-HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
-HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
-HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
 
 
 def hopper_tile_overhead(schedule: HopperFlashSchedule) -> float:

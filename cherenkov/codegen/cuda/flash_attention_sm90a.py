@@ -41,7 +41,7 @@ crosses a consumer's diagonal. Tile order: the query tiles of one head are conse
 (causal: longest first), so concurrent blocks share K and V in L2.
 
 Launch: grid ``(schedule.grid_blocks(problem, SMs),)``, ``128 · (1 + CONSUMERS)`` threads,
-``schedule.smem_bytes(D, dtype)`` bytes of dynamic shared memory, arguments
+``schedule.problem_smem_bytes(problem)`` bytes of dynamic shared memory, arguments
 ``(q_map, k_map, v_map, o_map, o)``: four TensorMaps of 4-D views ``(D, S, H, B)`` at each
 operand's strides, with ``64 × rows × 1 × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and
 v, 64 for o; see :func:`cherenkov.codegen.tensor_map.operand_tensor_map`) and the output
@@ -103,7 +103,7 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
         _header(problem, schedule),
         section("types and helpers", _types(dtype), *([PACK_E4M3X4] if eight_bit else [])),
         section("problem and schedule constants", _constants(problem, schedule)),
-        section("shared-memory layout", _layout_constants(s.smem_bytes(problem.head_dim, dtype, problem.v_dim))),
+        section("shared-memory layout", _layout_constants(s.problem_smem_bytes(problem))),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(4),
                 tma.emit_fence_proxy_async(), tma.emit_tma_store(4)),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
@@ -133,7 +133,7 @@ def _header(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         f"registers (producer, consumer)={s.register_split}.",
         f"Launch: grid ({'min(' if s.persistent else ''}{s.tiles(p)}{', SMs)' if s.persistent else ''},), "
         f"{s.threads} threads, "
-        f"{s.smem_bytes(p.head_dim, p.dtype, p.v_dim)} bytes dynamic shared memory, args (q_map, k_map, v_map, o_map, o"
+        f"{s.problem_smem_bytes(p)} bytes dynamic shared memory, args (q_map, k_map, v_map, o_map, o"
         f"{', bias' if p.bias is not None else ''}).",
     ]
     return comment_lines(lines)
