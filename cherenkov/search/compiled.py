@@ -17,13 +17,14 @@ reference and says so once in the log: slow, for checking bindings and semantics
 Each compiled function is one ``torch.library`` custom op (:mod:`cherenkov.search.torch_ops`):
 a call dispatches ``cherenkov::<name>``, so it is one named op in ``torch.profiler``, and
 ``torch.compile(..., fullgraph=True)`` traces through it (its fake implementation knows
-the outputs' shapes). On CUDA, a signature's second call records its
-kernels as one CUDA graph (:meth:`~cherenkov.OptimizeResult.capture`) and each later call
-replays it, returning copies of the replayed outputs: inputs that kept their address
-(parameters, a static cache) are read in place, the others (activations allocated anew by
-the caller) are copied into the recording's own buffers first (:class:`PreparedCall`); a call
-whose parameters moved, or one inside someone else's CUDA-graph capture, launches the
-kernels one by one.
+the outputs' shapes). On CUDA, a signature's second call records its kernels as one CUDA
+graph (:meth:`~cherenkov.OptimizeResult.capture_fresh`) and each later call replays it.
+Inputs that kept their address (parameters, a static cache) are read in place; the others
+(activations allocated anew by the caller) are copied into the recording's own buffers
+first (:class:`PreparedCall`). The last few kernels, those writing the outputs, run after the
+replay into new tensors, so the outputs are the call's own without a copy (a longer tail is
+replayed too, and its outputs copied). A call whose parameters moved, or one inside someone
+else's CUDA-graph capture, launches the kernels one by one.
 ``cuda_graphs=False`` always launches them one by one.
 
 A call on tensors that need a gradient (an argument with ``requires_grad``, or the module's
@@ -115,12 +116,13 @@ class PreparedCall:
         for name, value in inputs.items():
             if name not in self.stable:
                 self.replay.inputs[name].copy_(value)
-        return {name: value.clone() for name, value in self.replay().items()}
+        outputs = self.replay()
+        return {name: value if name in self.replay.fresh else value.clone() for name, value in outputs.items()}
 
     def _record(self, inputs: dict[str, Any], stable: tuple[str, ...]) -> None:
         """Record the replay reading ``stable`` in place and private copies of the other inputs."""
         private = {name: value if name in stable else value.clone() for name, value in inputs.items()}
-        self.replay, self.stable = self.result.capture(**private), stable
+        self.replay, self.stable = self.result.capture_fresh(**private), stable
         self.replay_addresses = tuple(inputs[n].data_ptr() for n in stable)
         self.recordings, self.last_addresses = self.recordings + 1, {}  # a later move is judged from its own calls
         moved = sorted(set(inputs) - set(stable))

@@ -59,6 +59,7 @@ MIN_NOISE = 0.005  # medians closer than 0.5% always tie
 # of the 2026-11-30 H200 run, where an uncapped band let a candidate 7.7% slower than the
 # fastest win on its id.
 MAX_NOISE = 0.02
+FRESH_TAIL_KERNELS = 4  # kernels a CapturedRun may launch after its replay to write fresh outputs
 Progress = Callable[..., None]
 
 
@@ -142,13 +143,67 @@ class OptimizeResult:
         kernel reading them is done. Inputs must be contiguous CUDA tensors of the graph's
         dtypes and shapes. Each call checks the tensors and launches every kernel from
         Python; for repeated calls on the same buffers, :meth:`capture` removes that host work."""
+        buffers = self._checked_inputs(tensors)
+        self._launch(buffers, range(len(self.launched)))
+        return {name: buffers[name] for name in self.graph.outputs}
+
+    def capture(self, **tensors: Any) -> CapturedRun:
+        """Record :meth:`run` on these tensors as one CUDA graph and return it as a callable.
+
+        ``captured()`` replays every kernel with no Python work per kernel and returns the
+        same output tensors each time; to run on new data, copy it into the captured input
+        tensors (``x.copy_(new_x)``) — they must stay alive and in place."""
+        return self._capture(tensors, tail_start=len(self.launched))
+
+    def capture_fresh(self, **tensors: Any) -> CapturedRun:
+        """:meth:`capture`, except that the kernels from the first one writing a graph output on
+        (at most ``FRESH_TAIL_KERNELS`` of them) are launched by each call instead of replayed,
+        into new tensors: the outputs they write are the call's own (``captured.fresh``), so a
+        caller that must hand out unshared outputs need not copy them (GPT-2's logits: 0.8 GB).
+        With a longer tail, every kernel is replayed and ``fresh`` is empty."""
+        outputs = set(self.graph.outputs)
+        writers = [p for p, k in enumerate(self.launched) if outputs & set(k.outputs)]
+        tail_start = writers[0] if writers and len(self.launched) - writers[0] <= FRESH_TAIL_KERNELS else len(self.launched)
+        return self._capture(tensors, tail_start)
+
+    def _capture(self, tensors: dict[str, Any], tail_start: int) -> CapturedRun:
         import torch
 
-        buffers = dict(tensors)
-        missing = sorted(set(self.graph.inputs) - set(buffers))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # load the kernels and warm the allocator outside the capture
+            self.run(**tensors)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        buffers = self._checked_inputs(tensors)
+        with torch.cuda.graph(graph):
+            self._launch(buffers, range(tail_start))
+        tail = range(tail_start, len(self.launched))
+        fresh = tuple(n for n in self.graph.outputs if any(n in self.launched[p].outputs for p in tail))
+        held = dict(buffers)  # the inputs and the recorded buffers the tail reads
+
+        def run_tail() -> dict[str, Any]:
+            values = dict(held)
+            self._launch(values, tail)
+            return {name: values[name] for name in fresh}
+
+        recorded = {name: buffers[name] for name in self.graph.outputs if name not in fresh}
+        return CapturedRun(graph, recorded, dict(tensors), run_tail if tail else None, fresh)
+
+    def _checked_inputs(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        missing = sorted(set(self.graph.inputs) - set(tensors))
         if missing:
             raise GraphError(f"run: missing inputs {missing}; graph {self.graph.name!r} needs {sorted(self.graph.inputs)}")
-        for position, (kernel, launcher, problem) in enumerate(self._launchers(torch.cuda.current_device())):
+        return dict(tensors)
+
+    def _launch(self, buffers: dict[str, Any], positions: Iterable[int]) -> None:
+        """Launch the kernels at ``positions`` of :attr:`launched` on ``buffers`` (which gain
+        their outputs and lose the intermediates no later kernel reads)."""
+        import torch
+
+        launchers = self._launchers(torch.cuda.current_device())
+        for position in positions:
+            kernel, launcher, problem = launchers[position]
             if problem is None:
                 buffers[kernel.output] = launcher.launch(buffers)
             elif isinstance(problem, AttentionBackwardProblem):  # several outputs: the gradients
@@ -167,25 +222,6 @@ class OptimizeResult:
                                                    kernel.output)  # fmt: skip
             for name in self._dead_after[position]:
                 del buffers[name]
-        return {name: buffers[name] for name in self.graph.outputs}
-
-    def capture(self, **tensors: Any) -> CapturedRun:
-        """Record :meth:`run` on these tensors as one CUDA graph and return it as a callable.
-
-        ``captured()`` replays every kernel with no Python work per kernel and returns the
-        same output tensors each time; to run on new data, copy it into the captured input
-        tensors (``x.copy_(new_x)``) — they must stay alive and in place."""
-        import torch
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # load the kernels and warm the allocator outside the capture
-            self.run(**tensors)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = self.run(**tensors)
-        return CapturedRun(graph, outputs, dict(tensors))
 
     def _launchers(self, device: int) -> list[tuple[FusedKernel, Any, Any]]:
         """(kernel, loaded launcher, attention problem or None) for each kernel in order,
@@ -249,18 +285,22 @@ def viewed_as(tensor: Any, shape: tuple[int, ...], name: str) -> Any:
 class CapturedRun:
     """The graph's kernels recorded as one CUDA graph on fixed tensors (:meth:`OptimizeResult.capture`).
 
-    Calling it replays the graph on the current stream and returns ``{output: tensor}``
-    (the same tensors every call). ``inputs`` are the captured input tensors: copy new
-    data into them to run on it."""
+    Calling it replays the graph on the current stream and returns ``{output: tensor}``: the
+    same tensors every call, except those named in ``fresh``, which a tail of kernels launched
+    after the replay writes into new tensors (:meth:`OptimizeResult.capture_fresh`).
+    ``inputs`` are the captured input tensors: copy new data into them to run on it."""
 
-    def __init__(self, graph: Any, outputs: dict[str, Any], inputs: dict[str, Any]) -> None:
+    def __init__(self, graph: Any, outputs: dict[str, Any], inputs: dict[str, Any],
+                 tail: Callable[[], dict[str, Any]] | None = None, fresh: tuple[str, ...] = ()) -> None:  # fmt: skip
         self._graph = graph
         self.outputs = outputs
         self.inputs = inputs
+        self._tail = tail
+        self.fresh = fresh
 
     def __call__(self) -> dict[str, Any]:
         self._graph.replay()
-        return self.outputs
+        return self.outputs if self._tail is None else {**self.outputs, **self._tail()}
 
 
 # ------------------------------------------------------------------------------ search
@@ -347,6 +387,7 @@ class _Search:
         self.counts = {"compiled": 0, "measured": 0}
         self.totals = {"compiled": 0, "measured": 0}
         self.twins: dict[str, tuple[Candidate, ...]] = {}
+        self.credit: Credit | None = None  # the space's predicted savings, set by evaluate
 
     @property
     def chunk(self) -> int:
@@ -368,7 +409,7 @@ class _Search:
         fresh = [c for c in fresh if c.id not in results]
         distinct = len({self._lead(c) for c in fresh})
         self.totals = {"compiled": distinct, "measured": distinct if self.env.measured else 0}
-        credit = Credit.of_space(space)
+        credit = self.credit = Credit.of_space(space)
         ordered = {k: sorted(group, key=lambda c: (credit.net(c), c.id)) for k, group in space.candidates.items()}
         first = [c for group in ordered.values() for c in budget.first_round(group, credit.net) if c.id not in results]
         if self.deadline is not None:
@@ -483,14 +524,34 @@ class _Search:
 
     def _measure(self, ready: list[tuple[Candidate, CompiledKernel]], deadline: float | None,
                  known: Mapping[str, CandidateResult]) -> dict[str, CandidateResult]:  # fmt: skip
-        """Verify and time the compiled candidates; one that absorbs a producer is credited
-        with the producer's best time so far (``known``) when compared with its kernel's best."""
+        """Verify and time the compiled candidates. One that absorbs a producer is credited
+        with the producer's best time when compared with its kernel's best, so the candidates
+        that absorb nothing go first (a producer in the same batch is then measured before
+        its absorber); a producer not measured at all is credited with the cost model's
+        best prediction for it (crediting nothing stops a GEMM that runs a GELU in its
+        epilogue as "slower" than the GELU kernel alone, and it never wins)."""
+        plain = [(c, k) for c, k in ready if not c.absorbs]
+        absorbing = [(c, k) for c, k in ready if c.absorbs]
+        measured = self._measure_batch(plain, deadline, known) if plain else {}
+        if absorbing:
+            measured.update(self._measure_batch(absorbing, deadline, {**known, **measured}))
+        return measured
+
+    def _measure_batch(self, ready: list[tuple[Candidate, CompiledKernel]], deadline: float | None,
+                       known: Mapping[str, CandidateResult]) -> dict[str, CandidateResult]:  # fmt: skip
         ordered = sorted(ready, key=lambda ck: (_compiled_values(ck[1])["predicted_ms"], ck[0].id))
         seed = self.counts["measured"]
         producers = {c.absorbs for c, _ in ready if c.absorbs}
-        best = {p: min((r.time_ms for r in known.values() if r.kernel == p and _usable(r)), default=0.0)
+        best = {p: min((r.time_ms for r in known.values() if r.kernel == p and _usable(r)), default=None)
                 for p in producers}  # fmt: skip
-        tasks = [MeasureTask(c.id, k, seed=seed + i + 1, group=c.kernel, credit_ms=best.get(c.absorbs, 0.0))
+
+        def credit_ms(candidate: Candidate) -> float:
+            if not candidate.absorbs:
+                return 0.0
+            measured = best[candidate.absorbs]
+            return measured if measured is not None else self.credit.saving(candidate) if self.credit else 0.0
+
+        tasks = [MeasureTask(c.id, k, seed=seed + i + 1, group=c.kernel, credit_ms=credit_ms(c))
                  for i, (c, k) in enumerate(ordered)]  # fmt: skip
 
         def done(measurement: Any) -> None:

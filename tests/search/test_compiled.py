@@ -155,26 +155,49 @@ def test_op_names_keep_only_safe_characters():
 
 
 class _Recording:
-    """A stand-in for ``OptimizeResult`` on CPU tensors: ``y = x + w``, run or replayed."""
+    """A stand-in for ``OptimizeResult`` on CPU tensors: ``y = x + w``, run or replayed; with
+    ``fresh`` the replay's last kernel writes ``y`` into a new tensor each call (as
+    :meth:`~cherenkov.OptimizeResult.capture_fresh` does), else into the recorded one."""
 
-    def __init__(self):
+    def __init__(self, fresh: bool = False):
         self.runs = self.captures = 0
+        self.fresh = fresh
 
     def run(self, **inputs):
         self.runs += 1
         return {"y": inputs["x"] + inputs["w"]}
 
-    def capture(self, **inputs):
+    def capture_fresh(self, **inputs):
         self.captures += 1
+        fresh = ("y",) if self.fresh else ()
 
         class Replay:
             def __init__(self):
-                self.inputs = dict(inputs)
+                self.inputs, self.fresh, self.recorded = dict(inputs), fresh, inputs["x"] + inputs["w"]
 
             def __call__(self):
-                return {"y": self.inputs["x"] + self.inputs["w"]}
+                if self.fresh:
+                    return {"y": self.inputs["x"] + self.inputs["w"]}
+                torch.add(self.inputs["x"], self.inputs["w"], out=self.recorded)
+                return {"y": self.recorded}
 
         return Replay()
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_replays_outputs_are_the_calls_own_copied_only_when_recorded(fresh):
+    """Each call's outputs are its own: a recorded output buffer (the replay writes it again
+    next call) is copied, one the tail kernels wrote into a new tensor is handed over as is."""
+    torch = pytest.importorskip("torch")
+    from cherenkov.search.compiled import PreparedCall
+
+    result = _Recording(fresh)
+    call = PreparedCall(graph=ck.Graph("replayed"), result=result)
+    w, x = torch.ones(4), torch.randn(4)
+    outputs = [call.launch({"x": x, "w": w}, cuda_graphs=True)["y"] for _ in range(3)]
+    assert result.captures == 1 and all(torch.equal(y, x + w) for y in outputs)
+    assert (outputs[-1] is call.replay.recorded) is False
+    assert len({y.data_ptr() for y in outputs}) == 3, "no call's output is another's"
 
 
 def test_a_replay_reads_stable_inputs_in_place_and_copies_the_moving_ones():
@@ -264,6 +287,12 @@ def test_gpu_compiled_module_runs_its_searched_kernels_and_sees_updates(tmp_path
         for _ in range(3):
             assert float((compiled(fresh).float() - expected).norm() / expected.norm()) <= 2e-2
         assert call.recordings == 2 and "x" not in call.stable
+        # the output-writing kernel runs after the replay into a new tensor: outputs are not shared
+        first, second = compiled(x), compiled(fresh)
+        assert call.replay.fresh and first.data_ptr() != second.data_ptr()
+        with torch.no_grad():
+            expected = block(x).float()
+        assert float((first.float() - expected).norm() / expected.norm()) <= 2e-2
         with torch.profiler.profile() as profile:
             compiled(x)
         assert f"cherenkov::{compiled.op._opname}" in [event.key for event in profile.key_averages()]

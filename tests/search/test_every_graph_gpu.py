@@ -202,16 +202,19 @@ def test_transformer_block(gpu, tmp_path) -> None:
     # the same kernels recorded as one CUDA graph: replays match run(), also on new data
     torch = gpu
     inputs = {n: torch.randn(t.shape, device="cuda").mul(weights.get(n, 1.0)).bfloat16() for n, t in g.inputs.items()}
-    captured = result.capture(**inputs)
+    captured, fresh = result.capture(**inputs), result.capture_fresh(**inputs)
+    assert fresh.fresh == tuple(g.outputs) and not captured.fresh
     for step in range(2):
         if step:
             for x in captured.inputs.values():
                 x.copy_(torch.randn_like(x, dtype=torch.float32).mul(0.05))
         (replayed,) = captured().values()
         (direct,) = result.run(**captured.inputs).values()
+        (tail,) = fresh().values()  # the last kernel after the replay, into a new tensor
         torch.cuda.synchronize()
         assert torch.isfinite(replayed).all()
         assert torch.equal(replayed, direct), f"replay {step} differs from run()"
+        assert torch.equal(tail, direct) and tail.data_ptr() != replayed.data_ptr()
 
 
 def test_captured_nanogpt_attention_derives_flash_and_matches_the_module(gpu, tmp_path) -> None:

@@ -20,6 +20,7 @@ from cherenkov.search import budget
 from cherenkov.search import optimize as optimize_module
 from cherenkov.search.database import TuningDatabase
 from cherenkov.search.environment import Capabilities
+from cherenkov.search.measure import Measurement
 from cherenkov.search.records import CandidateResult, Environment, Timing
 from cherenkov.search.report import read_json
 from cherenkov.search.space import search_space
@@ -174,6 +175,34 @@ def test_an_absorbing_candidate_is_timed_net_of_the_producer_it_saves() -> None:
     known = {r.id: r for r in (timed_result(space.candidates[norm][0], 0.03), timed_result(space.candidates[norm][1], 0.02))}
     search._measure([(absorbing, fake_compiled(absorbing.plan)), (plain, fake_compiled(plain.plan))], None, known)
     assert {t.candidate: t.credit_ms for t in tasks} == {absorbing.id: 0.02, plain.id: 0.0}
+
+
+def test_a_producer_measured_in_the_same_batch_is_credited_and_an_unmeasured_one_is_predicted() -> None:
+    """The candidates that absorb nothing are measured first, so an absorber is credited with
+    the producer timed in its own batch; with no producer time at all, the cost model's best
+    prediction for the producer is credited (not zero: a GEMM running the GELU in its epilogue
+    was stopped early against the GELU kernel alone in GPT-2, 2026-12-03)."""
+    graph = rms_matmul_graph()
+    space = search_space(ck.derive(graph), "sm_90a")
+    norm, matmul = (k.output for k in space.kernels)
+    absorbing = next(c for c in space.candidates[matmul] if c.absorbs)
+    norm_plan = space.candidates[norm][0]
+    batches = []
+
+    class Pool:
+        def measure_all(self, batch, done, deadline):
+            batches.append([(t.candidate, t.credit_ms) for t in batch])
+            return {t.candidate: Measurement(t.candidate, "ok", "", times_ms=(0.025,) * 10) for t in batch}
+
+    caps = Capabilities(Environment("sm_90a", toolkit="13.0", measured=True), (), ())
+    search = optimize_module._Search(graph, caps, None, lambda *a, **k: None, 30.0, {})
+    search.pool, search.credit = Pool(), optimize_module.Credit.of_space(space)
+    search._measure([(absorbing, fake_compiled(absorbing.plan)), (norm_plan, fake_compiled(norm_plan.plan))], None, {})
+    assert batches == [[(norm_plan.id, 0.0)], [(absorbing.id, 0.025)]]
+    batches.clear()
+    search._measure([(absorbing, fake_compiled(absorbing.plan))], None, {})
+    predicted = min(optimize_module._predicted(c) for c in space.candidates[norm])
+    assert batches == [[(absorbing.id, pytest.approx(predicted))]] and predicted > 0
 
 
 @pytest.mark.parametrize("absorbing_ms, absorbs", [(0.11, True), (0.13, False)])
