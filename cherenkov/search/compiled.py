@@ -36,6 +36,7 @@ the module through cherenkov's kernels.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,8 +55,14 @@ Signature = tuple[tuple[tuple[int, ...], str, str], ...]
 
 
 def signature_of(tensors: Sequence[Any]) -> Signature:
-    """The signature a call's tensors prepare or look up."""
-    return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type) for t in tensors)
+    """The signature a call's tensors prepare or look up (computed once a call: a backend
+    region of a whole model takes ~150 tensors, and a call's host work delays its kernels)."""
+    return tuple((tuple(t.shape), _dtype_name(t.dtype), "cuda" if t.is_cuda else t.device.type) for t in tensors)
+
+
+@functools.cache
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 MAX_RECORDINGS = 3
@@ -87,6 +94,8 @@ class PreparedCall:
     recordings: int = 0
     said_moving: bool = False
     backward: dict[tuple[str, ...], PreparedCall] = field(default_factory=dict)  # gradient graphs, by wrt
+    bindings: tuple[tuple[str, str, Any], ...] | None = None  # where each graph input comes from (CompiledFunction)
+    copied: tuple[str, ...] = ()  # the inputs each replay copies in: those not in ``stable``
 
     def launch(self, inputs: dict[str, Any], cuda_graphs: bool) -> dict[str, Any]:
         """The kernels run on ``inputs``: a replay of the recorded CUDA graph where the stable
@@ -113,9 +122,8 @@ class PreparedCall:
                                 "kernel)", self.graph.name, MAX_RECORDINGS)  # fmt: skip
                 return self.result.run(**inputs)
             self._record(inputs, stable=tuple(n for n in inputs if previous.get(n) == addresses[n]))
-        for name, value in inputs.items():
-            if name not in self.stable:
-                self.replay.inputs[name].copy_(value)
+        for name in self.copied:
+            self.replay.inputs[name].copy_(inputs[name])
         outputs = self.replay()
         return {name: value if name in self.replay.fresh else value.clone() for name, value in outputs.items()}
 
@@ -123,11 +131,11 @@ class PreparedCall:
         """Record the replay reading ``stable`` in place and private copies of the other inputs."""
         private = {name: value if name in stable else value.clone() for name, value in inputs.items()}
         self.replay, self.stable = self.result.capture_fresh(**private), stable
+        self.copied = tuple(name for name in inputs if name not in stable)
         self.replay_addresses = tuple(inputs[n].data_ptr() for n in stable)
         self.recordings, self.last_addresses = self.recordings + 1, {}  # a later move is judged from its own calls
-        moved = sorted(set(inputs) - set(stable))
         log.info("ck.compile: %s recorded as a CUDA graph (%d of %d inputs copied in per call: %s)", self.graph.name,
-                 len(moved), len(inputs), ", ".join(moved[:8]) + (" ..." if len(moved) > 8 else ""))  # fmt: skip
+                 len(self.copied), len(inputs), ", ".join(self.copied[:8]) + (" ..." if len(self.copied) > 8 else ""))  # fmt: skip
 
 
 def _bytes(inputs: dict[str, Any], names: Any) -> int:
@@ -173,9 +181,11 @@ class CompiledFunction:
 
     def outputs_of(self, tensors: Sequence[Any]) -> list[Any]:
         """The op's kernel: ``fn``'s outputs on ``tensors`` (in the graph's output order)."""
-        if self.traced_dtypes:
+        key = signature_of(tensors)
+        if self.traced_dtypes and key not in self.prepared:
             tensors = self._as_traced(tensors)
-        call = self.prepare(tensors)
+            key = signature_of(tensors)
+        call = self.prepared.get(key) or self.prepare(tensors)
         inputs = self._bind(call, tensors)
         if call.result is None:
             outputs = self._evaluate_on_cpu(call.graph, inputs)
@@ -253,26 +263,46 @@ class CompiledFunction:
         that dotted name, or (a lifted constant) its captured value, kept on the device."""
         import torch
 
-        graph = call.graph
-        sources = graph.captured_sources
+        if call.bindings is None:
+            call.bindings = self._bindings(call.graph)
         inputs: dict[str, Any] = {}
         device = tensors[0].device if tensors else torch.device("cpu")
-        for name, spec in graph.inputs.items():
-            source = sources.get(name)
-            if source is None:
-                raise GraphError(f"ck.compile: input {name!r} of {graph.name!r} has no recorded source")
-            if source.startswith("arg:"):
-                value = tensors[int(source[4:])]
-            elif (value := self._state_tensor(source)) is not None:
+        for name, kind, where in call.bindings:
+            if kind == "arg":
+                value = tensors[where]
+            elif kind == "state":
+                value = self._state_tensor(where)
+                if value is None:
+                    raise GraphError(f"ck.compile: {self.name} was captured reading {where!r}, which the module "
+                                     "no longer has")  # fmt: skip
                 value = value.to(device)
             else:  # a lifted constant: the value it was captured with
                 if name not in call.constants:
-                    example = graph.example_inputs()[name]
+                    spec = call.graph.inputs[name]
+                    example = call.graph.example_inputs()[name]
                     dtype = getattr(torch, TORCH_DTYPES[spec.dtype])
                     call.constants[name] = torch.from_numpy(np.asarray(example)).to(device, dtype).contiguous()
                 value = call.constants[name]
             inputs[name] = value if value.is_contiguous() else value.contiguous()
         return inputs
+
+    def _bindings(self, graph: Graph) -> tuple[tuple[str, str, Any], ...]:
+        """Where each graph input comes from, worked out once a signature: ``("arg", position)``,
+        ``("state", dotted name)`` (a parameter or buffer, looked up each call: a replaced
+        parameter is seen) or ``("constant", None)`` (a lifted constant)."""
+        sources = graph.captured_sources
+        bindings = []
+        for name in graph.inputs:
+            source = sources.get(name)
+            if source is None:
+                raise GraphError(f"ck.compile: input {name!r} of {graph.name!r} has no recorded source")
+            if source.startswith("arg:"):
+                bindings.append((name, "arg", int(source[4:])))
+            elif self._state_tensor(source) is not None:
+                bindings.append((name, "state", source))
+            else:
+                bindings.append((name, "constant", None))
+        return tuple(bindings)
 
     def _state_tensor(self, dotted: str) -> Any | None:
         """The module's parameter or buffer named ``dotted`` (None for a lifted constant)."""
