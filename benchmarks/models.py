@@ -267,8 +267,8 @@ def winner_times(results: list[Any]) -> dict[str, Any]:
 def absorbing_candidates(result: Any) -> dict[str, dict[str, Any]]:
     """Per kernel that a candidate of another kind could run (one that absorbs its producer:
     RoPE in the projection's epilogue, a norm in the GEMM's main loop), the best of those
-    candidates — id, status, measured ms, and the producer's winning ms it is credited
-    with — so a row shows why the search kept or dropped the fused form."""
+    candidates — id, status, measured ms (before the producer's time is credited) and the
+    reason a measurement stopped — so a row shows why the search kept or dropped the fused form."""
     kinds = {k.output: k.kind for k in result.partition}
     found: dict[str, dict[str, Any]] = {}
     for r in sorted(result.candidates, key=lambda r: (r.time_ms is None, r.time_ms or 0.0, r.id)):
