@@ -134,8 +134,9 @@ class PreparedCall:
         self.copied = tuple(name for name in inputs if name not in stable)
         self.replay_addresses = tuple(inputs[n].data_ptr() for n in stable)
         self.recordings, self.last_addresses = self.recordings + 1, {}  # a later move is judged from its own calls
+        copied = ", ".join(self.copied[:8]) + (" ..." if len(self.copied) > 8 else "")
         log.info("ck.compile: %s recorded as a CUDA graph (%d of %d inputs copied in per call: %s)", self.graph.name,
-                 len(self.copied), len(inputs), ", ".join(self.copied[:8]) + (" ..." if len(self.copied) > 8 else ""))  # fmt: skip
+                 len(self.copied), len(inputs), copied)  # fmt: skip
 
 
 def _bytes(inputs: dict[str, Any], names: Any) -> int:

@@ -161,12 +161,14 @@ class OptimizeResult:
         into new tensors: the outputs they write are the call's own (``captured.fresh``), so a
         caller that must hand out unshared outputs need not copy them (GPT-2's logits: 0.8 GB).
         With a longer tail, every kernel is replayed and ``fresh`` is empty."""
-        outputs = set(self.graph.outputs)
+        outputs, count = set(self.graph.outputs), len(self.launched)
         writers = [p for p, k in enumerate(self.launched) if outputs & set(k.outputs)]
-        tail_start = writers[0] if writers and len(self.launched) - writers[0] <= FRESH_TAIL_KERNELS else len(self.launched)
-        return self._capture(tensors, tail_start)
+        short = writers and count - writers[0] <= FRESH_TAIL_KERNELS
+        return self._capture(tensors, tail_start=writers[0] if short else count)
 
     def _capture(self, tensors: dict[str, Any], tail_start: int) -> CapturedRun:
+        """The kernels before ``tail_start`` recorded as one CUDA graph on ``tensors``; the
+        rest launched by each call of the returned run, after the replay."""
         import torch
 
         side = torch.cuda.Stream()
@@ -548,8 +550,9 @@ class _Search:
         def credit_ms(candidate: Candidate) -> float:
             if not candidate.absorbs:
                 return 0.0
-            measured = best[candidate.absorbs]
-            return measured if measured is not None else self.credit.saving(candidate) if self.credit else 0.0
+            if best[candidate.absorbs] is not None:
+                return best[candidate.absorbs]
+            return self.credit.saving(candidate) if self.credit is not None else 0.0
 
         tasks = [MeasureTask(c.id, k, seed=seed + i + 1, group=c.kernel, credit_ms=credit_ms(c))
                  for i, (c, k) in enumerate(ordered)]  # fmt: skip
