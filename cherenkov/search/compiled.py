@@ -184,8 +184,7 @@ class CompiledFunction:
         """The op's kernel: ``fn``'s outputs on ``tensors`` (in the graph's output order)."""
         key = signature_of(tensors)
         if self.traced_dtypes and key not in self.prepared:
-            tensors = self._as_traced(tensors)
-            key = signature_of(tensors)
+            tensors, key = self._as_traced(tensors, key)
         call = self.prepared.get(key) or self.prepare(tensors)
         inputs = self._bind(call, tensors)
         if call.result is None:
@@ -235,14 +234,11 @@ class CompiledFunction:
             log.info("ck.compile: prepared %s for %s", graph.name, key)
         return self.prepared[key]
 
-    def _as_traced(self, tensors: Sequence[Any]) -> Sequence[Any]:
-        """``tensors`` cast to the float dtypes of the one prepared signature that differs from
-        theirs only there (in the same shapes and devices); as they are otherwise."""
+    def _as_traced(self, tensors: Sequence[Any], key: Signature) -> tuple[Sequence[Any], Signature]:
+        """``tensors`` (of signature ``key``, not prepared) cast to the float dtypes of the one
+        prepared signature that differs from theirs only there (in the same shapes and
+        devices), with that signature; as they are otherwise."""
         import torch
-
-        key = signature_of(tensors)
-        if key in self.prepared:
-            return tensors
 
         def float_only(a: tuple, b: tuple) -> bool:
             same_place = a[0] == b[0] and a[2] == b[2]
@@ -251,13 +247,13 @@ class CompiledFunction:
 
         matches = [k for k in self.prepared if len(k) == len(key) and all(map(float_only, k, key))]
         if len(matches) != 1:
-            return tensors
+            return tensors, key
         (traced,) = matches
         if key not in self._casts_said:
             self._casts_said.add(key)
             changed = [f"input {i}: {b[1]} -> {a[1]}" for i, (a, b) in enumerate(zip(traced, key)) if a[1] != b[1]]
             log.info("ck.compile: %s casts its inputs to the traced dtypes (%s)", self.name, ", ".join(changed))
-        return [t.to(getattr(torch, spec[1])) for t, spec in zip(tensors, traced)]
+        return [t.to(getattr(torch, spec[1])) for t, spec in zip(tensors, traced)], traced
 
     def _bind(self, call: PreparedCall, tensors: Sequence[Any]) -> dict[str, Any]:
         """Every graph input: a positional argument, the module's live parameter or buffer of
