@@ -233,17 +233,29 @@ class TmaGemmSchedule(WgmmaTile):
     which no TMA store can write: an LM head's vocabulary of 50257 columns): the
     warpgroup's threads copy each staged box to the output themselves, a warp a row of the
     box at a time — one coalesced 4-byte store a lane where the row's element pairs are
-    4-byte aligned, a 2-byte store at a row's odd start or end — instead of the copy engine."""
+    4-byte aligned, a 2-byte store at a row's odd start or end — instead of the copy engine.
+
+    ``pingpong`` (persistent, two consumer warpgroups): each consumer warpgroup owns whole
+    ``block_m × block_n`` tiles, the two taking the block's tiles in turn, so that one runs
+    its epilogue while the other's wgmmas keep the tensor cores busy (the ring's order
+    keeps their k steps apart: a tile's operands are loaded after the previous tile's). Else
+    the two split each tile's rows and both run the epilogue at once."""
 
     persistent: bool = True
     store_boxes: int = 0
     staged_sources: int = 0
     copy_out: bool = False
+    pingpong: bool = False
     split_k: ClassVar[int] = 1  # no split-K: one block owns a tile
 
     @property
     def threads(self) -> int:
         return WARPGROUP_THREADS * (self.consumer_warpgroups + 1)
+
+    @property
+    def warpgroup_m(self) -> int:
+        """Rows of a tile one consumer warpgroup multiplies: all of them with ``pingpong``."""
+        return self.block_m if self.pingpong else self.block_m // self.consumer_warpgroups
 
     @property
     def staging_boxes(self) -> int:
@@ -255,7 +267,8 @@ class TmaGemmSchedule(WgmmaTile):
     def key(self) -> str:
         stores = f"_o{self.store_boxes}{'_copy' if self.copy_out else ''}" if self.store_boxes else ""
         sources = f"_src{self.staged_sources}" if self.staged_sources else ""
-        return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}{stores}{sources}"
+        turns = "_pp" if self.pingpong else ""
+        return f"wgmma_tma_{self.tile_key()}{'_p' if self.persistent else ''}{turns}{stores}{sources}"
 
 
 PERSISTENT_BLOCKS = 132  # SMs of an H100 SXM / H200: a persistent GEMM's grid (launch caps it at the device's)
@@ -268,14 +281,15 @@ def wgmma_smem_bytes(schedule: WgmmaGemmSchedule | TmaGemmSchedule) -> int:
     """Dynamic shared memory of a wgmma GEMM plan: ``stages`` A and B tiles (16-bit, no
     padding: the 128-byte swizzle keeps the accesses conflict-free), plus slack to align
     the ring to a swizzle atom, plus (TMA kernels) a full and an empty mbarrier a stage and
-    the output staging boxes."""
+    the output staging boxes (and, ping-pong, a turn mbarrier a consumer warpgroup)."""
     s = schedule
     ring = s.stages * (s.block_m + s.block_n) * s.block_k * 2 + SWIZZLE_ALIGN
     if not isinstance(s, TmaGemmSchedule):
         return ring
     source_barriers = s.store_boxes * s.consumer_warpgroups * MBARRIER_BYTES if s.staged_sources else 0
+    turn_barriers = s.consumer_warpgroups * MBARRIER_BYTES if s.pingpong else 0
     return (ring + 2 * s.stages * MBARRIER_BYTES + s.staging_boxes * s.consumer_warpgroups * STORE_BOX_BYTES
-            + source_barriers)  # fmt: skip
+            + source_barriers + turn_barriers)  # fmt: skip
 
 
 Schedule = PointwiseSchedule | RowSchedule | GemmSchedule | WgmmaGemmSchedule | TmaGemmSchedule
@@ -330,7 +344,9 @@ SPLIT_K_MIN_STEPS = 4
 # The TMA kernels (plain row-major matrix operands, no batch): 128x256 with 4 stages fills
 # the shared memory (193 KiB); 6 stages of 128x128 hold as many bytes in flight. Two
 # staging boxes a warpgroup (32 KiB) still fit beside either ring; one box leaves room for
-# an absorbed norm's weight.
+# an absorbed norm's weight. The ping-pong tiles (a warpgroup's own 128x128 or 64x256,
+# as many accumulators as a cooperative 128x256) hide the epilogue behind the other
+# warpgroup's k steps: what counts where K is short (GPT-2's K 768: 12 k steps a tile).
 TMA_GEMM_SCHEDULES = (
     TmaGemmSchedule(128, 256, 64, 2, 4, True, 2),
     TmaGemmSchedule(128, 256, 64, 2, 4, True, 1),
@@ -338,14 +354,21 @@ TMA_GEMM_SCHEDULES = (
     TmaGemmSchedule(128, 256, 64, 2, 4, False),
     TmaGemmSchedule(128, 128, 64, 2, 6, True, 2),
     TmaGemmSchedule(128, 128, 64, 2, 6, True),
+    # 128x192: 64 tiles of 8192 x 768 (a GPT-2 projection) are 1.94 waves on 132 SMs, not 1.45
+    TmaGemmSchedule(128, 192, 64, 2, 4, True, 1),
+    TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, pingpong=True),
+    TmaGemmSchedule(64, 256, 64, 2, 4, True, 2, pingpong=True),
     # epilogues that read M x N sources (valid only where the kernel has them)
     TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, 1),
     TmaGemmSchedule(128, 256, 64, 2, 3, True, 4, 1),
     TmaGemmSchedule(128, 256, 64, 2, 3, True, 2, 2),
     TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, 1),
+    TmaGemmSchedule(128, 192, 64, 2, 4, True, 1, 1),
+    TmaGemmSchedule(128, 128, 64, 2, 4, True, 2, 1, pingpong=True),
     # outputs whose rows no TMA store can write (not 16-byte aligned): boxes copied out by threads
     TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, copy_out=True),
     TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, copy_out=True),
+    TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, copy_out=True, pingpong=True),
 )
 
 
@@ -759,7 +782,9 @@ def matrix_items(read: Term, info: TensorInfo) -> list[tuple[Term, int]]:
 
 def tma_problems(plan: TermKernelPlan, layout: GemmLayout | None) -> list[str]:
     """What the TMA kernel asks beyond the cp.async one (see :class:`TmaGemmSchedule`)."""
-    reasons = []
+    s, reasons = plan.schedule, []
+    if s.pingpong and not (s.persistent and s.consumer_warpgroups == 2):
+        reasons.append("pingpong takes a persistent block of two consumer warpgroups (they take its tiles in turn)")
     if layout is None:
         return reasons
     if layout.batch_size != 1:

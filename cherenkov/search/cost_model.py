@@ -353,6 +353,12 @@ TMA_TILE_EFFICIENCY = {
     (128, 256, 4, True, 0): 0.70, (128, 256, 4, False, 0): 0.68, (128, 128, 6, True, 0): 0.64,
     (128, 256, 4, True, 2): 0.76, (128, 256, 4, True, 1): 0.755, (128, 128, 6, True, 2): 0.73,
     (128, 256, 3, True, 4): 0.74, (128, 256, 3, True, 2): 0.74,  # the staged-source tiles (3 stages: guessed)
+    (128, 192, 4, True, 1): 0.74,  # guessed
+}
+# Ping-pong tiles (a consumer warpgroup's own tile; TmaGemmSchedule.pingpong), keyed the
+# same way: guessed a little above the cooperative 128x256, their epilogue being hidden.
+PINGPONG_TILE_EFFICIENCY = {
+    (128, 128, 6, True, 2): 0.77, (64, 256, 4, True, 2): 0.77, (128, 128, 4, True, 2): 0.76,
 }
 # An epilogue that loads M x N sources element by element (a residual, a gated product's
 # other factor) after the last k step exposes their latency once a 64x64 box: about this
@@ -411,7 +417,8 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
         memory = MEMORY_EFFICIENCY["mma"]
     elif family == "wgmma" and isinstance(schedule, TmaGemmSchedule):
         tile = (schedule.block_m, schedule.block_n, schedule.stages, schedule.persistent, schedule.store_boxes)
-        efficiency = TMA_TILE_EFFICIENCY.get(tile, 0.5) * waves  # persistent grids: min(tiles, SMs) blocks
+        table = PINGPONG_TILE_EFFICIENCY if schedule.pingpong else TMA_TILE_EFFICIENCY
+        efficiency = table.get(tile, 0.5) * waves  # persistent grids: min(tiles, SMs) blocks
         layout = gemm_layout(plan.kernel, plan.tensor_map)
         if len(epilogue_sources(plan.kernel, layout, plan.tensor_map)) > schedule.staged_sources:
             steps = math.ceil(layout.k / WGMMA_BLOCK_K)

@@ -254,9 +254,13 @@ def test_tma_tensor_maps_follow_the_layouts() -> None:
         (True, True, (OperandMap("a", (200, 136), 400, (64, 64)), OperandMap("b", (136, 328), 272, (64, 256)))),
     ):
         plans = {p.schedule.store_boxes: p for p in wgmma_plans(matmul_graph(ta, tb, 200, 328, 136))
-                 if isinstance(p.schedule, TmaGemmSchedule) and p.schedule.block_n == 256 and p.schedule.persistent}
+                 if isinstance(p.schedule, TmaGemmSchedule) and p.schedule.block_n == 256 and p.schedule.persistent
+                 and not p.schedule.pingpong}
         assert tensor_maps(plans[0]) == expected
         assert tensor_maps(plans[2]) == (*expected, OperandMap("y", (328, 200), 656, (64, 64))), "the output's"
+    pingpong = next(p for p in wgmma_plans(matmul_graph(False, False, 200, 328, 136))
+                    if isinstance(p.schedule, TmaGemmSchedule) and p.schedule.pingpong and p.schedule.block_m == 64)
+    assert tensor_maps(pingpong)[0] == OperandMap("a", (136, 200), 272, (64, 64)), "a warpgroup's own 64 rows"
 
 
 def test_a_batch_of_one_is_a_plain_matrix_for_tma() -> None:
@@ -516,9 +520,12 @@ def test_not_offered_for_evaluated_operands() -> None:
 
 def test_an_absorbed_rms_norm_runs_in_the_tma_and_mma_families() -> None:
     plans = absorbed_plans(NORM_GRAPHS["weight_1024x1536x2048"]())
-    # the weight (3 KiB of static shared memory) leaves room for one staging box a warpgroup
-    assert [p.schedule for p in plans if p.family == "wgmma"] == [s for s in TMA_GEMM_SCHEDULES
-                                                                  if s.store_boxes < 2 and not s.staged_sources]
+    # the weight (3 KiB of static shared memory) leaves room for one staging box a warpgroup beside the
+    # largest rings, two beside the ping-pong 64x256's
+    fits = [s for s in TMA_GEMM_SCHEDULES if not s.staged_sources and not s.copy_out
+            and wgmma_smem_bytes(s) + 2 * 1536 <= SM90A.smem_per_block]
+    assert [s for s in fits if s.store_boxes == 2] == [TmaGemmSchedule(64, 256, 64, 2, 4, True, 2, pingpong=True)]
+    assert [p.schedule for p in plans if p.family == "wgmma"] == fits
     assert {p.family for p in plans} == {"wgmma", "mma", "pointwise"}
     layout = gemm_layout(plans[0].kernel, plans[0].tensor_map)
     assert layout.norm is not None and layout.norm_operand == "a" and layout.a == layout.norm.x

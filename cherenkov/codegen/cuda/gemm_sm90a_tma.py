@@ -20,6 +20,13 @@ tile layouts); what differs is who loads the tiles and how the steps synchronise
   (``gridDim.x`` of them, one an SM) walk the tiles ``blockIdx.x, blockIdx.x + gridDim.x,
   ...``, and while the consumers run a tile's epilogue, the producer already fills the
   ring with the next tile's operands.
+* ``pingpong``: the consumer warpgroups do not split a tile's rows but take the block's
+  tiles in turn (warpgroup ``w`` its tiles ``w, w + 2, ...``), each skipping the other's k
+  steps in the ring; only the warps of one warpgroup release a buffer. A warpgroup starts
+  a tile's k steps once the other's warps are past those of the tile before (a *turn*
+  mbarrier a warpgroup, one arrival a warp of the other): its k steps follow the other's,
+  it runs its epilogue while the other multiplies, and no ring barrier it waits on is
+  more than one phase behind (a parity wait cannot tell phase ``p`` from ``p + 2``).
 
 With an absorbed RMSNorm (:class:`~cherenkov.codegen.term_plan.NormPrologue`: A is
 ``RmsNormRow_k(x)·w``, the TMA loads plain ``x``) the consumers take A from registers
@@ -186,6 +193,18 @@ def _ss_main_loop(mma_name: str) -> list[str]:
     ]
 
 
+def _turn_loop() -> list[str]:
+    """The head of a ping-pong consumer's tile loop: warpgroup ``w`` takes the block's tiles
+    ``w, w + 2, ...``; its tile ``turn`` starts at ring step ``turn · KT`` (the producer
+    loads the block's tiles in order, KT steps each)."""
+    return [
+        "for (int tile = blockIdx.x + warpgroup * gridDim.x, turn = warpgroup; tile < TILES;",
+        "     tile += CONSUMERS * gridDim.x, turn += CONSUMERS) {",
+        "    stage = turn * KT % STAGES;  // skip the other warpgroup's k steps in the ring",
+        "    phase = turn * KT / STAGES & 1;",
+    ]
+
+
 def _norm_fragments(weighted: bool) -> list[str]:
     """``load_fragments(f, buffer, step)``: this warp's rows of x in ring buffer ``buffer``
     as the wgmma A fragments of k step ``step`` (scaled by the weight), their squares added
@@ -198,7 +217,7 @@ def _norm_fragments(weighted: bool) -> list[str]:
         "    const u32 a_tile = smem + A_SMEM + buffer * A_TILE_BYTES;",
         "    #pragma unroll",
         "    for (int mi = 0; mi < M_TILES; ++mi) {",
-        "        const int row = warpgroup * WG_M + 64 * mi + 16 * warp + (lane & 15);",
+        "        const int row = wg_row + 64 * mi + 16 * warp + (lane & 15);",
         "        #pragma unroll",
         "        for (int ks = 0; ks < BK / 16; ++ks) {",
         "            ldmatrix_x4(f[mi][ks], a_tile + row * ROW_BYTES + (((2 * ks + (lane >> 4)) ^ (row & 7)) << 4));",
@@ -277,7 +296,7 @@ def _box_loop(header: list[str], setup: list[str], element: list[str], store: li
         "            #pragma unroll",
         "            for (int e = 0; e < 4; e += 2) {",
         "                const int r = 16 * warp + (lane >> 2) + 8 * (e >> 1);  // r % 8 == lane / 4",
-        "                const int m = m0 + warpgroup * WG_M + 64 * mi + r;",
+        "                const int m = m0 + wg_row + 64 * mi + r;",
         "                const int n = n0 + STORE_BOX * j + 8 * c + 2 * (lane & 3);",
         "                if (m < M && n < N) {",
         *indent_lines(element, 5),
@@ -299,7 +318,7 @@ def _tma_box_store(fence_note: str, after_store: Sequence[str] = ()) -> list[str
         f"fence_proxy_async();  // {fence_note}",
         "named_barrier_sync(1 + warpgroup, 128);",
         "if (store_thread) {",
-        "    tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + warpgroup * WG_M + 64 * mi);",
+        "    tma_store_2d(&y_map, box, n0 + STORE_BOX * j, m0 + wg_row + 64 * mi);",
         "    bulk_commit();",
         *indent_lines(after_store, 1),
         "}",
@@ -311,7 +330,7 @@ def _copied_box_store() -> list[str]:
     once all of it is written."""
     return [
         "named_barrier_sync(1 + warpgroup, 128);  // the box is written",
-        "copy_out(box, m0 + warpgroup * WG_M + 64 * mi, n0 + STORE_BOX * j);",
+        "copy_out(box, m0 + wg_row + 64 * mi, n0 + STORE_BOX * j);",
     ]
 
 
@@ -460,7 +479,7 @@ def _source_loads(maps: int) -> list[str]:
         "// the staged sources of box b of the tile at (m0, n0), into buffer b % STORE_BOXES",
         "auto load_sources = [&](int b, int m0, int n0) {",
         "    const int buffer = b % STORE_BOXES;",
-        "    const int row = m0 + warpgroup * WG_M + 64 * (b / BOXES_N), column = n0 + STORE_BOX * (b % BOXES_N);",
+        "    const int row = m0 + wg_row + 64 * (b / BOXES_N), column = n0 + STORE_BOX * (b % BOXES_N);",
         "    const u32 bar = source_barrier(buffer);",
         "    mbar_arrive_expect_tx(bar, SOURCES * BOX_BYTES);",
         *loads,
@@ -531,6 +550,9 @@ def gemm_sm90a_tma_source(plan) -> str:
     layout_note = ("| source boxes of warpgroup 1, 2 " if sources else
                    "| output boxes of warpgroup 1, 2 " if s.store_boxes else "")  # fmt: skip
     source_barrier_bytes = f" + CONSUMERS * STORE_BOXES * {MBARRIER_BYTES}" if sources else ""
+    turn_barriers = (f"\n        constexpr u32 TURN_BARRIERS = BARRIERS + 2 * STAGES * {MBARRIER_BYTES}{source_barrier_bytes};"
+                     "  // ping-pong: one a consumer warpgroup" if s.pingpong else "")
+    turn_barrier_bytes = f" + 2 * {MBARRIER_BYTES}" if s.pingpong else ""
     a_constants = (
         f"// A {order(layout.a_kmajor)}: fragments from registers" if norm else
         f"constexpr u32 A_K_STEP = {'32' if layout.a_kmajor else '16 * ROW_BYTES'}, "
@@ -539,8 +561,9 @@ def gemm_sm90a_tma_source(plan) -> str:
     constants = block(f"""
         {shape_constants(layout, s, "        ", batch=False)}
         constexpr int CONSUMERS = {s.consumer_warpgroups}, THREADS = {s.threads};  // + one producer warpgroup
+        constexpr int RELEASING_WARPS = {4 if s.pingpong else "4 * CONSUMERS"};  // warps that multiply from one ring buffer
         constexpr int PRODUCER_REGS = {PRODUCER_REGS}, CONSUMER_REGS = {CONSUMER_REGS};  // setmaxnreg budgets
-        constexpr int WG_M = BM / CONSUMERS;      // rows of one consumer warpgroup
+        constexpr int WG_M = {s.warpgroup_m};  // rows of a tile one consumer warpgroup multiplies
         constexpr int M_TILES = WG_M / {WGMMA_M};         // its m64 wgmma tiles
         constexpr int ACC = BN / 2;               // fp32 accumulators of one m64 tile, a thread
         constexpr int KT = (K + BK - 1) / BK;     // k steps
@@ -549,13 +572,13 @@ def gemm_sm90a_tma_source(plan) -> str:
         static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "the register file");
 
         // Shared memory from a {SWIZZLE_ALIGN}-byte aligned base: [A stage 0..STAGES-1 | B stage 0..STAGES-1 {layout_note}|
-        // full mbarrier 0..STAGES-1 | empty mbarrier 0..STAGES-1{" | source mbarriers" if sources else ""}].
+        // full mbarrier 0..STAGES-1 | empty mbarrier 0..STAGES-1{" | source mbarriers" if sources else ""}{" | turn mbarriers" if s.pingpong else ""}].
         constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};           // a swizzled row: 64 elements
         constexpr u32 BOX_BYTES = 64 * ROW_BYTES;     // 64 K-major rows, or one MN-major box of 64 k rows
         constexpr u32 A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = BN * BK * 2;
         constexpr u32 STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;  // what the TMA delivers a k step
-        {ring_offsets}
-        static_assert(BARRIERS + 2 * STAGES * {MBARRIER_BYTES}{source_barrier_bytes} + {SWIZZLE_ALIGN} == {smem_bytes}, "the plan's shared memory");
+        {ring_offsets}{turn_barriers}
+        static_assert(BARRIERS + 2 * STAGES * {MBARRIER_BYTES}{source_barrier_bytes}{turn_barrier_bytes} + {SWIZZLE_ALIGN} == {smem_bytes}, "the plan's shared memory");
         {a_constants}
         constexpr u32 B_K_STEP = {"32" if layout.b_kmajor else "16 * ROW_BYTES"}, B_LBO = {"16" if layout.b_kmajor else "BOX_BYTES"};  // B {order(layout.b_kmajor)}
 
@@ -599,7 +622,7 @@ def gemm_sm90a_tma_source(plan) -> str:
             "// tile mi is row 16 warp + lane / 4 (+8 for e >= 2), column 8c + 2 (lane % 4) + (e & 1)",
             *epilogue_loops(
                 ("mi", "M_TILES"), ("c", "BN / 8"),
-                "m0 + warpgroup * WG_M + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1)",
+                "m0 + wg_row + 64 * mi + 16 * warp + (lane >> 2) + 8 * (e >> 1)",
                 "n0 + 8 * c + 2 * (lane & 3) + (e & 1)",
                 stores, paired,
             ),
@@ -633,17 +656,20 @@ def gemm_sm90a_tma_source(plan) -> str:
     ]
     weight = plan.tensor_map[norm.weight[1]].param if norm is not None and norm.weight is not None else None
     consumer = [
-        "// consumers: warpgroup w multiplies rows w * WG_M .. of each tile, then runs its epilogue",
+        *(["// consumers: warpgroup w multiplies every other tile of the block, then runs its epilogue while the",
+            "// other warpgroup multiplies the next"] if s.pingpong else
+          ["// consumers: warpgroup w multiplies rows w * WG_M .. of each tile, then runs its epilogue"]),
         "reg_alloc<CONSUMER_REGS>();",
         "const int warpgroup = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;",
+        ("const int wg_row = 0;  // each warpgroup multiplies whole tiles, the two in turn" if s.pingpong else
+         "const int wg_row = warpgroup * WG_M;  // the warpgroup's first row of a tile"),
         *(["const bool store_thread = threadIdx.x % 128 == 0;  // hands the warpgroup's boxes to the copy engine"]
           if tma_stores(s) else []),
         *(copy_out_lambda(plan.output.param, em.index_type) if s.copy_out else []),
         *batch_lines,
         *(["// values every tile shares (batch-only parts of the terms)", *top] if top else []),
         *([] if norm else [
-            "const unsigned long long a_desc = make_smem_desc(smem + A_SMEM + warpgroup * M_TILES * BOX_BYTES, A_LBO, "
-            "1024);"]),
+            "const unsigned long long a_desc = make_smem_desc(smem + A_SMEM + wg_row * ROW_BYTES, A_LBO, 1024);"]),
         "const unsigned long long b_desc = make_smem_desc(smem + B_SMEM, B_LBO, 1024);",
         *(["float row_ss[M_TILES][2][2];  // sums of x^2 over k, two chains: rows g and g + 8 of each m64 tile",
            "u32 frag[2][M_TILES][BK / 16][4] = {};  // A fragments of two consecutive k steps",
@@ -652,7 +678,7 @@ def gemm_sm90a_tma_source(plan) -> str:
         *(["u32 source_phase = 0;  // parity of the source barriers' current round"] if sources else []),
         "int stage = 0;",
         "u32 phase = 0;",
-        "for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {",
+        *(_turn_loop() if s.pingpong else ["for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {"]),
         "    int m0, n0;",
         "    tile_origin(tile, m0, n0);",
         *(["    if (store_thread) {  // the tile's first round of source boxes: they land during its k steps",
@@ -668,7 +694,11 @@ def gemm_sm90a_tma_source(plan) -> str:
         *(["        row_ss[mi][0][0] = row_ss[mi][0][1] = row_ss[mi][1][0] = row_ss[mi][1][1] = 0.0f;"]
           if norm else []),
         "    }",
+        *(["    if (turn > 0)  // the tile before (the other warpgroup's) has had all its k steps: its ring steps are done",
+           "        mbar_wait(smem + TURN_BARRIERS + 8 * warpgroup, ((turn - 1) >> 1) & 1);"] if s.pingpong else []),
         *indent_lines(_norm_main_loop(mma_name) if norm else _ss_main_loop(mma_name), 1),
+        *(["    if (lane == 0) mbar_arrive(smem + TURN_BARRIERS + 8 * (1 - warpgroup));  // the other warpgroup's turn"]
+          if s.pingpong else []),
         "    wgmma_wait<0>();",
         "    #pragma unroll",
         "    for (int mi = 0; mi < M_TILES; ++mi) fence_operands(acc[mi]);",
@@ -687,12 +717,14 @@ def gemm_sm90a_tma_source(plan) -> str:
         "    #pragma unroll",
         "    for (int s = 0; s < STAGES; ++s) {",
         "        mbar_init(smem + BARRIERS + 8 * s, 1);                     // full: the producer's arrival + bytes",
-        "        mbar_init(smem + BARRIERS + 8 * (STAGES + s), 4 * CONSUMERS);  // empty: one arrival a consumer warp",
+        "        mbar_init(smem + BARRIERS + 8 * (STAGES + s), RELEASING_WARPS);  // empty: one arrival a consumer warp",
         "    }",
         *(["    #pragma unroll",
            "    for (int b = 0; b < CONSUMERS * STORE_BOXES; ++b)",
            "        mbar_init(smem + SOURCE_BARRIERS + 8 * b, 1);  // a source box: the store thread's arrival + bytes"]
           if sources else []),
+        *(["    mbar_init(smem + TURN_BARRIERS, 4);      // warpgroup 0's turn: the other's warps are past their k steps",
+           "    mbar_init(smem + TURN_BARRIERS + 8, 4);"] if s.pingpong else []),
         "    fence_barrier_init();",
         "}",
         *(["// the norm's weight, whole, in shared memory (the consumers read its pairs every k step)",
@@ -710,7 +742,8 @@ def gemm_sm90a_tma_source(plan) -> str:
     summary = (
         f"GEMM: warp-specialised wgmma.mma_async m64n{s.block_n}k16 {dtype}, fp32 accumulators; M={layout.m} "
         f"N={layout.n} K={layout.k}; tile {s.block_m}x{s.block_n}x{s.block_k}, {s.consumer_warpgroups} consumer "
-        f"warpgroups and a TMA producer warpgroup, {s.stages} stages{', persistent' if s.persistent else ''}; "
+        f"warpgroups{' taking the tiles in turn (ping-pong)' if s.pingpong else ''} and a TMA producer warpgroup, "
+        f"{s.stages} stages{', persistent' if s.persistent else ''}; "
         f"A {order(layout.a_kmajor)}, B {order(layout.b_kmajor)}."
         + (f" The output goes through {s.store_boxes} shared-memory box(es) a warpgroup and "
            f"{'the threads copy them out (rows not 16-byte aligned)' if s.copy_out else 'TMA stores'}."
