@@ -53,3 +53,20 @@ def test_winner_times_sum_by_kind_and_count_what_was_measured():
 def test_absorbing_candidates_show_the_fused_form_a_kernel_kept_apart():
     best = _models_benchmark().absorbing_candidates(_result())
     assert set(best) == {"t3"} and best["t3"]["ms"] == 0.150 and best["t3"]["status"] == "ok"
+
+
+def _generated(tokens: list[int], logits: list[list[float]]) -> SimpleNamespace:
+    """What ``generate(..., return_dict_in_generate=True, output_logits=True)`` returns: the
+    prompt and new tokens, and one ``(1, vocab)`` logits row a new token."""
+    import torch
+
+    return SimpleNamespace(sequences=torch.tensor([tokens]), logits=[torch.tensor([row]) for row in logits])
+
+
+def test_first_difference_reports_the_step_and_eagers_logit_gap():
+    first_difference = _models_benchmark().first_difference
+    eager = _generated([7, 7, 2, 0, 1], [[0.0, 0.0, 5.0], [3.0, 2.5, 0.0], [1.0, 4.0, 3.96875]])
+    assert first_difference(_generated([7, 7, 2, 0, 1], []), eager) is True
+    assert first_difference(_generated([7, 7, 2, 0, 2], []), eager) == {
+        "first_differing_token": 2, "eager_top2_logit_gap": 0.03125}  # fmt: skip
+    assert first_difference(_generated([7, 7, 2, 1, 1], []), eager)["eager_top2_logit_gap"] == 0.5
