@@ -8,7 +8,8 @@ nothing stale answers), checks the graph's output against SDPA in float32 (relat
 ≤ 2e-2, output poisoned with NaN first), then times it and SDPA's flash, cuDNN and
 memory-efficient backends — and FlashAttention-4 where its wheels are installed
 (``../shared/device/fa4-wheels.sh``) — on the same inputs: CUDA events, L2 flushed before
-every sample, samples of all of them interleaved round-robin (so clock drift hits all
+every sample (``--flush``: by reading a buffer, so no dirty lines are written back during
+the sample; see ``timing.py``), samples of all of them interleaved round-robin (so clock drift hits all
 alike), median of ``--samples``. A shape whose search found no flash plan runs (and is
 timed) through the unfused kernels as a CUDA graph, and says so (``cherenkov_kernels``).
 Prints a table (TFLOP/s, ratios) and writes ``<out>/h200-<date><suffix>.json`` (``gpu``,
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import cherenkov as ck  # noqa: E402
 from cherenkov.codegen import compile_plan, load_kernel  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
-from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+from timing import FLUSHES, l2_flush_buffer, time_interleaved  # noqa: E402
 
 MMA_SYNC_PEAK = 641.0  # TFLOP/s, register-only mma.sync bf16 on the H200 (../shared/device/mma_peak.cu)
 WGMMA_PEAK = 989.0  # TFLOP/s, dense bf16 wgmma on the H200 (NVIDIA's figure)
@@ -367,6 +368,9 @@ def main() -> None:
                         help="spin the GPU ~0.2 ms before each sample's start event, so that host-side launch "
                              "work is not timed (not used for the 2026-11-29 results)")
     parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--flush", default="read", choices=FLUSHES,
+                        help="how L2 is flushed before a sample: read (left clean) or zero (the dirty lines' "
+                             "write-back then runs in the sample: the method before 2026-12-03)")
     parser.add_argument("--target", default="auto", help="search target (auto: the local GPU, sm_90a on Hopper; "
                                                          "sm_90: the mma.sync family only)")
     parser.add_argument("--suffix", default="", help="results file h200-<date><suffix>.json")
@@ -384,7 +388,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     example = load_example()
-    flush = l2_flush_buffer(torch)
+    flush = l2_flush_buffer(torch, args.flush)
     copy_tbps = copy_bandwidth(torch, flush, args.samples)
     print(f"device-to-device copy: {copy_tbps:.2f} TB/s", flush=True)
     rows = []
@@ -424,7 +428,7 @@ def main() -> None:
         "mma_sync_peak_tflops": MMA_SYNC_PEAK,
         "wgmma_peak_tflops": WGMMA_PEAK,
         "target": args.target,
-        "method": "CUDA events, L2 flushed before each sample, backends interleaved round-robin, "
+        "method": f"CUDA events, L2 flushed ({args.flush}) before each sample, backends interleaved round-robin, "
                   f"median of {args.samples}; cherenkov: ck.optimize fresh search, budget {args.budget} s a shape "
                   f"({args.budget * CAUSAL_BUDGET_FACTOR:.0f} s causal), best of what the search measured in time"
                   + ("; GPU spin before each start event" if args.hide_launch_gaps else ""),

@@ -152,7 +152,7 @@ def main() -> None:
         "date": date,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cherenkov": ck.__version__,
                      "cudnn": torch.backends.cudnn.version()},
-        "method": "CUDA events, L2 flushed before each sample, contenders round-robin, median of "
+        "method": "CUDA events, L2 flushed (read) before each sample, contenders round-robin, median of "
                   f"{args.samples}; cherenkov: the fastest of its target's backward schedules (5 quick samples each), "
                   "statistics pass (the forward recomputed) included; SDPA: autograd.grad of a computed output",
         "rows": rows,

@@ -2,6 +2,9 @@
 
 Samples of all launchers are interleaved round-robin (clock drift and thermal state hit
 all alike), L2 is flushed before every sample, and the median is reported.
+
+The flush is the search's own (:class:`~cherenkov.search.measure.L2Flush`, which says why
+it reads a buffer twice the L2's size instead of zeroing it).
 """
 
 from __future__ import annotations
@@ -9,18 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cherenkov.search.measure import SPIN_CYCLES  # ~0.2 ms of GPU spin (torch.cuda._sleep) before a start event
+from cherenkov.search.measure import FLUSHES, SPIN_CYCLES, L2Flush  # noqa: F401 - FLUSHES: the scripts' choices
 
 WARMUP = 3
 
 
-def l2_flush_buffer(torch: Any) -> Any:
-    """A buffer twice the L2 size: zeroing it evicts everything a kernel left in L2."""
-    return torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device="cuda")
+def l2_flush_buffer(torch: Any, how: str = "read") -> L2Flush:
+    """The flush :func:`time_interleaved` runs before every sample (see :class:`L2Flush`)."""
+    return L2Flush(torch, how=how)
 
 
 def time_interleaved(
-    torch: Any, launches: dict[str, Callable[[], Any]], flush: Any, samples: int, spin: bool = False
+    torch: Any, launches: dict[str, Callable[[], Any]], flush: L2Flush, samples: int, spin: bool = False
 ) -> dict[str, float]:
     """Median ms of each launch: warm-up, then ``samples`` rounds of one sample each, L2
     flushed before every sample. ``spin`` queues a ~0.2 ms GPU spin after the flush, so the
@@ -34,7 +37,7 @@ def time_interleaved(
     times: dict[str, list[float]] = {name: [] for name in launches}
     for _ in range(samples):
         for name, launch in launches.items():
-            flush.zero_()
+            flush()
             if spin:
                 torch.cuda._sleep(SPIN_CYCLES)
             start.record()

@@ -551,6 +551,9 @@ def test_an_absorbed_rms_norm_runs_in_the_tma_and_mma_families() -> None:
         (WgmmaGemmSchedule(64, 128, 64, 1, 6, 0), "split_k 0"),
         (WgmmaGemmSchedule(64, 128, 64, 1, 6, 2), "k steps"),
         (WgmmaGemmSchedule(64, 64, 64, 1, 8, 64), "grids of fewer than"),
+        (TmaGemmSchedule(128, 256, 64, 2, 4, True, 2, pingpong=True), "256 fp32 accumulators"),
+        (TmaGemmSchedule(128, 128, 64, 2, 6, False, 2, pingpong=True), "pingpong takes a persistent block"),
+        (TmaGemmSchedule(128, 128, 64, 1, 6, True, 2, pingpong=True), "two consumer warpgroups"),
     ],
 )
 def test_invalid_schedules_say_why(schedule, reason) -> None:
@@ -567,6 +570,25 @@ def test_schedules_and_shared_memory() -> None:
         assert term_dynamic_smem(plan) == wgmma_smem_bytes(plan.schedule) <= SM90A.smem_per_block
         producer = isinstance(plan.schedule, TmaGemmSchedule)  # one more warpgroup
         assert plan.schedule.threads == 128 * (plan.schedule.consumer_warpgroups + producer)
+
+
+def test_pingpong_warpgroups_own_whole_tiles_and_take_turns() -> None:
+    """A ping-pong consumer multiplies a whole tile (its A box spans the tile's rows), only
+    its four warps release a ring buffer, and two turn mbarriers (16 bytes more shared memory)
+    order the warpgroups' k steps; the cooperative kernel has none of that."""
+    pingpong = TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, pingpong=True)
+    cooperative = replace(pingpong, pingpong=False)
+    assert pingpong.warpgroup_m == 128 and cooperative.warpgroup_m == 64
+    assert pingpong.accumulators == 128 and pingpong.key() == "wgmma_tma_m128_n128_k64_wg2_s6_p_pp_o2"
+    assert wgmma_smem_bytes(pingpong) == wgmma_smem_bytes(cooperative) + 16
+    plans = {p.schedule: p for p in wgmma_plans(GRAPHS["nn_tails"]())}
+    turns, split = cuda_source(plans[pingpong]), cuda_source(plans[cooperative])
+    assert "constexpr int WG_M = 128;" in turns and "constexpr int WG_M = 64;" in split
+    assert "RELEASING_WARPS = 4;" in turns and "RELEASING_WARPS = 4 * CONSUMERS;" in split
+    assert "turn = warpgroup" in turns and "TURN_BARRIERS" in turns and "TURN_BARRIERS" not in split
+    assert turns.count("mbar_arrive(smem + TURN_BARRIERS") == 1 and turns.count("mbar_wait(smem + TURN_BARRIERS") == 1
+    assert "const int wg_row = 0;" in turns and "const int wg_row = warpgroup * WG_M;" in split
+    assert term_dynamic_smem(plans[pingpong]) == wgmma_smem_bytes(pingpong)
 
 
 def test_source_is_deterministic_and_follows_the_layouts() -> None:

@@ -20,7 +20,7 @@ from cherenkov.search import budget
 from cherenkov.search import optimize as optimize_module
 from cherenkov.search.database import TuningDatabase
 from cherenkov.search.environment import Capabilities
-from cherenkov.search.measure import Measurement
+from cherenkov.search.measure import L2Flush, Measurement
 from cherenkov.search.records import CandidateResult, Environment, Timing
 from cherenkov.search.report import read_json
 from cherenkov.search.space import search_space
@@ -371,3 +371,28 @@ def test_run_hands_a_decode_steps_buffers_to_flash_attention_at_its_problems_sha
     assert optimize_module.viewed_as(written, flash.stored_shape, flash.output).shape == (256,)
     with pytest.raises(ck.GraphError, match=r"buffer t0 is \(1, 4, 2, 64\); the kernel reading it needs \(256,\)"):
         optimize_module.viewed_as(torch.zeros(1, 4, 2, 64), flash.stored_shape, "t0")
+
+
+def test_the_l2_flush_reads_its_buffer_and_leaves_it_clean():
+    """The flush before a timed sample sums a buffer of twice the L2's size (no dirty lines to
+    write back during the sample); ``how="zero"`` zeroes it as the timer used to."""
+    import torch
+
+    fake_torch = SimpleNamespace(
+        cuda=SimpleNamespace(current_device=lambda: 0,
+                             get_device_properties=lambda device: SimpleNamespace(L2_cache_size=4096)),
+        zeros=lambda n, dtype, device: torch.zeros(n, dtype=dtype),
+        empty=lambda shape, dtype, device: torch.empty(shape, dtype=dtype),
+        sum=torch.sum, int32=torch.int32, int64=torch.int64,
+    )  # fmt: skip
+    flush = L2Flush(fake_torch)
+    assert flush.buffer.numel() * flush.buffer.element_size() == 2 * 4096
+    flush.buffer.fill_(3)
+    flush()
+    assert int(flush.sink) == 3 * 2048 and bool((flush.buffer == 3).all()), "read whole, not written"
+    zeroing = L2Flush(fake_torch, how="zero")
+    zeroing.buffer.fill_(3)
+    zeroing()
+    assert not bool(zeroing.buffer.any())
+    with pytest.raises(ValueError, match="one of"):
+        L2Flush(fake_torch, how="evict")
