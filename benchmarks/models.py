@@ -26,10 +26,12 @@ Writes ``<out>/models-<gpu>-<date>.json``: per row ``name``, ``ms`` {``cherenkov
 for a kernel: see :func:`absorbing_candidates`) and the search's wall time; a whole-model
 row has ``ms`` {``cherenkov``, ``eager``, ``inductor``} or ``tokens_per_s``, the count of
 its regions and of their launched kernels by kind, the searched winners' measured ms by kind
-and the five slowest with how many of their candidates were measured (``winners_ms``: where
-the model's kernel time goes), the best fused candidate of each kernel that had one
-(``absorbing``: why a GELU or a residual add stayed a kernel of its own), whether its tokens
-equal eager's, and the row's wall time (searches and compiles included); and prints a table.
+and by GEMM schedule, and the five slowest with how many of their candidates were measured
+(``winners_ms``: where the model's kernel time goes), the best fused candidate of each
+kernel that had one (``absorbing``: why a GELU or a residual add stayed a kernel of its
+own), whether its tokens equal eager's (else the first that differs and eager's gap between
+its two best logits there), and the row's wall time (searches and compiles included); and
+prints a table.
 
     python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,gpt2_small,...]
                                  [--budget 120] [--samples 30] [--out DIR]
@@ -260,21 +262,29 @@ def first_difference(got: Any, eager: Any) -> bool | dict[str, Any]:
 def winner_times(results: list[Any]) -> dict[str, Any]:
     """Where a whole model's kernel time goes, by the search's own measurements: the launched
     winners' measured ms summed per kind and family (one region's result per prepared
-    signature), and the five slowest winners (kernel, candidate id, ms, and how many of the
-    kernel's candidates the search measured)."""
+    signature), the same per GEMM schedule (``by_gemm_schedule``: which tiles the GEMMs
+    chose, ``count`` kernels, ``ms`` in all), and the five slowest winners (kernel, candidate
+    id, ms, and how many of the kernel's candidates the search measured)."""
     by_kind: Counter[str] = Counter()
+    by_schedule: dict[str, dict[str, float]] = {}
     slowest = []
     for result in results:
         for kernel in result.launched:
             winner = result.kernels.get(kernel.output)
             if winner is None or winner.time_ms is None:
                 continue
-            by_kind[f"{kernel.kind}:{getattr(winner.plan, 'family', 'flash')}"] += winner.time_ms
+            family = getattr(winner.plan, "family", "flash")
+            by_kind[f"{kernel.kind}:{family}"] += winner.time_ms
+            if family in ("mma", "wgmma"):
+                entry = by_schedule.setdefault(winner.plan.schedule.key(), {"count": 0, "ms": 0.0})
+                entry["count"] += 1
+                entry["ms"] = round(entry["ms"] + winner.time_ms, 4)
             measured = sum(1 for r in result.candidates if r.kernel == kernel.output and r.time_ms is not None)
             slowest.append((winner.time_ms, kernel.output, winner.result.id, measured))
     top = [{"kernel": k, "id": i, "ms": round(ms, 4), "measured": n}
            for ms, k, i, n in sorted(slowest, reverse=True)[:5]]  # fmt: skip
-    return {"by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())}, "slowest": top}
+    return {"by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
+            "by_gemm_schedule": dict(sorted(by_schedule.items())), "slowest": top}  # fmt: skip
 
 
 def absorbing_candidates(result: Any) -> dict[str, dict[str, Any]]:

@@ -34,8 +34,9 @@ def _result() -> SimpleNamespace:
         _record("t3", "elementwise", 0.081), _record("t3", "elementwise", 0.090),
         _record("t3", "contraction", 0.150), _record("t3", "contraction", None, "unmeasured"),
     ]  # fmt: skip
+    tile = SimpleNamespace(key=lambda: "wgmma_tma_m128_n128_k64_wg2_s6_p_pp_o2")
     winners = {
-        "t4": SimpleNamespace(time_ms=0.060, plan=SimpleNamespace(family="wgmma"), result=candidates[0]),
+        "t4": SimpleNamespace(time_ms=0.060, plan=SimpleNamespace(family="wgmma", schedule=tile), result=candidates[0]),
         "t3": SimpleNamespace(time_ms=0.081, plan=SimpleNamespace(family="pointwise"), result=candidates[2]),
     }
     return SimpleNamespace(launched=[gemm, gelu], partition=[gemm, gelu], kernels=winners, candidates=candidates)
@@ -45,6 +46,7 @@ def test_winner_times_sum_by_kind_and_count_what_was_measured():
     models = _models_benchmark()
     summary = models.winner_times([_result(), _result()])
     assert summary["by_kind"] == {"contraction:wgmma": 0.12, "elementwise:pointwise": 0.162}
+    assert summary["by_gemm_schedule"] == {"wgmma_tma_m128_n128_k64_wg2_s6_p_pp_o2": {"count": 2, "ms": 0.12}}
     slowest = summary["slowest"]
     assert [(s["kernel"], s["ms"], s["measured"]) for s in slowest[:2]] == [("t3", 0.081, 3), ("t3", 0.081, 3)]
     assert slowest[-1]["kernel"] == "t4" and slowest[-1]["measured"] == 1
