@@ -388,6 +388,7 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
         gemm_layout,
         gemm_smem_bytes,
         wgmma_smem_bytes,
+        wgmma_tiles,
     )
 
     gpu = gpu or GPUS[plan.target.name]
@@ -418,8 +419,11 @@ def predict_term(plan, gpu: GpuSpec | None = None, registers: int | None = None)
     elif family == "wgmma" and isinstance(schedule, TmaGemmSchedule):
         tile = (schedule.block_m, schedule.block_n, schedule.stages, schedule.persistent, schedule.store_boxes)
         table = PINGPONG_TILE_EFFICIENCY if schedule.pingpong else TMA_TILE_EFFICIENCY
-        efficiency = table.get(tile, 0.5) * waves  # persistent grids: min(tiles, SMs) blocks
         layout = gemm_layout(plan.kernel, plan.tensor_map)
+        if schedule.persistent:  # min(tiles, SMs) blocks walk the tiles: the last round leaves SMs idle
+            tiles = wgmma_tiles(layout, schedule)
+            waves = tiles / (math.ceil(tiles / slots) * slots)
+        efficiency = table.get(tile, 0.5) * waves
         if len(epilogue_sources(plan.kernel, layout, plan.tensor_map)) > schedule.staged_sources:
             steps = math.ceil(layout.k / WGMMA_BLOCK_K)
             efficiency *= steps / (steps + UNSTAGED_SOURCE_STEPS)

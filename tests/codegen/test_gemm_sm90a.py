@@ -48,6 +48,7 @@ from cherenkov.codegen.term_plan import (
 )
 from cherenkov.rewrites.kernels import absorptions
 from cherenkov.rewrites.plan import TARGETS
+from cherenkov.search.cost_model import predict_term
 from tests.codegen.emulator import PRELUDE, launch_blocks
 from tests.codegen.rotary_graphs import rope_projection_graph, rope_reference
 
@@ -589,6 +590,20 @@ def test_pingpong_warpgroups_own_whole_tiles_and_take_turns() -> None:
     assert turns.count("mbar_arrive(smem + TURN_BARRIERS") == 1 and turns.count("mbar_wait(smem + TURN_BARRIERS") == 1
     assert "const int wg_row = 0;" in turns and "const int wg_row = warpgroup * WG_M;" in split
     assert term_dynamic_smem(plans[pingpong]) == wgmma_smem_bytes(pingpong)
+
+
+def test_the_cost_model_counts_a_persistent_grids_idle_last_round() -> None:
+    """GPT-2's 8192 x 768 projection: 192 tiles of 128x256 on 132 SMs leave 72 SMs idle in
+    the second round (192 / 264 of the time used), 384 ping-pong tiles of 128x128 fill three
+    rounds but for 12 SMs (384 / 396) — the tiles the search measured fastest there."""
+    plans = {p.schedule: p for p in wgmma_plans(matmul_graph(False, False, 8192, 768, 768))}
+    wide = TmaGemmSchedule(128, 256, 64, 2, 4, True, 2)
+    narrow = TmaGemmSchedule(128, 128, 64, 2, 6, True, 2, pingpong=True)
+    assert predict_term(plans[wide]).waves == pytest.approx(192 / 264)
+    assert predict_term(plans[narrow]).waves == pytest.approx(384 / 396)
+    assert predict_term(plans[narrow]).ms < predict_term(plans[wide]).ms
+    one_round = {p.schedule: p for p in wgmma_plans(matmul_graph(False, False, 1024, 1024, 1024))}
+    assert predict_term(one_round[wide]).waves == pytest.approx(32 / 132), "32 tiles, one round"
 
 
 def test_source_is_deterministic_and_follows_the_layouts() -> None:
