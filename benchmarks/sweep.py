@@ -27,7 +27,7 @@ from cherenkov.rewrites.plan_sm90a import HOPPER_SCHEDULES, HopperFlashSchedule,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import SHAPES  # noqa: E402  (the benchmark's shape table, one definition)
-from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+from timing import L2Flush, time_interleaved  # noqa: E402
 
 
 PLAIN = ["q128 kv64 w4 s2 split", "q128 kv64 w4 s1 split", "q128 kv64 w4 s3 split", "q128 kv64 w4 s2 joint",
@@ -95,8 +95,9 @@ def schedule_of(text: str) -> FlashSchedule | HopperFlashSchedule:
 
 
 def problem_of(shape: str) -> AttentionProblem:
-    b, h, hkv, sq, skv, d, causal = SHAPES[shape]
-    return AttentionProblem(b, h, hkv, sq, skv, d, causal=causal, scale=d**-0.5)
+    s = SHAPES[shape]
+    return AttentionProblem(s.B, s.H, s.H_KV, s.SQ, s.SKV, s.D, dtype=s.dtype, causal=s.causal, scale=s.D**-0.5,
+                            value_dim=s.dv)  # fmt: skip
 
 
 SETS["hopper"] = [
@@ -128,7 +129,7 @@ def main() -> None:
     start = time.time()
     compiled = compile_plans(plans)
     print(f"compiled {len(plans)} plans in {time.time() - start:.1f} s", flush=True)
-    flush = l2_flush_buffer(torch)
+    flush = L2Flush(torch)
     rows, refs = [], {}
     for shape in dict.fromkeys(shape for shape, _ in entries):
         group = [(key, plan, kernel) for (s, key), plan, kernel in zip(entries, plans, compiled) if s == shape]
