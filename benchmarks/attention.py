@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import cherenkov as ck  # noqa: E402
 from cherenkov.codegen import compile_plan, load_kernel  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
-from timing import FLUSHES, l2_flush_buffer, time_interleaved  # noqa: E402
+from timing import FLUSHES, L2Flush, time_interleaved  # noqa: E402
 
 MMA_SYNC_PEAK = 641.0  # TFLOP/s, register-only mma.sync bf16 on the H200 (../shared/device/mma_peak.cu)
 WGMMA_PEAK = 989.0  # TFLOP/s, dense bf16 wgmma on the H200 (NVIDIA's figure)
@@ -388,7 +388,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     example = load_example()
-    flush = l2_flush_buffer(torch, args.flush)
+    flush = L2Flush(torch, how=args.flush)
     copy_tbps = copy_bandwidth(torch, flush, args.samples)
     print(f"device-to-device copy: {copy_tbps:.2f} TB/s", flush=True)
     rows = []

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import cherenkov as ck  # noqa: E402
 from cherenkov.codegen import compile_plans, load_kernel  # noqa: E402
-from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+from timing import L2Flush, time_interleaved  # noqa: E402
 
 TOLERANCE = 2e-2
 # name: (B, H, H_kv, Sq, Skv, D, causal) — the rows
@@ -132,7 +132,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention_backward.py needs a CUDA GPU")
-    flush = l2_flush_buffer(torch)
+    flush = L2Flush(torch)
     rows = []
     for name in names:
         try:

@@ -31,7 +31,7 @@ from cherenkov.codegen import compile_plans, cuda_source, load_kernel, term_plan
 from cherenkov.rewrites.plan import TARGETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+from timing import L2Flush, time_interleaved  # noqa: E402
 
 log = logging.getLogger("bench_gemm_sm90a")
 
@@ -107,7 +107,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
-    flush = l2_flush_buffer(torch)
+    flush = L2Flush(torch)
     names = [c for c in args.cases.split(",") if c]
     unknown = [c for c in names if c not in CASES]
     if unknown:

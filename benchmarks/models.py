@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT / "tests" / "search"))
 import cherenkov as ck  # noqa: E402
 import real_modules  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
-from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+from timing import L2Flush, time_interleaved  # noqa: E402
 
 log = logging.getLogger("benchmarks.models")
 
@@ -313,7 +313,7 @@ def main() -> None:
     import timm
     import transformers
 
-    flush = l2_flush_buffer(torch)
+    flush = L2Flush(torch)
     specs = {label: row_spec(label) for label in args.rows.split(",")}
     today = datetime.date.today().isoformat()
     gpu = torch.cuda.get_device_name(0)

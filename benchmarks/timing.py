@@ -12,14 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cherenkov.search.measure import FLUSHES, SPIN_CYCLES, L2Flush  # noqa: F401 - FLUSHES: the scripts' choices
+from cherenkov.search.measure import FLUSHES, SPIN_CYCLES, L2Flush  # noqa: F401 - the scripts' flush, from here
 
 WARMUP = 3
-
-
-def l2_flush_buffer(torch: Any, how: str = "read") -> L2Flush:
-    """The flush :func:`time_interleaved` runs before every sample (see :class:`L2Flush`)."""
-    return L2Flush(torch, how=how)
 
 
 def time_interleaved(

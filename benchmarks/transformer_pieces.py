@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cherenkov as ck  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
-from timing import l2_flush_buffer, time_interleaved  # noqa: E402
+from timing import L2Flush, time_interleaved  # noqa: E402
 
 TOLERANCE = 2e-2
 EPS = 1e-6
@@ -182,7 +182,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("benchmarks/transformer_pieces.py needs a CUDA GPU")
-    flush = l2_flush_buffer(torch)
+    flush = L2Flush(torch)
     rows = []
     with tempfile.TemporaryDirectory(prefix="cherenkov-pieces-") as work:
         for name in names:
