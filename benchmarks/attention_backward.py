@@ -3,7 +3,7 @@
 For each shape, this builds ``ck.grad`` of ``ck.nn.attention`` (dq, dk, dv from q, k, v and the
 output gradient dO), derives it (one ``flash_attention_backward`` kernel), compiles every
 plan the target admits, times each briefly and keeps the fastest (a small exhaustive search:
-at most 8 schedules), checks its every gradient against float32 autograd through SDPA's math
+at most 9 schedules), checks its every gradient against float32 autograd through SDPA's math
 path (relative L2 ≤ 2e-2), then times it and the backward of SDPA's flash (FlashAttention-2)
 and cuDNN backends on the same inputs: CUDA events, L2 flushed before every sample,
 contenders interleaved round-robin, median of ``--samples``. SDPA's backward is timed as
@@ -101,6 +101,9 @@ def run_shape(name: str, torch, flush, args) -> dict:
         except RuntimeError as error:
             print(f"  {key} unavailable: {str(error).splitlines()[0]}")
     ms = time_interleaved(torch, launches, flush, args.samples)
+    steps = ("statistics", "main", "dq")
+    launch_ms = time_interleaved(torch, {step: (lambda step=step: kernel(q, k, v, do, grads, steps=(step,)))
+                                         for step in steps}, flush, args.samples)  # fmt: skip
     tflops = {key: problem.flops / (t * 1e9) for key, t in ms.items()}
     return {
         "name": name,
@@ -112,13 +115,15 @@ def run_shape(name: str, torch, flush, args) -> dict:
         "cherenkov_plan": {"key": best, "target": args.target, "registers": build.report.registers,
                            "spill_bytes": build.report.spill_bytes, "trace": list(plan.trace)},
         "schedules_ms": quick,
+        "cherenkov_launch_ms": launch_ms,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
-    parser.add_argument("--target", default="sm_90", help="the mma.sync family's target (sm_90 on an H200)")
+    parser.add_argument("--target", default="sm_90",
+                        help="the backward's target: sm_90 the mma.sync family on an H200, sm_90a with the wgmma main pass")
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--suffix", default="")
@@ -154,7 +159,7 @@ def main() -> None:
                      "cudnn": torch.backends.cudnn.version()},
         "method": "CUDA events, L2 flushed (read) before each sample, contenders round-robin, median of "
                   f"{args.samples}; cherenkov: the fastest of its target's backward schedules (5 quick samples each), "
-                  "statistics pass (the forward recomputed) included; SDPA: autograd.grad of a computed output",
+                  "statistics pass (the forward recomputed) included, each launch also timed alone; SDPA: autograd.grad of a computed output",
         "rows": rows,
     }
     out = Path(args.out)

@@ -474,7 +474,9 @@ class FlashBackwardKernel(_StreamCache):
         self._module = module
         self._workspace = torch.empty(workspace_floats(compiled.plan), dtype=torch.float32, device=f"cuda:{device}")
 
-    def __call__(self, q, k, v, grad_output, out=None) -> dict:
+    def __call__(self, q, k, v, grad_output, out=None, steps: tuple[str, ...] = ("statistics", "main", "dq")) -> dict:
+        """The gradients; ``steps`` runs only some of the launches (``statistics``, ``main``, ``dq``: for
+        timing them apart; the gradients are then those of the last full call)."""
         import torch
 
         p, a = self.problem, self.problem.attention
@@ -488,7 +490,7 @@ class FlashBackwardKernel(_StreamCache):
                                     ("v", v, a.layout("v").shape), ("dO", grad_output, p.grad_output_layout.shape),
                                     *((g.role, out[g.role], g.layout.shape) for g in p.gradients)):  # fmt: skip
             check_tensor(name, role, tensor, shape, a.dtype, self.device)
-        self._launch(q, k, v, grad_output, out, torch.cuda.current_stream(q.device).cuda_stream)
+        self._launch(q, k, v, grad_output, out, torch.cuda.current_stream(q.device).cuda_stream, steps)
         return {g.role: out[g.role] for g in p.gradients}
 
     def launch(self, buffers: Mapping[str, object]) -> dict:
@@ -498,7 +500,7 @@ class FlashBackwardKernel(_StreamCache):
         values = self(q, k, v, grad_output)
         return {p.gradient(role).tensor: tensor for role, tensor in values.items()}
 
-    def _launch(self, q, k, v, grad_output, out: Mapping[str, object], stream: int) -> None:
+    def _launch(self, q, k, v, grad_output, out: Mapping[str, object], stream: int, steps: tuple[str, ...]) -> None:
         import cupy
 
         def pointer(tensor) -> np.uint64:
@@ -513,7 +515,7 @@ class FlashBackwardKernel(_StreamCache):
         }
         with cupy.cuda.Device(self.device):
             for step, (grid, threads, smem) in self.launches.items():
-                if step == "dq" and "dq" not in out:
+                if step not in steps or (step == "dq" and "dq" not in out):
                     continue
                 self._functions[step](grid, (threads, 1, 1), arguments[step], shared_mem=smem,
                                       stream=self._stream(stream))  # fmt: skip

@@ -7,13 +7,15 @@ The derivation reaches it from ``ck.grad`` of the forward (:mod:`cherenkov.rewri
 ``dS = P∘(dP − D)`` with ``P = e^{s − LSE}`` recomputed and ``D = rowsum(dO∘O)``, and three
 streaming contractions ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``.
 
-The ``mma.sync`` family computes it in three launches: a statistics pass over the keys per
-query tile (the forward once more: each row's log-sum-exp and ``D``, with ``O`` kept in
-registers), the main pass — one block per key tile, its warps holding dk and dv for 16 keys
-each while the query tiles stream past (dq accumulates in fp32 by atomic adds) — and dq's
-conversion to its dtype. A :class:`BackwardSchedule` picks the key and query tiles and
-whether the streamed tiles are double-buffered; :func:`backward_schedule_problems` says why a
-schedule does not fit a problem on a target.
+The backward runs in three launches: a statistics pass over the keys per query tile (the
+forward once more: each row's log-sum-exp and ``D``, with ``O`` kept in registers), the main
+pass — one block per key tile, holding dk and dv for its keys while the query tiles stream
+past (dq accumulates in fp32 by atomic adds) — and dq's conversion to its dtype. The main
+pass is either ``mma.sync`` (warps of 16 keys; every target) or, with ``wgmma`` (sm_90a),
+two warpgroups of 64 keys whose five products are Hopper ``wgmma`` instructions on
+128-byte-swizzled shared-memory tiles. A :class:`BackwardSchedule` picks the key and query
+tiles, whether the streamed tiles are double-buffered, and the main pass's instructions;
+:func:`backward_schedule_problems` says why a schedule does not fit a problem on a target.
 """
 
 from __future__ import annotations
@@ -124,13 +126,15 @@ class AttentionBackwardProblem:
 
 @dataclass(frozen=True)
 class BackwardSchedule:
-    """One way to run the backward: ``block_kv`` keys a block of the main pass (16 a warp),
-    ``block_q`` queries a step, ``stages`` buffers of the streamed q/dO tiles (2: the next tile
-    loads while this one is used)."""
+    """One way to run the backward: ``block_kv`` keys a block of the main pass, ``block_q``
+    queries a step, ``stages`` buffers of the streamed q/dO tiles (2: the next tile loads while
+    this one is used); ``wgmma``: the main pass's products are Hopper warpgroup MMAs (a
+    warpgroup of 128 threads per 64 keys) instead of ``mma.sync`` (a warp per 16 keys)."""
 
     block_kv: int = 64
     block_q: int = 64
     stages: int = 2
+    wgmma: bool = False
 
     @property
     def warps(self) -> int:
@@ -141,12 +145,23 @@ class BackwardSchedule:
         return 32 * self.warps
 
     def key(self) -> str:
-        return f"kv{self.block_kv}_q{self.block_q}_s{self.stages}"
+        return f"kv{self.block_kv}_q{self.block_q}_s{self.stages}{'_wg' if self.wgmma else ''}"
 
 
-BACKWARD_SCHEDULES = tuple(
-    BackwardSchedule(block_kv, block_q, stages)
-    for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)
+WGMMA_BLOCK_KV = 128
+"""Keys of a ``wgmma`` main-pass block: two warpgroups of one m64 tile each."""
+WGMMA_BLOCK_Q = 64
+"""Queries of a ``wgmma`` main-pass step: one 128-byte swizzle row of dSᵀ, the N of the score products."""
+WGMMA_HEAD_DIMS = (64, 128)
+"""Head dims of the ``wgmma`` main pass: whole 64-column boxes, dq's columns split over the two warpgroups (128)
+or its keys (64)."""
+SWIZZLE_ALIGN = 1024
+"""Alignment of a 128-byte-swizzled tile (one swizzle atom of 8 rows)."""
+
+BACKWARD_SCHEDULES = (
+    *(BackwardSchedule(block_kv, block_q, stages)
+      for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)),
+    BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, 2, wgmma=True),
 )  # fmt: skip
 
 
@@ -157,9 +172,14 @@ def row_elements(head_dim: int) -> int:
 
 def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
     """Dynamic shared memory of the main pass: K and V (the block's keys), ``stages`` q and dO
-    tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's product."""
+    tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's product (``wgmma``:
+    unpadded swizzled tiles, plus slack to align them)."""
     d = problem.attention.head_dim
     element = 2
+    if schedule.wgmma:
+        tiles = (2 * schedule.block_kv + 2 * schedule.stages * schedule.block_q) * d * element
+        return tiles + schedule.block_kv * schedule.block_q * element + 2 * 4 * schedule.stages * schedule.block_q \
+            + SWIZZLE_ALIGN
     kv = 2 * schedule.block_kv * row_elements(d) * element
     streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + 2 * 4 * schedule.block_q)
     ds = schedule.block_kv * (schedule.block_q + PAD) * element
@@ -174,8 +194,11 @@ def statistics_smem_bytes(problem: AttentionBackwardProblem) -> int:
 def backward_register_estimate(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
     """Registers a thread of the main pass holds: dk and dv (16 keys × D each, over 32 lanes),
     Sᵀ and dPᵀ (16 keys × block_q), and ~64 for addresses and fragments (D 128 with 64-query
-    tiles spills: 256)."""
+    tiles spills: 256). ``wgmma``: the same per 64 keys over a warpgroup's 128 threads, and ~48
+    more (D 128: 240, no spills)."""
     d = problem.attention.head_dim
+    if schedule.wgmma:
+        return 2 * 64 * d // 128 + 2 * 64 * schedule.block_q // 128 + 48
     return 2 * 16 * d // 32 + 2 * 16 * schedule.block_q // 32 + 64
 
 
@@ -190,8 +213,10 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons.append(f"dtype {a.dtype}: the backward plans {BACKWARD_DTYPES}")
     if a.bias is not None:
         reasons.append("a bias tensor: the backward plans no mask or the causal one")
+    if schedule.wgmma:
+        reasons += _wgmma_problems(schedule, problem, target)
     row_tiles = schedule.block_q // 16
-    if schedule.warps % row_tiles or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16:
+    if not schedule.wgmma and schedule.warps % row_tiles or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16:
         reasons.append(f"{schedule.warps} warps do not split a {schedule.block_q} x {a.head_dim} dq tile into 16-column parts")
     reasons += problem.layout_problems()
     smem = backward_smem_bytes(schedule, problem)
@@ -202,6 +227,18 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons.append(f"~{registers} registers a thread over {MAX_REGISTERS_PER_THREAD}")
     if statistics_smem_bytes(problem) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
         reasons.append(f"the statistics pass's shared memory over {target.name}'s {target.smem_per_block}")
+    return reasons
+
+
+def _wgmma_problems(schedule: BackwardSchedule, problem: AttentionBackwardProblem, target: Target) -> list[str]:
+    """Why the ``wgmma`` main pass cannot take ``schedule`` and ``problem`` on ``target``."""
+    reasons = []
+    if target.family != "wgmma":
+        reasons.append(f"{target.name} has no wgmma (the Hopper main pass needs sm_90a)")
+    if problem.attention.head_dim not in WGMMA_HEAD_DIMS:
+        reasons.append(f"head dim {problem.attention.head_dim}: the wgmma main pass plans {WGMMA_HEAD_DIMS}")
+    if (schedule.block_kv, schedule.block_q, schedule.stages) != (WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, 2):
+        reasons.append(f"the wgmma main pass takes {WGMMA_BLOCK_KV} keys, {WGMMA_BLOCK_Q} queries and 2 stages")
     return reasons
 
 

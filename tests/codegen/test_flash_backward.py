@@ -52,6 +52,55 @@ def test_every_plan_compiles_without_spills(target: str, compiler, kernel_cache)
         assert build.report.spill_bytes == 0, f"{plan.name} spills on {target}: {build.report}"
 
 
+def test_wgmma_main_pass_is_offered_on_sm90a_only() -> None:
+    """The Hopper main pass: one schedule on sm_90a for head dims 64 and 128, with the reasons it is not
+    offered elsewhere."""
+    from cherenkov.rewrites.plan import TARGETS
+    from cherenkov.rewrites.plan_backward import BackwardSchedule, backward_schedule_problems
+
+    wgmma = BackwardSchedule(128, 64, 2, wgmma=True)
+    for dim in (64, 128):
+        keys = [p.schedule.key() for p in backward_plans(gradient_graph(2, 8, 2, 200, 333, dim, causal=True), "sm_90a")]
+        assert "kv128_q64_s2_wg" in keys and len(keys) > 1  # the mma.sync schedules stay
+        problem = backward_plans(gradient_graph(2, 8, 2, 200, 333, dim, causal=True), "sm_90a")[0].problem
+        assert any("no wgmma" in r for r in backward_schedule_problems(wgmma, problem, TARGETS["sm_90"]))
+    problem = backward_plans(gradient_graph(1, 2, 2, 64, 64, 96, causal=False), "sm_90a")[0].problem
+    assert any("head dim 96" in r for r in backward_schedule_problems(wgmma, problem, TARGETS["sm_90a"]))
+    assert any("2 stages" in r for r in backward_schedule_problems(BackwardSchedule(128, 32, 2, wgmma=True), problem,
+                                                                    TARGETS["sm_90a"]))  # fmt: skip
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_wgmma_main_pass_source(dim: int) -> None:
+    """Its five products are the three wgmma shapes (scores ss K-major; dv, dk rs with B MN-major; dq ss with
+    both MN-major), its copies swizzled, and the statistics and dq launches those of the mma.sync family."""
+    plan = next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 333, dim, causal=True), "sm_90a")
+                if p.schedule.wgmma)  # fmt: skip
+    source = cuda_source(plan)
+    assert source == cuda_source(plan)
+    for name in (f"wgmma_m64n64k16_ss_bf16(", f"wgmma_m64n{dim}k16_rs_bf16_tb(", "wgmma_m64n64k16_ss_bf16_ta_tb("):
+        assert name in source
+    assert "load_swizzled<BLOCK_KV>" in source and "fence.proxy.async.shared::cta" in source
+    assert f"DQ_SPLIT_KEYS = {'true' if dim == 64 else 'false'}" in source
+    assert "_statistics(" in source and "_dq(" in source
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dim", [64, 128])
+def test_wgmma_main_pass_compiles_to_hgmma_without_spills(dim: int, compiler, kernel_cache, sass) -> None:
+    plan = next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 333, dim, causal=True), "sm_90a")
+                if p.schedule.wgmma)  # fmt: skip
+    (build,) = compile_plans([plan], compiler=compiler, cache_dir=kernel_cache)
+    assert not isinstance(build, Exception), build
+    assert build.report.spill_bytes == 0, build.report
+    if sass is None:
+        pytest.skip("no cuobjdump to read SASS with")
+    code = sass(build.cubin_path)
+    # D 128: dv and dk 4 k16 steps each of N 128; D 64: Sᵀ, dPᵀ 4 each, dv, dk 4 each, dq 4 (its 64 keys)
+    assert code.count(f"HGMMA.64x{dim}x16.F32.BF16") == (8 if dim == 128 else 20)
+    assert "REDG.E.ADD" in code  # dq's atomic adds
+
+
 def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {n: rounded(rng.standard_normal(t.shape), dtype) for n, t in gg.inputs.items()}
@@ -90,14 +139,36 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96"])
 def test_gpu_backward_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
-    """Every schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32 autograd
-    through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched twice
-    (the workspace is reused)."""
+    """Every ``mma.sync`` schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32
+    autograd through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched
+    twice (the workspace is reused)."""
+    _check_against_autograd(backward_plans(gradient_graph(*sizes, causal=causal, dtype=dtype)), dtype, cuda_device,
+                            kernel_cache)  # fmt: skip
+
+
+WGMMA_GPU_CASES = [
+    ((2, 8, 2, 200, 333, 128), True, ("q", "k", "v")),  # GQA, ragged, causal
+    ((1, 8, 8, 512, 512, 128), False, ("q", "k", "v")),
+    ((2, 8, 2, 200, 333, 64), True, ("q", "k", "v")),  # D 64: dq over each warpgroup's keys
+    ((1, 4, 4, 300, 200, 64), True, ("k", "v")),  # Sq > Skv, no dq
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "causal", "wrt"), WGMMA_GPU_CASES,
+                         ids=["d128_gqa_causal_ragged", "d128", "d64_gqa_causal_ragged", "d64_dk_dv_only"])  # fmt: skip
+def test_gpu_wgmma_main_pass_matches_float32_autograd(sizes, causal, wrt, cuda_device, kernel_cache) -> None:
+    """The Hopper main pass (sm_90a), every gradient against float32 autograd as above."""
+    plans = [p for p in backward_plans(gradient_graph(*sizes, causal=causal, wrt=wrt), "sm_90a") if p.schedule.wgmma]
+    assert len(plans) == 1
+    _check_against_autograd(plans, "bf16", cuda_device, kernel_cache)
+
+
+def _check_against_autograd(plans, dtype: str, cuda_device, kernel_cache) -> None:
     import torch
 
     from cherenkov.search.measure import TOLERANCE, backward_reference
 
-    plans = backward_plans(gradient_graph(*sizes, causal=causal, dtype=dtype))
     builds = compile_plans(plans, cache_dir=kernel_cache)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     problem = plans[0].problem

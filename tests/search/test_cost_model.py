@@ -76,3 +76,19 @@ def test_the_latest_h200_leaders_rank_near_the_top() -> None:
         keys = [p.schedule.key() for p in plans]
         leader = row["search"]["leaders"][0]["id"].removeprefix("flash_attention_").rsplit("_", 1)[0]
         assert keys.index(leader) < 12, (row["name"], leader, keys[:12])
+
+
+def test_backward_ranks_the_wgmma_main_pass_first_on_sm90a() -> None:
+    """On sm_90a the measured-faster wgmma main pass is predicted fastest, so a budgeted search measures it first."""
+    import cherenkov as ck
+    from cherenkov.search.cost_model import predict_plan
+
+    g = ck.Graph("attention")
+    q = g.input("q", (1, 8, 4096, 128), "bf16")
+    k, v = (g.input(n, (1, 8, 8192, 128), "bf16") for n in "kv")
+    g.output(ck.nn.attention(q, k, v), "o")
+    plans = ck.derive(ck.grad(g, wrt=("q", "k", "v"))).plans("sm_90a")
+    fastest = min(plans, key=lambda p: predict_plan(p).ms)
+    assert fastest.schedule.wgmma
+    mma_sync = [p for p in plans if not p.schedule.wgmma]
+    assert mma_sync and min(predict_plan(p).ms for p in mma_sync) > predict_plan(fastest).ms

@@ -33,7 +33,7 @@ workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq accumulator).
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda import cp_async, ldmatrix, mma, softmax
+from cherenkov.codegen.cuda import cp_async, flash_attention_backward_sm90a, ldmatrix, mma, softmax
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import OperandLayout
@@ -90,14 +90,16 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
         raise CodegenError(f"{plan.name} does not fit: {'; '.join(problems)}")
     dq_warp_grid(plan)
     name = kernel_name(plan)
+    hopper = flash_attention_backward_sm90a if plan.schedule.wgmma else None
     parts = [
         _header(plan, name),
-        section("problem and tile constants", _types(), _constants(plan)),
+        section("problem and tile constants", _types(), _constants(plan), *([hopper.constants(plan)] if hopper else [])),
         section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
                 ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), softmax.emit_math_helpers(),
-                _helpers()),
+                _helpers(), *([hopper.helpers(plan)] if hopper else [])),
         section("statistics: each query row's log-sum-exp and D = rowsum(dO o)", _statistics_kernel(name)),
-        section("main pass: dk and dv held per key tile, dq accumulated", _main_kernel(name)),
+        section("main pass: dk and dv held per key tile, dq accumulated",
+                hopper.main_kernel(plan, name) if hopper else _main_kernel(name)),
         section("dq: the accumulator scaled and rounded", _dq_kernel(name)),
     ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
@@ -111,7 +113,8 @@ def _header(plan: BackwardPlan, name: str) -> str:
         f"Gradients {', '.join(plan.problem.roles)} of o = softmax(scale q k^T{' + causal mask' if a.causal else ''}) v "
         f"given dO ({identifier(plan.problem.grad_output)}).",
         f"B={a.batch} H={a.heads} H_kv={a.kv_heads} Sq={a.seq_q} Skv={a.seq_kv} D={a.head_dim} {a.dtype}; "
-        f"BLOCK_KV={plan.schedule.block_kv} BLOCK_Q={plan.schedule.block_q} STAGES={plan.schedule.stages}.",
+        f"BLOCK_KV={plan.schedule.block_kv} BLOCK_Q={plan.schedule.block_q} STAGES={plan.schedule.stages}; "
+        f"main pass: {'wgmma (two warpgroups of 64 keys)' if plan.schedule.wgmma else 'mma.sync (a warp per 16 keys)'}.",
         *(f"{identifier(name + suffix)}: grid {g}, {t} threads, {m} bytes of dynamic shared memory."
           for suffix, (g, t, m) in zip(("_statistics", "", "_dq"), launches.values())),
     ]  # fmt: skip

@@ -1,0 +1,270 @@
+"""The Hopper (sm_90a) main pass of the flash-attention backward: five ``wgmma`` products a query tile.
+
+Same work and arguments as the ``mma.sync`` main pass of :mod:`.flash_attention_backward`
+(whose statistics and dq launches it shares): one block per ``BLOCK_KV = 128`` keys of one
+K/V head, the query tiles of every query head of the group streaming past, dk and dv held
+in fp32 registers, dq accumulated in the fp32 workspace by atomic adds. The block is two
+warpgroups; warpgroup ``w`` owns keys ``64w … 64w + 63``, and per query tile of
+``BLOCK_Q = 64`` rows issues
+
+* ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (m64n64k16, both operands from shared memory, K-major:
+  the head dim is the contracted axis of both), as two commit groups, so ``Pᵀ = 2^(Sᵀ·c·log₂e
+  − LSE₂)`` is computed while ``dPᵀ`` still runs;
+* ``dv += Pᵀ dO`` and ``dk += dSᵀ Q`` with ``dSᵀ = Pᵀ∘(dPᵀ − D)`` (m64nDk16, A from
+  registers: an accumulator's packed pairs are the next wgmma's A fragments; B MN-major: the
+  queries are the contracted axis and q, dO rows are stored head-dim-contiguous);
+* ``dq = dS K`` (m64n64k16, A MN-major: dSᵀ written by both warpgroups to shared memory,
+  keys × queries, read transposed; B MN-major: K's rows are the contracted keys): with D 128
+  warpgroup ``w`` computes dq's columns ``64w …`` over all 128 keys, with D 64 the whole row
+  over its own 64 keys (both then add theirs), and adds them to the accumulator with
+  two-float atomic adds.
+
+Tiles are copied by every thread with 16-byte ``cp.async`` into boxes of 64 columns (128
+bytes a row) in the 128-byte-swizzled layout the wgmma descriptors read (16-byte chunk ``c``
+of row ``r`` of a box at ``r·128 + (c ⊕ (r mod 8))·16``; boxes 1024-byte aligned), rows
+past a sequence's end zero-filled. Each step waits for its copies, fences them into the
+async proxy and passes a block barrier, then starts the next step's copies into the other
+buffer. Scores are masked only in tiles that cross the causal diagonal or a sequence's end.
+"""
+
+from __future__ import annotations
+
+from cherenkov.codegen.cuda import tma, wgmma
+from cherenkov.codegen.cuda.text import block
+from cherenkov.rewrites.plan_backward import SWIZZLE_ALIGN, WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, BackwardPlan
+
+ROW_BYTES = 128
+"""Bytes of one row of a 64-column box of 16-bit elements (one 128-byte swizzle row)."""
+
+
+def wgmma_names(plan: BackwardPlan) -> dict[str, str]:
+    """The wgmma wrappers the main pass issues: ``scores`` (Sᵀ, dPᵀ), ``update`` (dv, dk) and ``dq``."""
+    a = plan.problem.attention
+    return {
+        "scores": wgmma.wgmma_name(WGMMA_BLOCK_Q, a.dtype, False, False),
+        "update": wgmma.wgmma_name(a.head_dim, a.dtype, True, True),
+        "dq": wgmma.wgmma_name(64, a.dtype, False, True, True),
+    }
+
+
+def helpers(plan: BackwardPlan) -> str:
+    """Descriptors, wgmma synchronisation, the three wgmma shapes, the proxy fence and the swizzled tile copy."""
+    a = plan.problem.attention
+    swizzled_copy = block(
+        f"""
+        // Copy ROWS rows of D elements (row r at src + r * stride) into a tile of 64-column boxes of ROWS x
+        // {ROW_BYTES} bytes, 128-byte swizzled: 16-byte chunk c of row r of box b at
+        // b * ROWS * {ROW_BYTES} + r * {ROW_BYTES} + ((c ^ (r % 8)) << 4). Rows at or past `valid` are zero-filled.
+        template <int ROWS>
+        __device__ __forceinline__ void load_swizzled(u32 tile, const elem_t* src, size_t stride, int valid) {{
+            #pragma unroll
+            for (int i = int(threadIdx.x); i < ROWS * CHUNKS; i += THREADS) {{
+                const int row = i / CHUNKS, chunk = i % CHUNKS;
+                const bool in_range = row < valid;
+                cp_async_16(tile + (chunk >> 3) * (ROWS * {ROW_BYTES}) + row * {ROW_BYTES} + (((chunk & 7) ^ (row & 7)) << 4),
+                            in_range ? src + row * stride + 8 * chunk : src, in_range);
+            }}
+        }}
+        """
+    )
+    shapes = (
+        wgmma.emit_wgmma(WGMMA_BLOCK_Q, a.dtype, False, False),
+        wgmma.emit_wgmma(a.head_dim, a.dtype, True, True),
+        wgmma.emit_wgmma(64, a.dtype, False, True, True),
+    )
+    return "\n\n".join(
+        [wgmma.emit_descriptor(), wgmma.emit_sync(), *dict.fromkeys(shapes), tma.emit_fence_proxy_async(), swizzled_copy]
+    )
+
+
+def constants(plan: BackwardPlan) -> str:
+    """Tile sizes and shared-memory offsets of the main pass."""
+    d = plan.problem.attention.head_dim
+    split_keys = d == 64
+    return "\n".join([
+        f"constexpr int BOXES = D / 64;  // 64-column boxes of a tile row",
+        f"constexpr u32 KV_BOX_BYTES = BLOCK_KV * {ROW_BYTES}, Q_BOX_BYTES = BLOCK_Q * {ROW_BYTES};",
+        "constexpr u32 KV_TILE_BYTES = BOXES * KV_BOX_BYTES, Q_TILE_BYTES = BOXES * Q_BOX_BYTES;",
+        f"constexpr u32 DS_BYTES = BLOCK_KV * {ROW_BYTES};  // dS^T: keys x BLOCK_Q queries, one box",
+        "constexpr u32 K_STEP_ROWS_BYTES = 16 * 128;  // a k16 step along an MN-major tile's rows",
+        f"constexpr u32 ALIGN = {SWIZZLE_ALIGN};",
+        f"constexpr bool DQ_SPLIT_KEYS = {'true' if split_keys else 'false'};  // dq over a warpgroup's own keys "
+        "(D 64), else over its 64 columns",
+        "constexpr int DQ_KEYS = DQ_SPLIT_KEYS ? 64 : BLOCK_KV;  // the k extent of a warpgroup's dq product",
+        f"static_assert(BLOCK_KV == {WGMMA_BLOCK_KV} && BLOCK_Q == {WGMMA_BLOCK_Q} && STAGES == 2 && D % 64 == 0,",
+        '              "two warpgroups of 64 keys, 64-query steps, double-buffered, whole boxes");',
+    ])  # fmt: skip
+
+
+def main_kernel(plan: BackwardPlan, name: str) -> str:
+    """The ``extern "C"`` main pass (arguments as the ``mma.sync`` one's)."""
+    names = wgmma_names(plan)
+    return (
+        block(
+            """
+        extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
+            const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+            const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
+            float* __restrict__ workspace) {
+            extern __shared__ __align__(16) unsigned char smem_raw[];
+            // [K | V | STAGES q tiles | STAGES dO tiles | dS^T | LSE2 | D], tiles 1024-byte aligned
+            const u32 raw = smem_address(smem_raw);
+            const u32 sK = (raw + ALIGN - 1) & ~(ALIGN - 1);
+            const u32 sV = sK + KV_TILE_BYTES, sQ = sV + KV_TILE_BYTES, sDO = sQ + STAGES * Q_TILE_BYTES;
+            const u32 sDs = sDO + STAGES * Q_TILE_BYTES;
+            unsigned char* ds_tile = smem_raw + (sDs - raw);
+            float* sLse = reinterpret_cast<float*>(ds_tile + DS_BYTES);  // STAGES x BLOCK_Q
+            float* sDelta = sLse + STAGES * BLOCK_Q;
+            const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+            const int g = lane >> 2, t = lane & 3;
+            const int k0 = blockIdx.x * BLOCK_KV, kv_head = blockIdx.y, batch = blockIdx.z;
+            const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
+            const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
+            load_swizzled<BLOCK_KV>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
+            load_swizzled<BLOCK_KV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
+            // the query tiles that see these keys, for each query head of the group: the steps
+            const int first = CAUSAL ? k0 / BLOCK_Q : 0;
+            const int tiles = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q - first;
+            const int steps = tiles > 0 ? GROUP * tiles : 0;
+            const float* lse2 = workspace;
+            const float* deltas = workspace + ROWS_TOTAL;
+            float* dq_accumulator = workspace + 2 * ROWS_TOTAL;
+            auto load_step = [&](int step) {  // q, dO, LSE2 and D rows of step `step` into its stage
+                const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
+                const int q0 = (first + step % tiles) * BLOCK_Q;
+                load_swizzled<BLOCK_Q>(sQ + stage * Q_TILE_BYTES,
+                                       q + Q_OFFSET + batch * Q_BATCH + head * Q_HEAD + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
+                load_swizzled<BLOCK_Q>(sDO + stage * Q_TILE_BYTES,
+                                       dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD + q0 * DO_SEQ, DO_SEQ,
+                                       SEQ_Q - q0);
+                const size_t rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
+                for (int i = int(threadIdx.x); i < BLOCK_Q; i += THREADS) {
+                    const bool in_range = q0 + i < SEQ_Q;
+                    sLse[stage * BLOCK_Q + i] = in_range ? lse2[rows + i] : INFINITY;
+                    sDelta[stage * BLOCK_Q + i] = in_range ? deltas[rows + i] : 0.0f;
+                }
+            };
+            if (steps > 0) load_step(0);
+            cp_async_commit();
+            // this warpgroup's 64 keys x D of dk and dv, fp32 (row 16 warp + g (+ 8), columns 8c + 2t (+ 1))
+            float dk[D / 2], dv[D / 2];
+            #pragma unroll
+            for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+            const int key_row = 64 * warpgroup + 16 * warp + g;  // rows key_row and key_row + 8 of the block
+            const int key[2] = {k0 + key_row, k0 + key_row + 8};
+            const u32 k_rows = sK + 64 * warpgroup * 128, v_rows = sV + 64 * warpgroup * 128;
+            for (int step = 0; step < steps; ++step) {
+                const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
+                const int q0 = (first + step % tiles) * BLOCK_Q;
+                cp_async_wait<0>();
+                fence_proxy_async();  // this thread's copies, visible to the wgmmas (async proxy)
+                __syncthreads();      // every copy of this step is in; every warpgroup is past the last step
+                if (step + 1 < steps) load_step(step + 1);
+                cp_async_commit();
+                const u32 tq = sQ + stage * Q_TILE_BYTES, tdo = sDO + stage * Q_TILE_BYTES;
+                const float* tlse = sLse + stage * BLOCK_Q;
+                const float* tdelta = sDelta + stage * BLOCK_Q;
+                // S^T = K Q^T and dP^T = V dO^T: 64 keys x BLOCK_Q queries, contracted over the head dim
+                float s[BLOCK_Q / 2], dp[BLOCK_Q / 2];
+                wgmma_fence();
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 along = (kk >> 2) * KV_BOX_BYTES + (kk & 3) * 32, across = (kk >> 2) * Q_BOX_BYTES + (kk & 3) * 32;
+                    @SCORES@(s, make_smem_desc(k_rows + along, 16, 1024), make_smem_desc(tq + across, 16, 1024), kk > 0);
+                }
+                wgmma_commit();
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 along = (kk >> 2) * KV_BOX_BYTES + (kk & 3) * 32, across = (kk >> 2) * Q_BOX_BYTES + (kk & 3) * 32;
+                    @SCORES@(dp, make_smem_desc(v_rows + along, 16, 1024), make_smem_desc(tdo + across, 16, 1024), kk > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                fence_operands(s);
+                // P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked (tiles on the diagonal or past an end)
+                const bool edge = (CAUSAL && q0 < k0 + BLOCK_KV) || q0 + BLOCK_Q > SEQ_Q || k0 + BLOCK_KV > SEQ_KV;
+                u32 pa[BLOCK_Q / 4];  // P^T as A fragments: pairs of adjacent columns
+                #pragma unroll
+                for (int i = 0; i < BLOCK_Q / 2; ++i) {
+                    const int column = 8 * (i >> 2) + 2 * t + (i & 1), query = q0 + column, kr = key[(i >> 1) & 1];
+                    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
+                    s[i] = masked ? 0.0f : exp2f(s[i] * SCALE_LOG2 - tlse[column]);
+                }
+                #pragma unroll
+                for (int i = 0; i < BLOCK_Q / 4; ++i) pa[i] = pack2(s[2 * i], s[2 * i + 1]);
+                wgmma_wait<0>();
+                fence_operands(dp);
+                // dS^T = P^T (dP^T - D): A fragments, and (for dq) the swizzled keys x queries tile
+                u32 dsa[BLOCK_Q / 4];
+                #pragma unroll
+                for (int i = 0; i < BLOCK_Q / 4; ++i) {
+                    const int column = 8 * (i >> 1) + 2 * t;
+                    dsa[i] = pack2(s[2 * i] * (dp[2 * i] - tdelta[column]), s[2 * i + 1] * (dp[2 * i + 1] - tdelta[column + 1]));
+                    if (WANT_DQ) {
+                        const int row = key_row + 8 * (i & 1);
+                        *reinterpret_cast<u32*>(ds_tile + row * 128 + (((i >> 1) ^ g) << 4) + 4 * t) = dsa[i];
+                    }
+                }
+                // dv += P^T dO and dk += dS^T Q: A from registers, B MN-major (the queries are contracted)
+                wgmma_fence();
+                #pragma unroll
+                for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
+                    if (WANT_DV) {
+                        @UPDATE@(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                                 make_smem_desc(tdo + kk * K_STEP_ROWS_BYTES, Q_BOX_BYTES, 1024), 1);
+                    }
+                    if (WANT_DK) {
+                        @UPDATE@(dk, dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3],
+                                 make_smem_desc(tq + kk * K_STEP_ROWS_BYTES, Q_BOX_BYTES, 1024), 1);
+                    }
+                }
+                wgmma_commit();
+                if (WANT_DQ) {  // dq (BLOCK_Q x 64) += dS K: A = dS^T read MN-major, B = K MN-major
+                    fence_proxy_async();  // the dS^T stores, visible to the wgmmas
+                    __syncthreads();
+                    const int key0 = DQ_SPLIT_KEYS ? 64 * warpgroup : 0, column0 = DQ_SPLIT_KEYS ? 0 : 64 * warpgroup;
+                    const u32 k_box = sK + (column0 / 64) * KV_BOX_BYTES + key0 * 128;
+                    float dq[32];
+                    wgmma_fence();
+                    #pragma unroll
+                    for (int kk = 0; kk < DQ_KEYS / 16; ++kk) {
+                        @DQ@(dq, make_smem_desc(sDs + key0 * 128 + kk * K_STEP_ROWS_BYTES, DS_BYTES, 1024),
+                             make_smem_desc(k_box + kk * K_STEP_ROWS_BYTES, KV_BOX_BYTES, 1024), kk > 0);
+                    }
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_operands(dq);
+                    float* rows = dq_accumulator + ((size_t(batch) * HEADS + head) * SEQ_Q + q0) * D + column0;
+                    #pragma unroll
+                    for (int i = 0; i < 32; i += 2) {
+                        const int r = 16 * warp + g + 8 * ((i >> 1) & 1), d = 8 * (i >> 2) + 2 * t;
+                        if (q0 + r < SEQ_Q) atomicAdd(reinterpret_cast<float2*>(rows + r * D + d), make_float2(dq[i], dq[i + 1]));
+                    }
+                } else {
+                    wgmma_wait<0>();
+                }
+                fence_operands(dk);
+                fence_operands(dv);
+            }
+            // dk * SCALE and dv, rounded, at their strides
+            #pragma unroll
+            for (int i = 0; i < D / 2; i += 2) {
+                const int h = (i >> 1) & 1, d = 8 * (i >> 2) + 2 * t;
+                if (key[h] >= SEQ_KV) continue;
+                if (WANT_DK) {
+                    *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
+                        = pack2(dk[i] * SCALE, dk[i + 1] * SCALE);
+                }
+                if (WANT_DV) {
+                    *reinterpret_cast<u32*>(dv_out + DV_OFFSET + batch * DV_BATCH + kv_head * DV_HEAD + key[h] * DV_SEQ + d)
+                        = pack2(dv[i], dv[i + 1]);
+                }
+            }
+        }
+        """
+        )
+        .replace("@NAME@", name)
+        .replace("@SCORES@", names["scores"])
+        .replace("@UPDATE@", names["update"])
+        .replace("@DQ@", names["dq"])
+    )
