@@ -13,7 +13,8 @@ pass — one block per key tile, holding dk and dv for its keys while the query 
 past (dq accumulates in fp32 by atomic adds) — and dq's conversion to its dtype. The main
 pass is either ``mma.sync`` (warps of 16 keys; every target) or, with ``wgmma`` (sm_90a),
 two warpgroups of 64 keys whose five products are Hopper ``wgmma`` instructions on
-128-byte-swizzled shared-memory tiles. A :class:`BackwardSchedule` picks the key and query
+128-byte-swizzled shared-memory tiles; its statistics pass is then ``wgmma`` too (two
+warpgroups of 64 query rows). A :class:`BackwardSchedule` picks the key and query
 tiles, whether the streamed tiles are double-buffered, and the main pass's instructions;
 :func:`backward_schedule_problems` says why a schedule does not fit a problem on a target.
 """
@@ -176,19 +177,34 @@ def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardPr
     unpadded swizzled tiles, plus slack to align them)."""
     d = problem.attention.head_dim
     element = 2
-    if schedule.wgmma:
+    if schedule.wgmma:  # and two warpgroups' dq (64 x 64 fp32 each), two buffers, staged for the bulk reductions
         tiles = (2 * schedule.block_kv + 2 * schedule.stages * schedule.block_q) * d * element
-        return tiles + schedule.block_kv * schedule.block_q * element + 2 * 4 * schedule.stages * schedule.block_q \
-            + SWIZZLE_ALIGN
+        return tiles + schedule.block_kv * schedule.block_q * element + 2 * 2 * 64 * 64 * 4 \
+            + 2 * 4 * schedule.stages * schedule.block_q + SWIZZLE_ALIGN
     kv = 2 * schedule.block_kv * row_elements(d) * element
     streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + 2 * 4 * schedule.block_q)
     ds = schedule.block_kv * (schedule.block_q + PAD) * element
     return kv + streamed + ds
 
 
-def statistics_smem_bytes(problem: AttentionBackwardProblem) -> int:
-    """Dynamic shared memory of the statistics pass: a q and a dO tile, one K and one V tile."""
-    return (2 * STATISTICS_ROWS + 2 * STATISTICS_KEYS) * row_elements(problem.attention.head_dim) * 2
+WGMMA_STATISTICS_ROWS = 128
+"""Query rows of a ``wgmma`` statistics block (two warpgroups of 64)."""
+WGMMA_STATISTICS_KEYS = 128
+"""Keys of one step of the ``wgmma`` statistics pass (the N of its score product)."""
+
+
+def statistics_rows(schedule: BackwardSchedule) -> int:
+    """Query rows of one block of the statistics pass."""
+    return WGMMA_STATISTICS_ROWS if schedule.wgmma else STATISTICS_ROWS
+
+
+def statistics_smem_bytes(problem: AttentionBackwardProblem, schedule: BackwardSchedule) -> int:
+    """Dynamic shared memory of the statistics pass: a q and a dO tile, one K and one V tile
+    (``wgmma``: a swizzled q tile and two buffers of K and V, plus slack to align them)."""
+    d = problem.attention.head_dim
+    if schedule.wgmma:
+        return (WGMMA_STATISTICS_ROWS + 2 * 2 * WGMMA_STATISTICS_KEYS) * d * 2 + SWIZZLE_ALIGN
+    return (2 * STATISTICS_ROWS + 2 * STATISTICS_KEYS) * row_elements(d) * 2
 
 
 def backward_register_estimate(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
@@ -225,7 +241,7 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
     registers = backward_register_estimate(schedule, problem)
     if registers > MAX_REGISTERS_PER_THREAD:
         reasons.append(f"~{registers} registers a thread over {MAX_REGISTERS_PER_THREAD}")
-    if statistics_smem_bytes(problem) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
+    if statistics_smem_bytes(problem, schedule) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
         reasons.append(f"the statistics pass's shared memory over {target.name}'s {target.smem_per_block}")
     return reasons
 

@@ -73,7 +73,8 @@ def test_wgmma_main_pass_is_offered_on_sm90a_only() -> None:
 @pytest.mark.parametrize("dim", [64, 128])
 def test_wgmma_main_pass_source(dim: int) -> None:
     """Its five products are the three wgmma shapes (scores ss K-major; dv, dk rs with B MN-major; dq ss with
-    both MN-major), its copies swizzled, and the statistics and dq launches those of the mma.sync family."""
+    both MN-major), its copies swizzled; the statistics pass is wgmma too; the dq launch that of the mma.sync
+    family."""
     plan = next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 333, dim, causal=True), "sm_90a")
                 if p.schedule.wgmma)  # fmt: skip
     source = cuda_source(plan)
@@ -81,13 +82,14 @@ def test_wgmma_main_pass_source(dim: int) -> None:
     for name in (f"wgmma_m64n64k16_ss_bf16(", f"wgmma_m64n{dim}k16_rs_bf16_tb(", "wgmma_m64n64k16_ss_bf16_ta_tb("):
         assert name in source
     assert "load_swizzled<BLOCK_KV>" in source and "fence.proxy.async.shared::cta" in source
+    assert "bulk_reduce_add_f32(part, " in source and "atomicAdd" not in source
     assert f"DQ_SPLIT_KEYS = {'true' if dim == 64 else 'false'}" in source
-    assert "_statistics(" in source and "_dq(" in source
+    assert "_statistics(" in source and "_dq(" in source and "wgmma_m64n128k16_ss_bf16(s, " in source
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dim", [64, 128])
-def test_wgmma_main_pass_compiles_to_hgmma_without_spills(dim: int, compiler, kernel_cache, sass) -> None:
+def test_wgmma_passes_compile_to_hgmma_without_spills(dim: int, compiler, kernel_cache, sass) -> None:
     plan = next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 333, dim, causal=True), "sm_90a")
                 if p.schedule.wgmma)  # fmt: skip
     (build,) = compile_plans([plan], compiler=compiler, cache_dir=kernel_cache)
@@ -96,9 +98,14 @@ def test_wgmma_main_pass_compiles_to_hgmma_without_spills(dim: int, compiler, ke
     if sass is None:
         pytest.skip("no cuobjdump to read SASS with")
     code = sass(build.cubin_path)
-    # D 128: dv and dk 4 k16 steps each of N 128; D 64: Sᵀ, dPᵀ 4 each, dv, dk 4 each, dq 4 (its 64 keys)
-    assert code.count(f"HGMMA.64x{dim}x16.F32.BF16") == (8 if dim == 128 else 20)
-    assert "REDG.E.ADD" in code  # dq's atomic adds
+    # main pass: Sᵀ, dPᵀ (N 64) D/16 k16 steps each, dv, dk (N D) 4 each, dq (N 64) 8 (D 64: 4, its own keys);
+    # statistics: S (N 128) D/16, O (N D) 8
+    steps = dim // 16
+    counts = {64: 2 * steps + (8 if dim == 128 else 4), 128: steps}
+    counts[dim] += 8 + 8
+    for n, count in counts.items():
+        assert code.count(f"HGMMA.64x{n}x16.F32.BF16") == count, n
+    assert "UBLKRED.G.S.ADD.F32" in code and "REDG" not in code  # dq's bulk reductions, no per-thread atomics
 
 
 def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.ndarray]:

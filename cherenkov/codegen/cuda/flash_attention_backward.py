@@ -40,10 +40,10 @@ from cherenkov.rewrites.plan import OperandLayout
 from cherenkov.rewrites.plan_backward import (
     PAD,
     STATISTICS_KEYS,
-    STATISTICS_ROWS,
     BackwardPlan,
     backward_schedule_problems,
     backward_smem_bytes,
+    statistics_rows,
     statistics_smem_bytes,
 )
 
@@ -66,7 +66,10 @@ def dq_warp_grid(plan: BackwardPlan) -> tuple[int, int]:
 
 
 def workspace_floats(plan: BackwardPlan) -> int:
-    """The fp32 workspace: each query row's LSE₂ and D, then the dq accumulator (B, H, Sq, D)."""
+    """The fp32 workspace: each query row's LSE₂ and D, then the dq accumulator (B, H, Sq, D; the
+    ``wgmma`` passes tile it: :func:`.flash_attention_backward_sm90a.workspace_floats`)."""
+    if plan.schedule.wgmma:
+        return flash_attention_backward_sm90a.workspace_floats(plan)
     a = plan.problem.attention
     return a.batch * a.heads * a.seq_q * (2 + a.head_dim)
 
@@ -76,8 +79,8 @@ def grids(plan: BackwardPlan) -> dict[str, tuple[tuple[int, int, int], int, int]
     a, s = plan.problem.attention, plan.schedule
     elements = a.batch * a.heads * a.seq_q * a.head_dim
     return {
-        "statistics": ((-(-a.seq_q // STATISTICS_ROWS), a.heads, a.batch), STATISTICS_THREADS,
-                       statistics_smem_bytes(plan.problem)),
+        "statistics": ((-(-a.seq_q // statistics_rows(s)), a.heads, a.batch),
+                       2 * 128 if s.wgmma else STATISTICS_THREADS, statistics_smem_bytes(plan.problem, s)),
         "main": ((-(-a.seq_kv // s.block_kv), a.kv_heads, a.batch), s.threads, backward_smem_bytes(s, plan.problem)),
         "dq": ((max(1, -(-elements // (2 * DQ_THREADS))), 1, 1), DQ_THREADS, 0),
     }  # fmt: skip
@@ -97,10 +100,11 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
         section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
                 ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), softmax.emit_math_helpers(),
                 _helpers(), *([hopper.helpers(plan)] if hopper else [])),
-        section("statistics: each query row's log-sum-exp and D = rowsum(dO o)", _statistics_kernel(name)),
+        section("statistics: each query row's log-sum-exp and D = rowsum(dO o)",
+                hopper.statistics_kernel(plan, name) if hopper else _statistics_kernel(name)),
         section("main pass: dk and dv held per key tile, dq accumulated",
                 hopper.main_kernel(plan, name) if hopper else _main_kernel(name)),
-        section("dq: the accumulator scaled and rounded", _dq_kernel(name)),
+        section("dq: the accumulator scaled and rounded", hopper.dq_kernel(name) if hopper else _dq_kernel(name)),
     ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
@@ -248,7 +252,7 @@ def _constants(plan: BackwardPlan) -> str:
           for role in gradient),
         f"constexpr int ROW = D + {PAD};  // padded shared-memory row (elements)",
         "constexpr int CHUNKS = D / 8;  // 16-byte chunks of a row",
-        f"constexpr int STAT_ROWS = {STATISTICS_ROWS}, STAT_KEYS = {STATISTICS_KEYS}, STAT_THREADS = 128;",
+        f"constexpr int STAT_ROWS = {statistics_rows(s)}, STAT_KEYS = {STATISTICS_KEYS}, STAT_THREADS = 128;",
         f"constexpr int BLOCK_KV = {s.block_kv}, BLOCK_Q = {s.block_q}, STAGES = {s.stages};",
         "constexpr int WARPS = BLOCK_KV / 16, THREADS = 32 * WARPS;",
         "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",

@@ -169,22 +169,47 @@ def emit_tma_store(rank: int) -> str:
                 : "memory");
         }}
 
-        __device__ __forceinline__ void bulk_commit() {{
+        """
+    ) + "\n\n" + emit_bulk_group()
+
+
+def emit_bulk_group() -> str:
+    """``bulk_commit``, ``bulk_wait_read<N>`` and ``bulk_wait_all``: a thread's bulk async-groups
+    (TMA stores, bulk reductions)."""
+    return block(
+        """
+        __device__ __forceinline__ void bulk_commit() {
             asm volatile("cp.async.bulk.commit_group;\\n" ::: "memory");
-        }}
+        }
 
         // Wait until at most the N latest bulk groups of this thread still read shared memory.
         template <int N>
-        __device__ __forceinline__ void bulk_wait_read() {{
+        __device__ __forceinline__ void bulk_wait_read() {
             asm volatile("cp.async.bulk.wait_group.read %0;\\n" :: "n"(N) : "memory");
-        }}
+        }
 
         // Wait until every bulk group of this thread has completed its writes.
-        __device__ __forceinline__ void bulk_wait_all() {{
+        __device__ __forceinline__ void bulk_wait_all() {
             asm volatile("cp.async.bulk.wait_group 0;\\n" ::: "memory");
-        }}
+        }
         """
     )
+
+
+def emit_bulk_reduce_add() -> str:
+    """``bulk_reduce_add_f32(dst, src, bytes)``: add a contiguous fp32 run of shared memory into
+    global memory element by element, as a bulk async-group of the calling thread (with
+    :func:`emit_bulk_group`'s commit and waits)."""
+    return block(
+        """
+        // dst[i] += src[i] for bytes / 4 floats (dst global, src shared; both 16-byte aligned, bytes a multiple
+        // of 16), done by the copy engine; the reads of src end by bulk_wait_read, the adds by bulk_wait_all.
+        __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\\n"
+                         :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+        }
+        """
+    ) + "\n\n" + emit_bulk_group()
 
 
 def emit_ld_shared() -> str:
