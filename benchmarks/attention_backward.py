@@ -11,7 +11,10 @@ contenders interleaved round-robin, median of ``--samples``. SDPA's backward is 
 log-sum-exp); cherenkov's time includes its statistics pass, which recomputes the forward
 (the gradient graph has no saved O or LSE), and its dq conversion.
 
-    python3 benchmarks/attention_backward.py [--shapes seed,...] [--target sm_90] [--out DIR]
+    python3 benchmarks/attention_backward.py [--shapes seed,...] [--target sm_90|sm_90a] [--out DIR]
+
+``--target sm_90a`` adds the Hopper ``wgmma`` schedule to the ``mma.sync`` ones. Each row also
+records the winner's three launches timed alone (``cherenkov_launch_ms``).
 
 TFLOP/s count the backward as 2.5× the forward's ``4·B·H·Sq·Skv·D`` (halved for causal), as
 FlashAttention's benchmarks do. Writes ``<out>/backward-<gpu>-<date><suffix>.json``.

@@ -1,5 +1,8 @@
 """The ``mma.sync`` flash-attention backward (sm_80 … sm_120): one plan → three ``__global__`` kernels.
 
+(A ``wgmma`` schedule on sm_90a keeps this module's constants, helpers and launch shape but
+takes its three kernels from :mod:`.flash_attention_backward_sm90a`.)
+
 For ``o = softmax(c·q kᵀ [causal]) v`` and the gradient ``dO`` of its output, the derivation
 gives ``dS = P∘(dP − D)`` with ``P = 2^{c·log2e·q·k − LSE₂}``, ``dP = dO vᵀ``, ``D = rowsum(dO∘O)``,
 and ``dq = c·dS k``, ``dk = c·dSᵀ q``, ``dv = Pᵀ dO``
@@ -234,6 +237,11 @@ def _constants(plan: BackwardPlan) -> str:
     a = p.attention
     scale = a.scale or a.head_dim**-0.5
     row_tiles, column_groups = dq_warp_grid(plan)
+    mma_sync_main = [  # what only the mma.sync main pass reads
+        "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",
+        f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D / {column_groups};  // a warp's part of a dq tile",
+        "static_assert(DQ_COLUMNS % 16 == 0, \"dq columns in whole ldmatrix pairs\");",
+    ]
     unused = OperandLayout(p.grad_output_layout.shape, 0, 0, 0)
     gradient = {role: p.gradient(role) for role in ("dq", "dk", "dv")}
     return "\n".join([
@@ -252,14 +260,14 @@ def _constants(plan: BackwardPlan) -> str:
           for role in gradient),
         f"constexpr int ROW = D + {PAD};  // padded shared-memory row (elements)",
         "constexpr int CHUNKS = D / 8;  // 16-byte chunks of a row",
-        f"constexpr int STAT_ROWS = {statistics_rows(s)}, STAT_KEYS = {STATISTICS_KEYS}, STAT_THREADS = 128;",
+        f"constexpr int STAT_ROWS = {statistics_rows(s)};  // query rows of a statistics block",
+        *([] if s.wgmma else [f"constexpr int STAT_KEYS = {STATISTICS_KEYS}, STAT_THREADS = {STATISTICS_THREADS};"]),
         f"constexpr int BLOCK_KV = {s.block_kv}, BLOCK_Q = {s.block_q}, STAGES = {s.stages};",
         "constexpr int WARPS = BLOCK_KV / 16, THREADS = 32 * WARPS;",
-        "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",
-        f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D / {column_groups};  // a warp's part of a dq tile",
+        *([] if s.wgmma else mma_sync_main),
         "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;  // workspace: LSE2, D, then dq (B, H, Sq, D)",
         f"constexpr int DQ_THREADS = {DQ_THREADS}, DQ_BLOCKS = {grids(plan)['dq'][0][0]};  // the dq launch",
-        "static_assert(D % 16 == 0 && DQ_COLUMNS % 16 == 0, \"head dims in whole k16 steps and ldmatrix pairs\");",
+        "static_assert(D % 16 == 0, \"head dims in whole k16 steps\");",
     ])  # fmt: skip
 
 
