@@ -10,7 +10,8 @@ streaming contractions ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ
 The backward runs in three launches: a statistics pass over the keys per query tile (the
 forward once more: each row's log-sum-exp and ``D``, with ``O`` kept in registers), the main
 pass — one block per key tile, holding dk and dv for its keys while the query tiles stream
-past (dq accumulates in fp32 by atomic adds) — and dq's conversion to its dtype. The main
+past (dq accumulates in fp32: by atomic adds, or by bulk reductions in the ``wgmma`` pass) —
+and dq's conversion to its dtype. The main
 pass is either ``mma.sync`` (warps of 16 keys; every target) or, with ``wgmma`` (sm_90a),
 two warpgroups of 64 keys whose five products are Hopper ``wgmma`` instructions on
 128-byte-swizzled shared-memory tiles; its statistics pass is then ``wgmma`` too (two
@@ -35,6 +36,7 @@ from cherenkov.rewrites.plan import (
     OperandLayout,
     Target,
 )
+from cherenkov.rewrites.plan_sm90a import SWIZZLE_ALIGN
 
 GRADIENT_ROLES = ("dq", "dk", "dv")
 BACKWARD_HEAD_DIMS = (32, 64, 96, 128)
@@ -156,9 +158,6 @@ WGMMA_BLOCK_Q = 64
 WGMMA_HEAD_DIMS = (64, 128)
 """Head dims of the ``wgmma`` main pass: whole 64-column boxes, dq's columns split over the two warpgroups (128)
 or its keys (64)."""
-SWIZZLE_ALIGN = 1024
-"""Alignment of a 128-byte-swizzled tile (one swizzle atom of 8 rows)."""
-
 BACKWARD_SCHEDULES = (
     *(BackwardSchedule(block_kv, block_q, stages)
       for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)),

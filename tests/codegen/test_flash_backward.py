@@ -84,7 +84,9 @@ def test_wgmma_main_pass_source(dim: int) -> None:
     assert "load_swizzled<BLOCK_KV>" in source and "fence.proxy.async.shared::cta" in source
     assert "bulk_reduce_add_f32(part, " in source and "atomicAdd" not in source
     assert f"DQ_SPLIT_KEYS = {'true' if dim == 64 else 'false'}" in source
-    assert "_statistics(" in source and "_dq(" in source and "wgmma_m64n128k16_ss_bf16(s, " in source
+    assert "_statistics(" in source and "_dq(" in source
+    assert "head_dim_product_n128<STAT_Q_BOX_BYTES, STAT_KV_BOX_BYTES>(s, q_rows, tk)" in source  # statistics' S
+    assert "wgmma_m64n128k16_ss_bf16(acc, " in source
 
 
 @pytest.mark.slow

@@ -148,6 +148,44 @@ def _helpers() -> str:
             a[3] = pack2(hi[2], hi[3]);
         }
 
+        // Two rows' running max moved to include this tile's (tile_max: this thread's part of each row): the factor
+        // the running sums and O are rescaled by, and the shift of this tile's exponents; l is rescaled here.
+        __device__ __forceinline__ void advance_row_max(float (&m)[2], float (&l)[2], const float (&tile_max)[2],
+                                                        float (&rescale)[2], float (&shift)[2]) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m_new = fmaxf(m[h], quad_max(tile_max[h]));
+                rescale[h] = m_new == -INFINITY ? 1.0f : exp2f(m[h] - m_new);
+                shift[h] = m_new == -INFINITY ? 0.0f : m_new;
+                m[h] = m_new;
+                l[h] *= rescale[h];
+            }
+        }
+
+        // Each row's sum over its quad, and its reciprocal (0 for a row without a live key).
+        __device__ __forceinline__ void finish_row_sums(float (&l)[2], float (&inverse)[2]) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                l[h] = quad_sum(l[h]);
+                inverse[h] = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            }
+        }
+
+        // Rows row[0], row[1] of (batch, head): LSE2 = m + log2(l) (a row without a live key: +inf, so its
+        // probabilities are 0) and D (summed over the quad here) into the workspace, by lane t == 0.
+        __device__ __forceinline__ void store_row_statistics(float* workspace, size_t base, const int (&row)[2],
+                                                             const float (&m)[2], const float (&l)[2], float (&delta)[2],
+                                                             int t) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                delta[h] = quad_sum(delta[h]);
+                if (t == 0 && row[h] < SEQ_Q) {
+                    workspace[base + row[h]] = l[h] > 0.0f ? m[h] + log2f(l[h]) : INFINITY;
+                    workspace[ROWS_TOTAL + base + row[h]] = delta[h];
+                }
+            }
+        }
+
         __device__ __forceinline__ u32 smem_address(const void* p) {
             return u32(__cvta_generic_to_shared(p));
         }
@@ -334,14 +372,7 @@ def _statistics_kernel(name: str) -> str:
                     }
                 }
                 float rescale[2], shift[2];
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float m_new = fmaxf(m[h], quad_max(tile_max[h]));
-                    rescale[h] = m_new == -INFINITY ? 1.0f : exp2f(m[h] - m_new);
-                    shift[h] = m_new == -INFINITY ? 0.0f : m_new;
-                    m[h] = m_new;
-                    l[h] *= rescale[h];
-                }
+                advance_row_max(m, l, tile_max, rescale, shift);
                 #pragma unroll
                 for (int n = 0; n < D / 8; ++n) {
                     o[n][0] *= rescale[0]; o[n][1] *= rescale[0]; o[n][2] *= rescale[1]; o[n][3] *= rescale[1];
@@ -370,11 +401,7 @@ def _statistics_kernel(name: str) -> str:
             }
             // LSE2 = m + log2(l) (a row without a live key: +inf, so its probabilities are 0), D = rowsum(dO o)
             float delta[2] = {0.0f, 0.0f}, inverse[2];
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                l[h] = quad_sum(l[h]);
-                inverse[h] = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-            }
+            finish_row_sums(l, inverse);
             #pragma unroll
             for (int n = 0; n < D / 8; ++n) {
                 #pragma unroll
@@ -383,17 +410,8 @@ def _statistics_kernel(name: str) -> str:
                     delta[e >> 1] += o[n][e] * inverse[e >> 1] * to_float(sDO[r * ROW + d]);
                 }
             }
-            float* lse2 = workspace;
-            float* deltas = workspace + ROWS_TOTAL;
             const size_t base = (size_t(batch) * HEADS + head) * SEQ_Q;
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                delta[h] = quad_sum(delta[h]);
-                if (t == 0 && row[h] < SEQ_Q) {
-                    lse2[base + row[h]] = l[h] > 0.0f ? m[h] + log2f(l[h]) : INFINITY;
-                    deltas[base + row[h]] = delta[h];
-                }
-            }
+            store_row_statistics(workspace, base, row, m, l, delta, t);
             if (WANT_DQ) {  // zero this tile's rows of the dq accumulator
                 float4* accumulator = reinterpret_cast<float4*>(workspace + 2 * ROWS_TOTAL + (base + q0) * D);
                 const int valid = min(STAT_ROWS, SEQ_Q - q0) * D / 4;
