@@ -3,7 +3,7 @@
 For each shape, this builds ``ck.grad`` of ``ck.nn.attention`` (dq, dk, dv from q, k, v and the
 output gradient dO), derives it (one ``flash_attention_backward`` kernel), compiles every
 plan the target admits, times each briefly and keeps the fastest (a small exhaustive search:
-at most 9 schedules), checks its every gradient against float32 autograd through SDPA's math
+at most 10 schedules), checks its every gradient against float32 autograd through SDPA's math
 path (relative L2 ≤ 2e-2), then times it and the backward of SDPA's flash (FlashAttention-2)
 and cuDNN backends on the same inputs: CUDA events, L2 flushed before every sample,
 contenders interleaved round-robin, median of ``--samples``. SDPA's backward is timed as

@@ -10,7 +10,7 @@ streaming contractions ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ
 The backward runs in three launches: a statistics pass over the keys per query tile (the
 forward once more: each row's log-sum-exp and ``D``, with ``O`` kept in registers), the main
 pass — one block per key tile, holding dk and dv for its keys while the query tiles stream
-past (dq accumulates in fp32: by atomic adds, or by bulk reductions in the ``wgmma`` pass) —
+past (dq accumulates in fp32: by atomic adds, four floats a reduction in the ``wgmma`` pass) —
 and dq's conversion to its dtype. The main
 pass is either ``mma.sync`` (warps of 16 keys; every target) or, with ``wgmma`` (sm_90a),
 two warpgroups of 64 keys whose five products are Hopper ``wgmma`` instructions on
@@ -161,7 +161,7 @@ or its keys (64)."""
 BACKWARD_SCHEDULES = (
     *(BackwardSchedule(block_kv, block_q, stages)
       for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)),
-    BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, 2, wgmma=True),
+    *(BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, stages, wgmma=True) for stages in (2, 3)),
 )  # fmt: skip
 
 
@@ -176,10 +176,10 @@ def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardPr
     unpadded swizzled tiles, plus slack to align them)."""
     d = problem.attention.head_dim
     element = 2
-    if schedule.wgmma:  # and two warpgroups' dq (64 x 64 fp32 each), two buffers, staged for the bulk reductions
+    if schedule.wgmma:
         tiles = (2 * schedule.block_kv + 2 * schedule.stages * schedule.block_q) * d * element
-        return tiles + schedule.block_kv * schedule.block_q * element + 2 * 2 * 64 * 64 * 4 \
-            + 2 * 4 * schedule.stages * schedule.block_q + SWIZZLE_ALIGN
+        return tiles + schedule.block_kv * schedule.block_q * element + 2 * 4 * schedule.stages * schedule.block_q \
+            + SWIZZLE_ALIGN
     kv = 2 * schedule.block_kv * row_elements(d) * element
     streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + 2 * 4 * schedule.block_q)
     ds = schedule.block_kv * (schedule.block_q + PAD) * element
@@ -190,6 +190,9 @@ WGMMA_STATISTICS_ROWS = 128
 """Query rows of a ``wgmma`` statistics block (two warpgroups of 64)."""
 WGMMA_STATISTICS_KEYS = 128
 """Keys of one step of the ``wgmma`` statistics pass (the N of its score product)."""
+WGMMA_STATISTICS_BUFFERS = 3
+"""K and V buffers of the ``wgmma`` statistics pass: a step's ``O += P V`` still reads its buffer while the
+next step's scores read theirs and the step after next is copied into the third."""
 
 
 def statistics_rows(schedule: BackwardSchedule) -> int:
@@ -199,10 +202,11 @@ def statistics_rows(schedule: BackwardSchedule) -> int:
 
 def statistics_smem_bytes(problem: AttentionBackwardProblem, schedule: BackwardSchedule) -> int:
     """Dynamic shared memory of the statistics pass: a q and a dO tile, one K and one V tile
-    (``wgmma``: a swizzled q tile and two buffers of K and V, plus slack to align them)."""
+    (``wgmma``: a swizzled q tile and ``WGMMA_STATISTICS_BUFFERS`` buffers of K and V, plus slack
+    to align them)."""
     d = problem.attention.head_dim
     if schedule.wgmma:
-        return (WGMMA_STATISTICS_ROWS + 2 * 2 * WGMMA_STATISTICS_KEYS) * d * 2 + SWIZZLE_ALIGN
+        return (WGMMA_STATISTICS_ROWS + 2 * WGMMA_STATISTICS_BUFFERS * WGMMA_STATISTICS_KEYS) * d * 2 + SWIZZLE_ALIGN
     return (2 * STATISTICS_ROWS + 2 * STATISTICS_KEYS) * row_elements(d) * 2
 
 
@@ -252,8 +256,8 @@ def _wgmma_problems(schedule: BackwardSchedule, problem: AttentionBackwardProble
         reasons.append(f"{target.name} has no wgmma (the Hopper main pass needs sm_90a)")
     if problem.attention.head_dim not in WGMMA_HEAD_DIMS:
         reasons.append(f"head dim {problem.attention.head_dim}: the wgmma main pass plans {WGMMA_HEAD_DIMS}")
-    if (schedule.block_kv, schedule.block_q, schedule.stages) != (WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, 2):
-        reasons.append(f"the wgmma main pass takes {WGMMA_BLOCK_KV} keys, {WGMMA_BLOCK_Q} queries and 2 stages")
+    if (schedule.block_kv, schedule.block_q) != (WGMMA_BLOCK_KV, WGMMA_BLOCK_Q) or schedule.stages not in (2, 3):
+        reasons.append(f"the wgmma main pass takes {WGMMA_BLOCK_KV} keys, {WGMMA_BLOCK_Q} queries and 2 or 3 stages")
     return reasons
 
 

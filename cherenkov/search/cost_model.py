@@ -451,10 +451,10 @@ BACKWARD_EFFICIENCY = 0.35
 measurement of it exists; FlashAttention-2's backward reaches ~0.46 on the H200)."""
 BACKWARD_BLOCK_FACTOR = {(64, 32): 0.85, (64, 64): 1.0, (128, 32): 0.9, (128, 64): 1.05}
 """Relative speed of the (BLOCK_KV, BLOCK_Q) tiles: larger tiles reuse each load for more mmas."""
-WGMMA_BACKWARD_FACTOR = 1.7
+WGMMA_BACKWARD_FACTOR = 2.3
 """Speed of the ``wgmma`` backward (statistics and main pass) relative to the best ``mma.sync`` one
-(H200, 2026-12-03, ``results/backward-h200-2026-12-03-wgmma-bulk-dq.json``: 1.87x seed, 1.71x
-causal 4k, 1.73x GQA, 1.40x D 64)."""
+(H200, 2026-12-03, ``results/backward-h200-2026-12-03-wgmma-pipelined.json``: 2.6x seed, 2.4x
+causal 4k, 2.4x GQA, 1.86x D 64)."""
 
 
 def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:

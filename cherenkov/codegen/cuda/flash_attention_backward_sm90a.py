@@ -4,42 +4,46 @@ Same work and arguments as the ``mma.sync`` passes of :mod:`.flash_attention_bac
 the workspace's dq accumulator is tiled (below), so the dq launch here reads it that way.
 
 **Statistics**: one block of two warpgroups per 128 query rows of one head; warpgroup ``w``
-owns rows ``64w …``. Per step of 128 keys (K and V double-buffered) it issues ``S = Q Kᵀ``
-(m64n128k16, both operands K-major), runs the online softmax on the accumulators, and
-``O += P V`` (m64nDk16, P from registers, V MN-major); at the end each row's ``LSE₂`` and
+owns rows ``64w …``. Per step of 128 keys it issues ``S = Q Kᵀ`` (m64n128k16, both operands
+K-major) and then the last step's ``O += P V`` (m64nDk16, P from registers, V MN-major),
+runs the online softmax on ``S`` while ``P V`` still runs, and rescales O once it is done;
+K and V take three buffers (this step's, the last step's for its ``P V``, and the next
+step's copies). At the end each row's ``LSE₂`` and
 ``D = Σ dO·O/l`` (dO read from global memory in the accumulator's layout), and the rows' dq
 accumulator (its two query tiles) zeroed.
 
 **Main pass**: one block per ``BLOCK_KV = 128`` keys of one
 K/V head, the query tiles of every query head of the group streaming past, dk and dv held
-in fp32 registers, dq accumulated in the fp32 workspace by atomic adds. The block is two
+in fp32 registers, dq accumulated in the fp32 workspace by vector reductions. The block is two
 warpgroups; warpgroup ``w`` owns keys ``64w … 64w + 63``, and per query tile of
 ``BLOCK_Q = 64`` rows issues
 
 * ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (m64n64k16, both operands from shared memory, K-major:
   the head dim is the contracted axis of both), as two commit groups, so ``Pᵀ = 2^(Sᵀ·c·log₂e
   − LSE₂)`` is computed while ``dPᵀ`` still runs;
-* ``dv += Pᵀ dO`` and ``dk += dSᵀ Q`` with ``dSᵀ = Pᵀ∘(dPᵀ − D)`` (m64nDk16, A from
-  registers: an accumulator's packed pairs are the next wgmma's A fragments; B MN-major: the
-  queries are the contracted axis and q, dO rows are stored head-dim-contiguous);
 * ``dq = dS K`` (m64n64k16, A MN-major: dSᵀ written by both warpgroups to shared memory,
   keys × queries, read transposed; B MN-major: K's rows are the contracted keys): with D 128
   warpgroup ``w`` computes dq's columns ``64w …`` over all 128 keys, with D 64 the whole row
-  over its own 64 keys (both then add theirs). A warpgroup stages its 64 × 64 fp32 part in
-  shared memory thread-major (its accumulator layout, so the stores are conflict-free; two
-  buffers, so a reduction may read one while the next step fills the other) and one thread
-  adds the 16 KB to the accumulator with one bulk reduction (``cp.reduce.async.bulk …
-  add.f32``): the fp32 accumulator is therefore tiled the same way (per query tile, per
-  64-column part, thread-major), and this module's dq launch reads it so. The additions stay
-  costly (seed shape on the H200, main pass: 1.07 ms with per-thread atomic adds, 1.03 with
-  the bulk reductions, 0.85 with the staging but no reduction, 0.61 without dq).
+  over its own 64 keys (both then add theirs);
+* then ``dv += Pᵀ dO`` and ``dk += dSᵀ Q`` with ``dSᵀ = Pᵀ∘(dPᵀ − D)`` (m64nDk16, A from
+  registers: an accumulator's packed pairs are the next wgmma's A fragments; B MN-major: the
+  queries are the contracted axis and q, dO rows are stored head-dim-contiguous), and while
+  they run the warpgroup adds its 64 × 64 fp32 dq part to the workspace's accumulator from
+  its registers, four floats a ``red.global.add.v4.f32``. The accumulator is tiled per query
+  tile and 64-column part in the accumulator's own order (thread-major, four floats a
+  thread, a warp's 32 threads contiguous), so every reduction of a warp is one 512-byte run,
+  and this module's dq launch reads it so. Seed shape on the H200, main pass alone: 1.02 ms
+  when dq followed dv and dk and was staged in shared memory for one bulk reduction
+  (``cp.reduce.async.bulk``) a warpgroup, 0.80 ms issued first and reduced from registers,
+  0.60 ms without dq; per-thread scalar atomics had been 1.07 ms.
 
 Tiles are copied by every thread with 16-byte ``cp.async`` into boxes of 64 columns (128
 bytes a row) in the 128-byte-swizzled layout the wgmma descriptors read (16-byte chunk ``c``
 of row ``r`` of a box at ``r·128 + (c ⊕ (r mod 8))·16``; boxes 1024-byte aligned), rows
-past a sequence's end zero-filled. Each step waits for its copies, fences them into the
-async proxy and passes a block barrier, then starts the next step's copies into the other
-buffer. Scores are masked only in tiles that cross the causal diagonal or a sequence's end.
+past a sequence's end zero-filled. The main pass keeps ``STAGES`` (2 or 3) q and dO
+buffers, its copies ``STAGES − 1`` steps ahead; each step waits for its own copies, fences
+them into the async proxy and passes a block barrier, then starts the copies of the step
+``STAGES − 1`` later into the buffer the last step used. Scores are masked only in tiles that cross the causal diagonal or a sequence's end.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from cherenkov.codegen.cuda.text import block
 from cherenkov.rewrites.plan_backward import (
     WGMMA_BLOCK_KV,
     WGMMA_BLOCK_Q,
+    WGMMA_STATISTICS_BUFFERS,
     WGMMA_STATISTICS_KEYS,
     WGMMA_STATISTICS_ROWS,
     BackwardPlan,
@@ -75,14 +80,19 @@ def helpers(plan: BackwardPlan) -> str:
         // Copy ROWS rows of D elements (row r at src + r * stride) into a tile of 64-column boxes of ROWS x
         // {SWIZZLE_ROW_BYTES} bytes, 128-byte swizzled: 16-byte chunk c of row r of box b at
         // b * ROWS * {SWIZZLE_ROW_BYTES} + r * {SWIZZLE_ROW_BYTES} + ((c ^ (r % 8)) << 4). Rows at or past `valid` are zero-filled.
+        // A thread copies one chunk of the rows row, row + PASS_ROWS, ...: PASS_ROWS is a multiple of 8, so their
+        // swizzled column is the same and the addresses only step.
         template <int ROWS>
         __device__ __forceinline__ void load_swizzled(u32 tile, const elem_t* src, size_t stride, int valid) {{
+            constexpr int PASS_ROWS = WG_THREADS / CHUNKS;  // rows one pass of the block's threads copies
+            static_assert(PASS_ROWS % 8 == 0 && ROWS % PASS_ROWS == 0, "whole swizzle atoms a pass");
+            const int chunk = int(threadIdx.x) % CHUNKS, row = int(threadIdx.x) / CHUNKS;
+            const u32 to = tile + (chunk >> 3) * (ROWS * {SWIZZLE_ROW_BYTES}) + row * {SWIZZLE_ROW_BYTES} + (((chunk & 7) ^ (row & 7)) << 4);
+            const elem_t* from = src + row * stride + 8 * chunk;
             #pragma unroll
-            for (int i = int(threadIdx.x); i < ROWS * CHUNKS; i += WG_THREADS) {{
-                const int row = i / CHUNKS, chunk = i % CHUNKS;
-                const bool in_range = row < valid;
-                cp_async_16(tile + (chunk >> 3) * (ROWS * {SWIZZLE_ROW_BYTES}) + row * {SWIZZLE_ROW_BYTES} + (((chunk & 7) ^ (row & 7)) << 4),
-                            in_range ? src + row * stride + 8 * chunk : src, in_range);
+            for (int pass = 0; pass < ROWS / PASS_ROWS; ++pass) {{
+                const bool in_range = row + pass * PASS_ROWS < valid;
+                cp_async_16(to + pass * PASS_ROWS * {SWIZZLE_ROW_BYTES}, in_range ? from + pass * PASS_ROWS * stride : src, in_range);
             }}
         }}
 
@@ -102,7 +112,20 @@ def helpers(plan: BackwardPlan) -> str:
     products = (_head_dim_product(WGMMA_BLOCK_Q, a.dtype), _head_dim_product(WGMMA_STATISTICS_KEYS, a.dtype))
     return "\n\n".join(
         [wgmma.emit_descriptor(), wgmma.emit_sync(), *dict.fromkeys(shapes), *dict.fromkeys(products),
-         tma.emit_fence_proxy_async(), tma.emit_bulk_reduce_add(), tma.emit_named_barriers(), swizzled_copy]
+         tma.emit_fence_proxy_async(), emit_reduce_add_v4_f32(), swizzled_copy]
+    )
+
+
+def emit_reduce_add_v4_f32() -> str:
+    """``reduce_add_v4_f32(dst, a, b, c, d)``: add four floats to 16-byte-aligned global memory in one
+    reduction (``red.global.add.v4.f32``, sm_90), without waiting for it."""
+    return block(
+        """
+        __device__ __forceinline__ void reduce_add_v4_f32(float* dst, float a, float b, float c, float d) {
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\\n"
+                         :: "l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+        }
+        """
     )
 
 
@@ -143,18 +166,20 @@ def constants(plan: BackwardPlan) -> str:
         "(D 64), else over its 64 columns",
         "constexpr int DQ_KEYS = DQ_SPLIT_KEYS ? 64 : BLOCK_KV;  // the k extent of a warpgroup's dq product",
         "// the dq accumulator, after LSE2 and D (16-byte aligned): per (batch, head, query tile) BLOCK_Q x D floats",
-        "// as D / 64 parts of 64 columns (D 64: one, both warpgroups add to it), each part thread-major: float2",
-        "// slot j of warpgroup thread tau at (j * 128 + tau) * 2 (rows 16 (tau / 32) + tau % 32 / 4 + 8 (j % 2),",
-        "// columns 8 (j / 2) + 2 (tau % 4) + 0, 1: the accumulator layout of an m64n64 wgmma)",
+        "// as D / 64 parts of 64 columns (D 64: one, both warpgroups add to it), each part thread-major: the float2",
+        "// pair j of warpgroup thread tau at ((j / 2) * 128 + tau) * 4 + (j % 2) * 2 (rows 16 (tau / 32) + tau % 32 / 4",
+        "// + 8 (j % 2), columns 8 (j / 2) + 2 (tau % 4) + 0, 1: the accumulator layout of an m64n64 wgmma), so a",
+        "// thread adds four floats at once and a warp's additions are one contiguous run",
         "constexpr size_t DQ_ACCUMULATOR = (2 * ROWS_TOTAL + 3) / 4 * 4;",
         "constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;",
-        "constexpr u32 DQ_PART_FLOATS = 64 * 64, DQ_STAGE_BYTES = 4 * DQ_PART_FLOATS;  // a warpgroup's dq, staged",
+        "constexpr u32 DQ_PART_FLOATS = 64 * 64;  // a warpgroup's dq part",
         f"constexpr int STAT_BLOCK_KEYS = {WGMMA_STATISTICS_KEYS};  // keys of a statistics step",
+        f"constexpr int STAT_BUFFERS = {WGMMA_STATISTICS_BUFFERS};  // the statistics pass's K and V buffers",
         "constexpr u32 STAT_Q_BOX_BYTES = STAT_ROWS * 128, STAT_KV_BOX_BYTES = STAT_BLOCK_KEYS * 128;",
         "constexpr u32 STAT_KV_TILE_BYTES = BOXES * STAT_KV_BOX_BYTES;",
         f"static_assert(STAT_ROWS == {WGMMA_STATISTICS_ROWS}, \"two warpgroups of 64 query rows\");",
-        f"static_assert(BLOCK_KV == {WGMMA_BLOCK_KV} && BLOCK_Q == {WGMMA_BLOCK_Q} && STAGES == 2 && D % 64 == 0,",
-        '              "two warpgroups of 64 keys, 64-query steps, double-buffered, whole boxes");',
+        f"static_assert(BLOCK_KV == {WGMMA_BLOCK_KV} && BLOCK_Q == {WGMMA_BLOCK_Q} && (STAGES == 2 || STAGES == 3)",
+        '              && D % 64 == 0, "two warpgroups of 64 keys, 64-query steps, 2 or 3 buffers, whole boxes");',
     ])  # fmt: skip
 
 
@@ -169,7 +194,7 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
             const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
             float* __restrict__ workspace) {
             extern __shared__ __align__(16) unsigned char smem_raw[];
-            // [K | V | STAGES q tiles | STAGES dO tiles | dS^T | dq staging (2 buffers x 2 warpgroups) | LSE2 | D],
+            // [K | V | STAGES q tiles | STAGES dO tiles | dS^T | LSE2 | D],
             // tiles 1024-byte aligned
             const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
             const int tau = threadIdx.x & 127;  // thread of the warpgroup
@@ -177,9 +202,8 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
             const u32 sK = (raw + ALIGN - 1) & ~(ALIGN - 1);
             const u32 sV = sK + KV_TILE_BYTES, sQ = sV + KV_TILE_BYTES, sDO = sQ + STAGES * Q_TILE_BYTES;
             const u32 sDs = sDO + STAGES * Q_TILE_BYTES;
-            const u32 sDq = sDs + DS_BYTES;
             unsigned char* ds_tile = smem_raw + (sDs - raw);
-            float* sLse = reinterpret_cast<float*>(ds_tile + DS_BYTES + 4 * DQ_STAGE_BYTES);  // STAGES x BLOCK_Q
+            float* sLse = reinterpret_cast<float*>(ds_tile + DS_BYTES);  // STAGES x BLOCK_Q
             float* sDelta = sLse + STAGES * BLOCK_Q;
             const int g = lane >> 2, t = lane & 3;
             const int k0 = blockIdx.x * BLOCK_KV, kv_head = blockIdx.y, batch = blockIdx.z;
@@ -212,8 +236,11 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
                     cp_async_4(smem_address(dst), q0 + i < SEQ_Q ? src : lse2, q0 + i < SEQ_Q);
                 }
             };
-            if (steps > 0) load_step(0);
-            cp_async_commit();
+            #pragma unroll
+            for (int ahead = 0; ahead < STAGES - 1; ++ahead) {  // the first STAGES - 1 steps, a commit group each
+                if (ahead < steps) load_step(ahead);
+                cp_async_commit();
+            }
             // this warpgroup's 64 keys x D of dk and dv, fp32 (row 16 warp + g (+ 8), columns 8c + 2t (+ 1))
             float dk[D / 2], dv[D / 2];
             #pragma unroll
@@ -224,10 +251,10 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
             for (int step = 0; step < steps; ++step) {
                 const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
                 const int q0 = (first + step % tiles) * BLOCK_Q;
-                cp_async_wait<0>();
+                cp_async_wait<STAGES - 2>();  // this step's group (the later steps' may still land)
                 fence_proxy_async();  // this thread's copies, visible to the wgmmas (async proxy)
                 __syncthreads();      // every copy of this step is in; every warpgroup is past the last step
-                if (step + 1 < steps) load_step(step + 1);
+                if (step + STAGES - 1 < steps) load_step(step + STAGES - 1);  // into the last step's buffer
                 cp_async_commit();
                 const u32 tq = sQ + stage * Q_TILE_BYTES, tdo = sDO + stage * Q_TILE_BYTES;
                 const float* tlse = sLse + stage * BLOCK_Q;
@@ -265,7 +292,23 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
                         *reinterpret_cast<u32*>(ds_tile + row * 128 + (((i >> 1) ^ g) << 4) + 4 * t) = dsa[i];
                     }
                 }
-                // dv += P^T dO and dk += dS^T Q: A from registers, B MN-major (the queries are contracted)
+                // dq (BLOCK_Q x 64) = dS K first (A = dS^T read MN-major, B = K MN-major), then dv += P^T dO and
+                // dk += dS^T Q (A from registers, B MN-major: the queries are contracted); dq is added to the
+                // accumulator while dv and dk still run
+                const int key0 = DQ_SPLIT_KEYS ? 64 * warpgroup : 0, column0 = DQ_SPLIT_KEYS ? 0 : 64 * warpgroup;
+                float dq[32];
+                if (WANT_DQ) {
+                    fence_proxy_async();  // the dS^T stores, visible to the wgmmas
+                    __syncthreads();      // both warpgroups' dS^T are in
+                    const u32 k_box = sK + (column0 / 64) * KV_BOX_BYTES + key0 * 128;
+                    wgmma_fence();
+                    #pragma unroll
+                    for (int kk = 0; kk < DQ_KEYS / 16; ++kk) {
+                        @DQ@(dq, make_smem_desc(sDs + key0 * 128 + kk * K_STEP_ROWS_BYTES, DS_BYTES, 1024),
+                             make_smem_desc(k_box + kk * K_STEP_ROWS_BYTES, KV_BOX_BYTES, 1024), kk > 0);
+                    }
+                    wgmma_commit();
+                }
                 wgmma_fence();
                 #pragma unroll
                 for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
@@ -279,43 +322,20 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
                     }
                 }
                 wgmma_commit();
-                if (WANT_DQ) {  // dq (BLOCK_Q x 64) += dS K: A = dS^T read MN-major, B = K MN-major
-                    fence_proxy_async();  // the dS^T stores, visible to the wgmmas
-                    __syncthreads();
-                    const int key0 = DQ_SPLIT_KEYS ? 64 * warpgroup : 0, column0 = DQ_SPLIT_KEYS ? 0 : 64 * warpgroup;
-                    const u32 k_box = sK + (column0 / 64) * KV_BOX_BYTES + key0 * 128;
-                    float dq[32];
-                    wgmma_fence();
-                    #pragma unroll
-                    for (int kk = 0; kk < DQ_KEYS / 16; ++kk) {
-                        @DQ@(dq, make_smem_desc(sDs + key0 * 128 + kk * K_STEP_ROWS_BYTES, DS_BYTES, 1024),
-                             make_smem_desc(k_box + kk * K_STEP_ROWS_BYTES, KV_BOX_BYTES, 1024), kk > 0);
-                    }
-                    wgmma_commit();
-                    wgmma_wait<0>();
+                if (WANT_DQ) {  // four floats a reduction, a warp's 32 of them one contiguous 512-byte run
+                    wgmma_wait<1>();
                     fence_operands(dq);
-                    // staged thread-major (conflict-free) in this step's buffer, then added to the accumulator by one
-                    // bulk reduction; the other buffer's reduction (the last step's) may still be reading
-                    const u32 staging = (2 * (step & 1) + warpgroup) * DQ_STAGE_BYTES;
-                    float2* dq_stage = reinterpret_cast<float2*>(ds_tile + DS_BYTES + staging);
+                    float* part = dq_accumulator + ((size_t(batch) * HEADS + head) * Q_TILES + q0 / BLOCK_Q) * (BLOCK_Q * D)
+                                  + (column0 / 64) * DQ_PART_FLOATS;
                     #pragma unroll
-                    for (int j = 0; j < 16; ++j) dq_stage[j * 128 + tau] = make_float2(dq[2 * j], dq[2 * j + 1]);
-                    fence_proxy_async();  // the staging stores, visible to the copy engine
-                    named_barrier_sync(1 + warpgroup, 128);
-                    if (tau == 0) {
-                        float* part = dq_accumulator + ((size_t(batch) * HEADS + head) * Q_TILES + q0 / BLOCK_Q) * (BLOCK_Q * D)
-                                      + (column0 / 64) * DQ_PART_FLOATS;
-                        bulk_reduce_add_f32(part, sDq + staging, DQ_STAGE_BYTES);
-                        bulk_commit();
-                        bulk_wait_read<1>();  // the last step's buffer is read before the next step's barrier
+                    for (int m = 0; m < 8; ++m) {
+                        reduce_add_v4_f32(part + (m * 128 + tau) * 4, dq[4 * m], dq[4 * m + 1], dq[4 * m + 2], dq[4 * m + 3]);
                     }
-                } else {
-                    wgmma_wait<0>();
                 }
+                wgmma_wait<0>();
                 fence_operands(dk);
                 fence_operands(dv);
             }
-            if (WANT_DQ && tau == 0) bulk_wait_all();  // every dq addition has landed
             // dk * SCALE and dv, rounded, at their strides
             #pragma unroll
             for (int i = 0; i < D / 2; i += 2) {
@@ -350,10 +370,10 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
             const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
             const elem_t* __restrict__ dout, float* __restrict__ workspace) {
             extern __shared__ __align__(16) unsigned char smem_raw[];
-            // [q tile | K buffers 0, 1 | V buffers 0, 1], tiles 1024-byte aligned
+            // [q tile | K buffers 0..STAT_BUFFERS-1 | V buffers 0..STAT_BUFFERS-1], tiles 1024-byte aligned
             const u32 raw = smem_address(smem_raw);
             const u32 sQ = (raw + ALIGN - 1) & ~(ALIGN - 1);
-            const u32 sK = sQ + BOXES * STAT_Q_BOX_BYTES, sV = sK + 2 * STAT_KV_TILE_BYTES;
+            const u32 sK = sQ + BOXES * STAT_Q_BOX_BYTES, sV = sK + STAT_BUFFERS * STAT_KV_TILE_BYTES;
             const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
             const int g = lane >> 2, t = lane & 3;
             const int q0 = blockIdx.x * STAT_ROWS, head = blockIdx.y, batch = blockIdx.z, kv_head = head / GROUP;
@@ -364,9 +384,9 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
             const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
             const int steps = (keys + STAT_BLOCK_KEYS - 1) / STAT_BLOCK_KEYS;
             auto load_keys = [&](int step) {  // K and V of step `step` into its buffer
-                const int k0 = step * STAT_BLOCK_KEYS;
-                load_swizzled<STAT_BLOCK_KEYS>(sK + (step & 1) * STAT_KV_TILE_BYTES, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
-                load_swizzled<STAT_BLOCK_KEYS>(sV + (step & 1) * STAT_KV_TILE_BYTES, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
+                const int k0 = step * STAT_BLOCK_KEYS, buffer = step % STAT_BUFFERS;
+                load_swizzled<STAT_BLOCK_KEYS>(sK + buffer * STAT_KV_TILE_BYTES, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
+                load_swizzled<STAT_BLOCK_KEYS>(sV + buffer * STAT_KV_TILE_BYTES, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
             };
             load_swizzled<STAT_ROWS>(sQ, qh + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
             if (steps > 0) load_keys(0);
@@ -376,21 +396,34 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
             float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[D / 2];
             #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+            u32 pa[STAT_BLOCK_KEYS / 4];  // the last step's P as A fragments, for its O += P V (none yet: zero)
+            #pragma unroll
+            for (int i = 0; i < STAT_BLOCK_KEYS / 4; ++i) pa[i] = 0u;
             for (int step = 0; step < steps; ++step) {
                 const int k0 = step * STAT_BLOCK_KEYS;
-                const u32 tk = sK + (step & 1) * STAT_KV_TILE_BYTES, tv = sV + (step & 1) * STAT_KV_TILE_BYTES;
                 cp_async_wait<0>();
                 fence_proxy_async();  // this thread's copies, visible to the wgmmas (async proxy)
-                __syncthreads();      // every copy of this step is in; every warpgroup is past the last step
-                if (step + 1 < steps) load_keys(step + 1);
+                __syncthreads();      // this step's keys are in; every warpgroup's products of two steps ago are done
+                if (step + 1 < steps) load_keys(step + 1);  // into the buffers of two steps ago
                 cp_async_commit();
-                // S = Q K^T: 64 rows x STAT_BLOCK_KEYS keys a warpgroup, then in log2 units, masked
+                // S = Q K^T (64 rows x STAT_BLOCK_KEYS keys a warpgroup), then the last step's O += P V (A from
+                // registers, V MN-major: the keys are contracted), so this step's softmax runs while P V does
                 float s[STAT_BLOCK_KEYS / 2];
                 wgmma_fence();
-                head_dim_product_n@STAT_KEYS@<STAT_Q_BOX_BYTES, STAT_KV_BOX_BYTES>(s, q_rows, tk);
+                head_dim_product_n@STAT_KEYS@<STAT_Q_BOX_BYTES, STAT_KV_BOX_BYTES>(
+                    s, q_rows, sK + step % STAT_BUFFERS * STAT_KV_TILE_BYTES);
                 wgmma_commit();
-                wgmma_wait<0>();
+                // (step 0 adds its zero P times V of step 0: a wgmma under a branch makes ptxas fence around it)
+                const u32 tv = sV + max(step - 1, 0) % STAT_BUFFERS * STAT_KV_TILE_BYTES;
+                #pragma unroll
+                for (int kk = 0; kk < STAT_BLOCK_KEYS / 16; ++kk) {
+                    @UPDATE@(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                             make_smem_desc(tv + kk * K_STEP_ROWS_BYTES, STAT_KV_BOX_BYTES, 1024), 1);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();  // S (the last step's P V may still run)
                 fence_operands(s);
+                // in log2 units, masked
                 const bool edge = k0 + STAT_BLOCK_KEYS > SEQ_KV || (CAUSAL && k0 + STAT_BLOCK_KEYS - 1 > q0);
                 float tile_max[2] = {-INFINITY, -INFINITY};
                 #pragma unroll
@@ -402,17 +435,24 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                 }
                 float rescale[2], shift[2];
                 advance_row_max(m, l, tile_max, rescale, shift);
-                #pragma unroll
-                for (int i = 0; i < D / 2; ++i) o[i] *= rescale[(i >> 1) & 1];
-                u32 pa[STAT_BLOCK_KEYS / 4];  // P as A fragments
+                u32 p_next[STAT_BLOCK_KEYS / 4];
                 #pragma unroll
                 for (int i = 0; i < STAT_BLOCK_KEYS / 4; ++i) {
                     const int h = i & 1;
                     const float p0 = exp2f(s[2 * i] - shift[h]), p1 = exp2f(s[2 * i + 1] - shift[h]);
                     l[h] += p0 + p1;
-                    pa[i] = pack2(p0, p1);
+                    p_next[i] = pack2(p0, p1);
                 }
-                // O += P V: A from registers, V MN-major (the keys are contracted)
+                wgmma_wait<0>();  // the last step's P V: O is its sum up to the last step
+                fence_operands(o);
+                fence_operands(pa);  // read by that P V until here, so p_next may not take its registers
+                #pragma unroll
+                for (int i = 0; i < D / 2; ++i) o[i] *= rescale[(i >> 1) & 1];
+                #pragma unroll
+                for (int i = 0; i < STAT_BLOCK_KEYS / 4; ++i) pa[i] = p_next[i];
+            }
+            if (steps > 0) {  // the last step's O += P V
+                const u32 tv = sV + (steps - 1) % STAT_BUFFERS * STAT_KV_TILE_BYTES;
                 wgmma_fence();
                 #pragma unroll
                 for (int kk = 0; kk < STAT_BLOCK_KEYS / 16; ++kk) {
@@ -470,7 +510,7 @@ def dq_kernel(name: str) -> str:
                 const int j = 2 * (c >> 3) + ((r >> 3) & 1), tau = (r >> 4) * 32 + (r & 7) * 4 + ((c & 7) >> 1);
                 const float2 x = *reinterpret_cast<const float2*>(
                     accumulator + ((size_t(batch) * HEADS + head) * Q_TILES + s / BLOCK_Q) * (BLOCK_Q * D)
-                    + (d / 64) * DQ_PART_FLOATS + (j * 128 + tau) * 2);
+                    + (d / 64) * DQ_PART_FLOATS + ((j >> 1) * 128 + tau) * 4 + (j & 1) * 2);
                 *reinterpret_cast<u32*>(dq_out + DQ_OFFSET + batch * DQ_BATCH + head * DQ_HEAD + s * DQ_SEQ + d)
                     = pack2(x.x * SCALE, x.y * SCALE);
             }

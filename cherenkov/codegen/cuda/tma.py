@@ -196,22 +196,6 @@ def emit_bulk_group() -> str:
     )
 
 
-def emit_bulk_reduce_add() -> str:
-    """``bulk_reduce_add_f32(dst, src, bytes)``: add a contiguous fp32 run of shared memory into
-    global memory element by element, as a bulk async-group of the calling thread (with
-    :func:`emit_bulk_group`'s commit and waits)."""
-    return block(
-        """
-        // dst[i] += src[i] for bytes / 4 floats (dst global, src shared; both 16-byte aligned, bytes a multiple
-        // of 16), done by the copy engine; the reads of src end by bulk_wait_read, the adds by bulk_wait_all.
-        __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
-            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\\n"
-                         :: "l"(dst), "r"(src), "r"(bytes) : "memory");
-        }
-        """
-    ) + "\n\n" + emit_bulk_group()
-
-
 def emit_ld_shared() -> str:
     """``ld_shared_u32``: one 32-bit word of shared memory (a box the copy engine filled)."""
     return block(
