@@ -111,6 +111,7 @@ def test_wgmma_passes_compile_to_hgmma_without_spills(dim: int, compiler, kernel
     for n, count in counts.items():
         assert code.count(f"HGMMA.64x{n}x16.F32.BF16") == count, n
     assert "REDG.E.ADD.F32x4" in code and "UBLKRED" not in code  # dq added four floats a reduction
+    assert code.count("STSM.16.M88.4") == 4  # dSᵀ: four stmatrix.x4 a warp and step
 
 
 def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.ndarray]:

@@ -22,7 +22,7 @@ warpgroups; warpgroup ``w`` owns keys ``64w … 64w + 63``, and per query tile o
   the head dim is the contracted axis of both), as two commit groups, so ``Pᵀ = 2^(Sᵀ·c·log₂e
   − LSE₂)`` is computed while ``dPᵀ`` still runs;
 * ``dq = dS K`` (m64n64k16, A MN-major: dSᵀ written by both warpgroups to shared memory,
-  keys × queries, read transposed; B MN-major: K's rows are the contracted keys): with D 128
+  keys × queries, each warp's 16 × 64 block by four ``stmatrix.x4``, read transposed; B MN-major: K's rows are the contracted keys): with D 128
   warpgroup ``w`` computes dq's columns ``64w …`` over all 128 keys, with D 64 the whole row
   over its own 64 keys (both then add theirs);
 * then ``dv += Pᵀ dO`` and ``dk += dSᵀ Q`` with ``dSᵀ = Pᵀ∘(dPᵀ − D)`` (m64nDk16, A from
@@ -112,7 +112,21 @@ def helpers(plan: BackwardPlan) -> str:
     products = (_head_dim_product(WGMMA_BLOCK_Q, a.dtype), _head_dim_product(WGMMA_STATISTICS_KEYS, a.dtype))
     return "\n\n".join(
         [wgmma.emit_descriptor(), wgmma.emit_sync(), *dict.fromkeys(shapes), *dict.fromkeys(products),
-         tma.emit_fence_proxy_async(), emit_reduce_add_v4_f32(), swizzled_copy]
+         tma.emit_fence_proxy_async(), emit_stmatrix_x4(), emit_reduce_add_v4_f32(), swizzled_copy]
+    )
+
+
+def emit_stmatrix_x4() -> str:
+    """``stmatrix_x4(address, a, b, c, d)``: store four 8 × 8 16-bit matrices held in the
+    accumulator fragment layout (thread ``T``: row ``T / 4``, columns ``2 (T % 4)`` and ``+ 1``),
+    row ``r`` of matrix ``m`` to the 16 bytes at lane ``8m + r``'s address."""
+    return block(
+        """
+        __device__ __forceinline__ void stmatrix_x4(u32 address, u32 a, u32 b, u32 c, u32 d) {
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\\n"
+                         :: "r"(address), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+        }
+        """
     )
 
 
@@ -202,8 +216,7 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
             const u32 sK = (raw + ALIGN - 1) & ~(ALIGN - 1);
             const u32 sV = sK + KV_TILE_BYTES, sQ = sV + KV_TILE_BYTES, sDO = sQ + STAGES * Q_TILE_BYTES;
             const u32 sDs = sDO + STAGES * Q_TILE_BYTES;
-            unsigned char* ds_tile = smem_raw + (sDs - raw);
-            float* sLse = reinterpret_cast<float*>(ds_tile + DS_BYTES);  // STAGES x BLOCK_Q
+            float* sLse = reinterpret_cast<float*>(smem_raw + (sDs - raw) + DS_BYTES);  // STAGES x BLOCK_Q
             float* sDelta = sLse + STAGES * BLOCK_Q;
             const int g = lane >> 2, t = lane & 3;
             const int k0 = blockIdx.x * BLOCK_KV, kv_head = blockIdx.y, batch = blockIdx.z;
@@ -287,9 +300,15 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
                 for (int i = 0; i < BLOCK_Q / 4; ++i) {
                     const int column = 8 * (i >> 1) + 2 * t;
                     dsa[i] = pack2(s[2 * i] * (dp[2 * i] - tdelta[column]), s[2 * i + 1] * (dp[2 * i + 1] - tdelta[column + 1]));
-                    if (WANT_DQ) {
-                        const int row = key_row + 8 * (i & 1);
-                        *reinterpret_cast<u32*>(ds_tile + row * 128 + (((i >> 1) ^ g) << 4) + 4 * t) = dsa[i];
+                }
+                if (WANT_DQ) {  // dsa[i] is the 8 x 8 block (key rows 8 (i % 2), query columns 8 (i / 2)) of the
+                                // warp's 16 keys: four blocks a stmatrix, lane l giving row l % 8 of block l / 8
+                    const int block_of_lane = lane >> 3, r = lane & 7;
+                    const u32 row_address = sDs + (64 * warpgroup + 16 * warp + 8 * (block_of_lane & 1) + r) * 128;
+                    #pragma unroll
+                    for (int j = 0; j < BLOCK_Q / 16; ++j) {
+                        const int chunk = 2 * j + (block_of_lane >> 1);
+                        stmatrix_x4(row_address + ((chunk ^ r) << 4), dsa[4 * j], dsa[4 * j + 1], dsa[4 * j + 2], dsa[4 * j + 3]);
                     }
                 }
                 // dq (BLOCK_Q x 64) = dS K first (A = dS^T read MN-major, B = K MN-major), then dv += P^T dO and
