@@ -216,6 +216,9 @@ def compile_plan(
             raise CompileError(f"{plan.name} did not compile for {arch}", log=err.log, arch=arch, kernel_name=name)
         seconds = time.perf_counter() - start
         report = parse_ptxas_report(output.log, name, plan_dynamic_smem(plan))
+        if report.wgmma_serialized:
+            log.warning("ptxas serialised the wgmma instructions of %s for %s (correct, but each waits for the "
+                        "last)", name, arch)
         entry = cache.store(key, output.cubin, output.ptx, name, report, seconds)
         log.debug("compiled %s for %s in %.2f s: %s", name, arch, seconds, report)
     return CompiledKernel(

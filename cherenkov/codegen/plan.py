@@ -260,6 +260,9 @@ class ResourceReport:
     spill_stores: int
     spill_loads: int
     stack_frame: int
+    wgmma_serialized: bool = False
+    """ptxas serialised the wgmma instructions of the module's kernels (its "Potential Performance
+    Loss" notes): correct, but each waits for the one before."""
 
     @property
     def spill_bytes(self) -> int:

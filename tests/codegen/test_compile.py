@@ -74,6 +74,17 @@ def test_parse_ptxas_report_reads_the_named_entry():
     assert (other.registers, other.spill_bytes, other.stack_frame) == (32, 8, 8)
     with pytest.raises(CompileError):
         parse_ptxas_report(PTXAS_LOG, "missing")
+    assert not report.wgmma_serialized and not other.wgmma_serialized
+
+
+def test_parse_ptxas_report_notes_a_serialised_wgmma_pipeline_of_the_module():
+    note = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline "
+            "stage in the function '{}'\n")
+    for function, serialized in (("flash_attention_x_statistics", True), ("flash_attention_x", True),
+                                 ("other", False)):
+        assert parse_ptxas_report(PTXAS_LOG + note.format(function), "flash_attention_x").wgmma_serialized \
+            == serialized, function
 
 
 def test_compile_plans_returns_errors_in_place(seed_problem, kernel_cache):
