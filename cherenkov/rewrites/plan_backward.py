@@ -191,8 +191,8 @@ WGMMA_STATISTICS_ROWS = 128
 WGMMA_STATISTICS_KEYS = 128
 """Keys of one step of the ``wgmma`` statistics pass (the N of its score product)."""
 WGMMA_STATISTICS_BUFFERS = 3
-"""K and V buffers of the ``wgmma`` statistics pass: a step's ``O += P V`` still reads its buffer while the
-next step's scores read theirs and the step after next is copied into the third."""
+"""K and V buffers of the ``wgmma`` statistics pass: a step's scores read its own, the last step's ``O += P V``
+(still running during the step's softmax) the one before, and the next step's copies fill the third."""
 
 
 def statistics_rows(schedule: BackwardSchedule) -> int:
