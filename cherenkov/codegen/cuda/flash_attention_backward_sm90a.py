@@ -22,8 +22,8 @@ warpgroups; warpgroup ``w`` owns keys ``64w … 64w + 63``, and per query tile o
   the head dim is the contracted axis of both), as two commit groups, so ``Pᵀ = 2^(Sᵀ·c·log₂e
   − LSE₂)`` is computed while ``dPᵀ`` still runs;
 * ``dq = dS K`` (m64n64k16, A MN-major: dSᵀ written by both warpgroups to shared memory,
-  keys × queries, each warp's 16 × 64 block by four ``stmatrix.x4``, read transposed; B MN-major: K's rows are the contracted keys): with D 128
-  warpgroup ``w`` computes dq's columns ``64w …`` over all 128 keys, with D 64 the whole row
+  keys × queries, each warp's 16 × 64 block by four ``stmatrix.x4``, read transposed; B
+  MN-major: K's rows are the contracted keys): with D 128 warpgroup ``w`` computes dq's columns ``64w …`` over all 128 keys, with D 64 the whole row
   over its own 64 keys (both then add theirs);
 * then ``dv += Pᵀ dO`` and ``dk += dSᵀ Q`` with ``dSᵀ = Pᵀ∘(dPᵀ − D)`` (m64nDk16, A from
   registers: an accumulator's packed pairs are the next wgmma's A fragments; B MN-major: the
@@ -43,7 +43,8 @@ of row ``r`` of a box at ``r·128 + (c ⊕ (r mod 8))·16``; boxes 1024-byte ali
 past a sequence's end zero-filled. The main pass keeps ``STAGES`` (2 or 3) q and dO
 buffers, its copies ``STAGES − 1`` steps ahead; each step waits for its own copies, fences
 them into the async proxy and passes a block barrier, then starts the copies of the step
-``STAGES − 1`` later into the buffer the last step used. Scores are masked only in tiles that cross the causal diagonal or a sequence's end.
+``STAGES − 1`` later into the buffer the last step used. Scores are masked only in tiles
+that cross the causal diagonal or a sequence's end.
 """
 
 from __future__ import annotations
@@ -418,6 +419,14 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
             u32 pa[STAT_BLOCK_KEYS / 4];  // the last step's P as A fragments, for its O += P V (none yet: zero)
             #pragma unroll
             for (int i = 0; i < STAT_BLOCK_KEYS / 4; ++i) pa[i] = 0u;
+            auto issue_pv = [&](int step) {  // O += P V of step `step` (A from registers, V MN-major: keys contracted)
+                const u32 tv = sV + step % STAT_BUFFERS * STAT_KV_TILE_BYTES;
+                #pragma unroll
+                for (int kk = 0; kk < STAT_BLOCK_KEYS / 16; ++kk) {
+                    @UPDATE@(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                             make_smem_desc(tv + kk * K_STEP_ROWS_BYTES, STAT_KV_BOX_BYTES, 1024), 1);
+                }
+            };
             for (int step = 0; step < steps; ++step) {
                 const int k0 = step * STAT_BLOCK_KEYS;
                 cp_async_wait<0>();
@@ -425,20 +434,15 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                 __syncthreads();      // this step's keys are in; every warpgroup's products of two steps ago are done
                 if (step + 1 < steps) load_keys(step + 1);  // into the buffers of two steps ago
                 cp_async_commit();
-                // S = Q K^T (64 rows x STAT_BLOCK_KEYS keys a warpgroup), then the last step's O += P V (A from
-                // registers, V MN-major: the keys are contracted), so this step's softmax runs while P V does
+                // S = Q K^T (64 rows x STAT_BLOCK_KEYS keys a warpgroup), then the last step's O += P V, so this
+                // step's softmax runs while P V does
                 float s[STAT_BLOCK_KEYS / 2];
                 wgmma_fence();
                 head_dim_product_n@STAT_KEYS@<STAT_Q_BOX_BYTES, STAT_KV_BOX_BYTES>(
                     s, q_rows, sK + step % STAT_BUFFERS * STAT_KV_TILE_BYTES);
                 wgmma_commit();
                 // (step 0 adds its zero P times V of step 0: a wgmma under a branch makes ptxas fence around it)
-                const u32 tv = sV + max(step - 1, 0) % STAT_BUFFERS * STAT_KV_TILE_BYTES;
-                #pragma unroll
-                for (int kk = 0; kk < STAT_BLOCK_KEYS / 16; ++kk) {
-                    @UPDATE@(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                             make_smem_desc(tv + kk * K_STEP_ROWS_BYTES, STAT_KV_BOX_BYTES, 1024), 1);
-                }
+                issue_pv(max(step - 1, 0));
                 wgmma_commit();
                 wgmma_wait<1>();  // S (the last step's P V may still run)
                 fence_operands(s);
@@ -471,13 +475,8 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                 for (int i = 0; i < STAT_BLOCK_KEYS / 4; ++i) pa[i] = p_next[i];
             }
             if (steps > 0) {  // the last step's O += P V
-                const u32 tv = sV + (steps - 1) % STAT_BUFFERS * STAT_KV_TILE_BYTES;
                 wgmma_fence();
-                #pragma unroll
-                for (int kk = 0; kk < STAT_BLOCK_KEYS / 16; ++kk) {
-                    @UPDATE@(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                             make_smem_desc(tv + kk * K_STEP_ROWS_BYTES, STAT_KV_BOX_BYTES, 1024), 1);
-                }
+                issue_pv(steps - 1);
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_operands(o);
