@@ -21,7 +21,7 @@ import numpy as np
 from cherenkov.codegen import tensor_map
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen.plan import CompiledKernel, FlashLayout, FlashTiling
-from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, ROWS_PER_CONSUMER
+from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, ROWS_PER_CONSUMER, box_row_bytes
 
 MAX_CACHED_TENSOR_MAPS = 64  # tensor-map sets a TMA kernel keeps (keyed by its operands' data pointers)
 
@@ -63,12 +63,14 @@ def mask_view(problem, tensor):
                             (b.batch, b.head, b.row, b.key), b.offset)  # fmt: skip
 
 
-def operand_map(problem, role: str, address: int, box_rows: int, box_heads: int = 1) -> tensor_map.TensorMap:
-    """The TMA tensor map of one attention operand at its layout's strides (both families)."""
+def operand_map(problem, role: str, address: int, box_rows: int, box_heads: int = 1,
+                row_bytes: int = tensor_map.SWIZZLE_BYTES) -> tensor_map.TensorMap:  # fmt: skip
+    """The TMA tensor map of one attention operand at its layout's strides (both families),
+    in boxes of ``row_bytes`` a row."""
     layout = problem.layout(role)
     dtype = problem.output_dtype if role == "o" else problem.dtype
     return tensor_map.operand_tensor_map(address, problem.logical_shape(role), layout.strides(), layout.offset,
-                                         dtype, box_rows, box_heads)  # fmt: skip
+                                         dtype, box_rows, box_heads, row_bytes)  # fmt: skip
 
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int32": "int32", "bool": "bool",
@@ -386,9 +388,11 @@ class HopperFlashKernel(FlashAttentionKernel):
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
         p, s = self.problem, self.schedule
 
+        row_bytes = box_row_bytes(p.head_dim, p.v_dim, p.dtype)
+
         def v_map() -> tensor_map.TensorMap:
             if self._transposed is None:
-                return operand_map(p, "v", key[2], s.block_kv)
+                return operand_map(p, "v", key[2], s.block_kv, row_bytes=row_bytes)
             workspace, keys, _ = self._transposed  # [B][H_kv][D][keys]: D rows of a key tile's bytes a box
             d = p.head_dim
             return tensor_map.operand_tensor_map(workspace.data_ptr(), (p.batch, p.kv_heads, d, keys),
@@ -398,8 +402,8 @@ class HopperFlashKernel(FlashAttentionKernel):
         heads = s.tile_heads(p)
         q_rows, o_rows = s.block_q // heads, min(s.block_q // heads, ROWS_PER_CONSUMER)
         return _cached_tensor_maps(self._maps, key, lambda: (
-            operand_map(p, "q", key[0], q_rows, heads), operand_map(p, "k", key[1], s.block_kv), v_map(),
-            operand_map(p, "o", key[3], o_rows, ROWS_PER_CONSUMER // o_rows),
+            operand_map(p, "q", key[0], q_rows, heads, row_bytes), operand_map(p, "k", key[1], s.block_kv, 1, row_bytes),
+            v_map(), operand_map(p, "o", key[3], o_rows, ROWS_PER_CONSUMER // o_rows, row_bytes),
         ))  # fmt: skip
 
     def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:

@@ -29,7 +29,7 @@ TENSOR_MAP_ALIGN = 64
 DATA_TYPES = {"fp16": 6, "bf16": 9, "fp8_e4m3": 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1}
 INTERLEAVE_NONE = 0
-SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
+SWIZZLE_MODES = {64: 2, 128: 3}  # box row bytes -> CU_TENSOR_MAP_SWIZZLE_64B / _128B
 L2_PROMOTION_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 OOB_FILL_ZERO = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zero
 SWIZZLE_BYTES = 128
@@ -85,13 +85,15 @@ def _aligned_tensor_map() -> TensorMap:
 
 
 def encode_tiled(
-    address: int, dtype: str, dims: Sequence[int], strides: Sequence[int], box: Sequence[int]
+    address: int, dtype: str, dims: Sequence[int], strides: Sequence[int], box: Sequence[int],
+    swizzle_bytes: int = SWIZZLE_BYTES,
 ) -> TensorMap:
-    """``cuTensorMapEncodeTiled`` for a 16- or 8-bit tensor with the 128-byte swizzle.
+    """``cuTensorMapEncodeTiled`` for a 16- or 8-bit tensor with the 128-byte swizzle (or the
+    64-byte one: ``swizzle_bytes`` 64).
 
     ``dims`` are the sizes innermost first (the innermost contiguous), ``strides`` the
     byte strides of dims 1.. (multiples of 16), ``box`` the box size a copy moves (its
-    innermost extent at most 128 bytes). Out-of-bounds elements of a box read as zero.
+    innermost extent at most ``swizzle_bytes``). Out-of-bounds elements of a box read as zero.
     """
     if dtype not in DATA_TYPES:
         raise CodegenError(f"tensor map dtype {dtype!r} (valid: {', '.join(DATA_TYPES)})")
@@ -100,27 +102,29 @@ def encode_tiled(
         raise CodegenError(f"tensor map of rank {rank}: {rank - 1} strides and {rank} box sizes expected")
     if address % 16 or any(s % 16 for s in strides):
         raise CodegenError(f"tensor map address {address:#x} and strides {list(strides)} must be 16-byte aligned")
-    if box[0] * ELEMENT_BYTES[dtype] > SWIZZLE_BYTES or any(not 1 <= b <= 256 for b in box):
-        raise CodegenError(f"box {list(box)}: inner extent at most 128 bytes, every extent in 1..256")
+    if swizzle_bytes not in SWIZZLE_MODES:
+        raise CodegenError(f"swizzle of {swizzle_bytes} bytes (valid: {', '.join(map(str, SWIZZLE_MODES))})")
+    if box[0] * ELEMENT_BYTES[dtype] > swizzle_bytes or any(not 1 <= b <= 256 for b in box):
+        raise CodegenError(f"box {list(box)}: inner extent at most {swizzle_bytes} bytes, every extent in 1..256")
     tensor_map = _aligned_tensor_map()
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     element_strides = (u32 * rank)(*([1] * rank))
     result = _driver().cuTensorMapEncodeTiled(
         ctypes.addressof(tensor_map), DATA_TYPES[dtype], rank, ctypes.c_void_p(address),
         (u64 * rank)(*dims), (u64 * max(1, rank - 1))(*strides), (u32 * rank)(*box), element_strides,
-        INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO,
+        INTERLEAVE_NONE, SWIZZLE_MODES[swizzle_bytes], L2_PROMOTION_256B, OOB_FILL_ZERO,
     )  # fmt: skip
     _check("cuTensorMapEncodeTiled", result)
     return tensor_map
 
 
 def operand_tensor_map(address: int, logical: Sequence[int], strides: Sequence[int], offset: int, dtype: str,
-                       box_rows: int, box_heads: int = 1) -> TensorMap:  # fmt: skip
+                       box_rows: int, box_heads: int = 1, row_bytes: int = SWIZZLE_BYTES) -> TensorMap:  # fmt: skip
     """The tensor map of an attention operand of ``logical`` shape ``(B, H, S, D)`` whose
     element ``(b, h, s, d)`` lies at ``offset + b·strides[0] + h·strides[1] + s·strides[2] +
-    d`` elements from ``address``: 4-D ``(D, S, H, B)`` with boxes of ``64 × box_rows ×
-    box_heads × 1`` (coordinates ``(d, s, h, b)`` in the kernel; a box of several heads lands
-    as their row blocks one after another). An axis of extent 1 gets a stride that never
+    d`` elements from ``address``: 4-D ``(D, S, H, B)`` with boxes of ``row_bytes`` (128: 64
+    16-bit elements, swizzled as wide) ``× box_rows × box_heads × 1`` (coordinates ``(d, s, h,
+    b)`` in the kernel; a box of several heads lands as their row blocks one after another). An axis of extent 1 gets a stride that never
     moves (its coordinate is always 0)."""
     batch, heads, seq, head_dim = logical
     elem = ELEMENT_BYTES.get(dtype, 2)
@@ -130,7 +134,7 @@ def operand_tensor_map(address: int, logical: Sequence[int], strides: Sequence[i
     moving = {axis: byte_strides[axis] if sizes[axis] > 1 else still for axis in "bhs"}
     return encode_tiled(
         address + offset * elem, dtype, (head_dim, seq, heads, batch), (moving["s"], moving["h"], moving["b"]),
-        (SWIZZLE_BYTES // elem, box_rows, box_heads, 1),
+        (row_bytes // elem, box_rows, box_heads, 1), row_bytes,
     )  # fmt: skip
 
 

@@ -39,17 +39,33 @@ SM90A = TARGETS["sm_90a"]
 WARPGROUP_THREADS = 128
 ROWS_PER_CONSUMER = 64  # one wgmma m64 tile of query rows per consumer warpgroup
 SWIZZLE_ROW_BYTES = 128  # a TMA box row: 64 16-bit elements, the width of the 128-byte swizzle
-SWIZZLE_ALIGN = 1024  # one 128-byte-swizzle atom: 8 rows of 128 bytes
+NARROW_ROW_BYTES = 64  # a box row of the 64-byte swizzle: 32 16-bit elements
+SWIZZLE_ALIGN = 1024  # one 128-byte-swizzle atom: 8 rows of 128 bytes (two 64-byte-swizzle atoms)
 MBARRIER_BYTES = 8
 
 
-def tile_columns(dim: int, dtype: str = "bf16") -> int:
-    """Columns a head dim occupies in shared memory: whole 128-byte TMA boxes. A head dim that
-    is not a whole number of boxes (80, 96 in 16 bits) reads the last box's columns past its
-    end as zeros (the tensor map's out-of-bounds fill), which add nothing to ``Q Kᵀ`` and give
-    O columns that are never stored."""
-    box = SWIZZLE_ROW_BYTES // ELEMENT_BYTES[dtype]
+def box_row_bytes(head_dim: int, v_dim: int, dtype: str = "bf16") -> int:
+    """Bytes of a TMA box row, and of a row of every shared-memory tile, for a problem's head
+    dims: 64 (the 64-byte swizzle) when neither head dim is wider, so a 32-wide 16-bit head
+    dim reads no zero columns; else 128 (the 128-byte swizzle)."""
+    elem = ELEMENT_BYTES[dtype]
+    return NARROW_ROW_BYTES if max(head_dim, v_dim) * elem <= NARROW_ROW_BYTES else SWIZZLE_ROW_BYTES
+
+
+def tile_columns(dim: int, dtype: str = "bf16", row_bytes: int = SWIZZLE_ROW_BYTES) -> int:
+    """Columns a head dim occupies in shared memory: whole TMA boxes of ``row_bytes`` a row
+    (:func:`box_row_bytes`). A head dim that is not a whole number of boxes (80, 96 in 16 bits)
+    reads the last box's columns past its end as zeros (the tensor map's out-of-bounds fill),
+    which add nothing to ``Q Kᵀ`` and give O columns that are never stored."""
+    box = row_bytes // ELEMENT_BYTES[dtype]
     return -(-dim // box) * box
+
+
+def problem_tile_columns(problem: AttentionProblem) -> tuple[int, int]:
+    """The columns of a problem's q/k tiles and of its v/o tiles (:func:`tile_columns` at the
+    problem's :func:`box_row_bytes`)."""
+    row_bytes = box_row_bytes(problem.head_dim, problem.v_dim, problem.dtype)
+    return tile_columns(problem.head_dim, problem.dtype, row_bytes), tile_columns(problem.v_dim, problem.dtype, row_bytes)
 
 # setmaxnreg budgets (producer, consumer) by number of consumer warpgroups: the block's
 # register file is 64K, and each warpgroup's share must be a multiple of 8.
@@ -125,8 +141,9 @@ class HopperFlashSchedule:
         K full, V full and K/V empty per stage, or K empty and V empty with ``split_release``)
         and 1 KB to align the tiles to the 128-byte swizzle atom. Tiles are whole TMA boxes
         wide (:func:`tile_columns`); ``v_dim`` is v's head dim (0: ``head_dim``)."""
-        elem = ELEMENT_BYTES[dtype]
-        qk_columns, v_columns = tile_columns(head_dim, dtype), tile_columns(v_dim or head_dim, dtype)
+        elem, v_dim = ELEMENT_BYTES[dtype], v_dim or head_dim
+        row_bytes = box_row_bytes(head_dim, v_dim, dtype)
+        qk_columns, v_columns = tile_columns(head_dim, dtype, row_bytes), tile_columns(v_dim, dtype, row_bytes)
         tiles = self.q_buffers * self.block_q * qk_columns * elem
         tiles += self.stages * self.block_kv * (qk_columns + v_columns) * elem
         if self.q_buffers == 2:
@@ -138,11 +155,11 @@ class HopperFlashSchedule:
         """:meth:`smem_bytes` at a problem's head dims and dtype."""
         return self.smem_bytes(problem.head_dim, problem.dtype, problem.v_dim)
 
-    def register_estimate(self, v_dim: int, dtype: str = "bf16") -> int:
+    def register_estimate(self, problem: AttentionProblem) -> int:
         """Registers a consumer thread needs: O and S accumulators (fp32, half a column each
         per thread of the m64 tile; O as wide as v's tile), packed P (16-bit pairs) and 32 for
         the rest (ptxas, nvcc 13.0: D128/kv176 fits 232 and D64/kv128 fits 160 without spills)."""
-        return tile_columns(v_dim, dtype) // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
+        return problem_tile_columns(problem)[1] // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
 
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent; ``_q2``: two
@@ -183,6 +200,8 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(192, 3, 2, True),
     HopperFlashSchedule(192, 3, 2, True, persistent=True),
     HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, q_buffers=2),
+    HopperFlashSchedule(192, 2, 2, True, persistent=True, q_buffers=2),
     HopperFlashSchedule(128, 2, 2, True),
     HopperFlashSchedule(128, 2, 2, False),
     HopperFlashSchedule(176, 2, 2, True),
@@ -201,7 +220,8 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
 they measured 0.7x two ping-ponging consumers on the H200, and with a query tail they spill.
 Four stages fit 128-key tiles of 8-bit operands at head dim 128 (and 16-bit ones at 64). 80-key
-tiles are the widest two stages of head dim 256 fit (224 KB)."""
+tiles are the widest two stages of head dim 256 fit (224 KB). Two Q buffers beside three stages
+or 192-key tiles fit head dims up to 64."""
 
 
 HOPPER_EIGHT_BIT_DTYPES = ("fp8_e4m3",)
@@ -291,7 +311,7 @@ def hopper_schedule_problems(
     if s.balanced and not (s.persistent and p.causal):
         reasons.append("balanced tile order is for causal problems on a persistent grid")
     if dims_valid and p.dtype in ELEMENT_BYTES:
-        qk_columns, v_columns = tile_columns(p.head_dim, p.dtype), tile_columns(p.v_dim, p.dtype)
+        qk_columns, v_columns = problem_tile_columns(p)
         if s.block_kv < 128 and max(qk_columns, v_columns) < 192:
             reasons.append("64-key tiles only for head dims of 192 and more, where wider ones may not fit")
         if s.o_through_smem and s.q_buffers == 1 and v_columns > qk_columns:
@@ -300,7 +320,7 @@ def hopper_schedule_problems(
         smem = s.problem_smem_bytes(p)
         if smem > target.smem_per_block:
             reasons.append(f"shared memory {smem} B exceeds {target.name}'s {target.smem_per_block} B")
-        regs = s.register_estimate(p.v_dim, p.dtype)
+        regs = s.register_estimate(p)
         if regs > s.consumer_registers:
             reasons.append(f"about {regs} registers a consumer thread exceeds its {s.consumer_registers}")
     return reasons

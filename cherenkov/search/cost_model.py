@@ -41,7 +41,7 @@ from cherenkov.rewrites.plan import (
     query_tiles,
 )
 from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
-from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, HopperFlashSchedule, tile_columns
+from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, HopperFlashSchedule, problem_tile_columns
 
 LAUNCH_OVERHEAD_MS = 0.005
 
@@ -98,6 +98,10 @@ PIPELINE_EFFICIENCY = {1: 0.90, 2: 0.95, 3: 0.95}  # H200: s1 ran at 0.95-0.97 o
 UNSWIZZLED_SMEM_PENALTY = 8.0
 LDMATRIX_X2_PENALTY = 1.06
 BASE_EFFICIENCY = 0.77  # fitted: the best measured H200 schedules reach 0.77 of the model without it (issue, softmax, epilogue)
+SHORT_HEAD_DIM_FACTOR = 0.68
+"""The ``mma.sync`` family at head dims of 32 or less, where the softmax's per-score work weighs
+twice what it does at 64: the best schedule of B2 H16 S2048 D32 measured 245 TFLOP/s on the H200
+against 360 predicted without it (results/h200-2026-12-03-d32.json)."""
 
 # Fitted to the H200 sweeps (benchmarks/results/sweep-*-h200-2026-11-29.json): ratio of a
 # schedule with the knob to the same schedule (or the best plain one) without it.
@@ -220,7 +224,9 @@ HOPPER_BASE_EFFICIENCY = 0.75
 HOPPER_STAGE_FACTOR = {2: 0.99, 3: 1.0, 4: 1.0}
 HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
 HOPPER_NO_PINGPONG_FACTOR = 0.95
-HOPPER_HEAD_DIM_FACTOR = {64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}  # by q's tile width; 192, 256: not measured yet
+# by q's tile width (32: 64-byte-swizzled boxes; fitted on B2 H16 S2048 D32, 271 TFLOP/s measured);
+# 192, 256: not measured yet
+HOPPER_HEAD_DIM_FACTOR = {32: 0.5, 64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}
 HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
 HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
 HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
@@ -230,7 +236,7 @@ def hopper_head_dim_factor(problem: AttentionProblem) -> float:
     """The family's efficiency at a problem's head dims: by q's tile width (whole 64-column
     boxes), times the share of the tensor-core work that is not on the zero columns a head dim
     short of whole boxes pads (D 96: O is 128 wide, so P V does 4/3 of its work)."""
-    qk_columns, v_columns = tile_columns(problem.head_dim, problem.dtype), tile_columns(problem.v_dim, problem.dtype)
+    qk_columns, v_columns = problem_tile_columns(problem)
     useful = (problem.head_dim + problem.v_dim) / (problem.head_dim + v_columns)
     return HOPPER_HEAD_DIM_FACTOR.get(qk_columns, 1.0) * useful
 
@@ -315,7 +321,7 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     visited = kv_tiles if not problem.causal else min(kv_tiles, (kv_tiles + 1) / 2 + 0.5)
     mean_dim = (problem.head_dim + problem.v_dim) / 2
     padded_flops = 4.0 * blocks * schedule.block_q * visited * schedule.block_kv * mean_dim
-    knobs = schedule_factor(plan)
+    knobs = schedule_factor(plan) * (SHORT_HEAD_DIM_FACTOR if mean_dim <= 32 else 1.0)
     partitions = min(SCHEDULER_PARTITIONS, schedule.warps) / SCHEDULER_PARTITIONS
     efficiency = min(BASE_EFFICIENCY, BASE_EFFICIENCY * occupancy * smem_bound * pipeline * waves * knobs * partitions)
     compute_ms = padded_flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3

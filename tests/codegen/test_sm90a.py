@@ -14,7 +14,13 @@ from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen import HopperFlashKernel, compile_plan, cuda_source, load_kernel
 from cherenkov.codegen.tensor_map import encode_tiled
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan
-from cherenkov.rewrites.plan_sm90a import HOPPER_SCHEDULES, HopperFlashSchedule, hopper_schedule_problems
+from cherenkov.rewrites.plan_sm90a import (
+    HOPPER_SCHEDULES,
+    HopperFlashSchedule,
+    box_row_bytes,
+    hopper_schedule_problems,
+    problem_tile_columns,
+)
 
 TOLERANCE = 2e-2
 DEFAULT = HopperFlashSchedule()
@@ -32,6 +38,7 @@ COMPILE_PROBLEMS = [
     AttentionProblem(2, 8, 2, 1000, 1500, 96, causal=True),  # q, k, v rows of 1.5 boxes
     AttentionProblem(1, 8, 8, 1024, 2048, 192, value_dim=128),
     AttentionProblem(8, 32, 8, 64, 8192, 128),  # chunked prefill: packed GQA groups
+    AttentionProblem(2, 8, 2, 1000, 1500, 32, causal=True),  # 64-byte-swizzled rows of 32 columns
 ]
 PACKED = HopperFlashSchedule(128, 3, 2, True, pack_group=True)
 PERSISTENT = HopperFlashSchedule(persistent=True)
@@ -205,9 +212,26 @@ def test_head_dims_short_of_whole_boxes_pad_to_the_next_box():
     mla = AttentionProblem(1, 8, 8, 1024, 2048, 192, value_dim=128)
     kv128 = HopperFlashSchedule(128, 2, 2, True)
     assert kv128.smem_bytes(192, "bf16", 128) == 128 * 192 * 2 + 2 * 128 * (192 + 128) * 2 + 10 * 8 + 1024
-    assert kv128.register_estimate(128) == kv128.register_estimate(96) < kv128.register_estimate(192)
+    dims = {d: AttentionProblem(1, 8, 8, 1024, 1024, 128, value_dim=d) for d in (96, 128, 192)}
+    assert kv128.register_estimate(dims[128]) == kv128.register_estimate(dims[96]) < kv128.register_estimate(dims[192])
     assert not hopper_schedule_problems(kv128, mla)
     assert "wgmma_m64n128k16_rs_bf16_tb" in emit_flash_attention_sm90a(mla, kv128)
+
+
+def test_head_dim_32_tiles_are_64_byte_swizzled_boxes_of_32_columns():
+    # the 64-byte swizzle only where neither head dim is wider than 64 bytes: no zero columns
+    assert box_row_bytes(32, 32, "bf16") == box_row_bytes(16, 32, "fp16") == 64
+    assert box_row_bytes(32, 64, "bf16") == box_row_bytes(64, 64, "bf16") == box_row_bytes(128, 128, "fp8_e4m3") == 128
+    d32 = AttentionProblem(2, 16, 16, 2048, 2048, 32)
+    assert problem_tile_columns(d32) == (32, 32)
+    assert problem_tile_columns(replace(d32, value_dim=64)) == (64, 64)
+    barriers = 8 * (2 + 3 * 3)  # Q full/empty, 3 stages of K full, V full, K/V empty
+    assert DEFAULT.smem_bytes(32) - 1024 - barriers == (DEFAULT.smem_bytes(64) - 1024 - barriers) // 2
+    source = emit_flash_attention_sm90a(d32, TWO_Q)
+    assert "constexpr u32 ROW_BYTES = 64;" in source and "| 2ull << 62;" in source  # descriptor: 64-byte swizzle
+    assert "make_smem_desc(smem + K_SMEM, 16, 8 * ROW_BYTES)" in source  # SBO: 8 rows of 64 bytes
+    assert "wgmma_m64n32k16_rs_bf16_tb" in source  # O: one wgmma of N = 32
+    assert "| 1ull << 62;" in emit_flash_attention_sm90a(SEED, TWO_Q)
 
 
 # ---- nvcc for sm_90a: every variant compiles; the default spills nothing; SASS ------------
@@ -291,7 +315,6 @@ GPU_CASES = [
     (AttentionProblem(2, 16, 16, 1024, 1024, 96), DEFAULT),
     (AttentionProblem(2, 8, 2, 1000, 1500, 96, causal=True), PERSISTENT),
     (AttentionProblem(2, 8, 8, 777, 1024, 80, dtype="fp16"), TWO_Q),
-    (AttentionProblem(1, 8, 8, 1024, 1024, 32), DEFAULT),
     (AttentionProblem(2, 8, 2, 1000, 1500, 192, value_dim=128), HopperFlashSchedule(128, 2, 2, True)),
     (AttentionProblem(1, 8, 8, 1024, 2048, 192, causal=True, value_dim=128), HopperFlashSchedule(64, 2, 2, True, True)),
     (AttentionProblem(1, 8, 8, 1024, 1024, 128, value_dim=64), TWO_Q),
@@ -303,6 +326,20 @@ GPU_CASES = [
     (AttentionProblem(2, 16, 2, 16, 700, 128, dtype="fp16"), PACKED),
     (AttentionProblem(3, 8, 2, 64, 333, 64), replace(PACKED, persistent=True)),
     (AttentionProblem(2, 8, 4, 64, 1500, 128), HopperFlashSchedule(176, 2, 2, True, pack_group=True)),
+    # head dim 32: 64-byte-swizzled boxes of 32 columns (O from registers, through the Q tile,
+    # through its own tile; packed heads; one consumer)
+    (AttentionProblem(1, 8, 8, 1024, 1024, 32), DEFAULT),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 32, causal=True), PERSISTENT),
+    (AttentionProblem(2, 16, 16, 777, 1024, 32, dtype="fp16"), TWO_Q),
+    (AttentionProblem(2, 16, 4, 1024, 1024, 32, causal=True), replace(TWO_Q, balanced=True)),
+    (AttentionProblem(8, 32, 8, 64, 2048, 32), PACKED),
+    (AttentionProblem(1, 4, 4, 1000, 1000, 32), HopperFlashSchedule(192, 3, 2, True)),
+    (AttentionProblem(1, 4, 4, 1024, 1024, 32, causal=True), HopperFlashSchedule(128, 2, 1, False)),
+    # two Q buffers beside a 3-stage ring or 192-key tiles (head dims up to 64)
+    (AttentionProblem(2, 16, 4, 1000, 1500, 32, causal=True), HopperFlashSchedule(128, 3, 2, True, True, 2)),
+    (AttentionProblem(2, 16, 16, 1024, 2048, 64, dtype="fp16"), HopperFlashSchedule(128, 3, 2, True, True, 2)),
+    (AttentionProblem(2, 8, 2, 777, 1333, 64, causal=True), HopperFlashSchedule(192, 2, 2, True, True, 2)),
+    (AttentionProblem(2, 16, 16, 2048, 2048, 32), HopperFlashSchedule(192, 2, 2, True, True, 2)),
     # balanced causal tiles: longest first over all heads, rounds alternating over the blocks
     (AttentionProblem(2, 16, 4, 2048, 2048, 128, causal=True), replace(PERSISTENT, balanced=True)),
     (AttentionProblem(3, 8, 8, 777, 333, 128, causal=True), replace(TWO_Q, balanced=True)),

@@ -36,14 +36,16 @@ Shared memory: ``[Q buffers | K stage 0..STAGES-1 | V stage 0..STAGES-1 | O | mb
 (O only with two Q buffers; a one-tile block stages O in its Q tile), every tile 1024-byte
 aligned and stored as 128-byte-swizzled boxes of 64 columns by the TMA
 (``CU_TENSOR_MAP_SWIZZLE_128B``), the layout the wgmma descriptors of :mod:`.wgmma`
-describe. Causal blocks visit key tiles up to their diagonal and mask only where a tile
-crosses a consumer's diagonal. Tile order: the query tiles of one head are consecutive
+describe; head dims of at most 32 columns (16-bit) are 64-byte-swizzled boxes of 32 columns
+instead (``box_row_bytes``, ``CU_TENSOR_MAP_SWIZZLE_64B``), so they read no zero columns.
+Causal blocks visit key tiles up to their diagonal and mask only where a tile crosses a
+consumer's diagonal. Tile order: the query tiles of one head are consecutive
 (causal: longest first), so concurrent blocks share K and V in L2.
 
 Launch: grid ``(schedule.grid_blocks(problem, SMs),)``, ``128 · (1 + CONSUMERS)`` threads,
 ``schedule.problem_smem_bytes(problem)`` bytes of dynamic shared memory, arguments
 ``(q_map, k_map, v_map, o_map, o)``: four TensorMaps of 4-D views ``(D, S, H, B)`` at each
-operand's strides, with ``64 × rows × 1 × 1`` boxes (rows: BLOCK_Q for q, BLOCK_KV for k and
+operand's strides, with ``64 × rows × 1 × 1`` boxes (``32 × …`` with 64-byte rows; rows: BLOCK_Q for q, BLOCK_KV for k and
 v, 64 for o; see :func:`cherenkov.codegen.tensor_map.operand_tensor_map`) and the output
 pointer (the register-store epilogue's, which writes at o's strides). Every problem and schedule value is a compile-time constant.
 Tails: boxes past the end of a sequence read as zero (the tensor map's out-of-bounds
@@ -63,10 +65,10 @@ from cherenkov.rewrites.plan_sm90a import (
     HOPPER_EIGHT_BIT_DTYPES,
     ROWS_PER_CONSUMER,
     SWIZZLE_ALIGN,
-    SWIZZLE_ROW_BYTES,
     HopperFlashSchedule,
+    box_row_bytes,
     hopper_schedule_problems,
-    tile_columns,
+    problem_tile_columns,
 )
 
 LOG2E = 1.4426950408889634
@@ -98,16 +100,17 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
     eight_bit = dtype in HOPPER_EIGHT_BIT_DTYPES
     kv_wgmma = (s.block_kv, dtype, False, False)  # S = Q K^T: A, B K-major in shared memory
     # O += P V: A registers, B MN-major (V); 8-bit: B K-major (V transposed by the launch)
-    o_wgmma = (tile_columns(problem.v_dim, dtype), dtype, True, not eight_bit)
+    o_wgmma = (problem_tile_columns(problem)[1], dtype, True, not eight_bit)
+    row_bytes = box_row_bytes(problem.head_dim, problem.v_dim, dtype)
     parts = [
         _header(problem, schedule),
         section("types and helpers", _types(dtype), *([PACK_E4M3X4] if eight_bit else [])),
-        section("problem and schedule constants", _constants(problem, schedule)),
-        section("shared-memory layout", _layout_constants(s.problem_smem_bytes(problem))),
+        section("problem and schedule constants", _constants(problem, schedule, row_bytes)),
+        section("shared-memory layout", _layout_constants(s.problem_smem_bytes(problem), row_bytes)),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(4),
                 tma.emit_fence_proxy_async(), tma.emit_tma_store(4)),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
-        section("wgmma", wgmma.emit_descriptor(), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
+        section("wgmma", wgmma.emit_descriptor(row_bytes), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
                 wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(problem.output_dtype)),
         section("online softmax", softmax.emit_math_helpers(), attention_mask.emit_bias_score(problem),
                 _softmax(problem.bias is not None, eight_bit)),
@@ -149,7 +152,7 @@ def _types(dtype: str) -> str:
     )
 
 
-def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
+def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule, row_bytes: int) -> str:
     p, s = problem, schedule
     scale = softmax_scale(p)
     split = s.register_split
@@ -192,8 +195,8 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;  // the last key tile has keys past the end
         constexpr int TILES = Q_TILES * (HEADS / TILE_HEADS) * BATCH;  // work tiles: query tile x heads x batch
         constexpr int ELEM_BYTES = {1 if eight_bit else 2};  // of q, k and v
-        constexpr int BOX_COLUMNS = 128 / ELEM_BYTES;  // elements of a 128-byte TMA box row
-        // 128-byte TMA boxes across the head dims; a last box past a head dim's end reads zeros
+        constexpr int BOX_COLUMNS = {row_bytes} / ELEM_BYTES;  // elements of a {row_bytes}-byte TMA box row
+        // {row_bytes}-byte TMA boxes across the head dims; a last box past a head dim's end reads zeros
         constexpr int QK_BOXES = (HEAD_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;
         constexpr int V_BOXES = (V_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;
         constexpr int QK_STEPS = HEAD_DIM * ELEM_BYTES / 32, PV_STEPS = BLOCK_KV * ELEM_BYTES / 32;  // wgmma k steps
@@ -206,13 +209,15 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule) -> str:
     ).replace("@MASK_CONSTANTS@", attention_mask.emit_mask_constants(p, 1.0 / scale, "1 / scale")) + "\n\n" + operand_strides(p)
 
 
-def _layout_constants(smem_bytes: int) -> str:
+def _layout_constants(smem_bytes: int, row_bytes: int) -> str:
     return block(
         f"""
         // [Q buffer 0..Q_BUFFERS-1 | K stage 0..STAGES-1 | V stage 0..STAGES-1 | O (two Q buffers) | mbarriers],
         // offsets from a {SWIZZLE_ALIGN}-byte aligned base. A tile is QK_BOXES (V and O: V_BOXES) boxes of
-        // (rows x 64 columns), {SWIZZLE_ROW_BYTES}-byte swizzled rows; O has Q's layout.
-        constexpr u32 ROW_BYTES = {SWIZZLE_ROW_BYTES};
+        // (rows x BOX_COLUMNS columns), {row_bytes}-byte swizzled rows; O has Q's layout.
+        constexpr u32 ROW_BYTES = {row_bytes};
+        constexpr int BOX_K_STEPS = ROW_BYTES / 32;  // 32-byte wgmma k steps in a box row
+        constexpr int BOX_CHUNKS = ROW_BYTES / 16;  // 16-byte chunks in a box row (the swizzle permutes them)
         constexpr u32 Q_BOX_BYTES = BLOCK_Q * ROW_BYTES;
         constexpr u32 KV_BOX_BYTES = BLOCK_KV * ROW_BYTES;
         constexpr u32 Q_TILE_BYTES = QK_BOXES * Q_BOX_BYTES;
@@ -487,7 +492,7 @@ def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False) 
         """
     ) if eight_bit else block(
         f"""
-        // O += P V: BLOCK_KV / 16 k-steps of 16 V rows (2048 bytes); N = V_BOXES * 64 columns spans
+        // O += P V: BLOCK_KV / 16 k-steps of 16 V rows; N = V_BOXES * BOX_COLUMNS columns spans
         // V_BOXES boxes, KV_BOX_BYTES apart (the descriptor's LBO).
         __device__ __forceinline__ void issue_values(float (&o)[O_REGS], const u32 (&p)[P_REGS],
                                                      unsigned long long v_desc) {{
@@ -501,14 +506,14 @@ def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False) 
     return block(
         f"""
         // S = Q K^T for this warpgroup's 64 rows: QK_STEPS k-steps. A k step is 32 bytes of each
-        // 128-byte swizzled row; every fourth step moves to the next 128-byte box (the zero
-        // columns of a last box past HEAD_DIM are never read).
+        // swizzled row; every BOX_K_STEPS-th step moves to the next box (the zero columns of a
+        // last box past HEAD_DIM are never read).
         __device__ __forceinline__ void issue_scores(float (&s)[S_REGS], unsigned long long q_desc,
                                                      unsigned long long k_desc) {{
             #pragma unroll
             for (int kk = 0; kk < QK_STEPS; ++kk) {{
-                const u32 q_step = (kk / 4) * Q_BOX_BYTES + (kk % 4) * 32;
-                const u32 k_step = (kk / 4) * KV_BOX_BYTES + (kk % 4) * 32;
+                const u32 q_step = (kk / BOX_K_STEPS) * Q_BOX_BYTES + (kk % BOX_K_STEPS) * 32;
+                const u32 k_step = (kk / BOX_K_STEPS) * KV_BOX_BYTES + (kk % BOX_K_STEPS) * 32;
                 {qk}(s, q_desc + (q_step >> 4), k_desc + (k_step >> 4), kk > 0);
             }}
         }}
@@ -573,9 +578,9 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             const int row0 = w.q0 + consumer * 64 + warp * 16 + g;  // this thread's first row (second: + 8)
             const int first_row = w.q0 + consumer * 64;             // the warpgroup's first row@BIAS_ROWS@
             const u32 q_tile = smem + Q_SMEM + q_slot * Q_TILE_BYTES;
-            const unsigned long long q_desc = make_smem_desc(q_tile + consumer * 64 * ROW_BYTES, 16, 1024);
-            const unsigned long long k_desc = make_smem_desc(smem + K_SMEM, 16, 1024);
-            const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, @V_LBO@, 1024);
+            const unsigned long long q_desc = make_smem_desc(q_tile + consumer * 64 * ROW_BYTES, 16, 8 * ROW_BYTES);
+            const unsigned long long k_desc = make_smem_desc(smem + K_SMEM, 16, 8 * ROW_BYTES);
+            const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, @V_LBO@, 8 * ROW_BYTES);
 
             float s[S_REGS];
             float o_acc[O_REGS];
@@ -711,11 +716,12 @@ def _epilogue_through_smem() -> str:
     return block(
         """
             // Normalise by the row sums into this warpgroup's 64 rows of the O tile (two Q buffers: its
-            // own buffer; else the Q rows this warpgroup has finished with), in Q's 128-byte-swizzled
-            // box layout: the 16-byte chunk k of row r sits at chunk k ^ (r % 8), so the 8 rows of a
-            // store hit 8 different bank groups. Then one thread stores the boxes with the copy engine
+            // own buffer; else the Q rows this warpgroup has finished with), in Q's swizzled box
+            // layout: the 16-byte chunk k of row r sits at chunk k ^ ((r * ROW_BYTES / 128) % BOX_CHUNKS)
+            // (128-byte rows: k ^ (r % 8)), so a store's rows hit different bank groups. Then one
+            // thread stores the boxes with the copy engine
             // (packed: a box of 64 / SEQ_Q heads of SEQ_Q rows)
-            // (full 128-byte lines, rows past SEQ_Q and columns past V_DIM clipped by the tensor map) and
+            // (full lines, rows past SEQ_Q and columns past V_DIM clipped by the tensor map) and
             // the warpgroup goes on.
             const u32 o_tile = (Q_BUFFERS == 2 ? smem + O_SMEM : q_tile) + consumer * 64 * ROW_BYTES;
             const bool store_thread = threadIdx.x % 128 == 0;
@@ -727,10 +733,12 @@ def _epilogue_through_smem() -> str:
             for (int r = 0; r < 2; ++r) {
                 const float sum = quad_sum(st.sum[r]);
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row without a live score gives 0
-                const u32 row = warp * 16 + g + 8 * r;  // row % 8 == g
+                const u32 row = warp * 16 + g + 8 * r;
+                const u32 swizzle = (row * ROW_BYTES / 128) % BOX_CHUNKS;
                 #pragma unroll
-                for (int c = 0; c < V_BOXES * 8; ++c)
-                    st_shared_u32(o_tile + (c / 8) * Q_BOX_BYTES + row * ROW_BYTES + (((c % 8) ^ g) << 4) + 4 * t,
+                for (int c = 0; c < V_BOXES * BOX_CHUNKS; ++c)
+                    st_shared_u32(o_tile + (c / BOX_CHUNKS) * Q_BOX_BYTES + row * ROW_BYTES
+                                      + (((c % BOX_CHUNKS) ^ swizzle) << 4) + 4 * t,
                                   pack2(o_acc[4 * c + 2 * r] * inv, o_acc[4 * c + 2 * r + 1] * inv));
             }
             fence_proxy_async();  // the generic-proxy writes before the copy engine's reads
@@ -738,7 +746,7 @@ def _epilogue_through_smem() -> str:
             if (store_thread) {
                 #pragma unroll
                 for (int b = 0; b < V_BOXES; ++b)
-                    tma_store_4d(o_map, o_tile + b * Q_BOX_BYTES, 64 * b, row_position(w, consumer * 64),
+                    tma_store_4d(o_map, o_tile + b * Q_BOX_BYTES, BOX_COLUMNS * b, row_position(w, consumer * 64),
                                  row_head(w, consumer * 64), w.batch);
                 bulk_commit();
             }

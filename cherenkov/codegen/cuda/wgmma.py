@@ -41,6 +41,10 @@ TMA's ``CU_TENSOR_MAP_SWIZZLE_128B`` stores them, so tiles must be 1024-byte ali
 * MN-major operand (K rows, N contiguous; V here, with ``imm-trans-b = 1``): SBO = 1024
   (from one group of 8 K rows to the next), LBO = the offset from one 64-column box of N to
   the next. A k16 step is 16 rows: the start address advances by 2048 bytes.
+
+The 64-byte swizzle (tiles of head dim 32 in 16 bits) is the same with rows of 64 bytes: atoms
+of 8 rows × 64 bytes (512), address bits 4–5 XORed with bits 7–8, SBO = 512, two k16 steps a
+row of a K-major tile, and a k16 step of an MN-major tile 1024 bytes.
 """
 
 from __future__ import annotations
@@ -70,25 +74,30 @@ def smem_descriptor(address: int, lbo: int, sbo: int, swizzle: str = "128B", bas
     )
 
 
-def emit_descriptor() -> str:
-    """``make_smem_desc(address, lbo, sbo)``: a 128-byte-swizzle descriptor (see the module
-    docstring for the encoding)."""
+def emit_descriptor(row_bytes: int = 128) -> str:
+    """``make_smem_desc(address, lbo, sbo)``: a descriptor of tiles swizzled in rows of
+    ``row_bytes`` (128: the 128-byte swizzle; 64: the 64-byte one, whose atoms are 8 rows of 64
+    bytes); see the module docstring for the encoding."""
+    if row_bytes not in (64, 128):
+        raise CodegenError(f"swizzled rows of {row_bytes} bytes (valid: 64, 128)")
+    mode = SWIZZLE_MODES[f"{row_bytes}B"]
+    atom = 8 * row_bytes
     return block(
-        """
-        // 64-bit wgmma matrix descriptor of a 128-byte-swizzled shared-memory tile:
+        f"""
+        // 64-bit wgmma matrix descriptor of a {row_bytes}-byte-swizzled shared-memory tile:
         //   bits  0-13  start address >> 4     bits 16-29  leading byte offset (LBO) >> 4
         //   bits 32-45  stride byte offset >> 4 bits 49-51  base offset (0: 1024-byte aligned atoms)
-        //   bits 62-63  swizzle mode, 1 = 128-byte swizzle.
-        // K-major tiles: SBO = 1024 (8 rows of 128 bytes), LBO unused (1). MN-major tiles:
-        // SBO = 1024 (8 K rows), LBO = bytes from one 64-column box of N to the next.
+        //   bits 62-63  swizzle mode, {mode} = {row_bytes}-byte swizzle.
+        // K-major tiles: SBO = {atom} (8 rows of {row_bytes} bytes), LBO unused (1). MN-major tiles:
+        // SBO = {atom} (8 K rows), LBO = bytes from one {row_bytes // 2}-column box of N to the next.
         // Adding (bytes >> 4) to a descriptor moves its start address (no carry out of the field
         // while the address stays below 256 KiB).
-        __device__ __forceinline__ unsigned long long make_smem_desc(u32 address, u32 lbo, u32 sbo) {
+        __device__ __forceinline__ unsigned long long make_smem_desc(u32 address, u32 lbo, u32 sbo) {{
             return (unsigned long long)((address >> 4) & 0x3FFFu)
                  | (unsigned long long)((lbo >> 4) & 0x3FFFu) << 16
                  | (unsigned long long)((sbo >> 4) & 0x3FFFu) << 32
-                 | 1ull << 62;
-        }
+                 | {mode}ull << 62;
+        }}
         """
     )
 
