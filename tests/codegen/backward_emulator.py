@@ -3,8 +3,8 @@
 The generated source is compiled as host C++20 with :mod:`.emulator`'s prelude (CUDA threads
 as ``std::thread``, warp collectives and ``mma.sync`` exchanged through per-warp buffers),
 its inline-PTX helpers replaced by host emulations (``ldmatrix`` plain and transposed, the
-16-bit packing, ``cp.async``, shared addresses as host pointers) and ``atomicAdd`` as an
-atomic on the host. The three launches run in order on the same buffers, exactly as
+16-bit packing, ``cp.async``, shared addresses as host pointers) and ``atomicAdd`` (and the
+four-float reduction of sm_90 and later) as atomics on the host. The three launches run in order on the same buffers, exactly as
 :class:`cherenkov.codegen.launch.FlashBackwardKernel` issues them.
 """
 
@@ -26,7 +26,7 @@ from .emulator import PRELUDE, READ_FILE, _strip_functions, from_bits, launch_bl
 
 REPLACED = ("mma_16816", "mma_16816_zero", "pack2", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
             "ldmatrix_x2_trans", "cp_async_16", "cp_async_commit", "cp_async_wait", "smem_address", "to_float",
-            "fast_exp2")  # fmt: skip
+            "fast_exp2", "reduce_add_v4_f32")  # fmt: skip
 
 HOST_HELPERS = r"""
 #include <atomic>
@@ -35,6 +35,12 @@ struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 static inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+static inline void reduce_add_v4_f32(float* p, float a, float b, float c, float d) {
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+    atomicAdd(p + 2, c);
+    atomicAdd(p + 3, d);
+}
 static inline std::uintptr_t smem_address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 static inline float to_float(unsigned short x) {
 #if CK_BF16

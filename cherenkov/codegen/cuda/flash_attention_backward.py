@@ -37,7 +37,7 @@ workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq accumulator).
 from __future__ import annotations
 
 from cherenkov.codegen.cuda import cp_async, flash_attention_backward_sm90a, ldmatrix, mma, softmax
-from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, section
+from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import OperandLayout
 from cherenkov.rewrites.plan_backward import (
@@ -69,12 +69,13 @@ def dq_warp_grid(plan: BackwardPlan) -> tuple[int, int]:
 
 
 def workspace_floats(plan: BackwardPlan) -> int:
-    """The fp32 workspace: each query row's LSE₂ and D, then the dq accumulator (B, H, Sq, D; the
-    ``wgmma`` passes tile it: :func:`.flash_attention_backward_sm90a.workspace_floats`)."""
+    """The fp32 workspace: each query row's LSE₂ and D, then (16-byte aligned) the dq accumulator
+    (B, H, Sq, D; the ``wgmma`` passes tile it: :func:`.flash_attention_backward_sm90a.workspace_floats`)."""
     if plan.schedule.wgmma:
         return flash_attention_backward_sm90a.workspace_floats(plan)
     a = plan.problem.attention
-    return a.batch * a.heads * a.seq_q * (2 + a.head_dim)
+    rows = a.batch * a.heads * a.seq_q
+    return -(-2 * rows // 4) * 4 + rows * a.head_dim
 
 
 def grids(plan: BackwardPlan) -> dict[str, tuple[tuple[int, int, int], int, int]]:
@@ -97,16 +98,18 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
     dq_warp_grid(plan)
     name = kernel_name(plan)
     hopper = flash_attention_backward_sm90a if plan.schedule.wgmma else None
+    vector_reductions = plan.target.compute_capability >= 90  # red.global.add.v4.f32
     parts = [
         _header(plan, name),
         section("problem and tile constants", _types(), _constants(plan), *([hopper.constants(plan)] if hopper else [])),
         section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
                 ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), softmax.emit_math_helpers(),
-                _helpers(), *([hopper.helpers(plan)] if hopper else [])),
+                _helpers(), *([hopper.helpers(plan)] if hopper else
+                              [flash_attention_backward_sm90a.emit_reduce_add_v4_f32()] if vector_reductions else [])),
         section("statistics: each query row's log-sum-exp and D = rowsum(dO o)",
                 hopper.statistics_kernel(plan, name) if hopper else _statistics_kernel(name)),
         section("main pass: dk and dv held per key tile, dq accumulated",
-                hopper.main_kernel(plan, name) if hopper else _main_kernel(name)),
+                hopper.main_kernel(plan, name) if hopper else _main_kernel(name, vector_reductions)),
         section("dq: the accumulator scaled and rounded", hopper.dq_kernel(name) if hopper else _dq_kernel(name)),
     ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
@@ -304,6 +307,7 @@ def _constants(plan: BackwardPlan) -> str:
         "constexpr int WARPS = BLOCK_KV / 16, THREADS = 32 * WARPS;",
         *([] if s.wgmma else mma_sync_main),
         "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;  // workspace: LSE2, D, then dq (B, H, Sq, D)",
+        "constexpr size_t DQ_ACCUMULATOR = (2 * ROWS_TOTAL + 3) / 4 * 4;  // the dq accumulator, 16-byte aligned",
         f"constexpr int DQ_THREADS = {DQ_THREADS}, DQ_BLOCKS = {grids(plan)['dq'][0][0]};  // the dq launch",
         "static_assert(D % 16 == 0, \"head dims in whole k16 steps\");",
     ])  # fmt: skip
@@ -413,7 +417,7 @@ def _statistics_kernel(name: str) -> str:
             const size_t base = (size_t(batch) * HEADS + head) * SEQ_Q;
             store_row_statistics(workspace, base, row, m, l, delta, t);
             if (WANT_DQ) {  // zero this tile's rows of the dq accumulator
-                float4* accumulator = reinterpret_cast<float4*>(workspace + 2 * ROWS_TOTAL + (base + q0) * D);
+                float4* accumulator = reinterpret_cast<float4*>(workspace + DQ_ACCUMULATOR + (base + q0) * D);
                 const int valid = min(STAT_ROWS, SEQ_Q - q0) * D / 4;
                 for (int i = int(threadIdx.x); i < valid; i += STAT_THREADS) accumulator[i] = make_float4(0, 0, 0, 0);
             }
@@ -422,7 +426,41 @@ def _statistics_kernel(name: str) -> str:
     ).replace("@NAME@", name)
 
 
-def _main_kernel(name: str) -> str:
+_DQ_ATOMICS = block(
+    """
+    #pragma unroll
+    for (int n = 0; n < DQ_COLUMNS / 8; ++n) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + g + 8 * (e >> 1), d = c0 + 8 * n + 2 * t + (e & 1);
+            if (q0 + r < SEQ_Q) atomicAdd(rows + r * D + d, acc[n][e]);
+        }
+    }
+    """
+)
+
+_DQ_VECTOR_REDUCTIONS = block(
+    """
+    // Four floats a reduction: lanes t and t ^ 1 swap half their fragment, so the even lane holds
+    // row g's columns 4 (t / 2) .. + 3 and the odd lane row g + 8's.
+    const bool odd = t & 1;
+    #pragma unroll
+    for (int n = 0; n < DQ_COLUMNS / 8; ++n) {
+        const float x = __shfl_xor_sync(0xffffffffu, odd ? acc[n][0] : acc[n][2], 1);
+        const float y = __shfl_xor_sync(0xffffffffu, odd ? acc[n][1] : acc[n][3], 1);
+        const int r = r0 + g + 8 * odd, d = c0 + 8 * n + 4 * (t >> 1);
+        if (q0 + r < SEQ_Q) {
+            if (odd) reduce_add_v4_f32(rows + r * D + d, x, y, acc[n][2], acc[n][3]);
+            else reduce_add_v4_f32(rows + r * D + d, acc[n][0], acc[n][1], x, y);
+        }
+    }
+    """
+)
+
+
+def _main_kernel(name: str, vector_reductions: bool) -> str:
+    """The main pass; ``vector_reductions`` (sm_90 and later): dq is added four floats a
+    ``red.global.add.v4.f32`` instead of one float an atomic add."""
     return block(
         """
         extern "C" __global__ void __launch_bounds__(THREADS) @NAME@(
@@ -449,7 +487,7 @@ def _main_kernel(name: str) -> str:
             const int steps = tiles > 0 ? GROUP * tiles : 0;
             const float* lse2 = workspace;
             const float* deltas = workspace + ROWS_TOTAL;
-            float* dq_accumulator = workspace + 2 * ROWS_TOTAL;
+            float* dq_accumulator = workspace + DQ_ACCUMULATOR;
             auto load_step = [&](int step) {  // q, dO, LSE2 and D rows of step `step` into its stage
                 const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
                 const int q0 = (first + step % tiles) * BLOCK_Q;
@@ -571,14 +609,7 @@ def _main_kernel(name: str) -> str:
                             }
                         }
                         float* rows = dq_accumulator + ((size_t(batch) * HEADS + head) * SEQ_Q + q0) * D;
-                        #pragma unroll
-                        for (int n = 0; n < DQ_COLUMNS / 8; ++n) {
-                            #pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int r = r0 + g + 8 * (e >> 1), d = c0 + 8 * n + 2 * t + (e & 1);
-                                if (q0 + r < SEQ_Q) atomicAdd(rows + r * D + d, acc[n][e]);
-                            }
-                        }
+                        @DQ_ADD@
                     }
                 }
             }
@@ -601,7 +632,9 @@ def _main_kernel(name: str) -> str:
             }
         }
         """
-    ).replace("@NAME@", name)
+    ).replace("@NAME@", name).replace(
+        "@DQ_ADD@", indent(_DQ_VECTOR_REDUCTIONS if vector_reductions else _DQ_ATOMICS, 4).lstrip()
+    )
 
 
 def _dq_kernel(name: str) -> str:
@@ -609,7 +642,7 @@ def _dq_kernel(name: str) -> str:
         """
         extern "C" __global__ void __launch_bounds__(DQ_THREADS) @NAME@_dq(const float* __restrict__ workspace,
                                                                    elem_t* __restrict__ dq_out) {
-            const float* accumulator = workspace + 2 * ROWS_TOTAL;
+            const float* accumulator = workspace + DQ_ACCUMULATOR;
             const size_t pairs = ROWS_TOTAL * D / 2;
             for (size_t i = size_t(blockIdx.x) * DQ_THREADS + threadIdx.x; i < pairs; i += size_t(DQ_BLOCKS) * DQ_THREADS) {
                 const size_t element = 2 * i;

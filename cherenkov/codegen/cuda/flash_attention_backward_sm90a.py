@@ -185,7 +185,6 @@ def constants(plan: BackwardPlan) -> str:
         "// pair j of warpgroup thread tau at ((j / 2) * 128 + tau) * 4 + (j % 2) * 2 (rows 16 (tau / 32) + tau % 32 / 4",
         "// + 8 (j % 2), columns 8 (j / 2) + 2 (tau % 4) + 0, 1: the accumulator layout of an m64n64 wgmma), so a",
         "// thread adds four floats at once and a warp's additions are one contiguous run",
-        "constexpr size_t DQ_ACCUMULATOR = (2 * ROWS_TOTAL + 3) / 4 * 4;",
         "constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;",
         "constexpr u32 DQ_PART_FLOATS = 64 * 64;  // a warpgroup's dq part",
         f"constexpr int STAT_BLOCK_KEYS = {WGMMA_STATISTICS_KEYS};  // keys of a statistics step",
