@@ -219,6 +219,9 @@ def compile_plan(
         if report.wgmma_serialized:
             log.warning("ptxas serialised the wgmma instructions of %s for %s (correct, but each waits for the "
                         "last)", name, arch)
+        elif report.wgmma_fenced:
+            log.warning("ptxas injected wgmma fences into %s for %s (correct, but they wait where the source "
+                        "did not)", name, arch)
         entry = cache.store(key, output.cubin, output.ptx, name, report, seconds)
         log.debug("compiled %s for %s in %.2f s: %s", name, arch, seconds, report)
     return CompiledKernel(

@@ -263,6 +263,10 @@ class ResourceReport:
     wgmma_serialized: bool = False
     """ptxas serialised the wgmma instructions of the module's kernels (its "Potential Performance
     Loss" notes): correct, but each waits for the one before."""
+    wgmma_fenced: bool = False
+    """ptxas injected ``warpgroup.arrive`` or ``warpgroup.wait`` into the module's kernels (its C7517
+    and C7519 notes: registers of a wgmma used where the source did not fence them), waits the
+    source did not ask for."""
 
     @property
     def spill_bytes(self) -> int:

@@ -14,12 +14,13 @@ _FRAME = re.compile(
 _REGISTERS = re.compile(r"Used (?P<registers>\d+) registers")
 _SMEM = re.compile(r"(?P<smem>\d+) bytes smem")
 _SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized .*? function '(?P<name>[^']+)'")
+_FENCED = re.compile(r"warpgroup\.(?:arrive|wait) is injected .*? function '(?P<name>[^']+)'")
 
 
 def parse_ptxas_report(log: str, kernel_name: str, smem_dynamic: int = 0) -> ResourceReport:
     """The resources ptxas reported for ``kernel_name`` (the entry's own section of the log), and
     whether it serialised the wgmma pipeline of that kernel or of the module's kernels named after
-    it (``<name>_statistics``, ``<name>_dq``)."""
+    it (``<name>_statistics``, ``<name>_dq``), or injected wgmma fences into them."""
     section = _entry_section(log, kernel_name)
     frame = _FRAME.search(section)
     registers = _REGISTERS.search(section)
@@ -34,6 +35,7 @@ def parse_ptxas_report(log: str, kernel_name: str, smem_dynamic: int = 0) -> Res
         spill_loads=int(frame["loads"]),
         stack_frame=int(frame["stack"]),
         wgmma_serialized=any(m["name"].startswith(kernel_name) for m in _SERIALIZED.finditer(log)),
+        wgmma_fenced=any(m["name"].startswith(kernel_name) for m in _FENCED.finditer(log)),
     )
 
 

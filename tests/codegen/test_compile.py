@@ -75,6 +75,7 @@ def test_parse_ptxas_report_reads_the_named_entry():
     with pytest.raises(CompileError):
         parse_ptxas_report(PTXAS_LOG, "missing")
     assert not report.wgmma_serialized and not other.wgmma_serialized
+    assert not report.wgmma_fenced and not other.wgmma_fenced
 
 
 def test_parse_ptxas_report_notes_a_serialised_wgmma_pipeline_of_the_module():
@@ -85,6 +86,17 @@ def test_parse_ptxas_report_notes_a_serialised_wgmma_pipeline_of_the_module():
                                  ("other", False)):
         assert parse_ptxas_report(PTXAS_LOG + note.format(function), "flash_attention_x").wgmma_serialized \
             == serialized, function
+
+
+def test_parse_ptxas_report_notes_injected_wgmma_fences():
+    notes = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 755 by compiler to allow use of "
+             "registers in GMMA in function '{}'\n",
+             "ptxas info    : (C7517) warpgroup.wait is injected in around line 27304 by compiler to allow use of "
+             "registers defined by GMMA in function '{}'\n")
+    for note in notes:
+        for function, fenced in (("flash_attention_x_dq", True), ("flash_attention_x", True), ("other", False)):
+            report = parse_ptxas_report(PTXAS_LOG + note.format(function), "flash_attention_x")
+            assert report.wgmma_fenced == fenced and not report.wgmma_serialized, (note, function)
 
 
 def test_compile_plans_returns_errors_in_place(seed_problem, kernel_cache):

@@ -102,8 +102,8 @@ def test_wgmma_passes_compile_to_hgmma_without_spills(dim: int, compiler, kernel
     (build,) = compile_plans([plan], compiler=compiler, cache_dir=kernel_cache)
     assert not isinstance(build, Exception), build
     assert build.report.spill_bytes == 0, build.report
-    log = compiler.compile(cuda_source(plan), "sm_90a").log
-    assert "serialized" not in log and "injected" not in log, log  # ptxas kept each pass's wgmma pipeline
+    # ptxas kept each pass's wgmma pipeline: nothing serialised, no fence of its own
+    assert not build.report.wgmma_serialized and not build.report.wgmma_fenced, build.report
     if sass is None:
         pytest.skip("no cuobjdump to read SASS with")
     code = sass(build.cubin_path)
@@ -150,11 +150,12 @@ GPU_CASES = [
     ((1, 8, 8, 512, 512, 128), False, "bf16"),
     ((2, 4, 4, 77, 129, 32), False, "fp16"),
     ((1, 4, 4, 300, 200, 96), True, "bf16"),  # Sq > Skv, D 96
+    ((1, 3, 3, 77, 129, 64), True, "bf16"),  # B·H·Sq odd: the dq accumulator still 16-byte aligned
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96"])
+@pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96", "odd_rows"])
 def test_gpu_backward_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
     """Every ``mma.sync`` schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32
     autograd through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched

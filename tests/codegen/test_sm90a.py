@@ -246,6 +246,7 @@ def test_every_schedule_compiles_for_sm90a(nvcc, problem, schedule, tmp_path):
     assert compiled.cubin_path.stat().st_size > 0
     assert compiled.report.spill_bytes == 0, compiled.report
     assert not compiled.report.wgmma_serialized, compiled.report  # ptxas kept the wgmma pipeline
+    assert not compiled.report.wgmma_fenced, compiled.report  # and added no fence of its own
 
 
 # The schedules the search picked on the H200 benchmark shapes (results/h200-2026-11-29-sm90a.json).
