@@ -44,6 +44,33 @@ def grad(graph: Graph, wrt: Iterable[str]) -> Graph:
     return _Backward(graph).run(names)
 
 
+def vjp(fn: Callable[..., Tensor], primals: Sequence[Tensor], cotangent: Tensor) -> list[Tensor]:
+    """The vector-Jacobian product of ``fn`` at ``primals`` with ``cotangent`` (tensors of one
+    graph), as primitives added to that graph: ``fn`` is applied to the inputs of a scratch
+    graph, differentiated by :func:`grad`, and the gradient graph copied in with its inputs
+    bound to the primals and the cotangent. One gradient a primal, of its shape and dtype."""
+    graph = cotangent.graph
+    if any(p.graph is not graph for p in primals):
+        raise GraphError("vjp: the primals and the cotangent must be tensors of one graph")
+    scratch = Graph("vjp")
+    names = [f"x{i}" for i in range(len(primals))]
+    output = fn(*(scratch.input(n, p.shape, p.dtype) for n, p in zip(names, primals)))
+    if output.shape != cotangent.shape:
+        raise GraphError(f"vjp: the cotangent's shape {cotangent.shape} is not the output's {output.shape}")
+    scratch.output(output, "y")
+    gradient = grad(scratch, wrt=names)
+    bound = {**dict(zip(names, primals)), "d_y": cotangent.cast(output.dtype)}
+    copied: dict[int, Tensor] = {}
+    for index, node in enumerate(gradient.nodes):
+        if node.op == "input":
+            copied[index] = bound[node.attrs[0]]
+        elif node.op == "constant":
+            copied[index] = graph.constant(node.attrs[0], node.dtype)
+        else:
+            copied[index] = graph._apply(node.op, [copied[i] for i in node.inputs], node.attrs)
+    return [copied[gradient.outputs[f"d_{n}"].id] for n in names]
+
+
 class _Backward:
     """One differentiation: ``graph``'s nodes copied into ``out`` (``value``), then the
     cotangents accumulated from the outputs back (``cotangent``)."""

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from cherenkov.graph import nn as cknn
+from cherenkov.graph.autodiff import vjp
 from cherenkov.graph import shape as sh
 from cherenkov.graph.errors import GraphError
 from cherenkov.graph.tensor import Graph, Tensor, cat, matmul, where
@@ -235,7 +236,34 @@ def lowers_node(node: Any) -> bool:
         return not _is_sdpa_kernel(node.args[0]) or node.args[1] == 0
     if _is_sdpa_kernel(node):  # its other outputs (the log-sum-exp a backward reads) are not lowered
         return all(user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
+    if node.target._schema.name.removeprefix("aten::") in SDPA_BACKWARD_KERNELS:
+        return _plain_sdpa_backward(node)
     return True
+
+
+def _plain_sdpa_backward(node: Any) -> bool:
+    """Whether an SDPA backward kernel's call has no mask, no dropout and no packed sequences."""
+    arguments = _schema_arguments(node)
+    masked = arguments.get("attn_mask") is not None or arguments.get("attn_bias") is not None
+    return not masked and not arguments.get("dropout_p") and not _packed(arguments.get("cum_seq_q"))
+
+
+def _packed(cumulative: Any) -> bool:
+    """Whether an SDPA kernel's ``cum_seq_q`` argument holds packed sequence offsets (a dense
+    attention's is None, or an empty tensor the forward returned)."""
+    value = cumulative.meta.get("val") if hasattr(cumulative, "meta") else cumulative
+    return value is not None and (not hasattr(value, "numel") or value.numel() > 0)
+
+
+def _schema_arguments(node: Any) -> dict[str, Any]:
+    """A call node's arguments by their schema names (FX nodes and constants as they are)."""
+    arguments = {}
+    for i, spec in enumerate(node.target._schema.arguments):
+        if i < len(node.args) and not spec.kwarg_only:
+            arguments[spec.name] = node.args[i]
+        elif spec.name in node.kwargs:
+            arguments[spec.name] = node.kwargs[spec.name]
+    return arguments
 
 
 def _is_sdpa_kernel(node: Any) -> bool:
@@ -798,6 +826,30 @@ def _sdpa_kernel(c: _Capture, a: dict[str, Any]) -> Any:
                           "dropout_p": a.get("dropout_p"), "is_causal": a.get("is_causal"),
                           "scale": a.get("scale")})  # fmt: skip
     return (attention,) + (None,) * (len(c.node.meta["val"]) - 1)
+
+
+SDPA_BACKWARD_KERNELS = frozenset({
+    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+})  # fmt: skip
+"""The backward kernels of :data:`SDPA_KERNELS`, which a training graph's backward (AOTAutograd)
+records: lowered without a mask or dropout (:func:`lowers_node`)."""
+
+
+@_op(*SDPA_BACKWARD_KERNELS)
+def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
+    """An SDPA backend kernel's backward: the gradients of q, k and v as ``ck.grad`` writes them
+    (the attention's vector-Jacobian product, recomputed from q, k and v; the forward's saved
+    output and log-sum-exp are not read), so the derivation fuses them into a flash backward.
+    The graph is marked a gradient graph (the derivation then looks through its intermediates)."""
+    if not _plain_sdpa_backward(c.node):
+        raise GraphError("an SDPA backward is lowered without a mask, dropout or packed sequences only")
+    grad_out = c.t(a["grad_out"] if "grad_out" in a else a["grad_out_"])
+    q, k, v = (c.t(a[name]) for name in ("query", "key", "value"))
+    causal, scale = bool(a.get("is_causal")), a.get("scale")
+    gradients = vjp(lambda q, k, v: cknn.attention(q, k, v, causal=causal, scale=scale), (q, k, v), grad_out)
+    c.g.is_gradient = True
+    return (*gradients, *(None,) * (len(c.node.meta["val"]) - 3))
 
 
 def _attends_in_every_row(mask: _Band) -> bool:

@@ -324,7 +324,8 @@ def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **opti
         # AOTAutograd compiles under its fake mode, with fake inputs: tracing, capture and the
         # search need real tensors of their kind
         with unset_fake_temporarily():
-            real = [example_tensor(x.shape, x.dtype, x.device) if is_fake(x) else x for x in inputs]
+            # at their strides: a saved activation may be a transposed view that the graph views again
+            real = [example_tensor(x.shape, x.dtype, x.device, x.stride()) if is_fake(x) else x for x in inputs]
             return make_boxed_func(compile_regions(graph, real, fallback, **options))
 
     return aot_autograd(fw_compiler=compile_one, bw_compiler=compile_one)(gm, example_inputs)

@@ -844,3 +844,27 @@ def test_integer_buffers_and_mutation_are_refused(mutate: bool, words: tuple[str
 def test_unused_integer_buffers_are_not_inputs() -> None:
     g = ck.from_torch(Named().eval(), randn(2, 4), randn(4, seed=1))
     assert "unused" not in g.inputs
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_backward_kernel_is_the_attention_gradient_and_derives_the_flash_backward(causal: bool) -> None:
+    """A training graph's SDPA backward (what AOTAutograd records) lowers to the attention's
+    vector-Jacobian product, recomputed from q, k and v: it matches torch's backward kernel (which
+    reads the forward's output and log-sum-exp), and the derivation fuses it into a flash backward."""
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def gradients(grad_out, q, k, v, out, lse):
+        return backward(grad_out, q, k, v, out, lse, 0.0, causal, scale=0.2)
+
+    def examples(dtype: torch.dtype) -> list[torch.Tensor]:
+        q, k, v, grad_out = (randn(2, 4, 24, 32, seed=s, dtype=dtype) for s in range(4))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=0.2)
+        return [grad_out, q, k, v, out, lse]
+
+    g = capture(gradients, *examples(torch.float32), tol=1e-5)
+    read = {i for node in g.nodes for i in node.inputs}
+    assert g.is_gradient and g.inputs["out"].id not in read and g.inputs["lse"].id not in read  # recomputed
+    derivation = ck.derive(ck.from_torch(gradients, *examples(torch.bfloat16)))
+    plans = derivation.plans("sm_90")
+    assert plans and {p.kind for p in plans} == {"flash_attention_backward"}
+    assert all(p.problem.attention.causal == causal and p.problem.roles == ("dq", "dk", "dv") for p in plans)

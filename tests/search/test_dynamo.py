@@ -507,3 +507,5 @@ def test_training_through_the_backend_runs_forward_and_backward_regions_like_eag
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-5)
     assert len(splits) == 2 and all(split.compiled for split in splits), "a forward and a backward region"
+    left = [str(n.target) for n in splits[1].module.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert not left, f"the backward kept SDPA's backward kernel as an ATen op: {left}"  # lowered to its gradient
