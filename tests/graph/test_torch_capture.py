@@ -868,3 +868,24 @@ def test_sdpa_backward_kernel_is_the_attention_gradient_and_derives_the_flash_ba
     plans = derivation.plans("sm_90")
     assert plans and {p.kind for p in plans} == {"flash_attention_backward"}
     assert all(p.problem.attention.causal == causal and p.problem.roles == ("dq", "dk", "dv") for p in plans)
+
+
+def test_sdpa_backward_kernels_lower_without_a_mask_dropout_or_packed_sequences() -> None:
+    """``lowers_node`` on cuDNN backward calls: a dense attention's sequence offsets are empty
+    tensors (lowered); non-empty offsets (packed sequences), a bias or dropout keep it ATen."""
+    from torch.fx import Graph
+
+    from cherenkov.graph.torch_capture import lowers_node
+
+    def call(offsets: torch.Tensor, bias: bool = False, dropout: float = 0.0):
+        graph = Graph()
+        tensors = {name: graph.placeholder(name) for name in ("do", "q", "k", "v", "o", "lse", "seed", "off", "cum")}
+        tensors["cum"].meta["val"] = offsets
+        return graph.call_function(torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default, (
+            tensors["do"], tensors["q"], tensors["k"], tensors["v"], tensors["o"], tensors["lse"], tensors["seed"],
+            tensors["off"], tensors["q"] if bias else None, tensors["cum"], tensors["cum"], 64, 64, dropout, True))
+
+    empty = torch.empty(0, dtype=torch.int32)
+    assert lowers_node(call(empty))
+    assert not lowers_node(call(torch.tensor([0, 64, 128], dtype=torch.int32)))
+    assert not lowers_node(call(empty, bias=True)) and not lowers_node(call(empty, dropout=0.1))
