@@ -402,8 +402,10 @@ class HopperFlashKernel(FlashAttentionKernel):
         heads = s.tile_heads(p)
         q_rows, o_rows = s.block_q // heads, min(s.block_q // heads, ROWS_PER_CONSUMER)
         return _cached_tensor_maps(self._maps, key, lambda: (
-            operand_map(p, "q", key[0], q_rows, heads, row_bytes), operand_map(p, "k", key[1], s.block_kv, 1, row_bytes),
-            v_map(), operand_map(p, "o", key[3], o_rows, ROWS_PER_CONSUMER // o_rows, row_bytes),
+            operand_map(p, "q", key[0], q_rows, heads, row_bytes),
+            operand_map(p, "k", key[1], s.block_kv, 1, row_bytes),
+            v_map(),
+            operand_map(p, "o", key[3], o_rows, ROWS_PER_CONSUMER // o_rows, row_bytes),
         ))  # fmt: skip
 
     def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:

@@ -124,8 +124,8 @@ def operand_tensor_map(address: int, logical: Sequence[int], strides: Sequence[i
     element ``(b, h, s, d)`` lies at ``offset + b·strides[0] + h·strides[1] + s·strides[2] +
     d`` elements from ``address``: 4-D ``(D, S, H, B)`` with boxes of ``row_bytes`` (128: 64
     16-bit elements, swizzled as wide) ``× box_rows × box_heads × 1`` (coordinates ``(d, s, h,
-    b)`` in the kernel; a box of several heads lands as their row blocks one after another). An axis of extent 1 gets a stride that never
-    moves (its coordinate is always 0)."""
+    b)`` in the kernel; a box of several heads lands as their row blocks one after another).
+    An axis of extent 1 gets a stride that never moves (its coordinate is always 0)."""
     batch, heads, seq, head_dim = logical
     elem = ELEMENT_BYTES.get(dtype, 2)
     sizes = {"b": batch, "h": heads, "s": seq}

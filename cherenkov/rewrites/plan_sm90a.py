@@ -65,7 +65,8 @@ def problem_tile_columns(problem: AttentionProblem) -> tuple[int, int]:
     """The columns of a problem's q/k tiles and of its v/o tiles (:func:`tile_columns` at the
     problem's :func:`box_row_bytes`)."""
     row_bytes = box_row_bytes(problem.head_dim, problem.v_dim, problem.dtype)
-    return tile_columns(problem.head_dim, problem.dtype, row_bytes), tile_columns(problem.v_dim, problem.dtype, row_bytes)
+    qk_columns = tile_columns(problem.head_dim, problem.dtype, row_bytes)
+    return qk_columns, tile_columns(problem.v_dim, problem.dtype, row_bytes)
 
 # setmaxnreg budgets (producer, consumer) by number of consumer warpgroups: the block's
 # register file is 64K, and each warpgroup's share must be a multiple of 8.

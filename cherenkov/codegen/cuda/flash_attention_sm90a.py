@@ -45,8 +45,9 @@ consumer's diagonal. Tile order: the query tiles of one head are consecutive
 Launch: grid ``(schedule.grid_blocks(problem, SMs),)``, ``128 · (1 + CONSUMERS)`` threads,
 ``schedule.problem_smem_bytes(problem)`` bytes of dynamic shared memory, arguments
 ``(q_map, k_map, v_map, o_map, o)``: four TensorMaps of 4-D views ``(D, S, H, B)`` at each
-operand's strides, with ``64 × rows × 1 × 1`` boxes (``32 × …`` with 64-byte rows; rows: BLOCK_Q for q, BLOCK_KV for k and
-v, 64 for o; see :func:`cherenkov.codegen.tensor_map.operand_tensor_map`) and the output
+operand's strides, with ``64 × rows × 1 × 1`` boxes (``32 × …`` with 64-byte rows; rows:
+BLOCK_Q for q, BLOCK_KV for k and v, 64 for o; see
+:func:`cherenkov.codegen.tensor_map.operand_tensor_map`) and the output
 pointer (the register-store epilogue's, which writes at o's strides). Every problem and schedule value is a compile-time constant.
 Tails: boxes past the end of a sequence read as zero (the tensor map's out-of-bounds
 fill); scores of keys past ``SEQ_KV`` are masked in the last key tile, and rows past
