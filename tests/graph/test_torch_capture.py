@@ -18,7 +18,12 @@ F = torch.nn.functional
 A = torch.ops.aten
 
 import cherenkov as ck  # noqa: E402
-from cherenkov.graph.torch_capture import SDPA_KERNELS, sanitize_name, supported_ops  # noqa: E402
+from cherenkov.graph.torch_capture import (  # noqa: E402
+    SDPA_BACKWARD_KERNELS,
+    SDPA_KERNELS,
+    sanitize_name,
+    supported_ops,
+)
 
 TOL = 1e-5
 
@@ -690,9 +695,10 @@ def test_every_supported_op_is_exercised_by_a_test() -> None:
         ran |= _ran_ops(make().eval(), randn(*shape))
     for mask in MASK_SPELLINGS:
         ran |= _ran_ops(CausalSelfAttention(32, 4, 16, mask).eval(), randn(2, 8, 32))
+    ran |= _ran_ops(_sdpa_cpu_backward(True), *_sdpa_backward_examples(torch.float32))
     # SDPA's CUDA kernels trace only on CUDA tensors: their lowering is the CPU kernel's (tested
     # above), and the backend's GPU tests run them
-    cuda_only = {f"aten.{name}" for name in SDPA_KERNELS if not name.endswith("_for_cpu")}
+    cuda_only = {f"aten.{name}" for name in (*SDPA_KERNELS, *SDPA_BACKWARD_KERNELS) if "_for_cpu" not in name}
     missing = set(supported_ops()) - ran - cuda_only
     assert not missing, f"supported ops without a test: {sorted(missing)}"
 
@@ -846,25 +852,34 @@ def test_unused_integer_buffers_are_not_inputs() -> None:
     assert "unused" not in g.inputs
 
 
+def _sdpa_cpu_backward(causal: bool) -> Callable:
+    """SDPA's CPU backward kernel as a function of (grad_out, q, k, v, out, lse), scale 0.2."""
+
+    def gradients(grad_out, q, k, v, out, lse):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=0.2
+        )
+
+    return gradients
+
+
+def _sdpa_backward_examples(dtype: torch.dtype, causal: bool = True) -> list[torch.Tensor]:
+    """Inputs of :func:`_sdpa_cpu_backward`: the forward kernel's own output and log-sum-exp."""
+    q, k, v, grad_out = (randn(2, 4, 24, 32, seed=s, dtype=dtype) for s in range(4))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=0.2)
+    return [grad_out, q, k, v, out, lse]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_backward_kernel_is_the_attention_gradient_and_derives_the_flash_backward(causal: bool) -> None:
     """A training graph's SDPA backward (what AOTAutograd records) lowers to the attention's
     vector-Jacobian product, recomputed from q, k and v: it matches torch's backward kernel (which
     reads the forward's output and log-sum-exp), and the derivation fuses it into a flash backward."""
-    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-    def gradients(grad_out, q, k, v, out, lse):
-        return backward(grad_out, q, k, v, out, lse, 0.0, causal, scale=0.2)
-
-    def examples(dtype: torch.dtype) -> list[torch.Tensor]:
-        q, k, v, grad_out = (randn(2, 4, 24, 32, seed=s, dtype=dtype) for s in range(4))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=0.2)
-        return [grad_out, q, k, v, out, lse]
-
-    g = capture(gradients, *examples(torch.float32), tol=1e-5)
+    gradients = _sdpa_cpu_backward(causal)
+    g = capture(gradients, *_sdpa_backward_examples(torch.float32, causal), tol=1e-5)
     read = {i for node in g.nodes for i in node.inputs}
     assert g.is_gradient and g.inputs["out"].id not in read and g.inputs["lse"].id not in read  # recomputed
-    derivation = ck.derive(ck.from_torch(gradients, *examples(torch.bfloat16)))
+    derivation = ck.derive(ck.from_torch(gradients, *_sdpa_backward_examples(torch.bfloat16, causal)))
     plans = derivation.plans("sm_90")
     assert plans and {p.kind for p in plans} == {"flash_attention_backward"}
     assert all(p.problem.attention.causal == causal and p.problem.roles == ("dq", "dk", "dv") for p in plans)
