@@ -1,17 +1,21 @@
 """cherenkov's derived flash-attention backward against PyTorch SDPA's backward, in one process.
 
 For each shape, this builds ``ck.grad`` of ``ck.nn.attention`` (dq, dk, dv from q, k, v and the
-output gradient dO), derives it (one ``flash_attention_backward`` kernel), compiles every
-plan the target admits, times each briefly and keeps the fastest (a small exhaustive search:
-at most 10 schedules), checks its every gradient against float32 autograd through SDPA's math
-path (relative L2 ≤ 2e-2), then times it and the backward of SDPA's flash (FlashAttention-2)
-and cuDNN backends on the same inputs: CUDA events, L2 flushed before every sample,
-contenders interleaved round-robin, median of ``--samples``. SDPA's backward is timed as
+output gradient dO; by default with the forward's output and log-sum-exp saved, as a training
+step has them: ``ck.grad(..., saved=("o", "lse"))``), derives it (one ``flash_attention_backward``
+kernel), compiles every plan the target admits, times each briefly and keeps the fastest (a
+small exhaustive search: at most 20 schedules, those reading the saved statistics and those
+recomputing them), checks its every gradient against float32 autograd through SDPA's math path
+(relative L2 ≤ 2e-2), then times it and the backward of SDPA's flash (FlashAttention-2) and
+cuDNN backends on the same inputs: CUDA events, L2 flushed before every sample, contenders
+interleaved round-robin, median of ``--samples``. SDPA's backward is timed as
 ``torch.autograd.grad`` of an output its forward already computed (its saved O and
-log-sum-exp); cherenkov's time includes its statistics pass, which recomputes the forward
-(the gradient graph has no saved O or LSE), and its dq conversion.
+log-sum-exp); cherenkov's time includes its statistics pass (reading the saved O and
+log-sum-exp, computed here by a float32 forward; ``--statistics recomputed``: the forward run
+again, as a gradient graph without saved values must) and its dq conversion.
 
-    python3 benchmarks/attention_backward.py [--shapes seed,...] [--target sm_90|sm_90a] [--out DIR]
+    python3 benchmarks/attention_backward.py [--shapes seed,...] [--target sm_90|sm_90a]
+                                             [--statistics saved|recomputed] [--out DIR]
 
 ``--target sm_90a`` adds the Hopper ``wgmma`` schedule to the ``mma.sync`` ones. Each row also
 records the winner's three launches timed alone (``cherenkov_launch_ms``).
@@ -47,40 +51,52 @@ SHAPES = {
 BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 
 
-def gradient_graph(b: int, h: int, hkv: int, sq: int, skv: int, d: int, causal: bool) -> ck.Graph:
+def gradient_graph(b: int, h: int, hkv: int, sq: int, skv: int, d: int, causal: bool, saved: bool) -> ck.Graph:
     g = ck.Graph("attention")
     q = g.input("q", (b, h, sq, d), "bf16")
     k, v = (g.input(n, (b, hkv, skv, d), "bf16") for n in "kv")
-    g.output(ck.nn.attention(q, k, v, causal=causal), "o")
-    return ck.grad(g, wrt=("q", "k", "v"))
+    if not saved:
+        g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+        return ck.grad(g, wrt=("q", "k", "v"))
+    o, lse = ck.nn.attention(q, k, v, causal=causal, return_lse=True)
+    g.output(o, "o")
+    g.output(lse, "lse")
+    return ck.grad(g, wrt=("q", "k", "v"), saved=("o", "lse"), outputs=("o",))
 
 
 def run_shape(name: str, torch, flush, args) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cherenkov.search.measure import backward_reference
+    from cherenkov.search.measure import backward_reference, fill_saved_statistics
 
     b, h, hkv, sq, skv, d, causal = SHAPES[name]
-    derivation = ck.derive(gradient_graph(b, h, hkv, sq, skv, d, causal))
+    derivation = ck.derive(gradient_graph(b, h, hkv, sq, skv, d, causal, args.statistics == "saved"))
     plans = [p for p in derivation.plans(args.target) if p.kind == "flash_attention_backward"]
     if not plans:
         raise RuntimeError(f"no backward plan on {args.target}")
     problem = plans[0].problem
+    if (problem.saved is not None) != (args.statistics == "saved"):
+        raise RuntimeError(f"the derivation found {'no' if problem.saved is None else ''} saved statistics")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     stored = {n: torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16) for n, s in problem.stored_shapes().items()}
     q, k, v, do = (stored[n] for n in ("q", "k", "v", "d_o"))
+    saved = {}
+    if problem.saved is not None:
+        stored[problem.saved.lse] = stored[problem.saved.lse].float()
+        fill_saved_statistics(problem, stored)
+        saved = {"o": stored[problem.saved.o], "lse": stored[problem.saved.lse]}
     kernels = {}
     for plan, build in zip(plans, compile_plans(plans)):
         if isinstance(build, Exception):
             print(f"  {plan.schedule.key()} did not compile: {str(build).splitlines()[0]}")
             continue
         kernel = load_kernel(build)
-        kernels[plan.schedule.key()] = (plan, kernel, build)
-    quick = time_interleaved(torch, {key: (lambda kern=kern: kern(q, k, v, do)) for key, (_, kern, _) in kernels.items()},
-                             flush, 5)  # fmt: skip
+        kernels[plan.schedule.key()] = (plan, kernel, build, saved if plan.schedule.saved_statistics else {})
+    quick = time_interleaved(torch, {key: (lambda kern=kern, extra=extra: kern(q, k, v, do, **extra))
+                                     for key, (_, kern, _, extra) in kernels.items()}, flush, 5)  # fmt: skip
     best = min(quick, key=quick.get)
-    plan, kernel, build = kernels[best]
-    grads = kernel(q, k, v, do)
+    plan, kernel, build, extra = kernels[best]
+    grads = kernel(q, k, v, do, **extra)
     torch.cuda.synchronize()
     reference = backward_reference(problem, stored)
     errors = {role: float((grads[role].float() - reference[role]).norm() / reference[role].norm()) for role in grads}
@@ -88,7 +104,7 @@ def run_shape(name: str, torch, flush, args) -> dict:
     if not max(errors.values()) <= TOLERANCE:
         raise RuntimeError(f"{name}: cherenkov's gradients are wrong ({errors})")
 
-    launches = {"cherenkov": lambda: kernel(q, k, v, do)}
+    launches = {"cherenkov": lambda: kernel(q, k, v, do, **extra)}
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     for key, backend in BACKENDS.items():
         try:
@@ -105,7 +121,7 @@ def run_shape(name: str, torch, flush, args) -> dict:
             print(f"  {key} unavailable: {str(error).splitlines()[0]}")
     ms = time_interleaved(torch, launches, flush, args.samples)
     steps = ("statistics", "main", "dq")
-    launch_ms = time_interleaved(torch, {step: (lambda step=step: kernel(q, k, v, do, grads, steps=(step,)))
+    launch_ms = time_interleaved(torch, {step: (lambda step=step: kernel(q, k, v, do, grads, steps=(step,), **extra))
                                          for step in steps}, flush, args.samples)  # fmt: skip
     tflops = {key: problem.flops / (t * 1e9) for key, t in ms.items()}
     return {
@@ -116,7 +132,8 @@ def run_shape(name: str, torch, flush, args) -> dict:
         "ratios": {f"cherenkov/{key}": tflops["cherenkov"] / tflops[key] for key in tflops if key != "cherenkov"},
         "rel_error": errors,
         "cherenkov_plan": {"key": best, "target": args.target, "registers": build.report.registers,
-                           "spill_bytes": build.report.spill_bytes, "trace": list(plan.trace)},
+                           "spill_bytes": build.report.spill_bytes, "trace": list(plan.trace),
+                           "statistics": "saved" if plan.schedule.saved_statistics else "recomputed"},
         "schedules_ms": quick,
         "cherenkov_launch_ms": launch_ms,
     }
@@ -127,6 +144,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     parser.add_argument("--target", default="sm_90",
                         help="the backward's target: sm_90 the mma.sync family on an H200, sm_90a with the wgmma main pass")
+    parser.add_argument("--statistics", choices=("saved", "recomputed"), default="saved",
+                        help="saved: the forward's o and log-sum-exp are inputs (a training step); recomputed: not")
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--suffix", default="")
@@ -162,7 +181,8 @@ def main() -> None:
                      "cudnn": torch.backends.cudnn.version()},
         "method": "CUDA events, L2 flushed (read) before each sample, contenders round-robin, median of "
                   f"{args.samples}; cherenkov: the fastest of its target's backward schedules (5 quick samples each), "
-                  "statistics pass (the forward recomputed) included, each launch also timed alone; SDPA: autograd.grad of a computed output",
+                  f"statistics pass included ({args.statistics}), each launch also timed alone; SDPA: autograd.grad of a "
+                  "computed output",
         "rows": rows,
     }
     out = Path(args.out)

@@ -458,7 +458,9 @@ class FlashBackwardKernel(_StreamCache):
     them: contiguous CUDA tensors, 16-byte aligned); ``out`` may hold a tensor per gradient
     role (``dq``, ``dk``, ``dv``), the others are allocated. The kernel owns an fp32 workspace
     (each query row's log-sum-exp and D, the dq accumulator), so launches of one kernel object
-    must not run concurrently on two streams."""
+    must not run concurrently on two streams. A plan whose statistics the forward saved
+    (``saved_statistics``) also reads the saved ``o`` and ``lse`` (keywords; in ``launch``, by
+    their names in the problem's :class:`~cherenkov.rewrites.plan_backward.SavedStatistics`)."""
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
@@ -480,7 +482,8 @@ class FlashBackwardKernel(_StreamCache):
         self._module = module
         self._workspace = torch.empty(workspace_floats(compiled.plan), dtype=torch.float32, device=f"cuda:{device}")
 
-    def __call__(self, q, k, v, grad_output, out=None, steps: tuple[str, ...] = ("statistics", "main", "dq")) -> dict:
+    def __call__(self, q, k, v, grad_output, out=None, steps: tuple[str, ...] = ("statistics", "main", "dq"),
+                 o=None, lse=None) -> dict:  # fmt: skip
         """The gradients; ``steps`` runs only some of the launches (``statistics``, ``main``, ``dq``: for
         timing them apart; the gradients are then those of the last full call)."""
         import torch
@@ -492,30 +495,41 @@ class FlashBackwardKernel(_StreamCache):
         for gradient in p.gradients:
             if gradient.role not in out:
                 out[gradient.role] = torch.empty(gradient.layout.shape, dtype=dtype, device=q.device)
-        for role, tensor, shape in (("q", q, a.layout("q").shape), ("k", k, a.layout("k").shape),
-                                    ("v", v, a.layout("v").shape), ("dO", grad_output, p.grad_output_layout.shape),
-                                    *((g.role, out[g.role], g.layout.shape) for g in p.gradients)):  # fmt: skip
-            check_tensor(name, role, tensor, shape, a.dtype, self.device)
-        self._launch(q, k, v, grad_output, out, torch.cuda.current_stream(q.device).cuda_stream, steps)
+        checks = [("q", q, a.layout("q").shape, a.dtype), ("k", k, a.layout("k").shape, a.dtype),
+                  ("v", v, a.layout("v").shape, a.dtype), ("dO", grad_output, p.grad_output_layout.shape, a.dtype),
+                  *((g.role, out[g.role], g.layout.shape, a.dtype) for g in p.gradients)]  # fmt: skip
+        saved = self.compiled.plan.schedule.saved_statistics
+        if saved:
+            if o is None or lse is None:
+                raise CodegenError(f"{name}: reads the forward's saved o and lse; pass both (o=..., lse=...)")
+            checks += [("o", o, p.saved.o_layout.shape, a.dtype), ("lse", lse, p.saved.lse_layout.shape, "fp32")]
+        for role, tensor, shape, expected in checks:
+            check_tensor(name, role, tensor, shape, expected, self.device)
+        self._launch((q, k, v, grad_output), (o, lse) if saved else None, out,
+                     torch.cuda.current_stream(q.device).cuda_stream, steps)  # fmt: skip
         return {g.role: out[g.role] for g in p.gradients}
 
     def launch(self, buffers: Mapping[str, object]) -> dict:
         """The gradients of the problem's stored tensors in ``buffers`` (by name): ``{buffer name: tensor}``."""
         p, a = self.problem, self.problem.attention
         q, k, v, grad_output = (buffers[n] for n in (a.q, a.k, a.v, p.grad_output))
-        values = self(q, k, v, grad_output)
+        saved = {"o": buffers[p.saved.o], "lse": buffers[p.saved.lse]} \
+            if self.compiled.plan.schedule.saved_statistics else {}
+        values = self(q, k, v, grad_output, **saved)
         return {p.gradient(role).tensor: tensor for role, tensor in values.items()}
 
-    def _launch(self, q, k, v, grad_output, out: Mapping[str, object], stream: int, steps: tuple[str, ...]) -> None:
+    def _launch(self, operands, saved, out: Mapping[str, object], stream: int, steps: tuple[str, ...]) -> None:
+        """The launches of ``steps``: ``operands`` (q, k, v, dO), ``saved`` (o, lse, or None when recomputed)."""
         import cupy
 
         def pointer(tensor) -> np.uint64:
             return np.uint64(0 if tensor is None else tensor.data_ptr())
 
-        operands = tuple(pointer(t) for t in (q, k, v, grad_output))
+        operands = tuple(pointer(t) for t in operands)
         workspace = pointer(self._workspace)
+        statistics = (*operands, workspace) if saved is None else (*(pointer(t) for t in saved), operands[3], workspace)
         arguments = {
-            "statistics": (*operands, workspace),
+            "statistics": statistics,
             "main": (*operands, pointer(out.get("dk")), pointer(out.get("dv")), workspace),
             "dq": (workspace, pointer(out.get("dq"))),
         }

@@ -2,8 +2,11 @@
 
 ``grad(g, wrt)`` returns a new :class:`~cherenkov.graph.tensor.Graph` that recomputes
 ``g``'s nodes, takes one cotangent input ``d_<output>`` per output of ``g`` (its shape and
-dtype), and outputs ``d_<input>`` for each input named in ``wrt``: the sum over outputs of
-the vector-Jacobian products. Every primitive's VJP is written in primitives
+dtype; ``outputs=`` names fewer), and outputs ``d_<input>`` for each input named in ``wrt``:
+the sum over those outputs of the vector-Jacobian products. ``saved=`` names outputs of ``g``
+that the forward pass keeps (its attention output, its rows' log-sum-exp): each becomes a
+saved input of the gradient graph (:meth:`~cherenkov.graph.tensor.Graph.saved_input`), which
+kernels may read instead of recomputing it — the flash-attention backward's statistics. Every primitive's VJP is written in primitives
 (:data:`VJPS`): views transpose to views (``slice`` to ``pad``, ``expand`` to a sum over the
 broadcast axes), reductions to broadcasts, ``where`` to ``where``, ``max_reduce`` through
 the mask of its maxima (shared equally by ties, as ``torch.amax``'s gradient), ``maximum``
@@ -25,8 +28,10 @@ Vjp = Callable[["_Backward", Node, Sequence[Tensor], Tensor, Tensor], Sequence[T
 """(backward, node, its operands, its value, the cotangent) -> a cotangent per operand (None: none)."""
 
 
-def grad(graph: Graph, wrt: Iterable[str]) -> Graph:
-    """The gradient graph of ``graph`` with respect to the inputs named in ``wrt``."""
+def grad(graph: Graph, wrt: Iterable[str], saved: Iterable[str] = (), outputs: Iterable[str] | None = None) -> Graph:
+    """The gradient graph of ``graph`` with respect to the inputs named in ``wrt``: cotangents
+    ``d_<output>`` of the floating-point ``outputs`` (default: all), and the outputs named in
+    ``saved`` as saved inputs of the same names."""
     if not isinstance(graph, Graph):
         raise GraphError(f"grad: expected a ck.Graph, got {type(graph).__name__}")
     names = tuple(wrt)
@@ -38,10 +43,25 @@ def grad(graph: Graph, wrt: Iterable[str]) -> Graph:
         if graph.inputs[name].dtype not in FLOAT_DTYPES:
             raise GraphError(f"grad: input {name!r} has dtype {graph.inputs[name].dtype}; only floating-point "
                              f"inputs ({', '.join(sorted(FLOAT_DTYPES))}) have gradients")  # fmt: skip
-    for name in graph.outputs:
-        if f"d_{name}" in graph.inputs:
+    differentiated = tuple(n for n, x in graph.outputs.items() if x.dtype in FLOAT_DTYPES) if outputs is None \
+        else tuple(outputs)
+    kept = tuple(saved)
+    for kind, chosen in (("outputs", differentiated), ("saved", kept)):
+        for name in chosen:
+            if name not in graph.outputs:
+                raise GraphError(f"grad: {kind} names {name!r}, which is not an output of {graph.name!r}; "
+                                 f"outputs: {sorted(graph.outputs)}")  # fmt: skip
+    if not differentiated:
+        raise GraphError(f"grad: no output of {graph.name!r} to differentiate; its outputs: {sorted(graph.outputs)}")
+    for name in differentiated:
+        if graph.outputs[name].dtype not in FLOAT_DTYPES:
+            raise GraphError(f"grad: output {name!r} has dtype {graph.outputs[name].dtype}; only floating-point "
+                             "outputs take a cotangent")  # fmt: skip
+        if f"d_{name}" in graph.inputs or f"d_{name}" in kept:
             raise GraphError(f"grad: the cotangent input d_{name} of output {name!r} is already an input name")
-    return _Backward(graph).run(names)
+    if len(set(kept)) != len(kept):
+        raise GraphError(f"grad: saved names an output twice: {list(kept)}")
+    return _Backward(graph).run(names, differentiated, kept)
 
 
 def vjp(fn: Callable[..., Tensor], primals: Sequence[Tensor], cotangent: Tensor) -> list[Tensor]:
@@ -81,13 +101,14 @@ class _Backward:
         self.out.is_gradient = True
         self.value: dict[int, Tensor] = {}
 
-    def run(self, wrt: tuple[str, ...]) -> Graph:
+    def run(self, wrt: tuple[str, ...], outputs: tuple[str, ...], saved: tuple[str, ...]) -> Graph:
         for index, node in enumerate(self.graph.nodes):
             self.value[index] = self._copy(node)
+        for name in saved:
+            self.out.saved_input(name, self.value[self.graph.outputs[name].id])
         cotangent: dict[int, Tensor] = {}
-        for name, tensor in self.graph.outputs.items():
-            if tensor.dtype not in FLOAT_DTYPES:
-                continue
+        for name in outputs:
+            tensor = self.graph.outputs[name]
             seed = self.out.input(f"d_{name}", tensor.shape, tensor.dtype)
             self._accumulate(cotangent, tensor.id, seed)
         needed = self._downstream({self.graph.inputs[name].id for name in wrt})

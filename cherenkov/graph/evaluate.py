@@ -54,9 +54,10 @@ def as_float64(value: Any) -> np.ndarray:
 
 
 def check_inputs(graph: Graph, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Inputs as float64 arrays, after checking names and shapes against the graph."""
+    """Inputs as float64 arrays, after checking names and shapes against the graph; a saved input
+    not given is computed from the value it holds (:meth:`~cherenkov.graph.tensor.Graph.saved_input`)."""
     expected = graph.inputs
-    missing = sorted(set(expected) - set(inputs))
+    missing = sorted(set(expected) - set(inputs) - set(graph.saved))
     if missing:
         raise GraphError(f"evaluate: missing inputs {missing}; graph {graph.name!r} needs {sorted(expected)}")
     unknown = sorted(set(inputs) - set(expected))
@@ -64,11 +65,23 @@ def check_inputs(graph: Graph, inputs: Mapping[str, Any]) -> dict[str, np.ndarra
         raise GraphError(f"evaluate: unknown inputs {unknown}; graph {graph.name!r} has {sorted(expected)}")
     arrays = {}
     for name, tensor in expected.items():
+        if name not in inputs:
+            continue
         array = as_float64(inputs[name])
         if array.shape != tensor.shape:
             raise GraphError(f"evaluate: input {name!r} has shape {array.shape}; the graph declares {tensor.shape}")
         arrays[name] = array
-    return arrays
+    return fill_saved_inputs(graph, arrays)
+
+
+def fill_saved_inputs(graph: Graph, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` with each saved input it lacks computed from the value that input holds, in the
+    order they were declared (a saved value may read an earlier saved input)."""
+    filled = dict(arrays)
+    for name, value in graph.saved.items():
+        if name not in filled:
+            filled[name] = np.array(_values(graph, filled, [value.id])[value.id], dtype=np.float64)
+    return filled
 
 
 def _contract(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:
@@ -153,12 +166,19 @@ def evaluate(graph: Graph | Evaluable, inputs: Mapping[str, Any]) -> dict[str, n
             return graph.evaluate(inputs)
         raise GraphError(f"evaluate: expected a Graph or a fused form, got {type(graph).__name__}")
     arrays = check_inputs(graph, inputs)
-    live = graph.live_nodes()
+    roots = [t.id for t in graph.outputs.values()]
+    values = _values(graph, arrays, roots)
+    return {name: np.array(values[t.id], dtype=np.float64) for name, t in graph.outputs.items()}
+
+
+def _values(graph: Graph, arrays: Mapping[str, np.ndarray], roots: list[int]) -> dict[int, np.ndarray]:
+    """The value of every node ``roots`` depend on, from the input ``arrays``."""
+    live = sorted(graph._ancestors(roots))
     consumers: dict[int, list[int]] = {i: [] for i in live}
     for i in live:
         for j in graph.node(i).inputs:
             consumers[j].append(i)
-    outputs = {t.id for t in graph.outputs.values()}
+    outputs = set(roots)
     contracted = {
         i
         for i in live
@@ -180,4 +200,4 @@ def evaluate(graph: Graph | Evaluable, inputs: Mapping[str, Any]) -> dict[str, n
                 values[i] = _contract(a, b, node.attrs[0])
             else:
                 values[i] = _apply(node, [values[j] for j in node.inputs])
-    return {name: np.array(values[t.id], dtype=np.float64) for name, t in graph.outputs.items()}
+    return values

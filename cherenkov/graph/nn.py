@@ -26,6 +26,11 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
     return shifted / shifted.sum(axis=axis, keepdim=True)
 
 
+def logsumexp(x: Tensor, axis: int = -1) -> Tensor:
+    """``log Σ exp(x)`` along ``axis`` (which it removes), as ``max + log Σ exp(x − max)``."""
+    return x.max(axis=axis) + (x - x.max(axis=axis, keepdim=True)).exp().sum(axis=axis).log()
+
+
 def tanh(x: Tensor) -> Tensor:
     """``1 - 2 / (exp(2x) + 1)``: saturates cleanly to ±1."""
     return 1.0 - 2.0 / ((x * 2.0).exp() + 1.0)
@@ -149,11 +154,14 @@ def _dequantized_operands(operands: tuple[Tensor, Tensor, Tensor],
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-              descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None) -> Tensor:  # fmt: skip
+              descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None,
+              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """``softmax(q kᵀ · scale [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
 
     8-bit ``q``, ``k``, ``v`` (``fp8_e4m3``, ``fp8_e5m2``) need ``descale = (s_q, s_k, s_v)``,
-    their :func:`quantize` scales: the attention of their dequantised values (float32)."""
+    their :func:`quantize` scales: the attention of their dequantised values (float32).
+    ``return_lse=True`` also returns each query row's log-sum-exp of the scaled (masked) scores,
+    ``(..., heads, seq_q)`` in fp32 — what a forward pass saves for its backward, as SDPA does."""
     stored = [name for name, x in (("q", q), ("k", k), ("v", v)) if x.dtype in FP8_DTYPES]
     if descale is not None:
         q, k, v = _dequantized_operands((q, k, v), descale)
@@ -183,4 +191,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         query_index = arange(seq_q, graph=q.graph).unsqueeze(-1)
         key_index = arange(seq_kv, graph=q.graph)
         scores = where(query_index < key_index, -math.inf, scores)
-    return softmax(scores, axis=-1) @ v
+    out = softmax(scores, axis=-1) @ v
+    return (out, logsumexp(scores, axis=-1).cast("fp32")) if return_lse else out

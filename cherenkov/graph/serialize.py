@@ -41,6 +41,8 @@ def _decode(value: Any) -> Any:
 
 def _structure(graph: Graph) -> dict[str, Any]:
     marks = {"gradient": True} if graph.is_gradient else {}  # absent otherwise: older hashes stay
+    if graph.saved:
+        marks["saved"] = {name: t.id for name, t in graph.saved.items()}
     return {
         **marks,
         "nodes": [
@@ -119,4 +121,8 @@ def graph_from_json(text: str) -> Graph:
         if not isinstance(index, int) or not 0 <= index < len(mapping):
             raise GraphError(f"from_json: output {name!r} refers to missing node {index!r}")
         graph.output(Tensor(graph, mapping[index]), name)
+    for name, index in data.get("saved", {}).items():
+        if name not in graph.inputs or not isinstance(index, int) or not 0 <= index < len(mapping):
+            raise GraphError(f"from_json: saved input {name!r} (value node {index!r}) names no input and node")
+        graph.mark_saved(graph.inputs[name], Tensor(graph, mapping[index]))
     return graph

@@ -50,6 +50,7 @@ class Graph:
         self._outputs: dict[str, int] = {}
         self._examples: dict[str, np.ndarray] = {}
         self._sources: dict[str, str] = {}
+        self._saved: dict[str, int] = {}
         self.is_gradient = False
         """Set by ``ck.grad`` on the graphs it builds: their outputs read the forward's
         intermediates transposed, and the derivation looks through them (``Lowered.inlined``)."""
@@ -87,6 +88,42 @@ class Graph:
         tensor = Tensor(self, self._add(Node("input", (), (name,), shape, dtype)))
         self._inputs[name] = tensor.id
         return tensor
+
+    def saved_input(self, name: str, value: Tensor) -> Tensor:
+        """An input holding ``value`` — a tensor of this graph computed from its other inputs — as an
+        earlier computation saved it (a forward pass's output, its rows' log-sum-exp).
+
+        The outputs are still defined without it; a kernel may read it instead of computing
+        ``value`` again (the attention backward's statistics, see ``ck.grad(..., saved=...)``), and
+        ``ck.evaluate`` fills it from ``value`` where it is not given."""
+        tensor = self._checked_saved_value(name, value)
+        saved = self.input(name, tensor.shape, tensor.dtype)
+        self._saved[name] = tensor.id
+        return saved
+
+    def mark_saved(self, input: Tensor, value: Tensor) -> None:
+        """Declare that the existing input ``input`` holds ``value`` (see :meth:`saved_input`)."""
+        if not isinstance(input, Tensor) or input.graph is not self or input.node.op != "input":
+            raise GraphError(f"mark_saved: expected an input tensor of graph {self.name!r}, got {input!r}")
+        name = input.node.attrs[0]
+        tensor = self._checked_saved_value(name, value)
+        if tensor.shape != input.shape or tensor.dtype != input.dtype:
+            raise GraphError(f"mark_saved: input {name!r} is {input.shape} {input.dtype}, the value it holds "
+                             f"{tensor.shape} {tensor.dtype}; valid when both agree")  # fmt: skip
+        if input.id in self._ancestors([tensor.id]):
+            raise GraphError(f"mark_saved: the value input {name!r} holds is computed from {name!r} itself")
+        self._saved[name] = tensor.id
+
+    def _checked_saved_value(self, name: str, value: object) -> Tensor:
+        if not isinstance(value, Tensor) or value.graph is not self:
+            raise GraphError(f"saved input {name!r}: its value must be a tensor of graph {self.name!r}, "
+                             f"got {value!r}")  # fmt: skip
+        if name in self._saved:
+            raise GraphError(f"saved input {name!r}: already declared")
+        if value.dtype not in sh.FLOAT_DTYPES:
+            raise GraphError(f"saved input {name!r}: a {value.dtype} value; saved values are floating-point "
+                             f"({', '.join(sorted(sh.FLOAT_DTYPES))})")  # fmt: skip
+        return value
 
     def constant(self, value: Scalar, dtype: str = "fp32") -> Tensor:
         """A scalar constant (shape ``()``); NaN is rejected, ±inf is allowed (masks)."""
@@ -156,6 +193,28 @@ class Graph:
     def outputs(self) -> dict[str, Tensor]:
         return {name: Tensor(self, i) for name, i in self._outputs.items()}
 
+    def subgraph(self, outputs: dict[str, Tensor], name: str | None = None) -> Graph:
+        """A new graph computing only ``outputs`` (name -> tensor of this graph) from the inputs
+        they read (the values saved inputs hold, derived on their own)."""
+        graph = Graph(name or self.name)
+        copied: dict[int, Tensor] = {}
+        for index in sorted(self._ancestors([t.id for t in outputs.values()])):
+            node = self._nodes[index]
+            if node.op == "input":
+                copied[index] = graph.input(node.attrs[0], node.shape, node.dtype)
+            elif node.op == "constant":
+                copied[index] = graph.constant(node.attrs[0], node.dtype)
+            else:
+                copied[index] = graph._apply(node.op, [copied[i] for i in node.inputs], node.attrs)
+        for output, tensor in outputs.items():
+            graph.output(copied[tensor.id], output)
+        return graph
+
+    @property
+    def saved(self) -> dict[str, Tensor]:
+        """Each saved input's name -> the tensor of this graph it holds (:meth:`saved_input`)."""
+        return {name: Tensor(self, i) for name, i in self._saved.items()}
+
     def node(self, index: int) -> Node:
         return self._nodes[index]
 
@@ -214,16 +273,20 @@ class Graph:
 
     def example_inputs(self) -> dict[str, np.ndarray]:
         """Example values per input: those captured by ``ck.from_torch``, else random normals."""
+        from cherenkov.graph.evaluate import fill_saved_inputs
+
         rng = np.random.default_rng(0)
         examples = {}
         for name, t in self.inputs.items():
+            if name in self._saved and name not in self._examples:
+                continue  # computed below from the others: a saved input holds its value
             if name in self._examples:
                 examples[name] = self._examples[name]
             else:  # an 8-bit input's values are those its dtype holds
                 value = rng.standard_normal(t.shape)
                 examples[name] = (round_to_fp8(value, t.dtype) if t.dtype in sh.FP8_DTYPES else
                                   round_to_e8m0(value) if t.dtype in sh.SCALE_DTYPES else value)  # fmt: skip
-        return examples
+        return fill_saved_inputs(self, examples)
 
     def summary(self) -> dict:
         """Inputs, outputs, op counts and FLOPs, as plain data."""

@@ -7,6 +7,12 @@ of one attention: the first gradient's kernel with the others as side outputs.
 :func:`attention_backward_problem` reads what it computes off the forms: q, k, v and dO as
 strided reads of stored tensors (the forward's rules: a contiguous head dim, any other
 strides), the scale, the mask, and where each gradient is written.
+
+A gradient graph may hold the forward's output and log-sum-exp as saved inputs
+(``ck.grad(..., saved=...)``); :func:`saved_attentions` reads, from the derived forms of the
+values those inputs hold (a ``FlashAttention`` and an ``AttentionLse``), which attention they
+belong to, and :func:`saved_statistics` gives a backward problem of the same attention its
+:class:`~cherenkov.rewrites.plan_backward.SavedStatistics`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead
 from cherenkov.rewrites.kernels import FusedKernel, KernelError, SideOutput, _flash_read, attention_problem
 from cherenkov.rewrites.plan import OperandLayout
-from cherenkov.rewrites.plan_backward import GRADIENT_ROLES, AttentionBackwardProblem, GradientOutput
+from cherenkov.rewrites.plan import AttentionProblem
+from cherenkov.rewrites.plan_backward import GRADIENT_ROLES, AttentionBackwardProblem, GradientOutput, SavedStatistics
 from cherenkov.rewrites.terms import Term
 
 ROLE_OF_FORM = {
@@ -202,3 +209,75 @@ def attention_backward_problem(kernel: FusedKernel, shapes: Mapping[str, tuple[i
         gradients.append(GradientOutput(role, name, layout))
     return AttentionBackwardProblem(replace(attention, out=kernel.output), lead.grad_output[1], grad_output_layout,
                                     tuple(gradients))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SavedAttention:
+    """An attention whose output and rows' log-sum-exp two saved inputs hold: ``attention`` is the
+    forward's problem (its ``out`` the saved output), ``scores`` that of the log-sum-exp's scores (v
+    unset: k in its place), ``lse`` the saved log-sum-exp's name and where its rows lie."""
+
+    attention: AttentionProblem
+    scores: AttentionProblem
+    lse: str
+    lse_layout: OperandLayout
+
+
+def _without_output(a: AttentionProblem, values: bool = True) -> tuple:
+    """What an attention computes apart from where its output goes (``values=False``: its scores alone)."""
+    reads = tuple(a.layout(role) for role in (("q", "k", "v") if values else ("q", "k")))
+    kept = replace(a, out="", layouts=(), out_dtype="")
+    return replace(kept, v="", value_dim=0) if not values else kept, reads
+
+
+def _lse_layout(form: Term, axes: tuple[str, ...], shapes: Mapping[str, tuple[int, ...]]) -> OperandLayout:
+    """Where the rows ``(b, h, s)`` of an ``AttentionLse`` form lie in its row-major buffer over ``axes``."""
+    key, _, dim, _, q, k, *_ = form[1:]
+    q_read, k_read = _flash_read(q, "q", shapes), _flash_read(k, "k", shapes)
+    if t.ax(key) in q_read.strides and t.ax(key) not in k_read.strides:
+        q_read, k_read = k_read, q_read
+    batch, head, query = _axis_roles(q_read, k_read, dim, key)
+    shape = tuple(t.extent(a) for a in axes)
+    strides, stride = {}, 1
+    for axis, size in reversed(list(zip(axes, shape))):
+        strides[axis] = stride
+        stride *= size
+    stray = [a for a in axes if t.extent(a) > 1 and a not in (batch, head, query)]
+    if stray:
+        raise KernelError(f"saved log-sum-exp: its buffer varies along {stray}, which are not rows of its attention")
+    return OperandLayout(shape, strides.get(batch, 0) if batch else 0, strides.get(head, 0) if head else 0,
+                         strides[query])  # fmt: skip
+
+
+def saved_attentions(extracted: Mapping[str, Term], root_axes: Mapping[str, tuple[str, ...]],
+                     shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]) -> list[SavedAttention]:  # fmt: skip
+    """The attentions whose output and log-sum-exp saved inputs hold, from the derivation of the
+    values they hold (``extracted``: each saved input's name -> the cheapest term of its value).
+    A flash-attention output and an ``AttentionLse`` (in fp32, perhaps cast to it) of the same
+    scores pair up."""
+    outputs, statistics = [], []
+    for name, term in extracted.items():
+        body = term[2] if term[0] == "Cast" and term[1] == "fp32" else term
+        try:
+            if body[0] == "FlashAttention" and term[0] != "Cast" and dtypes.get(name) in (None, dtypes.get(body[5][1])):
+                problem = attention_problem(body, shapes, dtypes, root_axes[name])
+                outputs.append(replace(problem, out=name))
+            elif body[0] == "AttentionLse" and dtypes.get(name) == "fp32":
+                key, n_keys, dim, n_dim, q, k, scale, mask = body[1:]
+                keys = k if key in t.free_axes(k) else q  # in v's place: the operand along the keys
+                scores = attention_problem(("FlashAttention", key, n_keys, dim, n_dim, q, k, keys, scale, mask),
+                                           shapes, dtypes)  # fmt: skip
+                statistics.append((name, scores, _lse_layout(body, root_axes[name], shapes)))
+        except KernelError:
+            continue
+    return [SavedAttention(o, scores, lse, layout) for o in outputs for lse, scores, layout in statistics
+            if _without_output(o, values=False) == _without_output(scores, values=False)]  # fmt: skip
+
+
+def saved_statistics(problem: AttentionBackwardProblem, saved: list[SavedAttention]) -> SavedStatistics | None:
+    """The saved output and log-sum-exp of ``problem``'s attention, if ``saved`` holds them."""
+    for candidate in saved:
+        if _without_output(candidate.attention) == _without_output(problem.attention):
+            o = candidate.attention
+            return SavedStatistics(o.out, o.layout("o"), candidate.lse, candidate.lse_layout)
+    return None

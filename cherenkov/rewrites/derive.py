@@ -36,7 +36,13 @@ from cherenkov.rewrites.casts import CASTS
 from cherenkov.rewrites.contraction import CONTRACTION
 from cherenkov.rewrites.fusion import FUSION
 from cherenkov.rewrites.gradients import GRADIENTS
-from cherenkov.rewrites.attention_backward import attention_backward_problem, joined_backward
+from cherenkov.rewrites.attention_backward import (
+    SavedAttention,
+    attention_backward_problem,
+    joined_backward,
+    saved_attentions,
+    saved_statistics,
+)
 from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem
 from cherenkov.rewrites.kernels import partition as partition_kernels
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS, prelude
@@ -62,7 +68,7 @@ MAX_ENODES = 200_000
 # The one-pass streaming forms of attention: left out of the extraction where they cannot be planned.
 STREAMING_FORMS = (
     "FlashAttention", "FlashAttentionScaled", "FlashAttentionSplitKv", "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "LogSumExp",
-    "AttentionDs", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
+    "AttentionLse", "AttentionDs", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
     "FlashAttentionGradVGroup",
 )  # fmt: skip
 
@@ -366,6 +372,8 @@ class Derivation:
             return self.unfused_kernels
         if any(k.kind == "flash_attention_backward" and self._backward_problem(k, fused) is None for k in fused):
             return self.unfused_kernels
+        if any(k.kind == "attention_lse" for k in fused):  # no kernel family writes it on its own
+            return self.unfused_kernels
         return self._traced(fused)
 
     @functools.cached_property
@@ -461,8 +469,25 @@ class Derivation:
             if kernel.kind == "flash_attention_backward":
                 problem = self._backward_problem(kernel, self.kernels)
                 if problem is not None:
+                    problem = dataclasses.replace(problem, saved=saved_statistics(problem, list(self.saved_attentions)))
                     plans += backward_plans(problem, target, kernel.trace)
         return tuple(plans)
+
+    @functools.cached_property
+    def saved_attentions(self) -> tuple[SavedAttention, ...]:
+        """The attentions whose output and log-sum-exp the graph's saved inputs hold: the values
+        those inputs hold derived on their own (a flash attention and its ``AttentionLse``)."""
+        if not self.graph.saved:
+            return ()
+        try:
+            values = self.graph.subgraph(self.graph.saved, f"saved values of {self.graph.name}"[:200])
+        except GraphError:  # a value that reads another saved input under its own name
+            return ()
+        derivation = Derivation(values, self.rulesets, self.stats.iterations, MAX_ENODES)
+        lowered = derivation.lowered
+        shapes = {**lowered.input_shapes, **{name: lowered.shape(name) for name in lowered.roots}}
+        dtypes = {**lowered.input_dtypes, **lowered.root_dtypes, **{n: x.dtype for n, x in values.outputs.items()}}
+        return tuple(saved_attentions(derivation.extracted, lowered.root_axes, shapes, dtypes))
 
     @functools.cache
     def _plans(self, target: Target) -> tuple[KernelPlan, ...]:

@@ -54,6 +54,7 @@ KIND_OF_CORE = {
     "FlashAttentionGradV": "flash_attention_backward",
     "FlashAttentionGradKGroup": "flash_attention_backward",
     "FlashAttentionGradVGroup": "flash_attention_backward",
+    "AttentionLse": "attention_lse",
     "SoftmaxRow": "softmax_rows",
     "RmsNormRow": "rms_norm_rows",
     "LayerNormRow": "layer_norm_rows",
@@ -69,7 +70,7 @@ KIND_OF_CORE = {
 # Which core a kernel keeps when an elementwise region holds several (the rest are stored).
 CORE_PRIORITY = (
     "FlashAttention", "FlashAttentionScaled", "FlashAttentionGradQ", "FlashAttentionGradK", "FlashAttentionGradV", "FlashAttentionGradKGroup",
-    "FlashAttentionGradVGroup", "Contract", "LayerNormRow", "RmsNormRow", "SoftmaxRow",
+    "FlashAttentionGradVGroup", "AttentionLse", "Contract", "LayerNormRow", "RmsNormRow", "SoftmaxRow",
     "OnlineSoftmaxContract", "SoftmaxFoldAcc", "SoftmaxFoldL", "Sum", "Max",
 )  # fmt: skip
 
@@ -279,6 +280,8 @@ class _Partition:
             return self.prepare_flash(core)
         if head in GRADIENT_OPERANDS:
             return self.prepare_flash_gradient(core)
+        if head == "AttentionLse":  # no kernel of its own: the derivation falls back to the unfused kernels
+            return core
         operands = [i for i, a in enumerate(core[1:], start=1) if isinstance(a, tuple) and a[0] not in ("Ax",)]
         result = list(core)
         for position in operands:

@@ -77,6 +77,14 @@ EXPR_CONSTRUCTORS: tuple[Constructor, ...] = (
     ),
     # log Σ_j e^{s_j}: the row statistic a backward pass recomputes probabilities from
     Constructor("LogSumExp", ("String", "i64", "Expr"), 12, binds=((0, (2,)),)),
+    # log Σ_j e^{s_j} of attention's scores s = c·Σ_d q·k [mask]: the statistic a forward pass saves for its
+    # backward (the parts as FlashAttention's, without v)
+    Constructor(
+        "AttentionLse",
+        ("String", "i64", "String", "i64", "Expr", "Expr", "f64", "Mask"),
+        4,
+        binds=((0, (4, 5, 7)), (2, (4, 5))),
+    ),
     # attention's score gradient dS_ij = P_ij·(Σ_e do_ie v_je − Σ_e do_ie o_ie), P from q, k, c and
     # the mask, o its attention output; key axis j free, d bound over q and k, e over v and do.
     # An S×S intermediate of the backward forms, never a kernel of its own (its cost keeps it out).

@@ -89,7 +89,9 @@ class _Lowering:
         self.split = split
         self.limit = limit  # memoised subterms past which define() gives up (raises _TooLarge)
         self.memo: dict[tuple, Term] = {}
-        self.uses: dict[int, set[tuple[Term, ...]]] = {}
+        # each node's indexings: (index terms, the same with bound axes named by binder depth)
+        self.uses: dict[int, set[tuple[tuple[Term, ...], tuple[Term, ...]]]] = {}
+        self.bound: list[str] = []  # the axis names the enclosing reductions bind, innermost last
         self.reduces_below = self._reductions_below()
         self.constant = self._constants()
 
@@ -118,13 +120,22 @@ class _Lowering:
         """The term computing node ``index`` (not a read of its stored tensor)."""
         if not self.reduces_below[index]:
             hints = ()
-        self.uses.setdefault(index, set()).add(ixs)
+        self.uses.setdefault(index, set()).add((ixs, tuple(self._canonical(ix) for ix in ixs)))
         key = (index, ixs, hints)
         if key not in self.memo:
             if self.limit is not None and len(self.memo) >= self.limit:
                 raise _TooLarge
             self.memo[key] = self._lower(self.graph.node(index), ixs, hints)
         return self.memo[key]
+
+    def _canonical(self, ix: Term) -> Term:
+        """``ix`` with each axis an enclosing reduction binds named by its binder's depth (see
+        :func:`_one_indexing`)."""
+        if ix[0] == "Ax":
+            if ix[1] in self.bound:
+                return ("Ax", f"#{self.bound[::-1].index(ix[1])}")
+            return ix
+        return (ix[0], *(self._canonical(a) if isinstance(a, tuple) else a for a in ix[1:]))
 
     def needs_own_tensor(self) -> int | None:
         """The last compute node used under several indexings or a reshaped one, if any:
@@ -134,7 +145,7 @@ class _Lowering:
             if node.op in STORED_OR_VIEW or index in self.split:
                 continue
             uses = self.uses[index]
-            if len(uses) > 1 or any(ix[0] not in ("Ax", "IxLit") for ixs in uses for ix in ixs):
+            if not _one_indexing(uses) or any(ix[0] not in ("Ax", "IxLit") for ixs, _ in uses for ix in ixs):
                 return index
         return None
 
@@ -189,7 +200,11 @@ class _Lowering:
         if name is None:
             name = next(f"r{k}:{extent}" for k in range(len(taken) + 1) if f"r{k}:{extent}" not in taken)
         remaining = tuple(h for h in hints if h[0] != name)
-        body = self._operand(node, 0, ixs[:axis] + (t.ax(name),) + ixs[axis:], remaining)
+        self.bound.append(name)
+        try:
+            body = self._operand(node, 0, ixs[:axis] + (t.ax(name),) + ixs[axis:], remaining)
+        finally:
+            self.bound.pop()
         return ("Sum" if node.op == "sum_reduce" else "Max", name, extent, body)
 
     def _expand(self, node: Node, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
@@ -215,6 +230,23 @@ class _Lowering:
             if lo or hi:
                 term = ("PadAxis", ix, lo, size, float(value), term)
         return term
+
+
+def _one_indexing(uses: set[tuple[tuple[Term, ...], tuple[Term, ...]]]) -> bool:
+    """Whether a node's uses index it one way: linked by equal index terms (a softmax's
+    exponentials inside and outside their row sum, the sum rebinding the row's axis name) or by
+    index terms that differ only in what their reductions call an axis (the q·k product of an
+    attention's output and of its log-sum-exp)."""
+    groups: list[tuple[set, set]] = []
+    for raw, canonical in uses:
+        linked = [g for g in groups if raw in g[0] or canonical in g[1]]
+        merged = ({raw}, {canonical})
+        for group in linked:
+            groups.remove(group)
+            merged[0].update(group[0])
+            merged[1].update(group[1])
+        groups.append(merged)
+    return len(groups) <= 1
 
 
 class _TooLarge(Exception):

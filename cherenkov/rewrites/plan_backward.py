@@ -8,7 +8,9 @@ The derivation reaches it from ``ck.grad`` of the forward (:mod:`cherenkov.rewri
 streaming contractions ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``.
 
 The backward runs in three launches: a statistics pass over the keys per query tile (the
-forward once more: each row's log-sum-exp and ``D``, with ``O`` kept in registers), the main
+forward once more: each row's log-sum-exp and ``D``, with ``O`` kept in registers; or, where the
+forward saved its output and log-sum-exp (:class:`SavedStatistics`), a pass that reads them
+and computes only ``D``), the main
 pass — one block per key tile, holding dk and dv for its keys while the query tiles stream
 past (dq accumulates in fp32: by atomic adds, four floats a reduction in the ``wgmma`` pass) —
 and dq's conversion to its dtype. The main
@@ -67,17 +69,39 @@ class GradientOutput:
 
 
 @dataclass(frozen=True)
+class SavedStatistics:
+    """What the forward pass saved for its backward: its output ``o`` (placed like q, with the value
+    dim) and each query row's log-sum-exp ``lse`` of the scaled, masked scores (natural log, fp32;
+    ``lse_layout`` gives the row ``(b, h, s)`` its batch, head and sequence strides; its shape is the
+    stored tensor's)."""
+
+    o: str
+    o_layout: OperandLayout
+    lse: str
+    lse_layout: OperandLayout
+
+    @classmethod
+    def from_json(cls, data: dict) -> SavedStatistics:
+        def layout(d: dict) -> OperandLayout:
+            return OperandLayout(**{**d, "shape": tuple(d["shape"])})
+
+        return cls(data["o"], layout(data["o_layout"]), data["lse"], layout(data["lse_layout"]))
+
+
+@dataclass(frozen=True)
 class AttentionBackwardProblem:
     """The gradients of ``o = softmax(scale · q kᵀ [causal mask]) v`` given ``dO``.
 
     ``attention`` places q, k and v (its ``o`` layout is unused); ``grad_output`` names dO and
     ``grad_output_layout`` places it like q; ``gradients`` lists the wanted gradients in
-    ``GRADIENT_ROLES`` order, each with its buffer. Tensor names are validated identifiers."""
+    ``GRADIENT_ROLES`` order, each with its buffer; ``saved``, where the graph holds them, the
+    forward's output and log-sum-exp. Tensor names are validated identifiers."""
 
     attention: AttentionProblem
     grad_output: str
     grad_output_layout: OperandLayout
     gradients: tuple[GradientOutput, ...]
+    saved: SavedStatistics | None = None
 
     @property
     def out(self) -> str:
@@ -102,12 +126,17 @@ class AttentionBackwardProblem:
         shapes = {a.name(role): a.layout(role).shape for role in ("q", "k", "v")}
         shapes[self.grad_output] = self.grad_output_layout.shape
         shapes.update((g.tensor, g.layout.shape) for g in self.gradients)
+        if self.saved is not None:
+            shapes[self.saved.o] = self.saved.o_layout.shape
+            shapes[self.saved.lse] = self.saved.lse_layout.shape
         return shapes
 
     def layout_problems(self) -> list[str]:
         """Why a layout cannot be read or written with 16-byte accesses; empty when all can."""
         reasons = [r for r in self.attention.layout_problems() if not r.startswith("o'")]
-        for name, layout in ((self.grad_output, self.grad_output_layout), *((g.role, g.layout) for g in self.gradients)):
+        saved = ((self.saved.o, self.saved.o_layout),) if self.saved is not None else ()
+        for name, layout in ((self.grad_output, self.grad_output_layout), *((g.role, g.layout) for g in self.gradients),
+                             *saved):  # fmt: skip
             if any(v % LAYOUT_ALIGN for v in (*layout.strides(), layout.offset)):
                 reasons.append(f"{name}'s strides {layout.strides()} and offset {layout.offset} are not multiples of "
                                f"{LAYOUT_ALIGN} elements")  # fmt: skip
@@ -122,9 +151,11 @@ class AttentionBackwardProblem:
     @classmethod
     def from_json(cls, data: dict) -> AttentionBackwardProblem:
         layout = data["grad_output_layout"]
+        saved = data.get("saved")
         return cls(AttentionProblem.from_json(data["attention"]), data["grad_output"],
                    OperandLayout(**{**layout, "shape": tuple(layout["shape"])}),
-                   tuple(GradientOutput.from_json(g) for g in data["gradients"]))  # fmt: skip
+                   tuple(GradientOutput.from_json(g) for g in data["gradients"]),
+                   SavedStatistics.from_json(saved) if saved else None)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -132,12 +163,15 @@ class BackwardSchedule:
     """One way to run the backward: ``block_kv`` keys a block of the main pass, ``block_q``
     queries a step, ``stages`` buffers of the streamed q/dO tiles (2: the next tile loads while
     this one is used); ``wgmma``: the main pass's products are Hopper warpgroup MMAs (a
-    warpgroup of 128 threads per 64 keys) instead of ``mma.sync`` (a warp per 16 keys)."""
+    warpgroup of 128 threads per 64 keys) instead of ``mma.sync`` (a warp per 16 keys);
+    ``saved_statistics``: the statistics pass reads the forward's saved output and log-sum-exp
+    (:class:`SavedStatistics`) instead of running the forward again."""
 
     block_kv: int = 64
     block_q: int = 64
     stages: int = 2
     wgmma: bool = False
+    saved_statistics: bool = False
 
     @property
     def warps(self) -> int:
@@ -148,7 +182,8 @@ class BackwardSchedule:
         return 32 * self.warps
 
     def key(self) -> str:
-        return f"kv{self.block_kv}_q{self.block_q}_s{self.stages}{'_wg' if self.wgmma else ''}"
+        return (f"kv{self.block_kv}_q{self.block_q}_s{self.stages}{'_wg' if self.wgmma else ''}"
+                f"{'_saved' if self.saved_statistics else ''}")  # fmt: skip
 
 
 WGMMA_BLOCK_KV = 128
@@ -158,11 +193,17 @@ WGMMA_BLOCK_Q = 64
 WGMMA_HEAD_DIMS = (64, 128)
 """Head dims of the ``wgmma`` main pass: whole 64-column boxes, dq's columns split over the two warpgroups (128)
 or its keys (64)."""
-BACKWARD_SCHEDULES = (
-    *(BackwardSchedule(block_kv, block_q, stages)
-      for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)),
-    *(BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, stages, wgmma=True) for stages in (2, 3)),
+BACKWARD_SCHEDULES = tuple(
+    schedule
+    for saved in (False, True)
+    for schedule in (
+        *(BackwardSchedule(block_kv, block_q, stages, saved_statistics=saved)
+          for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)),
+        *(BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, stages, wgmma=True, saved_statistics=saved)
+          for stages in (2, 3)),
+    )
 )  # fmt: skip
+"""Every schedule; those reading saved statistics fit only problems whose forward saved them."""
 
 
 def row_elements(head_dim: int) -> int:
@@ -232,6 +273,8 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons.append(f"dtype {a.dtype}: the backward plans {BACKWARD_DTYPES}")
     if a.bias is not None:
         reasons.append("a bias tensor: the backward plans no mask or the causal one")
+    if schedule.saved_statistics and problem.saved is None:
+        reasons.append("saved statistics: the graph holds no saved output and log-sum-exp of this attention")
     if schedule.wgmma:
         reasons += _wgmma_problems(schedule, problem, target)
     row_tiles = schedule.block_q // 16
@@ -244,7 +287,8 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
     registers = backward_register_estimate(schedule, problem)
     if registers > MAX_REGISTERS_PER_THREAD:
         reasons.append(f"~{registers} registers a thread over {MAX_REGISTERS_PER_THREAD}")
-    if statistics_smem_bytes(problem, schedule) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
+    if not schedule.saved_statistics and \
+            statistics_smem_bytes(problem, schedule) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
         reasons.append(f"the statistics pass's shared memory over {target.name}'s {target.smem_per_block}")
     return reasons
 

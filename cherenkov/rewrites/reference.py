@@ -323,6 +323,12 @@ class TermEvaluator:
                                        self.position[axis], self.fold_block)  # fmt: skip
                 live = l > 0
                 return xp.where(live, m + xp.log(xp.where(live, l, 1.0)), -np.inf)
+            case "AttentionLse":
+                key, n_keys, dim, n_dim, q, k, scale, mask = args
+                scores = self._scores(key, n_keys, dim, n_dim, q, k, scale, mask, {**env, key: n_keys})
+                m, l, _ = softmax_fold(arrays, scores, None, self.position[key], self.fold_block)
+                live = l > 0
+                return xp.where(live, m + xp.log(xp.where(live, l, 1.0)), -np.inf)
             case "AttentionDs":
                 return self._score_gradient(args, env)
             case "FlashAttentionGradQ":  # c·Σ_j dS·k2

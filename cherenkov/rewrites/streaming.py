@@ -10,7 +10,9 @@ causal mask once the exponentials underflow. Both give 0 for a row without a liv
 ``where(max_j s > −∞, ·, 0)`` around them is the form itself.
 The fold's associativity
 splits it: folding the keys in chunks and folding the chunks' partial states gives the
-same result (split-KV attention, for decoding).
+same result (split-KV attention, for decoding). The fold's ``m + log l`` is the row's
+log-sum-exp, and that of attention's scores is the statistic a forward pass saves for its
+backward (``AttentionLse``: the same parts as flash attention, without ``v``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,31 @@ bias = tensor("b", "i:3", "j:7")
 finite_causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -65536.0), ("Num", 0.0))
 # row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
 dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.inf), s)
+
+LN2 = math.log(2.0)
+
+
+def _attention_lse_rules() -> tuple[Rule, ...]:
+    """``LSE_j(scores) = AttentionLse(q, k, c, mask)`` for each score form flash attention takes."""
+    forms = (
+        ("", "(Mul (Contract d nd q k) (Num c))", "(NoMask)", scores),
+        ("-causal", "(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) (Mul (Contract d nd q k) (Num c)))",
+         "(CausalMask iq)", causal),
+        ("-bias", "(Add (Mul (Contract d nd q k) (Num c)) (Tensor b bix))", "(BiasMask (Tensor b bix))",
+         ("Add", scores, bias)),
+    )  # fmt: skip
+    return tuple(
+        Rule(
+            f"attention-lse{suffix}",
+            f"LSE_j(c·Σ_d q·k{suffix and ', ' + suffix[1:] + ' masked'}) = AttentionLse(q, k, c): the log-sum-exp "
+            "of attention's scores, a statistic its forward pass can save",
+            lhs=f"(LogSumExp j n {score})",
+            rhs=f"(AttentionLse j n d nd q k c {mask})",
+            example=Example(("LogSumExp", "j:7", 7, example)),
+        )
+        for suffix, score, mask, example in forms
+    )
+
 
 RULES = (
     Rule(
@@ -97,6 +124,14 @@ RULES = (
         example=Example(("Where", ("Lt", ("Num", -math.inf), ("Max", "j:7", 7, dead_row)),
                          ("OnlineSoftmaxContract", "j:7", 7, dead_row, v), ("Num", 0.0))),
     ),
+    Rule(
+        "logsumexp-fold",
+        "max_j s + log2(L_j(s))·ln 2 = LSE_j(s): the fold's max and sum are the row's log-sum-exp",
+        lhs=f"(Add (Max j n s) (Mul (Log2 (SoftmaxFoldL j n s)) (Num {LN2!r})))",
+        rhs="(LogSumExp j n s)",
+        example=Example(("Add", ("Max", "j:7", 7, s), ("Mul", ("Log2", ("SoftmaxFoldL", "j:7", 7, s)), ("Num", LN2)))),
+    ),
+    *_attention_lse_rules(),
     Rule(
         "flash-split-kv",
         "FlashAttention(q, k, v) = ⊕_chunks FlashAttention(q, k_chunk, v_chunk): the fold over j is a fold "

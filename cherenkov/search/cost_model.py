@@ -465,9 +465,9 @@ causal 4k, 2.4x GQA, 1.86x D 64)."""
 
 def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
     """Predicted time of a flash-attention backward plan: its statistics pass (the forward's
-    two products) and main pass (five) at a fixed efficiency, scaled by the tiles and by
-    how evenly its key blocks fill the GPU; reported TFLOP/s count the backward's convention
-    (2.5× the forward)."""
+    two products; with saved statistics a pass over O and dO at the memory bandwidth) and main
+    pass (five) at a fixed efficiency, scaled by the tiles and by how evenly its key blocks fill
+    the GPU; reported TFLOP/s count the backward's convention (2.5× the forward)."""
     gpu = gpu or GPUS[plan.target.name]
     problem, schedule = plan.problem, plan.schedule
     a = problem.attention
@@ -476,8 +476,13 @@ def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
     knobs = BACKWARD_BLOCK_FACTOR.get((schedule.block_kv, schedule.block_q), 1.0) * (1.0 if schedule.stages > 1 else 0.9)
     knobs *= WGMMA_BACKWARD_FACTOR if schedule.wgmma else 1.0
     efficiency = BACKWARD_EFFICIENCY * knobs * max(waves, 0.25)
-    flops = problem.flops + a.flops  # the recomputed forward (statistics) and the backward proper
-    ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3 + 3 * LAUNCH_OVERHEAD_MS
+    if schedule.saved_statistics:  # read O and dO, write D and LSE2, zero the dq accumulator
+        rows = a.batch * a.heads * a.seq_q
+        statistics_ms = rows * (2 * 2 * a.head_dim + 4 * a.head_dim + 12) / (gpu.hbm_tbps * 1e12) * 1e3
+        flops = problem.flops
+    else:
+        statistics_ms, flops = 0.0, problem.flops + a.flops  # the forward recomputed, then the backward proper
+    ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3 + statistics_ms + 3 * LAUNCH_OVERHEAD_MS
     return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, 1.0, waves, knobs)
 
 

@@ -303,6 +303,29 @@ def backward_reference(problem: AttentionBackwardProblem, stored: Mapping[str, A
     return dict(zip(("dq", "dk", "dv"), grads))
 
 
+def fill_saved_statistics(problem: AttentionBackwardProblem, stored: Mapping[str, Any]) -> None:
+    """Write the forward's output and rows' log-sum-exp (float32 math, then the stored dtypes) into
+    the problem's saved ``o`` and ``lse`` tensors in ``stored``, from its q, k and v there: the inputs
+    a saved-statistics backward reads are then those its forward would have saved."""
+    import torch
+
+    a, saved = problem.attention, problem.saved
+    q, k, v = (operand_view(a, role, stored[a.name(role)]).float() for role in "qkv")
+    if a.group_size > 1:
+        k, v = (x.repeat_interleave(a.group_size, dim=1) for x in (k, v))
+    o_view = _strided(stored[saved.o], saved.o_layout, a.logical_shape("q"))
+    lse_view = torch.as_strided(stored[saved.lse], a.logical_shape("q")[:3], saved.lse_layout.strides(),
+                                saved.lse_layout.offset)  # fmt: skip
+    scale = a.scale or a.head_dim**-0.5
+    for b in range(a.batch):  # a head's scores at a time: the seed shape's are 128 MB each
+        for h in range(a.heads):
+            scores = (q[b, h] @ k[b, h].T) * scale
+            if a.causal:
+                scores.masked_fill_(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+            lse_view[b, h] = torch.logsumexp(scores, dim=-1)
+            o_view[b, h] = torch.softmax(scores, dim=-1) @ v[b, h]
+
+
 def _measure_backward(task: MeasureTask, device: int, flush: L2Flush) -> Measurement:
     """Verify a flash-attention backward plan's every gradient against float32 autograd, then time it."""
     import torch
@@ -319,7 +342,12 @@ def _measure_backward(task: MeasureTask, device: int, flush: L2Flush) -> Measure
     out = {g.role: torch.full(g.layout.shape, float("nan"), dtype=dtype, device=f"cuda:{device}")
            for g in problem.gradients}  # fmt: skip
     q, k, v, grad_output = (stored[n] for n in (a.q, a.k, a.v, problem.grad_output))
-    kernel(q, k, v, grad_output, out)
+    saved = {}
+    if task.compiled.plan.schedule.saved_statistics:
+        stored[problem.saved.lse] = stored[problem.saved.lse].float()
+        fill_saved_statistics(problem, stored)
+        saved = {"o": stored[problem.saved.o], "lse": stored[problem.saved.lse]}
+    kernel(q, k, v, grad_output, out, **saved)
     torch.cuda.synchronize()
     reference = backward_reference(problem, stored)
     errors = {}
@@ -332,7 +360,7 @@ def _measure_backward(task: MeasureTask, device: int, flush: L2Flush) -> Measure
     if not error <= TOLERANCE[a.dtype]:  # NaN fails too
         reason = "relative errors " + ", ".join(f"{role} {e:.3g}" for role, e in errors.items())
         return Measurement(task.candidate, "wrong", reason + f" (tolerance {TOLERANCE[a.dtype]})", error)
-    times, stopped = _time(lambda: kernel(q, k, v, grad_output, out), flush, task.samples, task.best_ms)
+    times, stopped = _time(lambda: kernel(q, k, v, grad_output, out, **saved), flush, task.samples, task.best_ms)
     reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
 

@@ -84,18 +84,22 @@ def host_source(plan) -> str:
     return f"#define CK_EMU_MMA_FP16 {1 - int(bf16)}\n#define CK_BF16 {bf16}\n" + PRELUDE + HOST_HELPERS + body
 
 
+FILES = ("q", "k", "v", "do", "dq", "dk", "dv", "ws", "o", "lse")
+"""The buffers the host program reads, in its arguments' order (o and lse: the saved statistics)."""
+
+
 def _main(plan) -> str:
     name = kernel_name(plan)
     launches = grids(plan)
-    files = ["q", "k", "v", "do", "dq", "dk", "dv", "ws"]
-    reads = "\n".join(f"    auto buf_{f} = read_file(argv[{i + 1}]);" for i, f in enumerate(files))
+    reads = "\n".join(f"    auto buf_{f} = read_file(argv[{i + 1}]);" for i, f in enumerate(FILES))
     e = "unsigned short*"
-    pointers = {f: f"reinterpret_cast<{e}>(buf_{f}.data())" for f in files[:7]}
+    pointers = {f: f"reinterpret_cast<{e}>(buf_{f}.data())" for f in ("q", "k", "v", "do", "dq", "dk", "dv", "o")}
     ws = "reinterpret_cast<float*>(buf_ws.data())"
     main_args = ", ".join([*(pointers[f] for f in ("q", "k", "v", "do", "dk", "dv")), ws])
-    stat_args = ", ".join([*(pointers[f] for f in ("q", "k", "v", "do")), ws])
+    stat_args = (", ".join([pointers["o"], "reinterpret_cast<float*>(buf_lse.data())", pointers["do"], ws])
+                 if plan.schedule.saved_statistics else ", ".join([*(pointers[f] for f in ("q", "k", "v", "do")), ws]))
     writes = "\n".join(
-        f'    {{ FILE* f = std::fopen(argv[{9 + i}], "wb"); std::fwrite(buf_{g}.data(), 1, buf_{g}.size() - 64, f); std::fclose(f); }}'
+        f'    {{ FILE* f = std::fopen(argv[{len(FILES) + 1 + i}], "wb"); std::fwrite(buf_{g}.data(), 1, buf_{g}.size() - 64, f); std::fclose(f); }}'
         for i, g in enumerate(("dq", "dk", "dv"))
     )
     return f"""
@@ -112,9 +116,11 @@ int main(int argc, char** argv) {{
 """
 
 
-def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray) -> dict[str, np.ndarray]:
+def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, o: np.ndarray | None = None,
+                     lse: np.ndarray | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """The plan's gradients (float64; NaN where never written) for contiguous BHSD operands; the
-    gradients' buffers are laid out as the plan's layouts say (contiguous ones here)."""
+    gradients' buffers are laid out as the plan's layouts say (contiguous ones here). A plan that
+    reads saved statistics takes the forward's ``o`` and ``lse`` (contiguous) too."""
     compiler = shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no g++ to emulate kernels with")
@@ -144,8 +150,17 @@ def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.n
             np.full(2 * count, 0xFF, dtype=np.uint8).tofile(path)  # NaN poison
             paths.append(str(path))
         workspace = Path(tmp) / "ws.bin"
-        np.zeros(workspace_floats(plan), dtype=np.float32).tofile(workspace)
+        np.full(workspace_floats(plan), np.nan, dtype=np.float32).tofile(workspace)  # every pass writes its part
         paths.append(str(workspace))
+        for label, values in (("o", o), ("lse", lse)):
+            path = Path(tmp) / f"{label}.bin"
+            if values is None:
+                np.zeros(16, dtype=np.uint8).tofile(path)
+            elif label == "o":
+                to_bits(values, dtype).tofile(path)
+            else:
+                np.asarray(values, dtype=np.float32).tofile(path)
+            paths.append(str(path))
         outputs = [str(Path(tmp) / f"out_{role}.bin") for role in ("dq", "dk", "dv")]
         run = subprocess.run([str(binary), *paths, *outputs], capture_output=True, text=True, timeout=900)
         if run.returncode:

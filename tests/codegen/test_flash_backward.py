@@ -11,6 +11,7 @@ import pytest
 
 import cherenkov as ck
 from cherenkov.codegen import compile_plans, cuda_source, load_kernel
+from cherenkov.graph.evaluate import fill_saved_inputs
 
 from .backward_emulator import emulate_backward
 from .emulator import rounded
@@ -19,13 +20,18 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to em
 
 
 def gradient_graph(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, dim: int, causal: bool,
-                   dtype: str = "bf16", wrt: tuple[str, ...] = ("q", "k", "v")) -> ck.Graph:  # fmt: skip
-    """``ck.grad`` of ``ck.nn.attention`` at these sizes."""
+                   dtype: str = "bf16", wrt: tuple[str, ...] = ("q", "k", "v"), saved: bool = False) -> ck.Graph:  # fmt: skip
+    """``ck.grad`` of ``ck.nn.attention`` at these sizes (``saved``: its output and log-sum-exp saved)."""
     g = ck.Graph("attention")
     q = g.input("q", (batch, heads, seq_q, dim), dtype)
     k, v = (g.input(n, (batch, kv_heads, seq_kv, dim), dtype) for n in "kv")
-    g.output(ck.nn.attention(q, k, v, causal=causal), "o")
-    return ck.grad(g, wrt=wrt)
+    if not saved:
+        g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+        return ck.grad(g, wrt=wrt)
+    o, lse = ck.nn.attention(q, k, v, causal=causal, return_lse=True)
+    g.output(o, "o")
+    g.output(lse, "lse")
+    return ck.grad(g, wrt=wrt, saved=("o", "lse"), outputs=("o",))
 
 
 def backward_plans(gg: ck.Graph, target: str = "sm_90"):
@@ -143,6 +149,29 @@ def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedu
             assert error <= 1e-2, f"{key}: {role} differs by {error:.3g}"
 
 
+@needs_gxx
+@pytest.mark.parametrize(("sizes", "causal", "wrt", "schedule"), [
+    ((2, 4, 2, 37, 70, 32), True, ("q", "k", "v"), "kv64_q32_s2_saved"),  # GQA, Sq < Skv, batch strides
+    ((1, 2, 2, 100, 77, 64), False, ("q", "k"), "kv128_q64_s2_saved"),  # Sq > Skv, no dv
+], ids=["causal_gqa", "no_dv"])  # fmt: skip
+def test_emulated_backward_reads_the_saved_statistics(sizes, causal, wrt, schedule) -> None:
+    """The statistics pass that reads the forward's saved output and log-sum-exp gives the gradients
+    of the graph (its saved inputs filled from the values they hold)."""
+    gg = gradient_graph(*sizes, causal=causal, wrt=wrt, saved=True)
+    assert set(gg.saved) == {"o", "lse"}
+    inputs = fill_saved_inputs(gg, {n: x for n, x in _inputs(gg).items() if n not in gg.saved})
+    inputs["o"] = rounded(inputs["o"], "bf16")  # the forward stores o in its dtype
+    expected = ck.evaluate(gg, inputs)
+    plans = {p.schedule.key(): p for p in backward_plans(gg)}
+    assert {key for key in plans if key.endswith("_saved")} == {key + "_saved" for key in plans if "_saved" not in key}
+    got = emulate_backward(plans[schedule], *(inputs[n] for n in ("q", "k", "v", "d_o", "o", "lse")))
+    assert set(got) == {f"d{n}" for n in wrt}
+    for role, values in got.items():
+        reference = expected[f"d_{role[1]}"]
+        error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
+        assert error <= 1e-2, f"{schedule}: {role} differs by {error:.3g}"
+
+
 # ------------------------------------------------------------------------------ GPU
 
 GPU_CASES = [
@@ -182,10 +211,29 @@ def test_gpu_wgmma_main_pass_matches_float32_autograd(sizes, causal, wrt, cuda_d
     _check_against_autograd(plans, "bf16", cuda_device, kernel_cache)
 
 
+SAVED_GPU_CASES = [
+    ((2, 8, 2, 200, 333, 128), True, "bf16"),  # GQA, ragged, causal
+    ((1, 4, 4, 300, 200, 64), True, "bf16"),  # Sq > Skv
+    ((2, 4, 4, 77, 129, 32), False, "fp16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "causal", "dtype"), SAVED_GPU_CASES, ids=["d128_gqa_causal_ragged", "d64_causal",
+                                                                            "fp16_d32"])  # fmt: skip
+def test_gpu_saved_statistics_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
+    """Every schedule that reads the forward's saved output and log-sum-exp (both families on sm_90a),
+    every gradient against float32 autograd, o and lse computed by the float32 forward."""
+    plans = [p for p in backward_plans(gradient_graph(*sizes, causal=causal, dtype=dtype, saved=True), "sm_90a")
+             if p.schedule.saved_statistics]  # fmt: skip
+    assert any(p.schedule.wgmma for p in plans) == (sizes[-1] in (64, 128))
+    _check_against_autograd(plans, dtype, cuda_device, kernel_cache)
+
+
 def _check_against_autograd(plans, dtype: str, cuda_device, kernel_cache) -> None:
     import torch
 
-    from cherenkov.search.measure import TOLERANCE, backward_reference
+    from cherenkov.search.measure import TOLERANCE, backward_reference, fill_saved_statistics
 
     builds = compile_plans(plans, cache_dir=kernel_cache)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -193,6 +241,11 @@ def _check_against_autograd(plans, dtype: str, cuda_device, kernel_cache) -> Non
     generator = torch.Generator(device=cuda_device).manual_seed(0)
     stored = {n: torch.randn(s, generator=generator, device=cuda_device).to(torch_dtype)
               for n, s in problem.stored_shapes().items()}  # fmt: skip
+    saved = {}
+    if problem.saved is not None:
+        stored[problem.saved.lse] = stored[problem.saved.lse].float()
+        fill_saved_statistics(problem, stored)
+        saved = {"o": stored[problem.saved.o], "lse": stored[problem.saved.lse]}
     reference = backward_reference(problem, stored)
     for plan, build in zip(plans, builds):
         assert not isinstance(build, Exception), build
@@ -200,7 +253,8 @@ def _check_against_autograd(plans, dtype: str, cuda_device, kernel_cache) -> Non
         for _ in range(2):
             out = {g.role: torch.full(g.layout.shape, float("nan"), dtype=torch_dtype, device=cuda_device)
                    for g in problem.gradients}  # fmt: skip
-            kernel(stored["q"], stored["k"], stored["v"], stored["d_o"], out)
+            kernel(stored["q"], stored["k"], stored["v"], stored["d_o"], out, **(saved if plan.schedule.saved_statistics
+                                                                                  else {}))  # fmt: skip
             torch.cuda.synchronize()
             for role, value in out.items():
                 error = float((value.float() - reference[role]).norm() / reference[role].norm())

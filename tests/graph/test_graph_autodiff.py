@@ -188,3 +188,75 @@ def test_bad_wrt_is_a_graph_error() -> None:
         ck.grad(g, wrt=())
     with pytest.raises(ck.GraphError, match="expected a ck.Graph"):
         ck.grad("graph", wrt=("x",))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_saved_output_and_log_sum_exp_become_saved_inputs(causal: bool) -> None:
+    """``saved=`` makes the forward's outputs inputs of the gradient graph that hold their values,
+    ``outputs=`` leaves the log-sum-exp undifferentiated: the gradients are unchanged, the saved
+    inputs are filled from their values when not given, and the graph serialises with them."""
+    g = ck.Graph("attention")
+    q = g.input("q", (1, 2, 5, 8), "fp32")
+    k, v = (g.input(n, (1, 2, 7, 8), "fp32") for n in "kv")
+    o, lse = ck.nn.attention(q, k, v, causal=causal, return_lse=True)
+    g.output(o, "o")
+    g.output(lse, "lse")
+    gg = ck.grad(g, wrt=("q", "k", "v"), saved=("o", "lse"), outputs=("o",))
+    assert list(gg.inputs) == ["q", "k", "v", "o", "lse", "d_o"] and set(gg.saved) == {"o", "lse"}
+    assert gg.inputs["lse"].shape == (1, 2, 5) and gg.inputs["lse"].dtype == "fp32"
+    values = {n: RNG.standard_normal(x.shape) for n, x in g.inputs.items()}
+    cotangent = RNG.standard_normal(o.shape)
+    got = ck.evaluate(gg, {**values, "d_o": cotangent})
+    leaves = [torch.tensor(values[n], requires_grad=True) for n in "qkv"]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+    for name, want in zip("qkv", torch.autograd.grad(out, leaves, torch.tensor(cotangent))):
+        np.testing.assert_allclose(got[f"d_{name}"], want.numpy(), rtol=1e-9, atol=1e-9)
+    forward = ck.evaluate(g, values)
+    examples = gg.example_inputs()
+    filled = ck.evaluate(g, {n: examples[n] for n in "qkv"})
+    np.testing.assert_allclose(examples["o"], filled["o"])
+    np.testing.assert_allclose(examples["lse"], filled["lse"])
+    assert np.isfinite(forward["lse"]).all()
+    loaded = ck.Graph.from_json(gg.to_json())
+    assert loaded.structural_hash() == gg.structural_hash() and set(loaded.saved) == {"o", "lse"}
+    assert loaded.saved["o"].shape == o.shape
+
+
+def test_log_sum_exp_matches_torch() -> None:
+    g = ck.Graph("lse")
+    x = g.input("x", (3, 2, 9), "fp32")
+    g.output(ck.nn.logsumexp(x, axis=1), "a")
+    g.output(ck.nn.logsumexp(x), "b")
+    values = {"x": RNG.standard_normal((3, 2, 9)) * 4}
+    got = ck.evaluate(g, values)
+    np.testing.assert_allclose(got["a"], torch.logsumexp(torch.tensor(values["x"]), 1).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(got["b"], torch.logsumexp(torch.tensor(values["x"]), -1).numpy(), rtol=1e-12)
+
+
+def test_bad_saved_and_outputs_are_graph_errors() -> None:
+    g = ck.Graph("f")
+    x = g.input("x", (2,), "fp32")
+    g.output(x * 2.0, "y")
+    g.output(x < 1.0, "mask")
+    with pytest.raises(ck.GraphError, match="saved names 'z', which is not an output"):
+        ck.grad(g, wrt=("x",), saved=("z",))
+    with pytest.raises(ck.GraphError, match="outputs names 'x', which is not an output"):
+        ck.grad(g, wrt=("x",), outputs=("x",))
+    with pytest.raises(ck.GraphError, match="only floating-point outputs take a cotangent"):
+        ck.grad(g, wrt=("x",), outputs=("mask",))
+    with pytest.raises(ck.GraphError, match="no output of 'f' to differentiate"):
+        ck.grad(g, wrt=("x",), outputs=())
+    with pytest.raises(ck.GraphError, match="saved values are floating-point"):
+        ck.grad(g, wrt=("x",), saved=("mask",))
+    h = ck.Graph("h")
+    a = h.input("a", (2,), "fp32")
+    b = h.input("b", (3,), "fp32")
+    with pytest.raises(ck.GraphError, match="is \\(3,\\) fp32, the value it holds \\(2,\\) fp32"):
+        h.mark_saved(b, a * 2.0)
+    with pytest.raises(ck.GraphError, match="computed from 'a' itself"):
+        h.mark_saved(a, a * 2.0)
+    with pytest.raises(ck.GraphError, match="expected an input tensor"):
+        h.mark_saved(a * 2.0, a)
+    h.saved_input("c", a * 2.0)
+    with pytest.raises(ck.GraphError, match="already declared"):
+        h.mark_saved(h.inputs["c"], a * 3.0)

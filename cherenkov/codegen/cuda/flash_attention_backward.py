@@ -11,7 +11,10 @@ and ``dq = c·dS k``, ``dk = c·dSᵀ q``, ``dv = Pᵀ dO``
 1. ``<name>_statistics`` — one block of 4 warps per 64 query rows of one head: the forward
    once more (S = Q Kᵀ, the online softmax, O = P V in registers) over the keys the rows
    see, then each row's ``LSE₂`` (the log-sum-exp in log2 units of the scaled scores) and
-   ``D = Σ_e dO·O``; it also zeroes the rows' fp32 dq accumulator.
+   ``D = Σ_e dO·O``; it also zeroes the rows' fp32 dq accumulator. Where the forward saved its
+   output and log-sum-exp (``saved_statistics``), the pass reads them instead: a warp per
+   query row computes ``D`` from the saved O and converts the saved log-sum-exp to ``LSE₂``,
+   and the blocks zero the whole dq accumulator.
 2. ``<name>`` (the main pass) — one block per ``BLOCK_KV`` keys of one K/V head; warp ``w``
    owns keys ``16w … 16w + 15`` and holds their dk and dv in fp32 registers while the query
    tiles of every query head of the group stream through shared memory (``STAGES`` buffers:
@@ -28,10 +31,11 @@ phase fall in 8 different bank groups. Every problem value and tile size is a co
 constant; q, k, v, dO and the gradients may lie at any strides with a contiguous head dim.
 
 Launch (:class:`cherenkov.codegen.launch.FlashBackwardKernel`): statistics on grid
-``(ceil(Sq / 64), H, B)`` × 128 threads, the main pass on ``(ceil(Skv / BLOCK_KV), H_kv, B)`` ×
-``32·BLOCK_KV/16`` threads, dq on ``(ceil(B·H·Sq·D / 512),)`` × 256 threads; arguments
-``(q, k, v, dO, dq, dk, dv, workspace)`` (pointers; a gradient not wanted is null), the
-workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq accumulator).
+``(ceil(Sq / 64), H, B)`` × 128 threads (saved statistics: ``(ceil(B·H·Sq / 8),)`` × 256), the
+main pass on ``(ceil(Skv / BLOCK_KV), H_kv, B)`` × ``32·BLOCK_KV/16`` threads, dq on
+``(ceil(B·H·Sq·D / 512),)`` × 256 threads; arguments ``(q, k, v, dO, dq, dk, dv, workspace)``
+(pointers; a gradient not wanted is null; the saved statistics pass takes ``(o, lse, dO,
+workspace)``), the workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq accumulator).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from cherenkov.rewrites.plan_backward import (
 
 LOG2E = 1.4426950408889634
 STATISTICS_THREADS = 4 * 32
+SAVED_STATISTICS_THREADS = 256
+"""Threads of a saved-statistics block: a warp per query row."""
 DQ_THREADS = 256
 
 
@@ -75,16 +81,25 @@ def workspace_floats(plan: BackwardPlan) -> int:
         return flash_attention_backward_sm90a.workspace_floats(plan)
     a = plan.problem.attention
     rows = a.batch * a.heads * a.seq_q
-    return -(-2 * rows // 4) * 4 + rows * a.head_dim
+    return dq_accumulator_offset(plan) + rows * a.head_dim
+
+
+def dq_accumulator_offset(plan: BackwardPlan) -> int:
+    """Where the dq accumulator starts in the workspace: after each row's LSE₂ and D, 16-byte aligned."""
+    a = plan.problem.attention
+    return -(-2 * a.batch * a.heads * a.seq_q // 4) * 4
 
 
 def grids(plan: BackwardPlan) -> dict[str, tuple[tuple[int, int, int], int, int]]:
     """Per launch (``statistics``, ``main``, ``dq``): grid, threads and dynamic shared memory."""
     a, s = plan.problem.attention, plan.schedule
     elements = a.batch * a.heads * a.seq_q * a.head_dim
+    saved_rows = SAVED_STATISTICS_THREADS // 32
     return {
-        "statistics": ((-(-a.seq_q // statistics_rows(s)), a.heads, a.batch),
-                       2 * 128 if s.wgmma else STATISTICS_THREADS, statistics_smem_bytes(plan.problem, s)),
+        "statistics": (((-(-a.batch * a.heads * a.seq_q // saved_rows), 1, 1), SAVED_STATISTICS_THREADS, 0)
+                       if s.saved_statistics else
+                       ((-(-a.seq_q // statistics_rows(s)), a.heads, a.batch),
+                        2 * 128 if s.wgmma else STATISTICS_THREADS, statistics_smem_bytes(plan.problem, s))),
         "main": ((-(-a.seq_kv // s.block_kv), a.kv_heads, a.batch), s.threads, backward_smem_bytes(s, plan.problem)),
         "dq": ((max(1, -(-elements // (2 * DQ_THREADS))), 1, 1), DQ_THREADS, 0),
     }  # fmt: skip
@@ -107,6 +122,7 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
                 _helpers(), *([hopper.helpers(plan)] if hopper else
                               [flash_attention_backward_sm90a.emit_reduce_add_v4_f32()] if vector_reductions else [])),
         section("statistics: each query row's log-sum-exp and D = rowsum(dO o)",
+                _saved_statistics_kernel(name) if plan.schedule.saved_statistics else
                 hopper.statistics_kernel(plan, name) if hopper else _statistics_kernel(name)),
         section("main pass: dk and dv held per key tile, dq accumulated",
                 hopper.main_kernel(plan, name) if hopper else _main_kernel(name, vector_reductions)),
@@ -124,7 +140,8 @@ def _header(plan: BackwardPlan, name: str) -> str:
         f"given dO ({identifier(plan.problem.grad_output)}).",
         f"B={a.batch} H={a.heads} H_kv={a.kv_heads} Sq={a.seq_q} Skv={a.seq_kv} D={a.head_dim} {a.dtype}; "
         f"BLOCK_KV={plan.schedule.block_kv} BLOCK_Q={plan.schedule.block_q} STAGES={plan.schedule.stages}; "
-        f"main pass: {'wgmma (two warpgroups of 64 keys)' if plan.schedule.wgmma else 'mma.sync (a warp per 16 keys)'}.",
+        f"main pass: {'wgmma (two warpgroups of 64 keys)' if plan.schedule.wgmma else 'mma.sync (a warp per 16 keys)'}; "
+        f"statistics {'read from the saved o and log-sum-exp' if plan.schedule.saved_statistics else 'recomputed'}.",
         *(f"{identifier(name + suffix)}: grid {g}, {t} threads, {m} bytes of dynamic shared memory."
           for suffix, (g, t, m) in zip(("_statistics", "", "_dq"), launches.values())),
     ]  # fmt: skip
@@ -308,9 +325,66 @@ def _constants(plan: BackwardPlan) -> str:
         *([] if s.wgmma else mma_sync_main),
         "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;  // workspace: LSE2, D, then dq (B, H, Sq, D)",
         "constexpr size_t DQ_ACCUMULATOR = (2 * ROWS_TOTAL + 3) / 4 * 4;  // the dq accumulator, 16-byte aligned",
+        *(_saved_constants(plan) if s.saved_statistics else []),
         f"constexpr int DQ_THREADS = {DQ_THREADS}, DQ_BLOCKS = {grids(plan)['dq'][0][0]};  // the dq launch",
         "static_assert(D % 16 == 0, \"head dims in whole k16 steps\");",
     ])  # fmt: skip
+
+
+def _saved_constants(plan: BackwardPlan) -> list[str]:
+    """Where the saved o and log-sum-exp lie, and the workspace's dq accumulator size."""
+    saved = plan.problem.saved
+    return [
+        "// the forward's saved o (b, h, s, d) and log-sum-exp (b, h, s) at OFFSET + b * BATCH + h * HEAD + s * SEQ (+ d)",
+        _strides("O", saved.o_layout), _strides("LSE", saved.lse_layout),
+        f"constexpr size_t DQ_FLOATS = {workspace_floats(plan) - dq_accumulator_offset(plan)};  // the dq accumulator",
+        f"constexpr int SAVED_THREADS = {SAVED_STATISTICS_THREADS}, SAVED_ROWS = SAVED_THREADS / 32, "
+        f"SAVED_BLOCKS = {grids(plan)['statistics'][0][0]};",
+        f"constexpr float LOG2E = {float_literal(LOG2E)};",
+    ]
+
+
+def _saved_statistics_kernel(name: str) -> str:
+    return block(
+        """
+        // A warp per query row: D = rowsum(dO o) from the saved o, and the saved log-sum-exp (natural log) as LSE2
+        // (an infinite one, a row without a live key, as +inf: its probabilities are 0); then every block zeroes
+        // its part of the dq accumulator.
+        extern "C" __global__ void __launch_bounds__(SAVED_THREADS) @NAME@_statistics(
+            const elem_t* __restrict__ o, const float* __restrict__ lse, const elem_t* __restrict__ dout,
+            float* __restrict__ workspace) {
+            const int lane = threadIdx.x & 31;
+            const size_t row = size_t(blockIdx.x) * SAVED_ROWS + (threadIdx.x >> 5);
+            if (row < ROWS_TOTAL) {
+                const int s = int(row % SEQ_Q), head = int(row / SEQ_Q % HEADS), batch = int(row / SEQ_Q / HEADS);
+                const elem_t* orow = o + O_OFFSET + batch * O_BATCH + head * O_HEAD + s * O_SEQ;
+                const elem_t* drow = dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD + s * DO_SEQ;
+                float delta = 0.0f;
+                #pragma unroll
+                for (int pair = lane; pair < D / 2; pair += 32) {
+                    const u32 x = *reinterpret_cast<const u32*>(orow + 2 * pair);
+                    const u32 y = *reinterpret_cast<const u32*>(drow + 2 * pair);
+                    delta += to_float(elem_t(x & 0xFFFFu)) * to_float(elem_t(y & 0xFFFFu))
+                           + to_float(elem_t(x >> 16)) * to_float(elem_t(y >> 16));
+                }
+                #pragma unroll
+                for (int offset = 16; offset > 0; offset >>= 1) delta += __shfl_xor_sync(0xffffffffu, delta, offset);
+                if (lane == 0) {
+                    const float x = lse[LSE_OFFSET + batch * LSE_BATCH + head * LSE_HEAD + s * LSE_SEQ];
+                    workspace[row] = fabsf(x) == INFINITY ? INFINITY : x * LOG2E;
+                    workspace[ROWS_TOTAL + row] = delta;
+                }
+            }
+            if (WANT_DQ) {
+                float4* accumulator = reinterpret_cast<float4*>(workspace + DQ_ACCUMULATOR);
+                for (size_t i = size_t(blockIdx.x) * SAVED_THREADS + threadIdx.x; i < DQ_FLOATS / 4;
+                     i += size_t(SAVED_BLOCKS) * SAVED_THREADS) {
+                    accumulator[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+            }
+        }
+        """
+    ).replace("@NAME@", name)
 
 
 def _statistics_kernel(name: str) -> str:
