@@ -104,7 +104,9 @@ class FlashAttentionKernel(_StreamCache):
     one: :class:`~cherenkov.rewrites.plan.AttentionBias`, contiguous, of its dtype and
     shape); ``factors`` the fp32 tensors of the problem's score factors, then of its output
     factors (:attr:`~cherenkov.rewrites.plan.AttentionProblem.factors`: 8-bit operands'
-    descales); o is of the problem's output dtype. Returns ``out`` (allocated if None). A plan with key splits
+    descales); o is of the problem's output dtype; ``lse`` the fp32 tensor a problem with a
+    log-sum-exp output (:class:`~cherenkov.rewrites.plan.LseOutput`) writes each query row's
+    into (required then). Returns ``out`` (allocated if None). A plan with key splits
     owns a zeroed fp32 workspace on the device (its partial states and arrival counters,
     which every launch leaves zeroed again), so launches of one kernel object must not run
     concurrently on two streams.
@@ -131,7 +133,7 @@ class FlashAttentionKernel(_StreamCache):
             self._function.max_dynamic_shared_size_bytes = self.smem_bytes
         self._module = module
 
-    def __call__(self, q, k, v, out=None, bias=None, factors=()):
+    def __call__(self, q, k, v, out=None, bias=None, factors=(), lse=None):
         import torch
 
         p = self.problem
@@ -151,22 +153,27 @@ class FlashAttentionKernel(_StreamCache):
                                f"got {len(factors)}")  # fmt: skip
         for factor, tensor in zip(p.factors, factors):
             check_tensor(name, factor.tensor, tensor, factor.shape, "fp32", self.device)
-        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, bias, tuple(factors))
+        if (p.lse is None) != (lse is None):
+            raise CodegenError(f"{name} writes {'no' if p.lse is None else 'a'} log-sum-exp output; "
+                               f"got {'one' if lse is not None else 'none'} (lse=)")  # fmt: skip
+        if p.lse is not None:
+            check_tensor(name, p.lse.tensor, lse, p.lse.layout.shape, "fp32", self.device)
+        self._launch(q, k, v, out, torch.cuda.current_stream(q.device).cuda_stream, bias, tuple(factors), lse)
         return out
 
-    def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None, factors=(), lse=None) -> None:
         """Launch on checked tensors, on the raw CUDA stream handle ``stream``."""
         import cupy
 
         with cupy.cuda.Device(self.device):
-            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out, *self._tail_args(bias, factors)))
+            args = tuple(np.uint64(t.data_ptr()) for t in (q, k, v, out, *self._tail_args(bias, factors, lse)))
             self._function(self.grid, self.block, args, shared_mem=self.smem_bytes, stream=self._stream(stream))
 
-    def _tail_args(self, bias, factors=()) -> tuple:
-        """The tensors after the operands: the bias (if the problem has one), the factors, then
-        the key splits' workspace (if the plan has one)."""
+    def _tail_args(self, bias, factors=(), lse=None) -> tuple:
+        """The tensors after the operands: the bias (if the problem has one), the factors, the key
+        splits' workspace (if the plan has one), then the log-sum-exp output (if the problem has one)."""
         return ((() if bias is None else (bias,)) + tuple(factors)
-                + (() if self._workspace is None else (self._workspace,)))  # fmt: skip
+                + (() if self._workspace is None else (self._workspace,)) + (() if lse is None else (lse,)))  # fmt: skip
 
 
 class TermKernel(_StreamCache):
@@ -331,7 +338,7 @@ class TmaFlashKernel(FlashAttentionKernel):
         super().__init__(compiled, device)
         self._maps: dict[tuple[int, int], tuple[tensor_map.TensorMap, ...]] = {}
 
-    def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None, factors=(), lse=None) -> None:
         import torch
 
         rows = self.compiled.plan.schedule.block_kv
@@ -341,7 +348,7 @@ class TmaFlashKernel(FlashAttentionKernel):
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function.kernel.ptr, self.grid, self.block, self.smem_bytes, stream,
                               (ctypes.c_uint64(q.data_ptr()), ctypes.c_uint64(out.data_ptr()), *maps,
-                               *(ctypes.c_uint64(t.data_ptr()) for t in self._tail_args(bias))))  # fmt: skip
+                               *(ctypes.c_uint64(t.data_ptr()) for t in self._tail_args(bias, (), lse))))  # fmt: skip
 
 
 class HopperFlashKernel(FlashAttentionKernel):
@@ -408,7 +415,7 @@ class HopperFlashKernel(FlashAttentionKernel):
             operand_map(p, "o", key[3], o_rows, ROWS_PER_CONSUMER // o_rows, row_bytes),
         ))  # fmt: skip
 
-    def _launch(self, q, k, v, out, stream: int, bias=None, factors=()) -> None:
+    def _launch(self, q, k, v, out, stream: int, bias=None, factors=(), lse=None) -> None:
         import cupy
         import torch
 
@@ -420,7 +427,7 @@ class HopperFlashKernel(FlashAttentionKernel):
                 transpose(transpose_grid(self.problem), (TRANSPOSE_THREADS, 1, 1),
                           (np.uint64(v.data_ptr()), np.uint64(workspace.data_ptr())), stream=self._stream(stream))
         maps = self._tensor_maps(q, k, v, out)
-        pointers = (out,) + (() if bias is None else (bias,)) + tuple(factors)
+        pointers = (out,) + (() if bias is None else (bias,)) + tuple(factors) + (() if lse is None else (lse,))
         with torch.cuda.device(self.device):
             tensor_map.launch(self._function, self.grid, self.block, self.smem_bytes, stream,
                               (*maps, *(ctypes.c_uint64(t.data_ptr()) for t in pointers)))  # fmt: skip

@@ -839,9 +839,12 @@ records: lowered without a mask or dropout (:func:`lowers_node`)."""
 @_op(*SDPA_BACKWARD_KERNELS)
 def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     """An SDPA backend kernel's backward: the gradients of q, k and v as ``ck.grad`` writes them
-    (the attention's vector-Jacobian product, recomputed from q, k and v; the forward's saved
-    output and log-sum-exp are not read), so the derivation fuses them into a flash backward.
-    The graph is marked a gradient graph (the derivation then looks through its intermediates)."""
+    (the attention's vector-Jacobian product, recomputed from q, k and v), so the derivation fuses
+    them into a flash backward. The forward's output and log-sum-exp, where the graph reads them
+    as inputs of the attention's own shapes (fp32 rows, as FlashAttention-2's and the CPU kernel's),
+    are declared saved inputs holding those values: the backward may read them instead of running
+    the forward again. The graph is marked a gradient graph (the derivation then looks through its
+    intermediates)."""
     if not _plain_sdpa_backward(c.node):
         raise GraphError("an SDPA backward is lowered without a mask, dropout or packed sequences only")
     grad_out = c.t(a["grad_out"] if "grad_out" in a else a["grad_out_"])
@@ -849,7 +852,23 @@ def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     causal, scale = bool(a.get("is_causal")), a.get("scale")
     gradients = vjp(lambda q, k, v: cknn.attention(q, k, v, causal=causal, scale=scale), (q, k, v), grad_out)
     c.g.is_gradient = True
+    _declare_saved_statistics(c, a, q, k, v, causal, scale)
     return (*gradients, *(None,) * (len(c.node.meta["val"]) - 3))
+
+
+def _declare_saved_statistics(c: _Capture, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                              scale: float | None) -> None:  # fmt: skip
+    """Mark an SDPA backward's ``out`` and ``logsumexp`` arguments saved inputs holding the attention's
+    output and log-sum-exp, where both are graph inputs of exactly those shapes and dtypes."""
+    out, lse = a.get("out"), a.get("logsumexp")
+    if not isinstance(out, Tensor) or not isinstance(lse, Tensor) or out.node.op != "input" or lse.node.op != "input":
+        return
+    if any(x.node.attrs[0] in c.g.saved for x in (out, lse)):
+        return
+    o_value, lse_value = cknn.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    if (out.shape, out.dtype, lse.shape, lse.dtype) == (o_value.shape, o_value.dtype, lse_value.shape, lse_value.dtype):
+        c.g.mark_saved(out, o_value)
+        c.g.mark_saved(lse, lse_value)
 
 
 def _attends_in_every_row(mask: _Band) -> bool:

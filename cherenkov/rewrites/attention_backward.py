@@ -22,7 +22,15 @@ from dataclasses import dataclass, replace
 
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead
-from cherenkov.rewrites.kernels import FusedKernel, KernelError, SideOutput, _flash_read, attention_problem
+from cherenkov.rewrites.kernels import (
+    FusedKernel,
+    KernelError,
+    SideOutput,
+    _flash_read,
+    attention_problem,
+    lse_output,
+    query_axis_roles,
+)
 from cherenkov.rewrites.plan import OperandLayout
 from cherenkov.rewrites.plan import AttentionProblem
 from cherenkov.rewrites.plan_backward import GRADIENT_ROLES, AttentionBackwardProblem, GradientOutput, SavedStatistics
@@ -110,22 +118,6 @@ def joined_backward(kernels: list[FusedKernel]) -> list[FusedKernel]:
     return [k for k in result if k is not None]
 
 
-def _axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None, str]:
-    """(batch, head, query) axis names of an attention whose q and k read one head each (as
-    :func:`~cherenkov.rewrites.kernels.attention_problem` names them: of the axes q shares with
-    k, the head is the one q strides least)."""
-    q_axes = {atom[1] for atom in q_read.strides if atom[0] == "Ax"}
-    k_axes = {atom[1] if atom[0] == "Ax" else atom[1][1] for atom in k_read.strides}  # h // G: GQA's head
-    shared = sorted(q_axes & k_axes - {dim, key}, key=lambda a: -q_read.strides[t.ax(a)])
-    query = sorted(q_axes - set(shared) - {dim})
-    if len(shared) > 2 or len(query) != 1:
-        raise KernelError(f"flash attention backward: q ({q_read.tensor}) is read along {sorted(q_axes)}; "
-                          "expected q[b, h, i, d]")  # fmt: skip
-    head = shared[-1] if shared else None
-    batch = shared[0] if len(shared) == 2 else None
-    return batch, head, query[0]
-
-
 def _kv_axis_roles(k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None]:
     """(batch, head) axis names of a k read: of its axes other than the key and head dim, the
     head is the one it strides least (the K/V head)."""
@@ -186,7 +178,7 @@ def attention_backward_problem(kernel: FusedKernel, shapes: Mapping[str, tuple[i
     flash = ("FlashAttention", lead.key, lead.n_keys, lead.dim, lead.n_dim, lead.q, lead.k, values, lead.scale, lead.mask)
     attention = attention_problem(flash, shapes, dtypes)
     q_read, k_read = _flash_read(lead.q, "q", shapes), _flash_read(lead.k, "k", shapes)
-    batch, head, query = _axis_roles(q_read, k_read, lead.dim, lead.key)
+    batch, head, query = query_axis_roles(q_read, k_read, lead.dim, lead.key)
     do_read = _flash_read(lead.grad_output, "dO", shapes)
     value_dim = next(iter(set(t.free_axes(lead.grad_output)) - {a for a in (batch, head, query) if a}), None)
     if value_dim is None:
@@ -230,25 +222,6 @@ def _without_output(a: AttentionProblem, values: bool = True) -> tuple:
     return replace(kept, v="", value_dim=0) if not values else kept, reads
 
 
-def _lse_layout(form: Term, axes: tuple[str, ...], shapes: Mapping[str, tuple[int, ...]]) -> OperandLayout:
-    """Where the rows ``(b, h, s)`` of an ``AttentionLse`` form lie in its row-major buffer over ``axes``."""
-    key, _, dim, _, q, k, *_ = form[1:]
-    q_read, k_read = _flash_read(q, "q", shapes), _flash_read(k, "k", shapes)
-    if t.ax(key) in q_read.strides and t.ax(key) not in k_read.strides:
-        q_read, k_read = k_read, q_read
-    batch, head, query = _axis_roles(q_read, k_read, dim, key)
-    shape = tuple(t.extent(a) for a in axes)
-    strides, stride = {}, 1
-    for axis, size in reversed(list(zip(axes, shape))):
-        strides[axis] = stride
-        stride *= size
-    stray = [a for a in axes if t.extent(a) > 1 and a not in (batch, head, query)]
-    if stray:
-        raise KernelError(f"saved log-sum-exp: its buffer varies along {stray}, which are not rows of its attention")
-    return OperandLayout(shape, strides.get(batch, 0) if batch else 0, strides.get(head, 0) if head else 0,
-                         strides[query])  # fmt: skip
-
-
 def saved_attentions(extracted: Mapping[str, Term], root_axes: Mapping[str, tuple[str, ...]],
                      shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]) -> list[SavedAttention]:  # fmt: skip
     """The attentions whose output and log-sum-exp saved inputs hold, from the derivation of the
@@ -267,7 +240,8 @@ def saved_attentions(extracted: Mapping[str, Term], root_axes: Mapping[str, tupl
                 keys = k if key in t.free_axes(k) else q  # in v's place: the operand along the keys
                 scores = attention_problem(("FlashAttention", key, n_keys, dim, n_dim, q, k, keys, scale, mask),
                                            shapes, dtypes)  # fmt: skip
-                statistics.append((name, scores, _lse_layout(body, root_axes[name], shapes)))
+                layout = lse_output(SideOutput(name, body, root_axes[name]), shapes).layout
+                statistics.append((name, scores, layout))
         except KernelError:
             continue
     return [SavedAttention(o, scores, lse, layout) for o in outputs for lse, scores, layout in statistics

@@ -43,7 +43,7 @@ from cherenkov.rewrites.attention_backward import (
     saved_attentions,
     saved_statistics,
 )
-from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem
+from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem, joined_statistics, lse_output
 from cherenkov.rewrites.kernels import partition as partition_kernels
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS, prelude
 from cherenkov.rewrites.lower import Lowered, lower
@@ -82,6 +82,7 @@ FORMS = {
     "layer_norm_row": "LayerNormRow",
     "contraction": "Contract",
     "flash_attention_backward": "FlashAttentionGradQ",  # or GradK, GradV: see Derivation.found
+    "attention_lse": "AttentionLse",
 }
 
 
@@ -340,6 +341,9 @@ class Derivation:
                 return attention_problem(form, *self.tensor_types(kernels))
             shapes, dtypes = self.tensor_types(kernels)
             problem = attention_problem(form, shapes, dtypes, kernel.axes, kernel.buffer)
+            statistics = [side for side in kernel.side_outputs if side.term[0] == "AttentionLse"]
+            if statistics:
+                problem = dataclasses.replace(problem, lse=lse_output(statistics[0], shapes))
         except KernelError:
             return None
         if problem.dtype in FP8_DTYPES:  # 8-bit operands write the output in its own dtype
@@ -360,7 +364,8 @@ class Derivation:
 
     @functools.cache
     def _partition(self, streaming: bool) -> list[FusedKernel]:
-        return joined_backward(partition_kernels(self._extract(() if streaming else STREAMING_FORMS), self.lowered))
+        kernels = partition_kernels(self._extract(() if streaming else STREAMING_FORMS), self.lowered)
+        return joined_backward(joined_statistics(kernels))
 
     @functools.cached_property
     def kernels(self) -> list[FusedKernel]:
@@ -372,7 +377,7 @@ class Derivation:
             return self.unfused_kernels
         if any(k.kind == "flash_attention_backward" and self._backward_problem(k, fused) is None for k in fused):
             return self.unfused_kernels
-        if any(k.kind == "attention_lse" for k in fused):  # no kernel family writes it on its own
+        if any(k.kind == "attention_lse" for k in fused):  # one not written by its flash kernel: no family plans it
             return self.unfused_kernels
         return self._traced(fused)
 

@@ -34,7 +34,15 @@ from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.lower import Lowered
 from cherenkov.graph.shape import SCALE_DTYPES
-from cherenkov.rewrites.plan import BIAS_DTYPES, AttentionBias, AttentionProblem, BlockScales, OperandLayout, ScaleFactor
+from cherenkov.rewrites.plan import (
+    BIAS_DTYPES,
+    AttentionBias,
+    AttentionProblem,
+    BlockScales,
+    LseOutput,
+    OperandLayout,
+    ScaleFactor,
+)
 from cherenkov.rewrites.reference import axis_names as reference_axis_names
 from cherenkov.rewrites.reference import evaluate_term
 from cherenkov.rewrites.terms import Term
@@ -280,8 +288,11 @@ class _Partition:
             return self.prepare_flash(core)
         if head in GRADIENT_OPERANDS:
             return self.prepare_flash_gradient(core)
-        if head == "AttentionLse":  # no kernel of its own: the derivation falls back to the unfused kernels
-            return core
+        if head == "AttentionLse":  # q and k as flash attention reads them (the key-side operand in v's place)
+            key, n_keys, dim, n_dim, q, k, scale, mask = core[1:]
+            keys = k if key in t.free_axes(k) else q
+            prepared = self.prepare_flash(("FlashAttention", key, n_keys, dim, n_dim, q, k, keys, scale, mask))
+            return ("AttentionLse", *prepared[1:7], *prepared[8:10])
         operands = [i for i, a in enumerate(core[1:], start=1) if isinstance(a, tuple) and a[0] not in ("Ax",)]
         result = list(core)
         for position in operands:
@@ -486,6 +497,86 @@ def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKern
             stored[value] = plan.materialise(_replaced(value, stored, {}))
         plan.emit(_replaced(term, stored, memo), name, lowered.root_axes[name])
     return laid_out_for_consumers(plan.kernels, frozenset(lowered.outputs))
+
+
+# ------------------------------------------------------------------ a flash kernel's log-sum-exp
+
+
+def _scores_key(form: Term) -> tuple:
+    """What a ``FlashAttention`` or ``AttentionLse`` form's scores are, whatever its binders call the
+    key and head axes: the q and k reads (either order), the scale and the mask."""
+    key, _, dim, _ = form[1:5]
+    q, k = form[5], form[6]
+    scale, mask = (form[8], form[9]) if form[0] == "FlashAttention" else (form[7], form[8])
+
+    def renamed(term: Term) -> Term:
+        return t.replace(t.replace(term, t.ax(key), t.ax("#key")), t.ax(dim), t.ax("#dim"))
+
+    return frozenset((renamed(q), renamed(k))), scale, renamed(mask)
+
+
+def joined_statistics(kernels: list[FusedKernel]) -> list[FusedKernel]:
+    """Each kernel computing just an ``AttentionLse`` (a forward's rows' log-sum-exp, saved for
+    its backward) made a side output of the flash-attention kernel of the same scores, in the
+    place of the later of the two — where no kernel between them reads the earlier one's output;
+    every other kernel as it is."""
+    flash = {}
+    for position, kernel in enumerate(kernels):
+        if kernel.kind == "flash_attention" and kernel.core is not None and kernel.core[0] == "FlashAttention":
+            flash.setdefault(_scores_key(kernel.core), position)
+    result: list[FusedKernel | None] = list(kernels)
+    for position, kernel in enumerate(kernels):
+        if kernel.kind != "attention_lse" or kernel.term != kernel.core:
+            continue
+        target = flash.get(_scores_key(kernel.core))
+        if target is None or result[target] is None:
+            continue
+        first, last = sorted((position, target))
+        if any(kernels[first].output in k.reads for k in kernels[first + 1 : last]):
+            continue
+        owner = kernels[target]
+        joined = replace(owner, reads=tuple(sorted({*owner.reads, *kernel.reads})),
+                         side_outputs=(*owner.side_outputs, SideOutput(kernel.output, kernel.term, kernel.axes)))  # fmt: skip
+        result[position] = result[target] = None
+        result[last] = joined
+    return [k for k in result if k is not None]
+
+
+def lse_output(side: SideOutput, shapes: Mapping[str, tuple[int, ...]]) -> LseOutput:
+    """Where a flash kernel's ``AttentionLse`` side output puts each query row (its row-major
+    buffer over its axes), or ``KernelError``."""
+    form = side.term
+    key, _, dim, _, q, k, *_ = form[1:]
+    q_read, k_read = _flash_read(q, "q", shapes), _flash_read(k, "k", shapes)
+    if t.ax(key) in q_read.strides and t.ax(key) not in k_read.strides:
+        q_read, k_read = k_read, q_read
+    batch, head, query = query_axis_roles(q_read, k_read, dim, key)
+    strides, stride = {}, 1
+    for axis, size in reversed(list(zip(side.axes, side.shape))):
+        strides[axis] = stride
+        stride *= size
+    stray = [a for a in side.axes if t.extent(a) > 1 and a not in (batch, head, query)]
+    if stray:
+        raise KernelError(f"flash attention: its log-sum-exp {side.output} varies along {stray}, which are not "
+                          "rows of the attention")  # fmt: skip
+    layout = OperandLayout(side.shape, strides.get(batch, 0) if batch else 0, strides.get(head, 0) if head else 0,
+                           strides[query])  # fmt: skip
+    return LseOutput(side.output, layout)
+
+
+def query_axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None, str]:
+    """(batch, head, query) axis names of an attention whose q and k read one head each: of the
+    axes q shares with k, the head is the one q strides least."""
+    q_axes = {atom[1] for atom in q_read.strides if atom[0] == "Ax"}
+    k_axes = {atom[1] if atom[0] == "Ax" else atom[1][1] for atom in k_read.strides}  # h // G: GQA's head
+    shared = sorted(q_axes & k_axes - {dim, key}, key=lambda a: -q_read.strides[t.ax(a)])
+    query = sorted(q_axes - set(shared) - {dim})
+    if len(shared) > 2 or len(query) != 1:
+        raise KernelError(f"flash attention: q ({q_read.tensor}) is read along {sorted(q_axes)}; "
+                          "expected q[b, h, i, d]")  # fmt: skip
+    head = shared[-1] if shared else None
+    batch = shared[0] if len(shared) == 2 else None
+    return batch, head, query[0]
 
 
 # ------------------------------------------------------------------ output layouts

@@ -113,6 +113,22 @@ class OperandLayout:
         return same and self.offset == other.offset and math.prod(self.shape) == math.prod(other.shape)
 
 
+@dataclass(frozen=True)
+class LseOutput:
+    """A flash-attention kernel's second output: each query row's log-sum-exp of the scaled,
+    masked scores (natural log, fp32; what a forward pass saves for its backward), row
+    ``(b, h, s)`` at ``offset + b·batch + h·head + s·seq`` of the tensor ``tensor`` of ``shape``
+    (:class:`OperandLayout`'s fields, the head dim absent)."""
+
+    tensor: str
+    layout: OperandLayout
+
+    @classmethod
+    def from_json(cls, data: dict) -> LseOutput:
+        layout = data["layout"]
+        return cls(data["tensor"], OperandLayout(**{**layout, "shape": tuple(layout["shape"])}))
+
+
 BIAS_DTYPES = ("bf16", "fp16", "fp32")
 """Dtypes of an additive attention bias."""
 
@@ -192,7 +208,8 @@ class AttentionProblem:
     (:class:`AttentionBias`; never together with ``causal``). ``score_factors`` multiply the
     scores and ``out_factors`` the output (:class:`ScaleFactor`: 8-bit operands' descales, moved
     out of the contractions by the ``scales`` rules); ``out_dtype`` is o's dtype when it is not
-    the operands' (8-bit operands write a 16- or 32-bit output).
+    the operands' (8-bit operands write a 16- or 32-bit output); ``lse``, where the graph wants
+    it, the rows' log-sum-exp the kernel also writes (:class:`LseOutput`).
     """
 
     batch: int
@@ -216,6 +233,7 @@ class AttentionProblem:
     out_dtype: str = ""
     q_block_scales: BlockScales | None = None
     k_block_scales: BlockScales | None = None
+    lse: LseOutput | None = None
 
     @property
     def output_dtype(self) -> str:
@@ -272,6 +290,8 @@ class AttentionProblem:
         for scales in (self.q_block_scales, self.k_block_scales):
             if scales is not None:
                 shapes[scales.tensor] = scales.shape
+        if self.lse is not None:
+            shapes[self.lse.tensor] = self.lse.layout.shape
         return shapes
 
     def layout_problems(self) -> list[str]:
@@ -303,6 +323,8 @@ class AttentionProblem:
         for key in ("q_block_scales", "k_block_scales"):
             if values.get(key) is not None:
                 values[key] = BlockScales.from_json(values[key])
+        if values.get("lse") is not None:
+            values["lse"] = LseOutput.from_json(values["lse"])
         return cls(**values)
 
     @property
@@ -599,6 +621,9 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
     if schedule.block_q % schedule.warps or schedule.rows_per_warp not in (16, 32):
         reasons.append(f"block_q {schedule.block_q} over {schedule.warps} warps is not 16 or 32 rows a warp")
     reasons += _short_query_problems(schedule, problem)
+    if problem.lse is not None and schedule.short_query:
+        reasons.append("the rows' log-sum-exp output: the prefill schedules write it (no packed groups, key splits "
+                       "or key-splitting warps)")
     if (not schedule.swizzle or schedule.ldmatrix_x == 2) and (
         schedule.stages != 2 or not schedule.kv_split or not schedule.plain
     ):

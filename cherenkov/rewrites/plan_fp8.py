@@ -85,6 +85,8 @@ def fp8_schedule_problems(schedule: Fp8FlashSchedule, problem: AttentionProblem,
         reasons.append(f"head dims {problem.head_dim} and {problem.v_dim}: one head dim, a multiple of 32 up to 256")
     if problem.bias is not None:
         reasons.append("an additive bias (the 8-bit family runs no mask or the causal one)")
+    if problem.lse is not None:
+        reasons.append("the rows' log-sum-exp output (the 8-bit family writes o only)")
     blocks = (problem.q_block_scales, problem.k_block_scales)
     if any(blocks) and not target.block_scale:
         reasons.append(f"MX block scales of q and k need the block-scaled mma.sync (sm_120a; {target.name} has none)")

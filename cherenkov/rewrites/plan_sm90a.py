@@ -287,6 +287,8 @@ def hopper_schedule_problems(
         reasons.append(f"dtype {p.dtype} (valid: {', '.join((*ATTENTION_DTYPES, *HOPPER_EIGHT_BIT_DTYPES))})")
     if p.dtype in HOPPER_EIGHT_BIT_DTYPES:
         reasons += _eight_bit_problems(s, p)
+        if p.lse is not None:
+            reasons.append("the rows' log-sum-exp output: 16-bit operands only")
     elif p.factors:
         reasons.append("score and output factors come with 8-bit operands only")
     dims_valid = all(d % 16 == 0 and 16 <= d <= MAX_HEAD_DIM for d in (p.head_dim, p.v_dim))

@@ -303,27 +303,48 @@ def backward_reference(problem: AttentionBackwardProblem, stored: Mapping[str, A
     return dict(zip(("dq", "dk", "dv"), grads))
 
 
+def attention_statistics(a: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
+                         with_output: bool = True) -> tuple[Any, Any]:  # fmt: skip
+    """The attention's output (``with_output``; else None) and each query row's log-sum-exp of the
+    scaled, masked scores, in float32, from BHSD views of q, k, v (and ``mask``, SDPA's additive
+    one): one head's scores at a time (the seed shape's are 128 MB each)."""
+    import torch
+
+    q, k, v = q.float(), k.float(), v.float()
+    if a.group_size > 1:
+        k, v = (x.repeat_interleave(a.group_size, dim=1) for x in (k, v))
+    scale = a.scale or a.head_dim**-0.5
+    lse = torch.empty(a.logical_shape("q")[:3], dtype=torch.float32, device=q.device)
+    out = torch.empty((*a.logical_shape("q")[:3], a.v_dim), dtype=torch.float32, device=q.device) if with_output \
+        else None
+    for b in range(a.batch):
+        for h in range(a.heads):
+            scores = (q[b, h] @ k[b, h].T) * scale
+            if mask is not None:
+                scores += mask[b, h].float()
+            if a.causal:
+                scores.masked_fill_(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+            lse[b, h] = torch.logsumexp(scores, dim=-1)
+            if out is not None:
+                out[b, h] = torch.softmax(scores, dim=-1) @ v[b, h]
+    return out, lse
+
+
+def _lse_view(tensor: Any, layout: Any, shape: tuple[int, int, int]) -> Any:
+    """The ``(B, H, S)`` view of a log-sum-exp output in its stored tensor."""
+    import torch
+
+    return torch.as_strided(tensor, shape, layout.strides(), layout.offset)
+
+
 def fill_saved_statistics(problem: AttentionBackwardProblem, stored: Mapping[str, Any]) -> None:
     """Write the forward's output and rows' log-sum-exp (float32 math, then the stored dtypes) into
     the problem's saved ``o`` and ``lse`` tensors in ``stored``, from its q, k and v there: the inputs
     a saved-statistics backward reads are then those its forward would have saved."""
-    import torch
-
     a, saved = problem.attention, problem.saved
-    q, k, v = (operand_view(a, role, stored[a.name(role)]).float() for role in "qkv")
-    if a.group_size > 1:
-        k, v = (x.repeat_interleave(a.group_size, dim=1) for x in (k, v))
-    o_view = _strided(stored[saved.o], saved.o_layout, a.logical_shape("q"))
-    lse_view = torch.as_strided(stored[saved.lse], a.logical_shape("q")[:3], saved.lse_layout.strides(),
-                                saved.lse_layout.offset)  # fmt: skip
-    scale = a.scale or a.head_dim**-0.5
-    for b in range(a.batch):  # a head's scores at a time: the seed shape's are 128 MB each
-        for h in range(a.heads):
-            scores = (q[b, h] @ k[b, h].T) * scale
-            if a.causal:
-                scores.masked_fill_(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
-            lse_view[b, h] = torch.logsumexp(scores, dim=-1)
-            o_view[b, h] = torch.softmax(scores, dim=-1) @ v[b, h]
+    out, lse = attention_statistics(a, *(operand_view(a, role, stored[a.name(role)]) for role in "qkv"))
+    _strided(stored[saved.o], saved.o_layout, a.logical_shape("q")).copy_(out)
+    _lse_view(stored[saved.lse], saved.lse_layout, a.logical_shape("q")[:3]).copy_(lse)
 
 
 def _measure_backward(task: MeasureTask, device: int, flush: L2Flush) -> Measurement:
@@ -382,10 +403,12 @@ def _measure(task: MeasureTask, device: int, flush: L2Flush) -> Measurement:
     out_dtype = getattr(torch, TORCH_DTYPES[problem.output_dtype])
     out = torch.full(problem.layout("o").shape, float("nan"), dtype=out_dtype, device=q.device)
     extra = {"factors": tuple(stored[f.tensor] for f in problem.factors)} if problem.factors else {}
+    if problem.lse is not None:
+        extra["lse"] = torch.full(problem.lse.layout.shape, float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, out, bias, **extra)
     torch.cuda.synchronize()
-    reference = _reference(problem, *(operand_view(problem, role, stored[problem.name(role)]) for role in "qkv"),
-                           _sdpa_mask(problem, stored, torch.float32),
+    views = [operand_view(problem, role, stored[problem.name(role)]) for role in "qkv"]
+    reference = _reference(problem, *views, _sdpa_mask(problem, stored, torch.float32),
                            factor_products(problem, stored) if problem.factors else None)  # fmt: skip
     got = operand_view(problem, "o", out)
     error = float((got.float() - reference).norm() / reference.norm())
@@ -395,9 +418,30 @@ def _measure(task: MeasureTask, device: int, flush: L2Flush) -> Measurement:
             f"; {unwritten} output elements NaN (unwritten or invalid)" if unwritten else ""
         )
         return Measurement(task.candidate, "wrong", reason, error)
+    if problem.lse is not None:
+        _, expected = attention_statistics(problem, *views, _sdpa_mask(problem, stored, torch.float32), False)
+        lse_error = lse_difference(_lse_view(extra["lse"], problem.lse.layout, problem.logical_shape("q")[:3]),
+                                   expected)  # fmt: skip
+        if not lse_error <= LSE_TOLERANCE:
+            return Measurement(task.candidate, "wrong", f"log-sum-exp off by {lse_error:.3g} > {LSE_TOLERANCE}", error)
     times, stopped = _time(lambda: kernel(q, k, v, out, bias, **extra), flush, task.samples, task.best_ms)
     reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
+
+
+LSE_TOLERANCE = 1e-3
+"""Largest absolute difference of a kernel's log-sum-exp from the float32 one (P = e^(s − LSE) then
+differs by 0.1 %); a NaN, or an infinity where the reference has none, fails."""
+
+
+def lse_difference(got: Any, expected: Any) -> float:
+    """The largest absolute difference of two log-sum-exps (rows of −∞ must agree exactly)."""
+    import torch
+
+    finite = torch.isfinite(expected)
+    if bool((got[~finite] != expected[~finite]).any()) or bool(torch.isnan(got).any()):
+        return float("nan")
+    return float((got[finite] - expected[finite]).abs().max()) if bool(finite.any()) else 0.0
 
 
 def _references(problem: AttentionProblem, device: int, flush: L2Flush) -> dict[str, float]:

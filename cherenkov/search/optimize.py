@@ -211,7 +211,8 @@ class OptimizeResult:
             elif isinstance(problem, AttentionBackwardProblem):  # several outputs: the gradients
                 stored = problem.stored_shapes()
                 a = problem.attention
-                reads = {n: viewed_as(buffers[n], stored[n], n) for n in (a.q, a.k, a.v, problem.grad_output)}
+                saved = (problem.saved.o, problem.saved.lse) if problem.saved is not None else ()
+                reads = {n: viewed_as(buffers[n], stored[n], n) for n in (a.q, a.k, a.v, problem.grad_output, *saved)}
                 buffers.update(launcher.launch(reads))
             else:
                 stored = problem.stored_shapes()
@@ -220,6 +221,9 @@ class OptimizeResult:
                                                                    problem.bias.tensor)  # fmt: skip
                 extra = {"factors": tuple(viewed_as(buffers[f.tensor], f.shape, f.tensor) for f in problem.factors)
                          } if problem.factors else {}  # fmt: skip
+                if problem.lse is not None:  # the rows' log-sum-exp, a second output
+                    extra["lse"] = buffers[problem.lse.tensor] = torch.empty(
+                        problem.lse.layout.shape, dtype=torch.float32, device=q.device)
                 buffers[kernel.output] = viewed_as(launcher(q, k, v, bias=bias, **extra), kernel.stored_shape,
                                                    kernel.output)  # fmt: skip
             for name in self._dead_after[position]:

@@ -284,3 +284,31 @@ def test_gpu_optimize_runs_the_derived_backward(cuda_device, tmp_path) -> None:
     for name, expected in zip(("d_q", "d_k", "d_v"), grads):
         error = float((got[name].float() - expected).norm() / expected.norm())
         assert error <= 2e-2, f"{name}: {error:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_optimize_runs_the_backward_from_saved_statistics(cuda_device, tmp_path) -> None:
+    """A gradient graph with the forward's output and log-sum-exp saved, through ``ck.optimize``:
+    ``res.run`` takes them as inputs (here from a float32 forward) and every gradient matches."""
+    import torch
+
+    from cherenkov.search.database import TuningDatabase
+
+    gg = gradient_graph(2, 4, 2, 256, 256, 64, causal=True, saved=True)
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        res = ck.optimize(gg, target="sm_90a", out=tmp_path / "run", database=db, budget_s=60)
+    assert [k.kind for k in res.partition] == ["flash_attention_backward"]
+    generator = torch.Generator(device=cuda_device).manual_seed(1)
+    tensors = {n: torch.randn(t.shape, generator=generator, device=cuda_device).to(torch.bfloat16)
+               for n, t in gg.inputs.items() if n not in gg.saved}  # fmt: skip
+    leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
+    k, v = (leaves[n].repeat_interleave(2, dim=1) for n in "kv")
+    scores = (leaves["q"] @ k.transpose(-1, -2)) * 64**-0.5
+    scores = scores.masked_fill(torch.ones(256, 256, dtype=torch.bool, device=cuda_device).triu(1), -torch.inf)
+    o = torch.softmax(scores, dim=-1) @ v
+    tensors["o"], tensors["lse"] = o.detach().to(torch.bfloat16), torch.logsumexp(scores, dim=-1).detach()
+    got = res.run(**tensors)
+    grads = torch.autograd.grad(o, [leaves[n] for n in "qkv"], tensors["d_o"].float())
+    for name, expected in zip(("d_q", "d_k", "d_v"), grads):
+        error = float((got[name].float() - expected).norm() / expected.norm())
+        assert error <= 2e-2, f"{name}: {error:.3g}"

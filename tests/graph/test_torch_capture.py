@@ -883,6 +883,11 @@ def test_sdpa_backward_kernel_is_the_attention_gradient_and_derives_the_flash_ba
     plans = derivation.plans("sm_90")
     assert plans and {p.kind for p in plans} == {"flash_attention_backward"}
     assert all(p.problem.attention.causal == causal and p.problem.roles == ("dq", "dk", "dv") for p in plans)
+    # the forward's output and log-sum-exp are saved inputs: half the schedules read them instead of recomputing
+    assert set(derivation.graph.saved) == {"out", "lse"}
+    saved = [p for p in plans if p.schedule.saved_statistics]
+    assert saved and len(saved) * 2 == len(plans)
+    assert {(p.problem.saved.o, p.problem.saved.lse) for p in saved} == {("out", "lse")}
 
 
 def test_sdpa_backward_kernels_lower_without_a_mask_dropout_or_packed_sequences() -> None:

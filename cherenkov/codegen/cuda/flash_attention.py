@@ -33,6 +33,8 @@ a ring fed by TMA (``tma_kv``), ``(q, o, k_map, v_map)``: K and V as tensor maps
 
 from __future__ import annotations
 
+import re
+
 from cherenkov.codegen.cuda import attention_mask, cp_async, ldmatrix, mma, softmax, swizzle, tma
 from cherenkov.codegen.cuda.pipeline import KvPipeline, MbarrierKvPipeline, UnitPipeline
 from cherenkov.codegen.cuda.text import (
@@ -101,6 +103,7 @@ def flash_attention_source(plan: KernelPlan) -> str:
                           f"{', late copy' if schedule.late_copy else ''}")
         step_parts = (_attend_tile("", "const elem_t*", schedule, bias),)
     dtype = plan.problem.dtype
+    lse = plan.problem.lse is not None
     parts = [
         _header(plan, layout, tiling),
         section("types and helpers", _types(dtype, schedule.tma_kv)),
@@ -115,13 +118,14 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section("tensor-core mma", *_mma_helpers(dtype, schedule)),
         section("online softmax", softmax.emit_math_helpers(),
                 softmax.emit_online_softmax(schedule.lazy_rescale, schedule.row_sums_mma, schedule.q_prescaled),
-                softmax.emit_row_finish(schedule.row_sums_mma)),
+                softmax.emit_row_finish(schedule.row_sums_mma),
+                *([softmax.emit_row_log_sum_exp(schedule.q_prescaled)] if lse else [])),
         section(pipeline_title, pipeline.emit()),
         section("one key tile", _q_fragments(tiling), *([_scale_q_rows()] if schedule.q_prescaled else []),
                 _row_state(schedule.row_sums_mma, bias),
                 _compute_scores(schedule.q_prescaled), *_mask_readers(plan.problem),
                 _pack_probabilities(), _accumulate_values(schedule.row_sums_mma), *step_parts),
-        section("epilogue", _store_output(schedule.pack_group),
+        section("epilogue", _store_output(schedule.pack_group, lse),
                 *([_partial_states()] if schedule.kv_splits > 1 or schedule.warp_keys else []),
                 *([_split_partials()] if schedule.kv_splits > 1 else []),
                 *([_WARP_MERGE] if schedule.warp_keys else [])),
@@ -300,6 +304,15 @@ def operand_strides(problem: AttentionProblem) -> str:
             f"constexpr size_t {prefix}_HEAD_STRIDE = {layout.head};",
             f"constexpr int {prefix}_ROW_STRIDE = {layout.seq};",
             f"constexpr size_t {prefix}_OFFSET = {layout.offset};",
+        ]
+    if problem.lse is not None:
+        layout = problem.lse.layout
+        lines += [
+            "// Each query row's log-sum-exp (natural log, fp32), row (b, h, s) at",
+            "// LSE_OFFSET + b * LSE_BATCH_STRIDE + h * LSE_HEAD_STRIDE + s * LSE_ROW_STRIDE.",
+            f"constexpr size_t LSE_BATCH_STRIDE = {layout.batch}, LSE_HEAD_STRIDE = {layout.head}, "
+            f"LSE_ROW_STRIDE = {layout.seq}, LSE_OFFSET = {layout.offset};",
+            "constexpr float LN2 = 0.6931471805599453f;",
         ]
     return "\n".join(lines)
 
@@ -708,9 +721,10 @@ def _unit_phases(bias: bool) -> str:
     ).replace("@BIAS_ARG@", ", state.bias_rows" if bias else "")
 
 
-def _store_output(pack_group: bool) -> str:
-    """``store_output`` (and ``output_row_offset``); a packed group's rows interleave its heads."""
-    return block(
+def _store_output(pack_group: bool, lse: bool = False) -> str:
+    """``store_output`` (and ``output_row_offset``); a packed group's rows interleave its heads;
+    ``lse``: the rows' log-sum-exps are written too (prefill schedules only, never packed)."""
+    text = block(
         """
         // Where row `row` of the block's query tile (from row q0 of its row space) lies in o, in
         // elements from the block's o_block: packed rows interleave the group's heads.
@@ -724,10 +738,11 @@ def _store_output(pack_group: bool) -> str:
 
         // Normalise O by the row sums, stage the warp's rows (as elem_t) in its own rows of the
         // Q tile, then copy them out with 16-byte stores; rows past Q_ROWS are not written.
-        __device__ __forceinline__ void store_output(const RowState& state, u32 q_tile, elem_t* o_block,
+        __device__ __forceinline__ void store_output(const RowState& state, u32 q_tile, elem_t* o_block,@LSE_PARAM@
                                                      int q0, int warp_row0, int lane) {
             float inv_sum[M_TILES][2];
             row_inverse_sums(state.row_sum, inv_sum);
+            @LSE_STORE@
             __syncwarp();  // the warp's last reads of its Q rows are done
             #pragma unroll
             for (int m = 0; m < M_TILES; ++m) {
@@ -756,6 +771,26 @@ def _store_output(pack_group: bool) -> str:
         }
         """
     ).replace("@ROW_OFFSET@", "output_row_offset(q0, row)" if pack_group else "size_t(row) * O_ROW_STRIDE")
+    text = text.replace("@LSE_PARAM@", " float* lse_block," if lse else "")
+    return re.sub(r"^( *)@LSE_STORE@\n", (lambda m: indent(_LSE_STORE, len(m[1]) // 4) + "\n") if lse else "", text,
+                  flags=re.MULTILINE)
+
+
+_LSE_STORE = block(
+    """
+    if ((lane & 3) == 0) {  // the rows' log-sum-exps, one lane of a quad writing each
+        #pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = warp_row0 + 16 * m + (lane >> 2) + 8 * h;
+                if (!Q_TAIL || q0 + row < Q_ROWS)
+                    lse_block[size_t(row) * LSE_ROW_STRIDE] = row_log_sum_exp(state.row_max[m][h], inv_sum[m][h]);
+            }
+        }
+    }
+    """
+)
 
 
 def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
@@ -777,6 +812,8 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         params = (params[0], params[1] + ", const bias_t* __restrict__ bias")
     if plan.schedule.kv_splits > 1:
         params = (params[0], params[1] + ", float* __restrict__ workspace")
+    if plan.problem.lse is not None:  # last: after the bias, the factors and the workspace
+        params = (params[0], params[1] + ", float* __restrict__ lse")
     head = (
         f'extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)\n'
         f"{name}({params[0]}\n{' ' * (len(name) + 1)}{params[1]}) {{\n"
@@ -815,9 +852,9 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         """
         cp_async_wait<0>();  // only empty groups remain
 
-        store_output(state, smem + Q_SMEM, o_block, q0, warp_row0, lane);
+        store_output(state, smem + Q_SMEM, o_block,@LSE_ARG@ q0, warp_row0, lane);
         """
-    )
+    ).replace("@LSE_ARG@", _LSE_BLOCK if plan.problem.lse is not None else "")
     if plan.schedule.warp_keys:
         epilogue = _warp_keys_epilogue(plan.schedule.kv_splits > 1)
     elif plan.schedule.kv_splits > 1:
@@ -830,6 +867,10 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
             """
         )
     return head + indent(prologue + "\n\n" + main_loop + "\n" + epilogue) + "\n}"
+
+
+_LSE_BLOCK = " lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head * LSE_HEAD_STRIDE + size_t(q0) * LSE_ROW_STRIDE,"
+"""The block's first row of the log-sum-exp output (prefill schedules: the row space is one head)."""
 
 
 _LONG_QUERY_INDEX = block(

@@ -56,6 +56,8 @@ fill); scores of keys past ``SEQ_KV`` are masked in the last key tile, and rows 
 
 from __future__ import annotations
 
+import re
+
 from cherenkov.codegen.cuda import attention_mask, mma, softmax, tma, wgmma
 from cherenkov.codegen.cuda.flash_attention import operand_strides, problem_summary, softmax_scale
 from cherenkov.codegen.cuda.flash_attention_fp8 import P_EXPONENT_SHIFT, PACK_E4M3X4, factor_arguments
@@ -570,7 +572,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
         // work tile's Q while this one finishes its last P V and stores O (with two Q buffers it
         // already has). (q_slot, q_phase) is the Q buffer of this tile; (stage, phase) is the ring
         // slot of the tile's first key tile and comes back as the slot after its last.
-        __device__ __forceinline__ void consume_tile(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o,@BIAS_PARAM@
+        __device__ __forceinline__ void consume_tile(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o,@BIAS_PARAM@@LSE_PARAM@
                                                      int consumer, const WorkTile& w, int q_slot, u32 q_phase,
                                                      int& stage, u32& phase, bool last_tile, float scale_log2,
                                                      float out_factor) {
@@ -658,7 +660,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
         }
 
         // A consumer warpgroup walks the block's work tiles; the ring slot and the Q buffer run on.
-        __device__ __forceinline__ void consume(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o,@BIAS_PARAM@
+        __device__ __forceinline__ void consume(u32 smem, const TensorMap* o_map, elem_t* __restrict__ o,@BIAS_PARAM@@LSE_PARAM@
                                                 int consumer@FACTOR_PARAMS@) {
             int stage = 0, q_slot = 0;
             u32 phase = 0, q_phase = 0;
@@ -666,7 +668,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             for (int round = 0, tile; (tile = block_tile(round)) < TILES; ++round) {
                 const WorkTile w = work_tile(tile);
                 const float scale_log2 = SCALE_LOG2 * @SCORE_FACTOR@;  // times the tile's score factors
-                consume_tile(smem, o_map, o,@BIAS_PASS@ consumer, w, q_slot, q_phase, stage, phase,
+                consume_tile(smem, o_map, o,@BIAS_PASS@@LSE_PASS@ consumer, w, q_slot, q_phase, stage, phase,
                              block_tile(round + 1) >= TILES, scale_log2, @OUT_FACTOR@);
                 advance<Q_BUFFERS>(q_slot, q_phase);
             }
@@ -674,6 +676,11 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
         }
         """
     ).replace("    @EPILOGUE@", indent(epilogue))
+    lse = problem.lse is not None
+    text = text.replace("@LSE_PARAM@", " float* __restrict__ lse," if lse else "").replace("@LSE_PASS@",
+                                                                                       " lse," if lse else "")
+    text = re.sub(r"^( *)@LSE_STORE@\n", (lambda m: indent(_lse_store(), len(m[1]) // 4) + "\n") if lse else "", text,
+                  flags=re.MULTILINE)
     text = (text.replace("@V_LBO@", v_lbo).replace("@FACTOR_PARAMS@", factor_params)
             .replace("@SCORE_FACTOR@", f"({score_factor})").replace("@OUT_FACTOR@", out_factor))
     values = {"@BIAS_PARAM@": "", "@BIAS_ROWS@": "", "@BIAS_ARG@": "", "@BIAS_PASS@": ""}
@@ -698,6 +705,7 @@ def _epilogue_from_registers() -> str:
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float sum = quad_sum(st.sum[r]);
+                @LSE_STORE@
                 const float inv = sum > 0.0f ? out_factor / sum : 0.0f;  // a row without a live score gives 0
                 const int tile_row = consumer * 64 + warp * 16 + g + 8 * r;
                 const int position = row_position(w, tile_row);
@@ -733,6 +741,7 @@ def _epilogue_through_smem() -> str:
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float sum = quad_sum(st.sum[r]);
+                @LSE_STORE@
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row without a live score gives 0
                 const u32 row = warp * 16 + g + 8 * r;
                 const u32 swizzle = (row * ROW_BYTES / 128) % BOX_CHUNKS;
@@ -751,6 +760,23 @@ def _epilogue_through_smem() -> str:
                                  row_head(w, consumer * 64), w.batch);
                 bulk_commit();
             }
+        """
+    )
+
+
+def _lse_store() -> str:
+    """One quad's row of the log-sum-exp output: log2 of the row's sum of 2^(c·s) is its exponents' offset
+    (the running max times c, less P_SHIFT) plus log2 of the sum of its probabilities."""
+    return block(
+        """
+        if (t == 0) {  // the row's log-sum-exp, natural log (-inf for a row without a live score)
+            const int lse_row = consumer * 64 + warp * 16 + g + 8 * r;
+            const int lse_position = row_position(w, lse_row);
+            if (lse_position < SEQ_Q)
+                lse[LSE_OFFSET + w.batch * LSE_BATCH_STRIDE + row_head(w, lse_row) * LSE_HEAD_STRIDE
+                    + size_t(lse_position) * LSE_ROW_STRIDE]
+                    = sum > 0.0f ? (st.max[r] * scale_log2 - P_SHIFT + log2f(sum)) * LN2 : neg_inf();
+        }
         """
     )
 
@@ -818,6 +844,7 @@ def _kernel(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
     bias = problem.bias is not None
     bias_param, bias_arg = (", const bias_t* __restrict__ bias", " bias,") if bias else ("", "")
     factor_params, factor_args, _, _ = factor_arguments(problem, "w.batch", "w.head")
+    lse_param, lse_arg = (", float* __restrict__ lse", " lse,") if problem.lse is not None else ("", "")
     if schedule.register_split:
         producer_regs, consumer_regs = "reg_dealloc<PRODUCER_REGS>();", "reg_alloc<CONSUMER_REGS>();"
     else:
@@ -827,7 +854,7 @@ def _kernel(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
         extern "C" __global__ void __launch_bounds__(THREADS, 1)
         {name}(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                 const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
-                elem_t* __restrict__ o{bias_param}{factor_params}) {{
+                elem_t* __restrict__ o{bias_param}{factor_params}{lse_param}) {{
             extern __shared__ unsigned char smem_raw[];
             const u32 smem = (smem_u32(smem_raw) + {SWIZZLE_ALIGN - 1}u) & ~{SWIZZLE_ALIGN - 1}u;
             if (threadIdx.x == 0) {{
@@ -854,7 +881,7 @@ def _kernel(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
                 if (threadIdx.x == 0) produce(&q_map, &k_map, &v_map, smem);
             }} else {{
                 {consumer_regs}
-                consume(smem, &o_map, o,{bias_arg} warpgroup - 1{factor_args});
+                consume(smem, &o_map, o,{bias_arg}{lse_arg} warpgroup - 1{factor_args});
             }}
         }}
         """

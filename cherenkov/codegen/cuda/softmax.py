@@ -258,6 +258,22 @@ def _emit_lazy_fold(row_sums_mma: bool, q_prescaled: bool) -> str:
         "@EXPONENTIALS@", exponentials)
 
 
+def emit_row_log_sum_exp(q_prescaled: bool = False) -> str:
+    """``row_log_sum_exp``: a row's log-sum-exp of the scaled scores (natural log) from its running
+    max and the inverse of its row sum (``q_prescaled``: the max is already an exponent offset)."""
+    offset = "row_max" if q_prescaled else "row_max * SCALE_LOG2"
+    return block(
+        f"""
+        // log Σ_j e^(scale·s_j) of one row (-inf for a row that saw no key): log2 of its sum of 2^(c·s) is its
+        // exponents' offset plus log2 of the sum of its probabilities, whose inverse inv_sum is.
+        __device__ __forceinline__ float row_log_sum_exp(float row_max, float inv_sum) {{
+            const float offset = row_max == neg_inf() ? 0.0f : {offset};
+            return inv_sum > 0.0f ? (offset - log2f(inv_sum)) * LN2 : neg_inf();
+        }}
+        """
+    )
+
+
 def emit_row_finish(row_sums_mma: bool = False) -> str:
     """``row_inverse_sums``: quad-reduce the partial row sums and invert them (``row_sums_mma``:
     the sums' accumulator already holds full rows, column 0 of each half is read)."""
