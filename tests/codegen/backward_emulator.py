@@ -10,9 +10,7 @@ four-float reduction of sm_90 and later) as atomics on the host. The three launc
 
 from __future__ import annotations
 
-import hashlib
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,7 +20,7 @@ import numpy as np
 from cherenkov.codegen import cuda_source
 from cherenkov.codegen.cuda.flash_attention_backward import grids, kernel_name, workspace_floats
 
-from .emulator import PRELUDE, READ_FILE, _strip_functions, from_bits, launch_blocks, to_bits
+from .emulator import PRELUDE, READ_FILE, _strip_functions, emulator_root, from_bits, host_binary, launch_blocks, to_bits
 
 REPLACED = ("mma_16816", "mma_16816_zero", "pack2", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
             "ldmatrix_x2_trans", "cp_async_16", "cp_async_commit", "cp_async_wait", "smem_address", "to_float",
@@ -121,22 +119,10 @@ def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.n
     """The plan's gradients (float64; NaN where never written) for contiguous BHSD operands; the
     gradients' buffers are laid out as the plan's layouts say (contiguous ones here). A plan that
     reads saved statistics takes the forward's ``o`` and ``lse`` (contiguous) too."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no g++ to emulate kernels with")
     problem = plan.problem
     dtype = problem.attention.dtype
-    source = host_source(plan) + _main(plan)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / "cherenkov-emulator"
-    root.mkdir(parents=True, exist_ok=True)
-    binary = root / f"backward-{digest}.bin"
-    if not binary.exists():
-        (root / f"backward-{digest}.cpp").write_text(source)
-        result = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary),
-                                 str(root / f"backward-{digest}.cpp")], capture_output=True, text=True)  # fmt: skip
-        if result.returncode:
-            raise RuntimeError(f"host compile of {plan.name} failed:\n{result.stderr[:4000]}")
+    binary = host_binary(host_source(plan) + _main(plan), "backward", plan.name)
+    root = emulator_root()
     shapes = {g.role: g.layout.shape for g in problem.gradients}
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         paths = []

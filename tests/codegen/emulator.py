@@ -307,22 +307,8 @@ def from_bits(data: np.ndarray, dtype: str) -> np.ndarray:
 def emulate(plan, inputs: dict[str, np.ndarray], work: Path | None = None) -> np.ndarray:
     """Run a term plan's kernel on the CPU; ``inputs`` by name (float64, rounded to each
     tensor's dtype here); returns the output as float64 (NaN where never written)."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no g++ to emulate kernels with")
-    source = host_source(plan) + _main(plan)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    root = Path(work or tempfile.gettempdir()) / "cherenkov-emulator"
-    root.mkdir(parents=True, exist_ok=True)
-    binary = root / f"{digest}.bin"
-    if not binary.exists():
-        (root / f"{digest}.cpp").write_text(source)
-        result = subprocess.run(
-            [compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary), str(root / f"{digest}.cpp")],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        if result.returncode:
-            raise RuntimeError(f"host compile of {plan.name} failed:\n{result.stderr[:4000]}")
+    binary = host_binary(host_source(plan) + _main(plan), "term", plan.name, work)
+    root = emulator_root(work)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         paths = []
         for info in plan.inputs:
@@ -339,6 +325,31 @@ def emulate(plan, inputs: dict[str, np.ndarray], work: Path | None = None) -> np
             raise RuntimeError(f"emulated {plan.name} failed (exit {run.returncode}): {run.stderr[:2000]}")
         data = np.fromfile(result_path, dtype=NP_TYPES[out.dtype]).reshape(out.shape)
     return from_bits(data, out.dtype)
+
+
+def host_binary(source: str, label: str, plan_name: str, work: Path | None = None) -> Path:
+    """``source`` compiled as a host program (cached by its digest under the emulator's work
+    directory, ``label``-named); a ``RuntimeError`` naming ``plan_name`` when it does not compile."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no g++ to emulate kernels with")
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    root = emulator_root(work)
+    binary = root / f"{label}-{digest}.bin"
+    if not binary.exists():
+        (root / f"{label}-{digest}.cpp").write_text(source)
+        result = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary),
+                                 str(root / f"{label}-{digest}.cpp")], capture_output=True, text=True)  # fmt: skip
+        if result.returncode:
+            raise RuntimeError(f"host compile of {plan_name} failed:\n{result.stderr[:4000]}")
+    return binary
+
+
+def emulator_root(work: Path | None = None) -> Path:
+    """The directory emulated programs and their buffers live in."""
+    root = Path(work or tempfile.gettempdir()) / "cherenkov-emulator"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def rounded(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -12,8 +12,6 @@ mbarrier ring, TMA or key splits): the fragment layouts, masks, online softmax a
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,7 +22,7 @@ from cherenkov.codegen import cuda_source
 from cherenkov.codegen.cuda.flash_attention import kernel_name
 from cherenkov.codegen.plan import FlashLayout, FlashTiling
 
-from .emulator import PRELUDE, READ_FILE, _strip_functions, from_bits, launch_blocks, to_bits
+from .emulator import PRELUDE, READ_FILE, _strip_functions, emulator_root, from_bits, host_binary, launch_blocks, to_bits
 
 REPLACED = ("st_shared_b32", "ld_shared_v4", "cp_async_16", "cp_async_commit", "cp_async_wait", "ldmatrix_x4",
             "ldmatrix_x4_trans", "ldmatrix_x2", "ldmatrix_x2_trans", "mma_16816", "mma_16816_zero", "pack2",
@@ -124,21 +122,9 @@ def emulate_flash(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str
     written) for contiguous BHSD q, k, v; o and the log-sum-exp laid out as the problem says."""
     if not supported(plan):
         raise ValueError(f"{plan.name}: the emulator runs cp.async-ring plans with ldmatrix x4 and no key splits")
-    compiler = shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no g++ to emulate kernels with")
     p = plan.problem
-    source = host_source(plan) + _main(plan)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / "cherenkov-emulator"
-    root.mkdir(parents=True, exist_ok=True)
-    binary = root / f"flash-{digest}.bin"
-    if not binary.exists():
-        (root / f"flash-{digest}.cpp").write_text(source)
-        result = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary),
-                                 str(root / f"flash-{digest}.cpp")], capture_output=True, text=True)  # fmt: skip
-        if result.returncode:
-            raise RuntimeError(f"host compile of {plan.name} failed:\n{result.stderr[:4000]}")
+    binary = host_binary(host_source(plan) + _main(plan), "flash", plan.name)
+    root = emulator_root()
     o_shape = p.layout("o").shape
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         paths = []

@@ -11,8 +11,6 @@ epilogue run as written.
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,7 +20,7 @@ import numpy as np
 from cherenkov.codegen import cuda_source
 from cherenkov.codegen.cuda.flash_attention_fp8 import fp8_dynamic_smem, fp8_grid, kernel_name
 
-from .emulator import PRELUDE, READ_FILE, _strip_functions, launch_blocks, to_bits
+from .emulator import PRELUDE, READ_FILE, _strip_functions, emulator_root, host_binary, launch_blocks, to_bits
 
 REPLACED = ("smem_address", "cp_async_16", "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_e4m3_16832",
             "mma_mx_e4m3_16832", "pack_e4m3x4", "fast_exp2")  # fmt: skip
@@ -166,21 +164,9 @@ int main(int argc, char** argv) {{
 def emulate_fp8_flash(plan, stored: dict[str, np.ndarray]) -> np.ndarray:
     """The plan's output (float64; NaN where never written) for stored tensors by name: q, k, v as
     float64 values of e4m3 numbers, the factors as float64 arrays."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no g++ to emulate kernels with")
     problem = plan.problem
-    source = host_source(plan) + _main(plan)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / "cherenkov-emulator"
-    root.mkdir(parents=True, exist_ok=True)
-    binary = root / f"fp8-flash-{digest}.bin"
-    if not binary.exists():
-        (root / f"fp8-flash-{digest}.cpp").write_text(source)
-        result = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-w", "-o", str(binary),
-                                 str(root / f"fp8-flash-{digest}.cpp")], capture_output=True, text=True)  # fmt: skip
-        if result.returncode:
-            raise RuntimeError(f"host compile of {plan.name} failed:\n{result.stderr[:4000]}")
+    binary = host_binary(host_source(plan) + _main(plan), "fp8-flash", plan.name)
+    root = emulator_root()
     out_shape = problem.layout("o").shape
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         paths = []
