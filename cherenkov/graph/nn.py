@@ -192,4 +192,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         key_index = arange(seq_kv, graph=q.graph)
         scores = where(query_index < key_index, -math.inf, scores)
     out = softmax(scores, axis=-1) @ v
+    out.graph.note_attention(out, scores)
     return (out, logsumexp(scores, axis=-1).cast("fp32")) if return_lse else out

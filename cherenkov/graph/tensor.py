@@ -51,6 +51,7 @@ class Graph:
         self._examples: dict[str, np.ndarray] = {}
         self._sources: dict[str, str] = {}
         self._saved: dict[str, int] = {}
+        self._attentions: list[tuple[int, int]] = []
         self.is_gradient = False
         """Set by ``ck.grad`` on the graphs it builds: their outputs read the forward's
         intermediates transposed, and the derivation looks through them (``Lowered.inlined``)."""
@@ -195,20 +196,40 @@ class Graph:
 
     def subgraph(self, outputs: dict[str, Tensor], name: str | None = None) -> Graph:
         """A new graph computing only ``outputs`` (name -> tensor of this graph) from the inputs
-        they read (the values saved inputs hold, derived on their own)."""
+        they read (the values saved inputs hold, derived on their own), with those inputs'
+        captured sources and examples and the attentions among the nodes it keeps."""
         graph = Graph(name or self.name)
         copied: dict[int, Tensor] = {}
         for index in sorted(self._ancestors([t.id for t in outputs.values()])):
             node = self._nodes[index]
             if node.op == "input":
-                copied[index] = graph.input(node.attrs[0], node.shape, node.dtype)
+                input_name = node.attrs[0]
+                copied[index] = graph.input(input_name, node.shape, node.dtype)
+                if input_name in self._sources:
+                    graph._sources[input_name] = self._sources[input_name]
+                if input_name in self._examples:
+                    graph._examples[input_name] = self._examples[input_name]
             elif node.op == "constant":
                 copied[index] = graph.constant(node.attrs[0], node.dtype)
             else:
                 copied[index] = graph._apply(node.op, [copied[i] for i in node.inputs], node.attrs)
         for output, tensor in outputs.items():
             graph.output(copied[tensor.id], output)
+        graph._attentions = [(copied[o].id, copied[s].id) for o, s in self._attentions if o in copied and s in copied]
         return graph
+
+    @property
+    def attentions(self) -> list[tuple[Tensor, Tensor]]:
+        """Each attention ``ck.nn.attention`` built in this graph: its output and its scaled,
+        masked scores (from which a training step saves the rows' log-sum-exp for the backward)."""
+        return [(Tensor(self, o), Tensor(self, s)) for o, s in self._attentions]
+
+    def note_attention(self, out: Tensor, scores: Tensor) -> None:
+        """Record that ``out`` is the attention of ``scores`` (see :attr:`attentions`)."""
+        if out.graph is not self or scores.graph is not self:
+            raise GraphError(f"note_attention: tensors of another graph than {self.name!r}")
+        if (out.id, scores.id) not in self._attentions:
+            self._attentions.append((out.id, scores.id))
 
     @property
     def saved(self) -> dict[str, Tensor]:

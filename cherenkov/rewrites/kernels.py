@@ -517,9 +517,10 @@ def _scores_key(form: Term) -> tuple:
 
 def joined_statistics(kernels: list[FusedKernel]) -> list[FusedKernel]:
     """Each kernel computing just an ``AttentionLse`` (a forward's rows' log-sum-exp, saved for
-    its backward) made a side output of the flash-attention kernel of the same scores, in the
-    place of the later of the two — where no kernel between them reads the earlier one's output;
-    every other kernel as it is."""
+    its backward) made a side output of the flash-attention kernel of the same scores: in the
+    place of the earlier of the two where the later one reads nothing written between them, else
+    of the later one where nothing between reads the earlier one's output; every other kernel as
+    it is."""
     flash = {}
     for position, kernel in enumerate(kernels):
         if kernel.kind == "flash_attention" and kernel.core is not None and kernel.core[0] == "FlashAttention":
@@ -532,13 +533,18 @@ def joined_statistics(kernels: list[FusedKernel]) -> list[FusedKernel]:
         if target is None or result[target] is None:
             continue
         first, last = sorted((position, target))
-        if any(kernels[first].output in k.reads for k in kernels[first + 1 : last]):
+        between = {name for k in kernels[first + 1 : last] for name in k.outputs}
+        if not between & set(kernels[last].reads):
+            place = first
+        elif not any(set(kernels[first].outputs) & set(k.reads) for k in kernels[first + 1 : last]):
+            place = last
+        else:
             continue
         owner = kernels[target]
         joined = replace(owner, reads=tuple(sorted({*owner.reads, *kernel.reads})),
                          side_outputs=(*owner.side_outputs, SideOutput(kernel.output, kernel.term, kernel.axes)))  # fmt: skip
         result[position] = result[target] = None
-        result[last] = joined
+        result[place] = joined
     return [k for k in result if k is not None]
 
 

@@ -94,6 +94,7 @@ class PreparedCall:
     recordings: int = 0
     said_moving: bool = False
     backward: dict[tuple[str, ...], PreparedCall] = field(default_factory=dict)  # gradient graphs, by wrt
+    training: Any = None  # compiled_autograd.TrainingForward once prepared; False: the graph has no attention
     bindings: tuple[tuple[str, str, Any], ...] | None = None  # where each graph input comes from (CompiledFunction)
     copied: tuple[str, ...] = ()  # the inputs each replay copies in: those not in ``stable``
 
@@ -151,12 +152,16 @@ class CompiledFunction:
     (named after ``name``, default ``fn``'s). With ``traced_dtypes`` (a backend region) the
     dtypes the trace recorded are the region's: a float input arriving in another float
     dtype at a prepared shape is cast to the prepared one instead of being searched anew
-    (inductor can hand a region a float32 value across the cast to bf16 its trace holds)."""
+    (inductor can hand a region a float32 value across the cast to bf16 its trace holds).
+    ``saved_statistics``: a call that needs gradients runs a training forward that saves each
+    attention's output and log-sum-exp for the backward
+    (:mod:`~cherenkov.search.compiled_autograd`)."""
 
     fn: Callable[..., Any]
     optimize_kwargs: dict[str, Any] = field(default_factory=dict)
     name: str = ""
     cuda_graphs: bool = True
+    saved_statistics: bool = False
     prepared: dict[Signature, PreparedCall] = field(default_factory=dict)
     searches: int = 0
     traced_dtypes: bool = False
@@ -359,16 +364,18 @@ def _check_tensors(tensors: Sequence[Any]) -> None:
 
 def compile(  # noqa: A001 - the public name, as torch.compile
     fn: Callable[..., Any], *example_tensors: Any, dynamic: Iterable[Sequence[Sequence[int]]] = (),
-    cuda_graphs: bool = True, **optimize_kwargs: Any,
+    cuda_graphs: bool = True, saved_statistics: bool = False, **optimize_kwargs: Any,
 ) -> CompiledFunction:
     """``fn`` (an ``nn.Module`` or a function of tensors) as a :class:`CompiledFunction`,
     prepared for ``example_tensors`` and for each shape tuple in ``dynamic`` (the examples'
     dtypes and device); ``cuda_graphs`` replays repeated calls on the same tensors as one CUDA
-    graph; ``optimize_kwargs`` go to every search (``target``, ``budget_s``, ``database``, ...)."""
+    graph; ``saved_statistics`` makes a call that needs gradients save each attention's output
+    and log-sum-exp for its backward (checked on the CPU path; off by default until measured on a
+    GPU); ``optimize_kwargs`` go to every search (``target``, ``budget_s``, ``database``, ...)."""
     if not callable(fn):
         raise GraphError(f"ck.compile: expected an nn.Module or a function, got {type(fn).__name__}")
     _check_tensors(example_tensors)
-    compiled = CompiledFunction(fn, dict(optimize_kwargs), cuda_graphs=cuda_graphs)
+    compiled = CompiledFunction(fn, dict(optimize_kwargs), cuda_graphs=cuda_graphs, saved_statistics=saved_statistics)
     if example_tensors:
         compiled.prepare(example_tensors)
     for shapes in dynamic:

@@ -342,3 +342,45 @@ def test_a_training_loop_through_a_compiled_module_follows_eager(block):
             losses[key].append(float(loss))
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses["compiled"], losses["eager"])), losses
     assert losses["eager"][-1] < losses["eager"][0]
+
+
+class SelfAttention(torch.nn.Module):
+    """A fused QKV projection, causal SDPA over 2 heads, an output projection."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+def test_a_training_call_saves_the_attention_statistics_for_its_backward():
+    """With gradients wanted, a module's attention runs in a training forward that also outputs its
+    output and rows' log-sum-exp (one flash kernel writes both); the gradient graph takes them as
+    saved inputs, and every gradient matches eager autograd."""
+    torch.manual_seed(0)
+    module = SelfAttention()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    compiled = ck.compile(module, x.detach(), saved_statistics=True)
+    (compiled(x) ** 2).sum().backward()
+    got = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in module.named_parameters()}}
+    x.grad = None
+    module.zero_grad()
+    (module(x) ** 2).sum().backward()
+    for name, value in {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}.items():
+        assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-5), name
+    call = next(iter(compiled.prepared.values()))
+    training = call.training
+    assert training and len(training.saved) == 2 and all(n.startswith("ck_saved_") for n in training.saved)
+    (backward,) = call.backward.values()
+    assert set(backward.graph.saved) == set(training.saved)
+    forward = ck.derive(training.call.graph)
+    flash = [k for k in forward.kernels if k.kind == "flash_attention"]
+    assert len(flash) == 1 and [s.output for s in flash[0].side_outputs] == [training.saved[1]]

@@ -104,10 +104,12 @@ def test_a_stored_strided_flash_plan_comes_back_equal() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_nanogpt_attention_trains_through_ck_compile_like_eager(gpu, tmp_path) -> None:
+@pytest.mark.parametrize("saved", [False, True], ids=["recomputed", "saved_statistics"])
+def test_gpu_nanogpt_attention_trains_through_ck_compile_like_eager(saved, gpu, tmp_path) -> None:
     """20 SGD steps of nanoGPT's causal self-attention (width 128, 2 heads of 64, T 256, B 4,
     bf16) under ``ck.compile``: the forward and ``ck.grad`` of it searched and run on the GPU
-    give eager's losses within bf16 tolerance."""
+    give eager's losses within bf16 tolerance (``saved``: the training forward saves the
+    attention's output and log-sum-exp, which the backward reads)."""
     import copy
 
     from cherenkov.search.database import TuningDatabase
@@ -118,7 +120,8 @@ def test_gpu_nanogpt_attention_trains_through_ck_compile_like_eager(gpu, tmp_pat
     target = torch.randn_like(x)
     losses = {"cherenkov": [], "eager": []}
     with TuningDatabase(tmp_path / "tuning.sqlite") as db:
-        compiled = ck.compile(real.module, x, budget_s=30.0, database=db, out=tmp_path / "run")
+        compiled = ck.compile(real.module, x, budget_s=30.0, database=db, out=tmp_path / "run",
+                              saved_statistics=saved)  # fmt: skip
         for model, parameters, key in ((compiled, real.module.parameters(), "cherenkov"),
                                        (eager, eager.parameters(), "eager")):  # fmt: skip
             optimiser = torch.optim.SGD(parameters, lr=0.05)
