@@ -28,11 +28,11 @@ from cherenkov.rewrites.kernels import (
     SideOutput,
     _flash_read,
     attention_problem,
+    lse_as_flash,
     lse_output,
     query_axis_roles,
 )
-from cherenkov.rewrites.plan import OperandLayout
-from cherenkov.rewrites.plan import AttentionProblem
+from cherenkov.rewrites.plan import AttentionProblem, OperandLayout
 from cherenkov.rewrites.plan_backward import GRADIENT_ROLES, AttentionBackwardProblem, GradientOutput, SavedStatistics
 from cherenkov.rewrites.terms import Term
 
@@ -236,10 +236,7 @@ def saved_attentions(extracted: Mapping[str, Term], root_axes: Mapping[str, tupl
                 problem = attention_problem(body, shapes, dtypes, root_axes[name])
                 outputs.append(replace(problem, out=name))
             elif body[0] == "AttentionLse" and dtypes.get(name) == "fp32":
-                key, n_keys, dim, n_dim, q, k, scale, mask = body[1:]
-                keys = k if key in t.free_axes(k) else q  # in v's place: the operand along the keys
-                scores = attention_problem(("FlashAttention", key, n_keys, dim, n_dim, q, k, keys, scale, mask),
-                                           shapes, dtypes)  # fmt: skip
+                scores = attention_problem(lse_as_flash(body), shapes, dtypes)
                 layout = lse_output(SideOutput(name, body, root_axes[name]), shapes).layout
                 statistics.append((name, scores, layout))
         except KernelError:

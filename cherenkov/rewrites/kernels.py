@@ -288,10 +288,8 @@ class _Partition:
             return self.prepare_flash(core)
         if head in GRADIENT_OPERANDS:
             return self.prepare_flash_gradient(core)
-        if head == "AttentionLse":  # q and k as flash attention reads them (the key-side operand in v's place)
-            key, n_keys, dim, n_dim, q, k, scale, mask = core[1:]
-            keys = k if key in t.free_axes(k) else q
-            prepared = self.prepare_flash(("FlashAttention", key, n_keys, dim, n_dim, q, k, keys, scale, mask))
+        if head == "AttentionLse":  # q and k as flash attention reads them
+            prepared = self.prepare_flash(lse_as_flash(core))
             return ("AttentionLse", *prepared[1:7], *prepared[8:10])
         operands = [i for i, a in enumerate(core[1:], start=1) if isinstance(a, tuple) and a[0] not in ("Ax",)]
         result = list(core)
@@ -546,6 +544,14 @@ def joined_statistics(kernels: list[FusedKernel]) -> list[FusedKernel]:
         result[position] = result[target] = None
         result[place] = joined
     return [k for k in result if k is not None]
+
+
+def lse_as_flash(form: Term) -> Term:
+    """An ``AttentionLse`` form as the ``FlashAttention`` of its scores, the operand along the keys
+    in v's place: what reads and problems of flash attention are worked out on."""
+    key, n_keys, dim, n_dim, q, k, scale, mask = form[1:]
+    keys = k if key in t.free_axes(k) else q
+    return ("FlashAttention", key, n_keys, dim, n_dim, q, k, keys, scale, mask)
 
 
 def lse_output(side: SideOutput, shapes: Mapping[str, tuple[int, ...]]) -> LseOutput:
