@@ -93,9 +93,12 @@ def test_log_sum_exp_plans_compile_and_spill_where_plain_ones_do(target: str, co
                 s.rows_per_warp))  # fmt: skip
         picked.setdefault(key, plan)
     plans = list(picked.values())
-    builds = compile_plans([*plans, *(plain[p.schedule] for p in plans)], compiler=compiler, cache_dir=kernel_cache)
-    for plan, build, reference in zip(plans, builds, builds[len(plans):]):
+    builds = compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)
+    for plan, build in zip(plans, builds):
         assert not isinstance(build, Exception), f"{plan.name}: {build}"
+    spilling = [(plan, build) for plan, build in zip(plans, builds) if build.report.spill_bytes]
+    references = compile_plans([plain[p.schedule] for p, _ in spilling], compiler=compiler, cache_dir=kernel_cache)
+    for (plan, build), reference in zip(spilling, references):
         assert build.report.spill_bytes <= reference.report.spill_bytes + 8 or reference.report.spill_bytes > 0, \
             f"{plan.name}: {build.report}"
 
