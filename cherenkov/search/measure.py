@@ -429,9 +429,12 @@ def _measure(task: MeasureTask, device: int, flush: L2Flush) -> Measurement:
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
 
 
-LSE_TOLERANCE = 1e-3
-"""Largest absolute difference of a kernel's log-sum-exp from the float32 one (P = e^(s − LSE) then
-differs by 0.1 %); a NaN, or an infinity where the reference has none, fails."""
+LSE_TOLERANCE = 1e-2
+"""Largest absolute difference of a kernel's log-sum-exp from the float32 one: P = e^(s − LSE) then
+differs by at most 1 %, half the gradients' 2e-2. Schedules that pre-scale Q round q·c to 16 bits,
+which moves a score s by up to ~|s|·2⁻⁹ (3.4e-3 measured on the H200 with Gaussian inputs), so
+1e-3 would reject correct kernels; a wrong row, base or scale is off by far more. A NaN, or an
+infinity where the reference has none, fails."""
 
 
 def lse_difference(got: Any, expected: Any) -> float:
