@@ -158,7 +158,7 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
              "bool", "bool", "bool", "i64", "bool", "bool"),
             0,
         ),
-        Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool"), 0),
+        Constructor("HopperSchedule", ("i64", "i64", "i64", "bool", "bool", "i64", "bool", "bool", "bool", "bool"), 0),
         Constructor("Fp8Schedule", ("i64", "i64", "i64"), 0),
     ),
     "Plan": (Constructor("Scheduled", ("Expr", "Schedule"), 0),),

@@ -15,7 +15,12 @@ an O tile for TMA stores), so the next tile's Q is loaded during the current one
 ``block_q / Sq`` query heads of one K/V head, so K and V are read once for all of them and
 no tile rows are wasted (chunked prefill: 64 queries of 4 heads a K/V head).
 ``balanced`` (causal, persistent) hands a persistent grid its work tiles longest first
-over all heads, each round in the other direction, so the blocks' shares even out. The code
+over all heads, each round in the other direction, so the blocks' shares even out.
+``lazy_rescale`` moves a row's running max (and rescales O and the row sums) only when a
+key tile raises it by more than ``LAZY_RESCALE_LOG2`` (a warp-uniform vote), so most key
+tiles skip the O rescale and the quad's max shuffles. ``row_sums_mma`` (8-bit operands) gives the
+transposed V tile eight more rows of ones, so ``O += P V`` also accumulates each row's sum of the
+(rounded) probabilities and the softmax adds none. The code
 generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
 
 This module holds only the schedule, its resource estimates and its validity rules; it
@@ -42,6 +47,14 @@ SWIZZLE_ROW_BYTES = 128  # a TMA box row: 64 16-bit elements, the width of the 1
 NARROW_ROW_BYTES = 64  # a box row of the 64-byte swizzle: 32 16-bit elements
 SWIZZLE_ALIGN = 1024  # one 128-byte-swizzle atom: 8 rows of 128 bytes (two 64-byte-swizzle atoms)
 MBARRIER_BYTES = 8
+ONES_ROWS = 8
+"""Rows of ones a ``row_sums_mma`` V tile carries after its head-dim rows (the N granule of an
+8-bit wgmma): O's columns past ``V_DIM`` are then the row sums."""
+LAZY_RESCALE_LOG2 = {2: 8.0, 1: 2.0}
+"""By operand bytes: how far (log2 units of the scaled scores) a key tile may raise a row's max
+before a ``lazy_rescale`` kernel moves it. Unmoved, probabilities reach ``2^threshold``: 16-bit
+P holds 2⁸ easily; e4m3 P, already scaled by 2^``P_SHIFT`` to use its range (largest 448 ≈ 2^8.8),
+gives up that much of the shift instead (P·2⁶, at most 2⁸)."""
 
 
 def box_row_bytes(head_dim: int, v_dim: int, dtype: str = "bf16") -> int:
@@ -102,6 +115,8 @@ class HopperFlashSchedule:
     q_buffers: int = 1
     pack_group: bool = False
     balanced: bool = False
+    lazy_rescale: bool = False
+    row_sums_mma: bool = False
 
     @property
     def block_q(self) -> int:
@@ -147,6 +162,8 @@ class HopperFlashSchedule:
         qk_columns, v_columns = tile_columns(head_dim, dtype, row_bytes), tile_columns(v_dim, dtype, row_bytes)
         tiles = self.q_buffers * self.block_q * qk_columns * elem
         tiles += self.stages * self.block_kv * (qk_columns + v_columns) * elem
+        if self.row_sums_mma:
+            tiles += self.stages * ONES_ROWS * row_bytes  # the ones rows after each transposed V tile
         if self.q_buffers == 2:
             tiles += self.block_q * v_columns * elem  # the O staging tile
         barriers = MBARRIER_BYTES * (2 * self.q_buffers + (4 if self.split_release else 3) * self.stages)
@@ -160,16 +177,18 @@ class HopperFlashSchedule:
         """Registers a consumer thread needs: O and S accumulators (fp32, half a column each
         per thread of the m64 tile; O as wide as v's tile), packed P (16-bit pairs) and 32 for
         the rest (ptxas, nvcc 13.0: D128/kv176 fits 232 and D64/kv128 fits 160 without spills)."""
-        return problem_tile_columns(problem)[1] // 2 + self.block_kv // 2 + self.block_kv // 4 + 32
+        ones = ONES_ROWS // 2 if self.row_sums_mma else 0
+        return problem_tile_columns(problem)[1] // 2 + ones + self.block_kv // 2 + self.block_kv // 4 + 32
 
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent; ``_q2``: two
-        Q buffers; ``_pk``: packed GQA group; ``_lpt``: balanced causal tiles)."""
+        Q buffers; ``_pk``: packed GQA group; ``_lpt``: balanced causal tiles; ``_lz``: lazy rescale;
+        ``_rs``: row sums on the tensor cores)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_s{self.stages}_c{self.consumer_warpgroups}"
             f"{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
             f"{f'_q{self.q_buffers}' if self.q_buffers != 1 else ''}{'_pk' if self.pack_group else ''}"
-            f"{'_lpt' if self.balanced else ''}"
+            f"{'_lpt' if self.balanced else ''}{'_lz' if self.lazy_rescale else ''}{'_rs' if self.row_sums_mma else ''}"
         )
 
     def tile_heads(self, problem: AttentionProblem) -> int:
@@ -216,6 +235,21 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(176, 2, 2, True, pack_group=True),
     HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True),
     HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2, balanced=True),
+    HopperFlashSchedule(128, 2, 2, True, lazy_rescale=True),
+    HopperFlashSchedule(128, 3, 2, True, lazy_rescale=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, lazy_rescale=True),
+    HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True),
+    HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2, lazy_rescale=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, q_buffers=2, lazy_rescale=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, pack_group=True, lazy_rescale=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True, lazy_rescale=True),
+    HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2, balanced=True, lazy_rescale=True),
+    HopperFlashSchedule(80, 2, 2, True, lazy_rescale=True),
+    HopperFlashSchedule(128, 3, 2, True, pack_group=True, lazy_rescale=True),
+    HopperFlashSchedule(128, 2, 2, True, lazy_rescale=True, row_sums_mma=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True),
+    HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True, lazy_rescale=True, row_sums_mma=True),
 )
 """The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
@@ -289,8 +323,13 @@ def hopper_schedule_problems(
         reasons += _eight_bit_problems(s, p)
         if p.lse is not None:
             reasons.append("the rows' log-sum-exp output: 16-bit operands only")
+        if s.row_sums_mma and problem_tile_columns(p)[1] + ONES_ROWS > MAX_HEAD_DIM:
+            reasons.append(f"row sums on the tensor cores need O ({problem_tile_columns(p)[1]} columns) plus "
+                           f"{ONES_ROWS} columns of sums within one wgmma's {MAX_HEAD_DIM}")
     elif p.factors:
         reasons.append("score and output factors come with 8-bit operands only")
+    if s.row_sums_mma and p.dtype not in HOPPER_EIGHT_BIT_DTYPES:
+        reasons.append("row sums on the tensor cores: 8-bit operands only (the ones rows follow the transposed V tile)")
     dims_valid = all(d % 16 == 0 and 16 <= d <= MAX_HEAD_DIM for d in (p.head_dim, p.v_dim))
     if not dims_valid:
         reasons.append(f"head dims {p.head_dim} (q, k) and {p.v_dim} (v) (valid: multiples of 16 up to "

@@ -43,7 +43,7 @@ KNOB_ORDER = (
 _VARIABLES = " ".join(KNOB_ORDER)
 _UNSPLIT = " ".join("1" if knob == "kv_splits" else knob for knob in KNOB_ORDER)
 HOPPER_KNOB_ORDER = ("block_kv", "stages", "consumer_warpgroups", "pingpong", "persistent", "q_buffers", "pack_group",
-                     "balanced")
+                     "balanced", "lazy_rescale", "row_sums_mma")
 _HOPPER_VARIABLES = " ".join(HOPPER_KNOB_ORDER)
 FP8_KNOB_ORDER = ("block_q", "block_kv", "stages")
 _FP8_VARIABLES = " ".join(FP8_KNOB_ORDER)

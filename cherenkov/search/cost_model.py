@@ -230,6 +230,12 @@ HOPPER_HEAD_DIM_FACTOR = {32: 0.5, 64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}
 HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
 HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
 HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
+# lazy_rescale and row_sums_mma (H200, 2026-12-04, same-run A/B of each schedule with and without):
+# lazy rescale +5-8 % with 8-bit operands, +2-5 % at 16-bit head dim 128 (causal gains most), -3 to
+# -6 % at head dim 64 (the vote costs about what its 32 FMULs a row pair saved); the 8-bit row sums
+# on the tensor cores +1-2 % on top.
+HOPPER_LAZY_RESCALE_FACTOR = {"8-bit": 1.06, "wide": 1.03, "narrow": 0.96}
+HOPPER_ROW_SUMS_MMA_FACTOR = 1.015
 
 
 def hopper_head_dim_factor(problem: AttentionProblem) -> float:
@@ -267,6 +273,12 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
         knobs *= HOPPER_NO_PINGPONG_FACTOR
     if schedule.persistent and problem.causal and not schedule.balanced:
         knobs *= HOPPER_PERSISTENT_CAUSAL_FACTOR
+    if schedule.lazy_rescale:
+        width = "8-bit" if problem.dtype in HOPPER_EIGHT_BIT_DTYPES else (
+            "wide" if problem_tile_columns(problem)[1] >= 128 else "narrow")
+        knobs *= HOPPER_LAZY_RESCALE_FACTOR[width]
+    if schedule.row_sums_mma:
+        knobs *= HOPPER_ROW_SUMS_MMA_FACTOR
     efficiency = HOPPER_BASE_EFFICIENCY * pipeline * knobs * waves
     rate = gpu.wgmma_tflops * (2.0 if problem.dtype in HOPPER_EIGHT_BIT_DTYPES else 1.0)  # e4m3: twice bf16's
     ms = problem.flops / (rate * 1e12 * efficiency) * 1e3 + LAUNCH_OVERHEAD_MS

@@ -210,6 +210,7 @@ def test_hopper_fp8_plans_compile_with_e4m3_wgmma_in_sass(nvcc, sass, kernel_cac
     for plan in plans:
         compiled = compile_plan(plan, compiler=nvcc, cache_dir=kernel_cache)
         assert compiled.report.spill_bytes == 0, (plan.name, compiled.report)
+        assert not compiled.report.wgmma_serialized and not compiled.report.wgmma_fenced, (plan.name, compiled.report)
         if sass is not None:
             text = sass(compiled.cubin_path)
             assert "QGMMA.64x128x32.F32.E4M3.E4M3" in text and "F2FP.SATFINITE.E4M3.F32.PACK" in text, plan.name
@@ -235,6 +236,31 @@ def test_hopper_fp8_kernels_match_float32_attention_of_the_dequantised_values(pr
         assert not torch.isnan(got).any(), plan.name
         error = float((got - expected).norm() / expected.norm())
         assert error <= 5e-2, (plan.name, error)
+
+
+@pytest.mark.gpu
+def test_hopper_fp8_kernels_follow_scores_rising_along_the_keys(cuda_device, kernel_cache) -> None:
+    """Keys scaled by up to 12 along the sequence: later key tiles raise the row max by more than
+    the 8-bit lazy threshold (2^2), so the lazy schedules rescale O and the row sums mid-row."""
+    import torch
+
+    from cherenkov.search.measure import _inputs, _reference, factor_products
+
+    if torch.cuda.get_device_capability(cuda_device) != (9, 0):
+        pytest.skip("the wgmma family needs a Hopper GPU")
+    problem = HOPPER_CASES[1]
+    stored = _inputs(problem, 1, cuda_device.index or 0)
+    rise = torch.linspace(0.25, 12.0, problem.seq_kv, device=cuda_device).view(1, 1, -1, 1)
+    stored[problem.k] = (stored[problem.k].float() * rise).to(torch.float8_e4m3fn)
+    expected = _reference(problem, *(stored[problem.name(r)] for r in "qkv"), None, factor_products(problem, stored))
+    plans = [p for p in _hopper_plans(problem) if p.schedule.lazy_rescale]
+    assert plans
+    for plan in plans:
+        kernel = load_kernel(compile_plan(plan, cache_dir=kernel_cache))
+        got = kernel(*(stored[problem.name(r)] for r in "qkv"), factors=tuple(stored[f.tensor] for f in problem.factors))
+        torch.cuda.synchronize()
+        error = float((got.float() - expected).norm() / expected.norm())
+        assert not torch.isnan(got).any() and error <= 5e-2, (plan.name, error)
 
 
 def mx_graph(heads: int = 8, kv_heads: int = 2, seq_q: int = 256, seq_kv: int = 512, dim: int = 128) -> ck.Graph:

@@ -13,7 +13,7 @@ from cherenkov.codegen.cuda.flash_attention_sm90a import emit_flash_attention_sm
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen import HopperFlashKernel, compile_plan, cuda_source, load_kernel
 from cherenkov.codegen.tensor_map import encode_tiled
-from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan
+from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, ScaleFactor
 from cherenkov.rewrites.plan_sm90a import (
     HOPPER_SCHEDULES,
     HopperFlashSchedule,
@@ -27,7 +27,8 @@ DEFAULT = HopperFlashSchedule()
 SEED = AttentionProblem(1, 8, 8, 4096, 8192, 128)
 
 # Problems that together give every offered schedule a valid one (three consumers and key
-# tiles of 192 fit head dim 64 only, 64-key tiles head dims 192 and 256), some with tails.
+# tiles of 192 fit head dim 64 only, 64-key tiles head dims 192 and 256, row sums on the tensor
+# cores 8-bit operands only), some with tails.
 COMPILE_PROBLEMS = [
     AttentionProblem(1, 8, 8, 4224, 2816, 128),
     AttentionProblem(1, 8, 8, 4224, 2816, 64, causal=True),
@@ -39,8 +40,11 @@ COMPILE_PROBLEMS = [
     AttentionProblem(1, 8, 8, 1024, 2048, 192, value_dim=128),
     AttentionProblem(8, 32, 8, 64, 8192, 128),  # chunked prefill: packed GQA groups
     AttentionProblem(2, 8, 2, 1000, 1500, 32, causal=True),  # 64-byte-swizzled rows of 32 columns
+    AttentionProblem(2, 8, 2, 1000, 3000, 128, dtype="fp8_e4m3", causal=True, out_dtype="bf16",  # 8-bit: row sums
+                     score_factors=(ScaleFactor("sq", ()), ScaleFactor("sk", ())), out_factors=(ScaleFactor("sv", ()),)),
 ]
 PACKED = HopperFlashSchedule(128, 3, 2, True, pack_group=True)
+LAZY = HopperFlashSchedule(128, 3, 2, True, lazy_rescale=True)
 PERSISTENT = HopperFlashSchedule(persistent=True)
 TWO_Q = HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2)
 
@@ -349,6 +353,22 @@ GPU_CASES = [
     # head dim 256 with 80-key tiles (the widest two stages fit)
     (AttentionProblem(2, 8, 8, 1000, 1000, 256), HopperFlashSchedule(80, 2, 2, True)),
     (AttentionProblem(1, 8, 2, 777, 1333, 256, causal=True), HopperFlashSchedule(80, 2, 2, True, persistent=True)),
+    # lazy rescale: O and the row sums move with the row max only when a tile raises it by more than 2^8
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128), LAZY),
+    (AttentionProblem(3, 8, 8, 777, 333, 128, causal=True), replace(LAZY, persistent=True)),
+    (AttentionProblem(2, 16, 4, 2048, 2048, 128, causal=True), replace(TWO_Q, balanced=True, lazy_rescale=True)),
+    (AttentionProblem(2, 8, 8, 777, 1024, 64, dtype="fp16"), replace(TWO_Q, lazy_rescale=True)),
+    (AttentionProblem(8, 32, 8, 64, 2048, 128), replace(PACKED, lazy_rescale=True)),
+    (AttentionProblem(1, 8, 2, 777, 1333, 256, causal=True), HopperFlashSchedule(80, 2, 2, True, lazy_rescale=True)),
+]
+
+# Scores that rise along the keys (keys scaled by up to RISE), so later key tiles raise the row
+# max by more than the lazy threshold and the lazy schedules take their rescale path too.
+RISE = 12.0
+RISING_CASES = [
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128), LAZY),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128, causal=True), replace(TWO_Q, balanced=True, lazy_rescale=True)),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128), DEFAULT),
 ]
 
 
@@ -378,3 +398,22 @@ def test_kernel_matches_sdpa(gpu, problem, schedule, tmp_path):
     assert not torch.isnan(out).any()
     error = ((out.float() - ref).norm() / ref.norm()).item()
     assert error <= TOLERANCE, f"relative L2 error {error:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem, schedule", RISING_CASES, ids=lambda x: getattr(x, "key", lambda: "")() or None)
+def test_kernel_matches_sdpa_on_scores_rising_along_the_keys(gpu, problem, schedule, tmp_path):
+    torch = gpu
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a kernels need a Hopper GPU")
+    kernel = load_kernel(compile_plan(hopper_plan(problem, schedule), cache_dir=tmp_path))
+    torch.manual_seed(1)
+    shapes = problem.shapes()
+    q, k, v = (torch.randn(shapes[name], device="cuda") for name in (problem.q, problem.k, problem.v))
+    k = k * torch.linspace(0.25, RISE, problem.seq_kv, device="cuda").view(1, 1, -1, 1)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    out = kernel(q, k, v)
+    torch.cuda.synchronize()
+    ref = _reference(torch, problem, q, k, v)
+    error = ((out.float() - ref).norm() / ref.norm()).item()
+    assert not torch.isnan(out).any() and error <= TOLERANCE, f"relative L2 error {error:.3g}"

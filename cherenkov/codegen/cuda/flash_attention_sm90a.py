@@ -27,13 +27,22 @@ Its warpgroups have fixed roles:
   run the online softmax on the accumulator registers while ``P V`` still runs, then wait
   for it, hand stage ``j - 1`` back to the producer, rescale O and pack ``P_j`` to 16-bit
   A fragments. With ``pingpong`` the two consumers' matmul issues alternate through named
-  barriers, so one warpgroup's softmax overlaps the other's matmuls. The epilogue
+  barriers, so one warpgroup's softmax overlaps the other's matmuls. A thread's row maxima and
+  sums run as four independent chains and a tree (the softmax's latency sits between the two
+  consumers' matmuls). With ``lazy_rescale`` the warp votes whether any of its rows' maxima rose
+  by more than ``LAZY_LOG2`` (2⁸ for 16-bit P; 2² for e4m3 P, whose 2^``P_SHIFT`` factor gives up
+  as much); only then do the quad's max shuffles, the alpha exponentials and the O rescale run.
+  With ``row_sums_mma`` (8-bit) each k step of ``P V`` also multiplies P by the eight rows of
+  ones after the V tile (an m64n8k32 wgmma into its own four registers, from zero each key
+  tile), and those per-tile sums are added in fp32: the softmax adds no probabilities, and the
+  8-bit wgmma's reduced-precision accumulation never sees a whole row. The epilogue
   normalises O and either stores it from registers or (``O_THROUGH_SMEM``: one-tile blocks
   and two Q buffers) writes it to shared memory in Q's swizzled layout, from where one
   thread stores it with TMA bulk tensor stores while the warpgroup goes on.
 
 Shared memory: ``[Q buffers | K stage 0..STAGES-1 | V stage 0..STAGES-1 | O | mbarriers]``
-(O only with two Q buffers; a one-tile block stages O in its Q tile), every tile 1024-byte
+(O only with two Q buffers; a one-tile block stages O in its Q tile; with ``row_sums_mma`` each
+V stage is followed by its eight 128-byte rows of ones, written once at the start), every tile 1024-byte
 aligned and stored as 128-byte-swizzled boxes of 64 columns by the TMA
 (``CU_TENSOR_MAP_SWIZZLE_128B``), the layout the wgmma descriptors of :mod:`.wgmma`
 describe; head dims of at most 32 columns (16-bit) are 64-byte-swizzled boxes of 32 columns
@@ -63,9 +72,11 @@ from cherenkov.codegen.cuda.flash_attention import operand_strides, problem_summ
 from cherenkov.codegen.cuda.flash_attention_fp8 import P_EXPONENT_SHIFT, PACK_E4M3X4, factor_arguments
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
-from cherenkov.rewrites.plan import AttentionProblem
+from cherenkov.rewrites.plan import ELEMENT_BYTES, AttentionProblem
 from cherenkov.rewrites.plan_sm90a import (
     HOPPER_EIGHT_BIT_DTYPES,
+    LAZY_RESCALE_LOG2,
+    ONES_ROWS,
     ROWS_PER_CONSUMER,
     SWIZZLE_ALIGN,
     HopperFlashSchedule,
@@ -114,13 +125,15 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
                 tma.emit_fence_proxy_async(), tma.emit_tma_store(4)),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
         section("wgmma", wgmma.emit_descriptor(row_bytes), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
-                wgmma.emit_wgmma(*o_wgmma), mma.emit_pack(problem.output_dtype)),
+                wgmma.emit_wgmma(*o_wgmma),
+                *([wgmma.emit_wgmma(ONES_ROWS, dtype, True, False)] if s.row_sums_mma else []),
+                mma.emit_pack(problem.output_dtype)),
         section("online softmax", softmax.emit_math_helpers(), attention_mask.emit_bias_score(problem),
-                _softmax(problem.bias is not None, eight_bit)),
+                _softmax(problem.bias is not None, eight_bit, s.lazy_rescale, s.row_sums_mma)),
         section("work tiles", _work_tiles()),
         section("producer warpgroup", _producer(eight_bit)),
-        section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma, eight_bit), _pingpong(s.pingpong),
-                _consumer(s, problem)),
+        section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma, eight_bit, s.row_sums_mma),
+                _pingpong(s.pingpong), _consumer(s, problem)),
         *([section("V transposed for the 8-bit P V", _transpose_values(schedule))] if eight_bit else []),
         section("kernel", _kernel(schedule, problem)),
     ]
@@ -162,6 +175,10 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule, row_byt
     regs = f"constexpr int PRODUCER_REGS = {split[0]};\n        constexpr int CONSUMER_REGS = {split[1]};" if split else (
         "// one consumer warpgroup: 256 threads get 255 registers, no reallocation")
     eight_bit = p.dtype in HOPPER_EIGHT_BIT_DTYPES
+    lazy_log2 = LAZY_RESCALE_LOG2[ELEMENT_BYTES[p.dtype]]
+    p_shift = (P_EXPONENT_SHIFT - (lazy_log2 if s.lazy_rescale else 0.0)) if eight_bit else 0.0
+    lazy = (f"\n        constexpr float LAZY_LOG2 = {float_literal(lazy_log2)};  // a row's max moves when a tile "
+            "raises it more (log2)" if s.lazy_rescale else "")
     q_tail = ("// rows past SEQ_Q: the o tensor map clips the TMA stores" if _through_smem(s, p) else
               "constexpr bool Q_TAIL = !PACK && SEQ_Q % BLOCK_Q != 0;  // the last query tile has rows past the end")
     return block(
@@ -204,9 +221,11 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule, row_byt
         constexpr int V_BOXES = (V_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;
         constexpr int QK_STEPS = HEAD_DIM * ELEM_BYTES / 32, PV_STEPS = BLOCK_KV * ELEM_BYTES / 32;  // wgmma k steps
         constexpr int S_REGS = BLOCK_KV / 2;  // fp32 accumulators of S a thread
+        constexpr bool ROW_SUMS_MMA = {bool_literal(s.row_sums_mma)};  // P V also sums P, against rows of ones
+        constexpr int ONES_ROWS = {ONES_ROWS if s.row_sums_mma else 0};  // rows of ones after each transposed V tile
         constexpr int O_REGS = V_BOXES * BOX_COLUMNS / 2;  // fp32 accumulators of O a thread (whole boxes)
         constexpr int P_REGS = BLOCK_KV * ELEM_BYTES / 8;  // packed P a thread (16-bit pairs or e4m3 quads)
-        constexpr float P_SHIFT = {float_literal(P_EXPONENT_SHIFT if eight_bit else 0.0)};  // log2 of P's factor
+        constexpr float P_SHIFT = {float_literal(p_shift)};  // log2 of P's factor{lazy}
         static_assert(BLOCK_Q == {ROWS_PER_CONSUMER} * CONSUMERS && THREADS == 128 * (CONSUMERS + 1), "warp roles");
         """
     ).replace("@MASK_CONSTANTS@", attention_mask.emit_mask_constants(p, 1.0 / scale, "1 / scale")) + "\n\n" + operand_strides(p)
@@ -227,10 +246,11 @@ def _layout_constants(smem_bytes: int, row_bytes: int) -> str:
         constexpr u32 O_TILE_BYTES = V_BOXES * Q_BOX_BYTES;
         constexpr u32 K_TILE_BYTES = QK_BOXES * KV_BOX_BYTES;
         constexpr u32 V_TILE_BYTES = V_BOXES * KV_BOX_BYTES;
+        constexpr u32 V_STAGE_BYTES = V_TILE_BYTES + ONES_ROWS * ROW_BYTES;  // a V tile and its rows of ones
         constexpr u32 Q_SMEM = 0;
         constexpr u32 K_SMEM = Q_SMEM + Q_BUFFERS * Q_TILE_BYTES;
         constexpr u32 V_SMEM = K_SMEM + STAGES * K_TILE_BYTES;
-        constexpr u32 O_SMEM = V_SMEM + STAGES * V_TILE_BYTES;
+        constexpr u32 O_SMEM = V_SMEM + STAGES * V_STAGE_BYTES;
         constexpr u32 BAR_SMEM = O_SMEM + (Q_BUFFERS == 2 ? O_TILE_BYTES : 0);
         constexpr u32 Q_FULL = BAR_SMEM;                   // + 8 * buffer: Q landed
         constexpr u32 Q_EMPTY = Q_FULL + 8 * Q_BUFFERS;    // + 8 * buffer: every consumer warp is done with Q
@@ -246,9 +266,11 @@ def _layout_constants(smem_bytes: int, row_bytes: int) -> str:
     )
 
 
-def _softmax(bias: bool, eight_bit: bool = False) -> str:
+def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: bool = False) -> str:
     """The row state, masks and online softmax; ``bias``: the problem has a bias tensor (every
-    tile is masked, each score gains its bias); ``eight_bit``: P is packed as e4m3 quads."""
+    tile is masked, each score gains its bias); ``eight_bit``: P is packed as e4m3 quads;
+    ``lazy``: the running max moves only when a tile raises it by more than ``LAZY_LOG2``;
+    ``row_sums``: the row sums come from the rows of ones' wgmma (``add_row_sums``)."""
     text = block(
         """
         // The running softmax state of this thread's two rows (g and g + 8 of its warp's 16).
@@ -275,34 +297,29 @@ def _softmax(bias: bool, eight_bit: bool = False) -> str:
             return BIAS || (CAUSAL && kv0 + BLOCK_KV - 1 > first_row) || (KV_TAIL && kv0 + BLOCK_KV > SEQ_KV);
         }
 
-        // Scores -> unnormalised probabilities in place; returns each row's rescale factor for O.
-        // p = 2^(s * c - m * c + P_SHIFT) with c = scale * log2(e) (times the score factors): one FMA
-        // and one ex2 a score. A row that has seen only masked scores keeps offset 0, so exp2(-inf)
-        // gives 0, not NaN.
-        __device__ __forceinline__ void online_softmax(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
-                                                       float scale_log2) {
-            float row_max[2] = {st.max[0], st.max[1]};
+        // This thread's part of row r's maximum (from `start`) and of its sum: four independent
+        // chains over its 8-key chunks, then a tree, so the latency is a quarter of one chain's.
+        __device__ __forceinline__ float thread_row_max(const float (&s)[S_REGS], int r, float start) {
+            float m[4] = {start, neg_inf(), neg_inf(), neg_inf()};
             #pragma unroll
-            for (int c = 0; c < BLOCK_KV / 8; ++c) {
-                row_max[0] = fmaxf(row_max[0], fmaxf(s[4 * c + 0], s[4 * c + 1]));
-                row_max[1] = fmaxf(row_max[1], fmaxf(s[4 * c + 2], s[4 * c + 3]));
-            }
+            for (int c = 0; c < BLOCK_KV / 8; ++c)
+                m[c % 4] = fmaxf(m[c % 4], fmaxf(s[4 * c + 2 * r], s[4 * c + 2 * r + 1]));
+            return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+        }
+
+        __device__ __forceinline__ float thread_row_sum(const float (&s)[S_REGS], int r) {
+            float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                row_max[r] = quad_max(row_max[r]);
-                const float offset = row_max[r] == neg_inf() ? 0.0f : row_max[r] * scale_log2;
-                alpha[r] = fast_exp2(st.max[r] * scale_log2 - offset);
-                st.max[r] = row_max[r];
-                const float shifted = offset - P_SHIFT;
-                float sum = 0.0f;
-                #pragma unroll
-                for (int c = 0; c < BLOCK_KV / 8; ++c) {
-                    s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
-                    s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
-                    sum += s[4 * c + 2 * r] + s[4 * c + 2 * r + 1];
-                }
-                st.sum[r] = st.sum[r] * alpha[r] + sum;
-            }
+            for (int c = 0; c < BLOCK_KV / 8; ++c) a[c % 4] += s[4 * c + 2 * r] + s[4 * c + 2 * r + 1];
+            return (a[0] + a[1]) + (a[2] + a[3]);
+        }
+
+        @ONLINE_SOFTMAX@
+        @ADD_ROW_SUMS@
+        // Row r's sum of probabilities: the quad's partial sums, added; with ROW_SUMS_MMA every thread of
+        // the quad holds the whole sum.
+        __device__ __forceinline__ float row_sum(const RowState& st, int r) {
+            return ROW_SUMS_MMA ? st.sum[r] : quad_sum(st.sum[r]);
         }
 
         __device__ __forceinline__ void rescale_output(float (&o)[O_REGS], const float (&alpha)[2]) {
@@ -313,6 +330,8 @@ def _softmax(bias: bool, eight_bit: bool = False) -> str:
         @PACK@
         """
     ).replace("@PACK@", _PACK_EIGHT_BIT if eight_bit else _PACK_SIXTEEN_BIT)
+    text = text.replace("@ONLINE_SOFTMAX@", (_LAZY_ONLINE_SOFTMAX if lazy else _EAGER_ONLINE_SOFTMAX) + "\n")
+    text = re.sub(r"^@ADD_ROW_SUMS@\n", _ADD_ROW_SUMS + "\n\n" if row_sums else "", text, flags=re.MULTILINE)
     values = {"@BIAS_NOTE@": "", "@BIAS_PARAM@": "", "@BIAS@": ""}
     if bias:
         values = {
@@ -326,6 +345,78 @@ def _softmax(bias: bool, eight_bit: bool = False) -> str:
         text = text.replace(placeholder, value)
     return text
 
+
+_EAGER_ONLINE_SOFTMAX = """// Scores -> unnormalised probabilities in place; alpha: each row's rescale factor for O; returns
+// whether O must be rescaled (always, in this eager form).
+// p = 2^(s * c - m * c + P_SHIFT) with c = scale * log2(e) (times the score factors): one FMA
+// and one ex2 a score. A row that has seen only masked scores keeps offset 0, so exp2(-inf)
+// gives 0, not NaN.
+__device__ __forceinline__ bool online_softmax(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
+                                               float scale_log2) {
+    float row_max[2] = {thread_row_max(s, 0, st.max[0]), thread_row_max(s, 1, st.max[1])};
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_max[r] = quad_max(row_max[r]);
+        const float offset = row_max[r] == neg_inf() ? 0.0f : row_max[r] * scale_log2;
+        alpha[r] = fast_exp2(st.max[r] * scale_log2 - offset);
+        st.max[r] = row_max[r];
+        const float shifted = offset - P_SHIFT;
+        #pragma unroll
+        for (int c = 0; c < BLOCK_KV / 8; ++c) {
+            s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
+            s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
+        }
+        st.sum[r] = st.sum[r] * alpha[r] + (ROW_SUMS_MMA ? 0.0f : thread_row_sum(s, r));  // else P V sums them
+    }
+    return true;
+}"""
+
+_LAZY_ONLINE_SOFTMAX = """// Scores -> unnormalised probabilities in place, lazily: a row's running max (the exponents'
+// offset) moves only when this tile raises it by more than LAZY_LOG2 (log2 units of the scaled
+// scores), decided by a vote of the warp, so the quad's max shuffles, the alpha exponentials and
+// the O rescale are skipped on most tiles; unmoved, probabilities stay below 2^(LAZY_LOG2 +
+// P_SHIFT). Returns whether O must be rescaled by alpha (the same for the whole warp). A row
+// that has seen only masked scores keeps offset 0, so exp2(-inf) gives 0, not NaN.
+__device__ __forceinline__ bool online_softmax(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
+                                               float scale_log2) {
+    // this thread's part of the rows
+    float row_max[2] = {thread_row_max(s, 0, st.max[0]), thread_row_max(s, 1, st.max[1])};
+    const bool grows = row_max[0] * scale_log2 > st.max[0] * scale_log2 + LAZY_LOG2
+                       || row_max[1] * scale_log2 > st.max[1] * scale_log2 + LAZY_LOG2;
+    const bool rescale = __any_sync(0xffffffffu, grows);
+    if (rescale) {  // warp-uniform: the quads' shuffles are safe
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[r] = quad_max(row_max[r]);
+            const float offset = row_max[r] == neg_inf() ? 0.0f : row_max[r] * scale_log2;
+            alpha[r] = fast_exp2(st.max[r] * scale_log2 - offset);
+            st.max[r] = row_max[r];
+            st.sum[r] *= alpha[r];
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float shifted = (st.max[r] == neg_inf() ? 0.0f : st.max[r] * scale_log2) - P_SHIFT;
+        #pragma unroll
+        for (int c = 0; c < BLOCK_KV / 8; ++c) {
+            s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
+            s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
+        }
+        if (!ROW_SUMS_MMA) st.sum[r] += thread_row_sum(s, r);  // else P V sums them
+    }
+    return rescale;
+}"""
+
+_ADD_ROW_SUMS = """// ROW_SUMS_MMA: add one key tile's row sums, which its P V wgmmas computed against the rows of ones
+// into their own accumulator (`sums`: row g in [0], [1], row g + 8 in [2], [3]; every column of a
+// row holds the sum), to the row state, scaled by alpha where the row max moved after that P was
+// made. A key tile's sum starts from zero in the tensor cores and is added up in fp32 here: the
+// 8-bit wgmma accumulates at reduced precision, which loses a long row's small late terms.
+__device__ __forceinline__ void add_row_sums(RowState& st, const float (&sums)[4], const float (&alpha)[2],
+                                             bool rescaled) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) st.sum[r] += rescaled ? sums[2 * r] * alpha[r] : sums[2 * r];
+}"""
 
 _PACK_SIXTEEN_BIT = block(
     """
@@ -417,11 +508,11 @@ def _producer(eight_bit: bool = False) -> str:
     """The producer's copies; ``eight_bit``: V comes from its transposed copy (D rows of the key
     tile's 128 key bytes: one box of the transposed map, at coordinates (keys, 0, head, batch))."""
     v_copy = (
-        "tma_load_4d(smem + V_SMEM + stage * V_TILE_BYTES, v_map, v_bar, j * BLOCK_KV, 0, w.kv_head, w.batch);"
+        "tma_load_4d(smem + V_SMEM + stage * V_STAGE_BYTES, v_map, v_bar, j * BLOCK_KV, 0, w.kv_head, w.batch);"
         if eight_bit else
         "#pragma unroll\n"
         "for (int b = 0; b < V_BOXES; ++b)\n"
-        "    tma_load_4d(smem + V_SMEM + stage * V_TILE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, BOX_COLUMNS * b,\n"
+        "    tma_load_4d(smem + V_SMEM + stage * V_STAGE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, BOX_COLUMNS * b,\n"
         "                j * BLOCK_KV, w.kv_head, w.batch);"
     )
     return block(
@@ -479,9 +570,12 @@ def _producer(eight_bit: bool = False) -> str:
     ).replace("@V_COPY@", indent(v_copy, 3).lstrip())
 
 
-def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False) -> str:
+def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False, row_sums: bool = False) -> str:
+    """``issue_scores`` and ``issue_values``; ``row_sums`` (8-bit): P V also issues the row sums' wgmma
+    (N = ONES_ROWS against the rows of ones after the V tile) into ``sums``, from zero a key tile."""
     qk = wgmma.wgmma_name(*kv_wgmma)
     pv = wgmma.wgmma_name(*o_wgmma)
+    sums = wgmma.wgmma_name(ONES_ROWS, o_wgmma[1], True, False)
     values = block(
         f"""
         // O += P V with V transposed (K-major, keys in P's slot order): BLOCK_KV / 32 k-steps of 32
@@ -491,6 +585,21 @@ def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False) 
             #pragma unroll
             for (int kk = 0; kk < PV_STEPS; ++kk)
                 {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_desc + ((kk * 32) >> 4), 1);
+        }}
+        """
+    ) if eight_bit and not row_sums else block(
+        f"""
+        // O += P V with V transposed (K-major, keys in P's slot order): BLOCK_KV / 32 k-steps of 32
+        // key bytes of each 128-byte swizzled row of the D-row tile; and each k step's P against the
+        // ONES_ROWS rows of ones after the tile, so `sums` (from zero) is this key tile's row sums.
+        __device__ __forceinline__ void issue_values(float (&o)[O_REGS], float (&sums)[4], const u32 (&p)[P_REGS],
+                                                     unsigned long long v_desc) {{
+            #pragma unroll
+            for (int kk = 0; kk < PV_STEPS; ++kk) {{
+                {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_desc + ((kk * 32) >> 4), 1);
+                {sums}(sums, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+                    v_desc + ((V_TILE_BYTES + kk * 32) >> 4), kk > 0);
+            }}
         }}
         """
     ) if eight_bit else block(
@@ -586,7 +695,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             const unsigned long long v_desc = make_smem_desc(smem + V_SMEM, @V_LBO@, 8 * ROW_BYTES);
 
             float s[S_REGS];
-            float o_acc[O_REGS];
+            float o_acc[O_REGS];@SUMS_DECL@
             u32 p[P_REGS];
             float alpha[2];
             RowState st = {{neg_inf(), neg_inf()}, {0.0f, 0.0f}};
@@ -622,19 +731,20 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
                 wgmma_commit();
                 mbar_wait(smem + V_FULL + 8 * prev, prev_phase);
                 wgmma_fence();
-                issue_values(o_acc, p, v_desc + ((prev * V_TILE_BYTES) >> 4));
+                issue_values(o_acc,@SUMS_ARG@ p, v_desc + ((prev * V_STAGE_BYTES) >> 4));
                 wgmma_commit();
                 matmul_turn_end(consumer, false);
                 wgmma_wait<1>();  // S_j is ready, P_(j-1) V_(j-1) may still run
                 fence_operands(s);
                 if (SPLIT_RELEASE) release(smem + K_EMPTY + 8 * stage, lane);
                 if (needs_mask(kv0, first_row)) mask_scores(s, row0, kv0, t@BIAS_ARG@);
-                online_softmax(s, st, alpha, scale_log2);
+                const bool rescale = online_softmax(s, st, alpha, scale_log2);
                 wgmma_wait<0>();
                 fence_operands(o_acc);
                 fence_operands(p);
                 release(smem + V_EMPTY + 8 * prev, lane);
-                rescale_output(o_acc, alpha);
+                if (rescale) rescale_output(o_acc, alpha);
+                add_row_sums(st, sums, alpha, rescale);
                 pack_probabilities(s, p);
                 prev = stage;
                 prev_phase = phase;
@@ -649,12 +759,13 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             fence_operands(o_acc);
             fence_operands(p);
             wgmma_fence();
-            issue_values(o_acc, p, v_desc + ((prev * V_TILE_BYTES) >> 4));
+            issue_values(o_acc,@SUMS_ARG@ p, v_desc + ((prev * V_STAGE_BYTES) >> 4));
             wgmma_commit();
             matmul_turn_end(consumer, last_tile);
             wgmma_wait<0>();
             fence_operands(o_acc);
             release(smem + V_EMPTY + 8 * prev, lane);
+            add_row_sums(st, sums, alpha, false);
 
             @EPILOGUE@
         }
@@ -681,6 +792,11 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
                                                                                        " lse," if lse else "")
     text = re.sub(r"^( *)@LSE_STORE@\n", (lambda m: indent(_lse_store(), len(m[1]) // 4) + "\n") if lse else "", text,
                   flags=re.MULTILINE)
+    row_sums = schedule.row_sums_mma
+    text = text.replace("@SUMS_ARG@", " sums," if row_sums else "").replace(
+        "@SUMS_DECL@", "\n    float sums[4];  // a key tile's row sums (the rows of ones' wgmma)" if row_sums else "")
+    if not row_sums:
+        text = re.sub(r"^ *add_row_sums\(.*\n", "", text, flags=re.MULTILINE)
     text = (text.replace("@V_LBO@", v_lbo).replace("@FACTOR_PARAMS@", factor_params)
             .replace("@SCORE_FACTOR@", f"({score_factor})").replace("@OUT_FACTOR@", out_factor))
     values = {"@BIAS_PARAM@": "", "@BIAS_ROWS@": "", "@BIAS_ARG@": "", "@BIAS_PASS@": ""}
@@ -704,7 +820,7 @@ def _epilogue_from_registers() -> str:
             // V_DIM; O's columns past it, from the zeros of V's last box, are dropped).
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const float sum = quad_sum(st.sum[r]);
+                const float sum = row_sum(st, r);
                 @LSE_STORE@
                 const float inv = sum > 0.0f ? out_factor / sum : 0.0f;  // a row without a live score gives 0
                 const int tile_row = consumer * 64 + warp * 16 + g + 8 * r;
@@ -740,7 +856,7 @@ def _epilogue_through_smem() -> str:
             }
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const float sum = quad_sum(st.sum[r]);
+                const float sum = row_sum(st, r);
                 @LSE_STORE@
                 const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row without a live score gives 0
                 const u32 row = warp * 16 + g + 8 * r;
@@ -872,6 +988,13 @@ def _kernel(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
                 }}
                 fence_barrier_init();
                 fence_proxy_async();
+            }}
+            if (ROW_SUMS_MMA) {{  // the rows of ones after each V stage (e4m3 1.0 = 0x38; the TMA never writes them)
+                constexpr int WORDS = ONES_ROWS * ROW_BYTES / 4;  // a stage's
+                for (int i = threadIdx.x; i < STAGES * WORDS; i += THREADS)
+                    st_shared_u32(smem + V_SMEM + (i / WORDS) * V_STAGE_BYTES + V_TILE_BYTES + 4 * (i % WORDS),
+                                  0x38383838u);
+                fence_proxy_async();  // visible to the wgmmas (async proxy)
             }}
             __syncthreads();
 
