@@ -478,7 +478,7 @@ class FlashBackwardKernel(_StreamCache):
         self.compiled = compiled
         self.problem = compiled.plan.problem
         self.device = device
-        self.launches = grids(compiled.plan)
+        self.launches = grids(compiled.plan, _multiprocessors(device))
         names = {"statistics": "_statistics", "main": "", "dq": "_dq"}
         with cupy.cuda.Device(device):
             module = cupy.RawModule(path=str(compiled.cubin_path))

@@ -165,13 +165,18 @@ class BackwardSchedule:
     this one is used); ``wgmma``: the main pass's products are Hopper warpgroup MMAs (a
     warpgroup of 128 threads per 64 keys) instead of ``mma.sync`` (a warp per 16 keys);
     ``saved_statistics``: the statistics pass reads the forward's saved output and log-sum-exp
-    (:class:`SavedStatistics`) instead of running the forward again."""
+    (:class:`SavedStatistics`) instead of running the forward again; ``persistent`` (``wgmma``, two
+    stages): the main pass launches one block an SM, each walking work items of key tiles (causal:
+    key tiles ``p`` and ``n − 1 − p`` together, so every item is as long) and loading the next
+    key tile's K and V into a second buffer while the current one's last step runs, so a key tile's
+    prologue and its dk, dv stores no longer stand alone on the SM."""
 
     block_kv: int = 64
     block_q: int = 64
     stages: int = 2
     wgmma: bool = False
     saved_statistics: bool = False
+    persistent: bool = False
 
     @property
     def warps(self) -> int:
@@ -183,7 +188,7 @@ class BackwardSchedule:
 
     def key(self) -> str:
         return (f"kv{self.block_kv}_q{self.block_q}_s{self.stages}{'_wg' if self.wgmma else ''}"
-                f"{'_saved' if self.saved_statistics else ''}")  # fmt: skip
+                f"{'_ps' if self.persistent else ''}{'_saved' if self.saved_statistics else ''}")  # fmt: skip
 
 
 WGMMA_BLOCK_KV = 128
@@ -201,6 +206,7 @@ BACKWARD_SCHEDULES = tuple(
           for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)),
         *(BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, stages, wgmma=True, saved_statistics=saved)
           for stages in (2, 3)),
+        BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, 2, wgmma=True, saved_statistics=saved, persistent=True),
     )
 )  # fmt: skip
 """Every schedule; those reading saved statistics fit only problems whose forward saved them."""
@@ -212,13 +218,14 @@ def row_elements(head_dim: int) -> int:
 
 
 def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
-    """Dynamic shared memory of the main pass: K and V (the block's keys), ``stages`` q and dO
-    tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's product (``wgmma``:
-    unpadded swizzled tiles, plus slack to align them)."""
+    """Dynamic shared memory of the main pass: K and V (the block's keys; persistent: two of each),
+    ``stages`` q and dO tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's
+    product (``wgmma``: unpadded swizzled tiles, plus slack to align them)."""
     d = problem.attention.head_dim
     element = 2
     if schedule.wgmma:
-        tiles = (2 * schedule.block_kv + 2 * schedule.stages * schedule.block_q) * d * element
+        kv_buffers = 2 if schedule.persistent else 1
+        tiles = (2 * kv_buffers * schedule.block_kv + 2 * schedule.stages * schedule.block_q) * d * element
         return tiles + schedule.block_kv * schedule.block_q * element + 2 * 4 * schedule.stages * schedule.block_q \
             + SWIZZLE_ALIGN
     kv = 2 * schedule.block_kv * row_elements(d) * element
@@ -234,6 +241,14 @@ WGMMA_STATISTICS_KEYS = 128
 WGMMA_STATISTICS_BUFFERS = 3
 """K and V buffers of the ``wgmma`` statistics pass: a step's scores read its own, the last step's ``O += P V``
 (still running during the step's softmax) the one before, and the next step's copies fill the third."""
+
+
+def main_work_items(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
+    """Work items of a persistent main pass: per (batch, K/V head), its key tiles, paired
+    ``(p, n − 1 − p)`` when causal (a middle tile of an odd count alone)."""
+    a = problem.attention
+    key_tiles = -(-a.seq_kv // schedule.block_kv)
+    return a.batch * a.kv_heads * (-(-key_tiles // 2) if a.causal else key_tiles)
 
 
 def statistics_rows(schedule: BackwardSchedule) -> int:
@@ -277,6 +292,8 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons.append("saved statistics: the graph holds no saved output and log-sum-exp of this attention")
     if schedule.wgmma:
         reasons += _wgmma_problems(schedule, problem, target)
+    elif schedule.persistent:
+        reasons.append("a persistent main pass: the wgmma family only")
     row_tiles = schedule.block_q // 16
     if not schedule.wgmma and schedule.warps % row_tiles or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16:
         reasons.append(f"{schedule.warps} warps do not split a {schedule.block_q} x {a.head_dim} dq tile into 16-column parts")
@@ -302,6 +319,9 @@ def _wgmma_problems(schedule: BackwardSchedule, problem: AttentionBackwardProble
         reasons.append(f"head dim {problem.attention.head_dim}: the wgmma main pass plans {WGMMA_HEAD_DIMS}")
     if (schedule.block_kv, schedule.block_q) != (WGMMA_BLOCK_KV, WGMMA_BLOCK_Q) or schedule.stages not in (2, 3):
         reasons.append(f"the wgmma main pass takes {WGMMA_BLOCK_KV} keys, {WGMMA_BLOCK_Q} queries and 2 or 3 stages")
+    if schedule.persistent and schedule.stages != 2:
+        reasons.append("a persistent main pass loads a key tile's K and V one step ahead: two stages (with three, "
+                       "a one-step key tile would let them overwrite the buffer still in use)")
     return reasons
 
 

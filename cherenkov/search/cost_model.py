@@ -40,6 +40,7 @@ from cherenkov.rewrites.plan import (
     key_tiles_per_split,
     query_tiles,
 )
+from cherenkov.rewrites.plan_backward import main_work_items
 from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
 from cherenkov.rewrites.plan_sm90a import HOPPER_EIGHT_BIT_DTYPES, HopperFlashSchedule, problem_tile_columns
 
@@ -473,6 +474,13 @@ WGMMA_BACKWARD_FACTOR = 2.3
 """Speed of the ``wgmma`` backward (statistics and main pass) relative to the best ``mma.sync`` one
 (H200, 2026-12-03, ``results/backward-h200-2026-12-03-wgmma-pipelined.json``: 2.6x seed, 2.4x
 causal 4k, 2.4x GQA, 1.86x D 64)."""
+WGMMA_PERSISTENT_FACTOR = {64: 1.09, 128: 1.0}
+"""The persistent ``wgmma`` main pass over the one-block-a-key-tile one at equal wave fill, by head dim
+(H200, 2026-12-04, ``results/backward-h200-2026-12-04-persistent.json`` and a same-process A/B: D 64
+1.09x, the seed at D 128 0.97-1.01x: hiding a key tile's prologue and stores pays where steps are short)."""
+WGMMA_PERSISTENT_CAUSAL_FACTOR = 0.95
+"""The persistent walk's cost with a causal mask at equal fill (B4 H16 4k causal: 0.95x, where 2048 key
+tiles of unequal lengths already balance over 16 waves)."""
 
 
 def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
@@ -483,10 +491,16 @@ def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
     gpu = gpu or GPUS[plan.target.name]
     problem, schedule = plan.problem, plan.schedule
     a = problem.attention
-    blocks = a.batch * a.kv_heads * -(-a.seq_kv // schedule.block_kv)
-    waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
+    blocks = main_work_items(schedule, problem) if schedule.persistent else \
+        a.batch * a.kv_heads * -(-a.seq_kv // schedule.block_kv)
+    rounds = math.ceil(blocks / gpu.sms)
+    waves = blocks / (rounds * gpu.sms)
     knobs = BACKWARD_BLOCK_FACTOR.get((schedule.block_kv, schedule.block_q), 1.0) * (1.0 if schedule.stages > 1 else 0.9)
     knobs *= WGMMA_BACKWARD_FACTOR if schedule.wgmma else 1.0
+    if schedule.persistent:  # equal work items (causal: paired key tiles)
+        knobs *= WGMMA_PERSISTENT_FACTOR.get(a.head_dim, 1.0) * (WGMMA_PERSISTENT_CAUSAL_FACTOR if a.causal else 1.0)
+    elif a.causal:  # key tiles of 1..n query tiles: the last round waits for a long one (one round: twice the mean)
+        knobs *= 1.0 - 0.5 / rounds
     efficiency = BACKWARD_EFFICIENCY * knobs * max(waves, 0.25)
     if schedule.saved_statistics:  # read O and dO, write D and LSE2, zero the dq accumulator
         rows = a.batch * a.heads * a.seq_q

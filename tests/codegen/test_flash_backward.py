@@ -80,6 +80,50 @@ def test_wgmma_main_pass_is_offered_on_sm90a_only() -> None:
                                                                     TARGETS["sm_90a"]))  # fmt: skip
 
 
+def test_persistent_main_pass_walks_paired_key_tiles() -> None:
+    """The persistent wgmma main pass: two stages only, the wgmma family only; its work items are a key
+    tile each, or with a causal mask key tiles p and n - 1 - p (a middle one alone); one block an SM at
+    most, two K/V buffers."""
+    from cherenkov.codegen.cuda.flash_attention_backward import grids
+    from cherenkov.rewrites.plan import TARGETS
+    from cherenkov.rewrites.plan_backward import BackwardSchedule, backward_schedule_problems, main_work_items
+
+    causal = next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 1333, 128, causal=True), "sm_90a")
+                  if p.schedule.persistent)  # fmt: skip
+    assert causal.schedule.key() == "kv128_q64_s2_wg_ps" and causal.schedule.stages == 2
+    assert main_work_items(causal.schedule, causal.problem) == 2 * 2 * 6  # 11 key tiles: 5 pairs and a middle one
+    assert grids(causal, 132)["main"][0] == (24, 1, 1) and grids(causal, 10)["main"][0] == (10, 1, 1)
+    plain = next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 1333, 128, causal=False), "sm_90a")
+                 if p.schedule.persistent)  # fmt: skip
+    assert main_work_items(plain.schedule, plain.problem) == 2 * 2 * 11
+    source = cuda_source(causal)
+    assert "constexpr int KV_BUFFERS = 2;" in source and "KeyTile key_tile(int n)" in source
+    one_tile = cuda_source(next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 1333, 128, causal=True), "sm_90a")
+                                if p.schedule.wgmma and not p.schedule.persistent))  # fmt: skip
+    assert "KV_BUFFERS" not in one_tile and "key_tile(" not in one_tile
+    # both drivers run the same step
+    step = source[source.index("const u32 tq = "):source.index("fence_operands(dv);")]
+    assert " ".join(step.split()) in " ".join(one_tile.split())
+    problem = causal.problem
+    three = BackwardSchedule(128, 64, 3, wgmma=True, persistent=True)
+    assert any("two stages" in r for r in backward_schedule_problems(three, problem, TARGETS["sm_90a"]))
+    warps = BackwardSchedule(128, 64, 2, persistent=True)
+    assert any("wgmma family only" in r for r in backward_schedule_problems(warps, problem, TARGETS["sm_90"]))
+
+
+@pytest.mark.slow
+def test_every_wgmma_plan_compiles_without_spills_or_a_serialised_pipeline(compiler, kernel_cache) -> None:
+    for dim in (64, 128):
+        for saved in (False, True):
+            gg = gradient_graph(2, 8, 2, 200, 333, dim, causal=True, saved=saved)
+            plans = [p for p in backward_plans(gg, "sm_90a") if p.schedule.wgmma]
+            assert len(plans) == (6 if saved else 3)  # (with saved statistics: both kinds)
+            for plan, build in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
+                assert not isinstance(build, Exception), build
+                assert build.report.spill_bytes == 0, (plan.name, build.report)
+                assert not build.report.wgmma_serialized and not build.report.wgmma_fenced, (plan.name, build.report)
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_wgmma_main_pass_source(dim: int) -> None:
     """Its five products are the three wgmma shapes (scores ss K-major; dv, dk rs with B MN-major; dq ss with
@@ -205,9 +249,10 @@ WGMMA_GPU_CASES = [
 @pytest.mark.parametrize(("sizes", "causal", "wrt"), WGMMA_GPU_CASES,
                          ids=["d128_gqa_causal_ragged", "d128", "d64_gqa_causal_ragged", "d64_dk_dv_only"])  # fmt: skip
 def test_gpu_wgmma_main_pass_matches_float32_autograd(sizes, causal, wrt, cuda_device, kernel_cache) -> None:
-    """The Hopper passes (sm_90a), two and three q/dO buffers, every gradient against float32 autograd as above."""
+    """The Hopper passes (sm_90a), two and three q/dO buffers and the persistent walk, every gradient against
+    float32 autograd as above."""
     plans = [p for p in backward_plans(gradient_graph(*sizes, causal=causal, wrt=wrt), "sm_90a") if p.schedule.wgmma]
-    assert sorted(p.schedule.stages for p in plans) == [2, 3]
+    assert sorted((p.schedule.stages, p.schedule.persistent) for p in plans) == [(2, False), (2, True), (3, False)]
     _check_against_autograd(plans, "bf16", cuda_device, kernel_cache)
 
 

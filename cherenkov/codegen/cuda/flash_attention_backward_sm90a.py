@@ -14,7 +14,11 @@ accumulator (its two query tiles) zeroed.
 
 **Main pass**: one block per ``BLOCK_KV = 128`` keys of one
 K/V head, the query tiles of every query head of the group streaming past, dk and dv held
-in fp32 registers, dq accumulated in the fp32 workspace by vector reductions. The block is two
+in fp32 registers, dq accumulated in the fp32 workspace by vector reductions. ``PERSISTENT``:
+at most one block an SM, each walking work items (a key tile, or with a causal mask key
+tiles ``p`` and ``n − 1 − p``, so every item has as many steps) with two K/V buffers: the copies
+run one step ahead over the whole walk, so the next key tile's K and V (and its first q and dO)
+land during the current one's last step and its dk, dv stores overlap the next tile's start. The block is two
 warpgroups; warpgroup ``w`` owns keys ``64w … 64w + 63``, and per query tile of
 ``BLOCK_Q = 64`` rows issues
 
@@ -49,8 +53,10 @@ that cross the causal diagonal or a sequence's end.
 
 from __future__ import annotations
 
+import re
+
 from cherenkov.codegen.cuda import tma, wgmma
-from cherenkov.codegen.cuda.text import block
+from cherenkov.codegen.cuda.text import block, bool_literal, indent
 from cherenkov.rewrites.plan_backward import (
     WGMMA_BLOCK_KV,
     WGMMA_BLOCK_Q,
@@ -186,6 +192,7 @@ def constants(plan: BackwardPlan) -> str:
         "// + 8 (j % 2), columns 8 (j / 2) + 2 (tau % 4) + 0, 1: the accumulator layout of an m64n64 wgmma), so a",
         "// thread adds four floats at once and a warp's additions are one contiguous run",
         "constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;",
+        *(_walk_constants() if plan.schedule.persistent else []),
         "constexpr u32 DQ_PART_FLOATS = 64 * 64;  // a warpgroup's dq part",
         f"constexpr int STAT_BLOCK_KEYS = {WGMMA_STATISTICS_KEYS};  // keys of a statistics step",
         f"constexpr int STAT_BUFFERS = {WGMMA_STATISTICS_BUFFERS};  // the statistics pass's K and V buffers",
@@ -197,12 +204,44 @@ def constants(plan: BackwardPlan) -> str:
     ])  # fmt: skip
 
 
+def _walk_constants() -> list[str]:
+    """The persistent main pass's work items and K/V buffers."""
+    return [
+        "// a persistent block walks work items of key tiles; an item: a key tile, or (PAIRED, causal) key tiles p",
+        "// and KV_TILES - 1 - p, as long together as any other pair",
+        "constexpr bool PAIRED = CAUSAL;",
+        "constexpr int KV_HEADS = HEADS / GROUP, KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;",
+        "constexpr int ITEM_TILES = PAIRED ? 2 : 1, HEAD_ITEMS = PAIRED ? (KV_TILES + 1) / 2 : KV_TILES;",
+        "constexpr int ITEMS = HEAD_ITEMS * KV_HEADS * BATCH;",
+        "constexpr int KV_BUFFERS = 2;  // the next key tile's K and V load beside this one's",
+        "constexpr u32 KV_BUFFER_BYTES = 2 * KV_TILE_BYTES;  // K, then V",
+        "static_assert(STAGES == 2, \"a key tile's K and V load one step ahead, into the buffer two tiles back\");",
+    ]
+
+
 def main_kernel(plan: BackwardPlan, name: str) -> str:
-    """The ``extern "C"`` main pass (arguments as the ``mma.sync`` one's)."""
+    """The ``extern "C"`` main pass (arguments as the ``mma.sync`` one's): a block a key tile, or (persistent)
+    a block an SM walking its work items; both run :func:`_main_step` per (query head, query tile)."""
     names = wgmma_names(plan)
+    driver = block(_KEY_TILE) + "\n\n" + block(_WALK_KERNEL) if plan.schedule.persistent else block(_ONE_TILE_KERNEL)
+    step_level, store_level = (3, 2) if plan.schedule.persistent else (2, 1)
     return (
-        block(
-            """
+        re.sub(r"^ *@STEP@\n", lambda _: indent(_main_step(), step_level) + "\n", driver, flags=re.MULTILINE)
+        .replace("@STORE_DK_DV@", indent(_STORE_DK_DV, store_level).lstrip())
+        .replace("@NAME@", name)
+        .replace("@BLOCK_Q@", str(WGMMA_BLOCK_Q))
+        .replace("@UPDATE@", names["update"])
+        .replace("@DQ@", names["dq"])
+    )
+
+
+def _main_step() -> str:
+    """One step of the main pass, its copies already waited for and the next ones issued: Sᵀ and dPᵀ, Pᵀ and dSᵀ,
+    dq (stored dSᵀ, one product, vector reductions), dv and dk."""
+    return _MAIN_STEP
+
+
+_ONE_TILE_KERNEL = """
         extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
             const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
             const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
@@ -269,114 +308,245 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
                 __syncthreads();      // every copy of this step is in; every warpgroup is past the last step
                 if (step + STAGES - 1 < steps) load_step(step + STAGES - 1);  // into the last step's buffer
                 cp_async_commit();
-                const u32 tq = sQ + stage * Q_TILE_BYTES, tdo = sDO + stage * Q_TILE_BYTES;
-                const float* tlse = sLse + stage * BLOCK_Q;
-                const float* tdelta = sDelta + stage * BLOCK_Q;
-                // S^T = K Q^T and dP^T = V dO^T: 64 keys x BLOCK_Q queries, contracted over the head dim
-                float s[BLOCK_Q / 2], dp[BLOCK_Q / 2];
-                wgmma_fence();
-                head_dim_product_n@BLOCK_Q@<KV_BOX_BYTES, Q_BOX_BYTES>(s, k_rows, tq);
-                wgmma_commit();
-                head_dim_product_n@BLOCK_Q@<KV_BOX_BYTES, Q_BOX_BYTES>(dp, v_rows, tdo);
-                wgmma_commit();
-                wgmma_wait<1>();
-                fence_operands(s);
-                // P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked (tiles on the diagonal or past an end)
-                const bool edge = (CAUSAL && q0 < k0 + BLOCK_KV) || q0 + BLOCK_Q > SEQ_Q || k0 + BLOCK_KV > SEQ_KV;
-                u32 pa[BLOCK_Q / 4];  // P^T as A fragments: pairs of adjacent columns
-                #pragma unroll
-                for (int i = 0; i < BLOCK_Q / 2; ++i) {
-                    const int column = 8 * (i >> 2) + 2 * t + (i & 1), query = q0 + column, kr = key[(i >> 1) & 1];
-                    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
-                    s[i] = masked ? 0.0f : exp2f(s[i] * SCALE_LOG2 - tlse[column]);
-                }
-                #pragma unroll
-                for (int i = 0; i < BLOCK_Q / 4; ++i) pa[i] = pack2(s[2 * i], s[2 * i + 1]);
-                wgmma_wait<0>();
-                fence_operands(dp);
-                // dS^T = P^T (dP^T - D): A fragments, and (for dq) the swizzled keys x queries tile
-                u32 dsa[BLOCK_Q / 4];
-                #pragma unroll
-                for (int i = 0; i < BLOCK_Q / 4; ++i) {
-                    const int column = 8 * (i >> 1) + 2 * t;
-                    dsa[i] = pack2(s[2 * i] * (dp[2 * i] - tdelta[column]), s[2 * i + 1] * (dp[2 * i + 1] - tdelta[column + 1]));
-                }
-                if (WANT_DQ) {  // dsa[i] is the 8 x 8 block (key rows 8 (i % 2), query columns 8 (i / 2)) of the
-                                // warp's 16 keys: four blocks a stmatrix, lane l giving row l % 8 of block l / 8
-                    const int block_of_lane = lane >> 3, r = lane & 7;
-                    const u32 row_address = sDs + (64 * warpgroup + 16 * warp + 8 * (block_of_lane & 1) + r) * 128;
-                    #pragma unroll
-                    for (int j = 0; j < BLOCK_Q / 16; ++j) {
-                        const int chunk = 2 * j + (block_of_lane >> 1);
-                        stmatrix_x4(row_address + ((chunk ^ r) << 4), dsa[4 * j], dsa[4 * j + 1], dsa[4 * j + 2], dsa[4 * j + 3]);
-                    }
-                }
-                // dq (BLOCK_Q x 64) = dS K first (A = dS^T read MN-major, B = K MN-major), then dv += P^T dO and
-                // dk += dS^T Q (A from registers, B MN-major: the queries are contracted); dq is added to the
-                // accumulator while dv and dk still run
-                const int key0 = DQ_SPLIT_KEYS ? 64 * warpgroup : 0, column0 = DQ_SPLIT_KEYS ? 0 : 64 * warpgroup;
-                float dq[32];
-                if (WANT_DQ) {
-                    fence_proxy_async();  // the dS^T stores, visible to the wgmmas
-                    __syncthreads();      // both warpgroups' dS^T are in
-                    const u32 k_box = sK + (column0 / 64) * KV_BOX_BYTES + key0 * 128;
-                    wgmma_fence();
-                    #pragma unroll
-                    for (int kk = 0; kk < DQ_KEYS / 16; ++kk) {
-                        @DQ@(dq, make_smem_desc(sDs + key0 * 128 + kk * K_STEP_ROWS_BYTES, DS_BYTES, 1024),
-                             make_smem_desc(k_box + kk * K_STEP_ROWS_BYTES, KV_BOX_BYTES, 1024), kk > 0);
-                    }
-                    wgmma_commit();
-                }
-                wgmma_fence();
-                #pragma unroll
-                for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
-                    if (WANT_DV) {
-                        @UPDATE@(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                                 make_smem_desc(tdo + kk * K_STEP_ROWS_BYTES, Q_BOX_BYTES, 1024), 1);
-                    }
-                    if (WANT_DK) {
-                        @UPDATE@(dk, dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3],
-                                 make_smem_desc(tq + kk * K_STEP_ROWS_BYTES, Q_BOX_BYTES, 1024), 1);
-                    }
-                }
-                wgmma_commit();
-                if (WANT_DQ) {  // four floats a reduction, a warp's 32 of them one contiguous 512-byte run
-                    wgmma_wait<1>();
-                    fence_operands(dq);
-                    float* part = dq_accumulator + ((size_t(batch) * HEADS + head) * Q_TILES + q0 / BLOCK_Q) * (BLOCK_Q * D)
-                                  + (column0 / 64) * DQ_PART_FLOATS;
-                    #pragma unroll
-                    for (int m = 0; m < 8; ++m) {
-                        reduce_add_v4_f32(part + (m * 128 + tau) * 4, dq[4 * m], dq[4 * m + 1], dq[4 * m + 2], dq[4 * m + 3]);
-                    }
-                }
-                wgmma_wait<0>();
-                fence_operands(dk);
-                fence_operands(dv);
+                @STEP@
             }
-            // dk * SCALE and dv, rounded, at their strides
+            @STORE_DK_DV@
+        }
+        """
+
+_KEY_TILE = """
+        // The block's n-th key tile: the tiles of work items blockIdx.x, blockIdx.x + gridDim.x, ... in order, an
+        // item being a key tile of one (batch, K/V head), or (PAIRED) key tiles p and KV_TILES - 1 - p. `valid`: the
+        // block has an n-th tile; `store`: it writes dk and dv (not the repeated middle tile of an odd count);
+        // `steps`: its (query head, query tile) steps.
+        struct KeyTile {
+            bool valid, store;
+            int k0, kv_head, batch;
+            int first, tiles, steps;  // its first query tile (causal: the diagonal), query tiles a head, steps
+        };
+
+        __device__ __forceinline__ KeyTile key_tile(int n) {
+            KeyTile kt;
+            const int item = blockIdx.x + (n / ITEM_TILES) * gridDim.x;
+            const int p = item % HEAD_ITEMS, slab = item / HEAD_ITEMS;
+            const int tile = PAIRED && n % ITEM_TILES == 1 ? KV_TILES - 1 - p : p;
+            kt.valid = item < ITEMS;
+            kt.store = kt.valid && !(PAIRED && n % ITEM_TILES == 1 && tile == p);
+            kt.k0 = tile * BLOCK_KV;
+            kt.kv_head = slab % KV_HEADS;
+            kt.batch = slab / KV_HEADS;
+            kt.first = CAUSAL ? kt.k0 / BLOCK_Q : 0;
+            kt.tiles = Q_TILES - kt.first;
+            kt.steps = kt.store && kt.tiles > 0 ? GROUP * kt.tiles : 0;
+            return kt;
+        }
+        """
+
+_WALK_KERNEL = """
+        extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
+            const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+            const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
+            float* __restrict__ workspace) {
+            extern __shared__ __align__(16) unsigned char smem_raw[];
+            // [KV_BUFFERS x (K | V) | STAGES q tiles | STAGES dO tiles | dS^T | LSE2 | D],
+            // tiles 1024-byte aligned
+            const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+            const int tau = threadIdx.x & 127;  // thread of the warpgroup
+            const u32 raw = smem_address(smem_raw);
+            const u32 sKV = (raw + ALIGN - 1) & ~(ALIGN - 1);  // K/V buffer b: K at sKV + b * KV_BUFFER_BYTES, V after
+            const u32 sQ = sKV + KV_BUFFERS * KV_BUFFER_BYTES, sDO = sQ + STAGES * Q_TILE_BYTES;
+            const u32 sDs = sDO + STAGES * Q_TILE_BYTES;
+            float* sLse = reinterpret_cast<float*>(smem_raw + (sDs - raw) + DS_BYTES);  // STAGES x BLOCK_Q
+            float* sDelta = sLse + STAGES * BLOCK_Q;
+            const int g = lane >> 2, t = lane & 3;
+            const float* lse2 = workspace;
+            const float* deltas = workspace + ROWS_TOTAL;
+            float* dq_accumulator = workspace + DQ_ACCUMULATOR;
+            // The copies run STAGES - 1 steps ahead of the products, over the block's key tiles in order (tiles
+            // without steps skipped): step load_step of tile load_n next, into stage load_position % STAGES. A key
+            // tile's K and V come with its first step, into the K/V buffer after the last tile's.
+            int load_n = -1, load_step = 0, load_steps = 0, load_buffer = KV_BUFFERS - 1, load_position = 0;
+            auto next_load = [&]() -> bool {  // move to the next step to copy; false when the block has none left
+                if (++load_step < load_steps) return true;
+                for (KeyTile kt = key_tile(++load_n); kt.valid; kt = key_tile(++load_n)) {
+                    if (kt.steps > 0) {
+                        load_step = 0;
+                        load_steps = kt.steps;
+                        load_buffer = (load_buffer + 1) % KV_BUFFERS;
+                        return true;
+                    }
+                }
+                return false;
+            };
+            auto issue_load = [&]() {  // q, dO, LSE2 and D rows of the next step (and its tile's K, V) into their stage
+                const KeyTile kt = key_tile(load_n);
+                const int stage = load_position++ % STAGES, head = kt.kv_head * GROUP + load_step / kt.tiles;
+                const int q0 = (kt.first + load_step % kt.tiles) * BLOCK_Q;
+                if (load_step == 0) {
+                    const u32 to = sKV + load_buffer * KV_BUFFER_BYTES;
+                    load_swizzled<BLOCK_KV>(to, k + K_OFFSET + kt.batch * K_BATCH + kt.kv_head * K_HEAD + kt.k0 * K_SEQ,
+                                            K_SEQ, SEQ_KV - kt.k0);
+                    load_swizzled<BLOCK_KV>(to + KV_TILE_BYTES,
+                                            v + V_OFFSET + kt.batch * V_BATCH + kt.kv_head * V_HEAD + kt.k0 * V_SEQ,
+                                            V_SEQ, SEQ_KV - kt.k0);
+                }
+                load_swizzled<BLOCK_Q>(sQ + stage * Q_TILE_BYTES,
+                                       q + Q_OFFSET + kt.batch * Q_BATCH + head * Q_HEAD + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
+                load_swizzled<BLOCK_Q>(sDO + stage * Q_TILE_BYTES,
+                                       dout + DO_OFFSET + kt.batch * DO_BATCH + head * DO_HEAD + q0 * DO_SEQ, DO_SEQ,
+                                       SEQ_Q - q0);
+                // the rows' LSE2 and D, copied without blocking (rows past SEQ_Q read as 0: their q and dO are
+                // zero and their scores masked, so nothing they give is used)
+                const size_t rows = (size_t(kt.batch) * HEADS + head) * SEQ_Q + q0;
+                if (threadIdx.x < 2 * BLOCK_Q) {
+                    const int i = threadIdx.x % BLOCK_Q;
+                    const float* src = (threadIdx.x < BLOCK_Q ? lse2 : deltas) + rows + i;
+                    float* dst = (threadIdx.x < BLOCK_Q ? sLse : sDelta) + stage * BLOCK_Q + i;
+                    cp_async_4(smem_address(dst), q0 + i < SEQ_Q ? src : lse2, q0 + i < SEQ_Q);
+                }
+            };
+            bool loading = next_load();
             #pragma unroll
-            for (int i = 0; i < D / 2; i += 2) {
-                const int h = (i >> 1) & 1, d = 8 * (i >> 2) + 2 * t;
-                if (key[h] >= SEQ_KV) continue;
-                if (WANT_DK) {
-                    *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
-                        = pack2(dk[i] * SCALE, dk[i + 1] * SCALE);
+            for (int ahead = 0; ahead < STAGES - 1; ++ahead) {  // the first STAGES - 1 steps, a commit group each
+                if (loading) {
+                    issue_load();
+                    loading = next_load();
                 }
-                if (WANT_DV) {
-                    *reinterpret_cast<u32*>(dv_out + DV_OFFSET + batch * DV_BATCH + kv_head * DV_HEAD + key[h] * DV_SEQ + d)
-                        = pack2(dv[i], dv[i + 1]);
+                cp_async_commit();
+            }
+            int position = 0, buffer = KV_BUFFERS - 1;  // the block's steps so far; the K/V buffer in use
+            for (int n = 0;; ++n) {
+                const KeyTile kt = key_tile(n);
+                if (!kt.valid) break;
+                if (kt.steps > 0) buffer = (buffer + 1) % KV_BUFFERS;
+                const u32 sK = sKV + buffer * KV_BUFFER_BYTES, sV = sK + KV_TILE_BYTES;
+                // this warpgroup's 64 keys x D of dk and dv, fp32 (row 16 warp + g (+ 8), columns 8c + 2t (+ 1))
+                float dk[D / 2], dv[D / 2];
+                #pragma unroll
+                for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+                const int k0 = kt.k0, kv_head = kt.kv_head, batch = kt.batch;
+                const int key_row = 64 * warpgroup + 16 * warp + g;  // rows key_row and key_row + 8 of the block
+                const int key[2] = {k0 + key_row, k0 + key_row + 8};
+                const u32 k_rows = sK + 64 * warpgroup * 128, v_rows = sV + 64 * warpgroup * 128;
+                for (int step = 0; step < kt.steps; ++step, ++position) {
+                    const int stage = position % STAGES, head = kv_head * GROUP + step / kt.tiles;
+                    const int q0 = (kt.first + step % kt.tiles) * BLOCK_Q;
+                    cp_async_wait<STAGES - 2>();  // this step's group (the later steps' may still land)
+                    fence_proxy_async();  // this thread's copies, visible to the wgmmas (async proxy)
+                    __syncthreads();      // every copy of this step is in; every warpgroup is past the last step
+                    if (loading) {  // into the stage (and K/V buffer) the last steps have finished with
+                        issue_load();
+                        loading = next_load();
+                    }
+                    cp_async_commit();
+                    @STEP@
                 }
+                if (!kt.store) continue;
+                @STORE_DK_DV@
             }
         }
         """
-        )
-        .replace("@NAME@", name)
-        .replace("@BLOCK_Q@", str(WGMMA_BLOCK_Q))
-        .replace("@UPDATE@", names["update"])
-        .replace("@DQ@", names["dq"])
-    )
+
+_MAIN_STEP = """const u32 tq = sQ + stage * Q_TILE_BYTES, tdo = sDO + stage * Q_TILE_BYTES;
+const float* tlse = sLse + stage * BLOCK_Q;
+const float* tdelta = sDelta + stage * BLOCK_Q;
+// S^T = K Q^T and dP^T = V dO^T: 64 keys x BLOCK_Q queries, contracted over the head dim
+float s[BLOCK_Q / 2], dp[BLOCK_Q / 2];
+wgmma_fence();
+head_dim_product_n@BLOCK_Q@<KV_BOX_BYTES, Q_BOX_BYTES>(s, k_rows, tq);
+wgmma_commit();
+head_dim_product_n@BLOCK_Q@<KV_BOX_BYTES, Q_BOX_BYTES>(dp, v_rows, tdo);
+wgmma_commit();
+wgmma_wait<1>();
+fence_operands(s);
+// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked (tiles on the diagonal or past an end)
+const bool edge = (CAUSAL && q0 < k0 + BLOCK_KV) || q0 + BLOCK_Q > SEQ_Q || k0 + BLOCK_KV > SEQ_KV;
+u32 pa[BLOCK_Q / 4];  // P^T as A fragments: pairs of adjacent columns
+#pragma unroll
+for (int i = 0; i < BLOCK_Q / 2; ++i) {
+    const int column = 8 * (i >> 2) + 2 * t + (i & 1), query = q0 + column, kr = key[(i >> 1) & 1];
+    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
+    s[i] = masked ? 0.0f : exp2f(s[i] * SCALE_LOG2 - tlse[column]);
+}
+#pragma unroll
+for (int i = 0; i < BLOCK_Q / 4; ++i) pa[i] = pack2(s[2 * i], s[2 * i + 1]);
+wgmma_wait<0>();
+fence_operands(dp);
+// dS^T = P^T (dP^T - D): A fragments, and (for dq) the swizzled keys x queries tile
+u32 dsa[BLOCK_Q / 4];
+#pragma unroll
+for (int i = 0; i < BLOCK_Q / 4; ++i) {
+    const int column = 8 * (i >> 1) + 2 * t;
+    dsa[i] = pack2(s[2 * i] * (dp[2 * i] - tdelta[column]), s[2 * i + 1] * (dp[2 * i + 1] - tdelta[column + 1]));
+}
+if (WANT_DQ) {  // dsa[i] is the 8 x 8 block (key rows 8 (i % 2), query columns 8 (i / 2)) of the
+                // warp's 16 keys: four blocks a stmatrix, lane l giving row l % 8 of block l / 8
+    const int block_of_lane = lane >> 3, r = lane & 7;
+    const u32 row_address = sDs + (64 * warpgroup + 16 * warp + 8 * (block_of_lane & 1) + r) * 128;
+    #pragma unroll
+    for (int j = 0; j < BLOCK_Q / 16; ++j) {
+        const int chunk = 2 * j + (block_of_lane >> 1);
+        stmatrix_x4(row_address + ((chunk ^ r) << 4), dsa[4 * j], dsa[4 * j + 1], dsa[4 * j + 2], dsa[4 * j + 3]);
+    }
+}
+// dq (BLOCK_Q x 64) = dS K first (A = dS^T read MN-major, B = K MN-major), then dv += P^T dO and
+// dk += dS^T Q (A from registers, B MN-major: the queries are contracted); dq is added to the
+// accumulator while dv and dk still run
+const int key0 = DQ_SPLIT_KEYS ? 64 * warpgroup : 0, column0 = DQ_SPLIT_KEYS ? 0 : 64 * warpgroup;
+float dq[32];
+if (WANT_DQ) {
+    fence_proxy_async();  // the dS^T stores, visible to the wgmmas
+    __syncthreads();      // both warpgroups' dS^T are in
+    const u32 k_box = sK + (column0 / 64) * KV_BOX_BYTES + key0 * 128;
+    wgmma_fence();
+    #pragma unroll
+    for (int kk = 0; kk < DQ_KEYS / 16; ++kk) {
+        @DQ@(dq, make_smem_desc(sDs + key0 * 128 + kk * K_STEP_ROWS_BYTES, DS_BYTES, 1024),
+             make_smem_desc(k_box + kk * K_STEP_ROWS_BYTES, KV_BOX_BYTES, 1024), kk > 0);
+    }
+    wgmma_commit();
+}
+wgmma_fence();
+#pragma unroll
+for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
+    if (WANT_DV) {
+        @UPDATE@(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                 make_smem_desc(tdo + kk * K_STEP_ROWS_BYTES, Q_BOX_BYTES, 1024), 1);
+    }
+    if (WANT_DK) {
+        @UPDATE@(dk, dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3],
+                 make_smem_desc(tq + kk * K_STEP_ROWS_BYTES, Q_BOX_BYTES, 1024), 1);
+    }
+}
+wgmma_commit();
+if (WANT_DQ) {  // four floats a reduction, a warp's 32 of them one contiguous 512-byte run
+    wgmma_wait<1>();
+    fence_operands(dq);
+    float* part = dq_accumulator + ((size_t(batch) * HEADS + head) * Q_TILES + q0 / BLOCK_Q) * (BLOCK_Q * D)
+                  + (column0 / 64) * DQ_PART_FLOATS;
+    #pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        reduce_add_v4_f32(part + (m * 128 + tau) * 4, dq[4 * m], dq[4 * m + 1], dq[4 * m + 2], dq[4 * m + 3]);
+    }
+}
+wgmma_wait<0>();
+fence_operands(dk);
+fence_operands(dv);"""
+
+_STORE_DK_DV = """// dk * SCALE and dv, rounded, at their strides
+#pragma unroll
+for (int i = 0; i < D / 2; i += 2) {
+    const int h = (i >> 1) & 1, d = 8 * (i >> 2) + 2 * t;
+    if (key[h] >= SEQ_KV) continue;
+    if (WANT_DK) {
+        *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
+            = pack2(dk[i] * SCALE, dk[i + 1] * SCALE);
+    }
+    if (WANT_DV) {
+        *reinterpret_cast<u32*>(dv_out + DV_OFFSET + batch * DV_BATCH + kv_head * DV_HEAD + key[h] * DV_SEQ + d)
+            = pack2(dv[i], dv[i + 1]);
+    }
+}"""
 
 
 def statistics_kernel(plan: BackwardPlan, name: str) -> str:
