@@ -379,6 +379,14 @@ def _reference(torch, p: AttentionProblem, q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q.float(), k32, v32, is_causal=p.causal)
 
 
+def _assert_matches_reference(torch, problem: AttentionProblem, q, k, v, out) -> None:
+    """``out`` has no NaN and is within TOLERANCE (relative L2) of float32 SDPA on q, k, v."""
+    ref = _reference(torch, problem, q, k, v)
+    assert not torch.isnan(out).any()
+    error = ((out.float() - ref).norm() / ref.norm()).item()
+    assert error <= TOLERANCE, f"relative L2 error {error:.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("problem, schedule", GPU_CASES, ids=lambda x: getattr(x, "key", lambda: "")() or None)
 def test_kernel_matches_sdpa(gpu, problem, schedule, tmp_path):
@@ -394,10 +402,7 @@ def test_kernel_matches_sdpa(gpu, problem, schedule, tmp_path):
     out = torch.full(shapes[problem.out], math.nan, device="cuda", dtype=dtype)
     kernel(q, k, v, out)
     torch.cuda.synchronize()
-    ref = _reference(torch, problem, q, k, v)
-    assert not torch.isnan(out).any()
-    error = ((out.float() - ref).norm() / ref.norm()).item()
-    assert error <= TOLERANCE, f"relative L2 error {error:.3g}"
+    _assert_matches_reference(torch, problem, q, k, v, out)
 
 
 @pytest.mark.gpu
@@ -414,6 +419,4 @@ def test_kernel_matches_sdpa_on_scores_rising_along_the_keys(gpu, problem, sched
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     out = kernel(q, k, v)
     torch.cuda.synchronize()
-    ref = _reference(torch, problem, q, k, v)
-    error = ((out.float() - ref).norm() / ref.norm()).item()
-    assert not torch.isnan(out).any() and error <= TOLERANCE, f"relative L2 error {error:.3g}"
+    _assert_matches_reference(torch, problem, q, k, v, out)

@@ -221,24 +221,20 @@ def _walk_constants() -> list[str]:
 
 def main_kernel(plan: BackwardPlan, name: str) -> str:
     """The ``extern "C"`` main pass (arguments as the ``mma.sync`` one's): a block a key tile, or (persistent)
-    a block an SM walking its work items; both run :func:`_main_step` per (query head, query tile)."""
+    a block an SM walking its work items; both copy a step's rows with ``_STEP_COPIES`` and run ``_MAIN_STEP``
+    per (query head, query tile)."""
     names = wgmma_names(plan)
     driver = block(_KEY_TILE) + "\n\n" + block(_WALK_KERNEL) if plan.schedule.persistent else block(_ONE_TILE_KERNEL)
     step_level, store_level = (3, 2) if plan.schedule.persistent else (2, 1)
     return (
-        re.sub(r"^ *@STEP@\n", lambda _: indent(_main_step(), step_level) + "\n", driver, flags=re.MULTILINE)
+        re.sub(r"^ *@STEP@\n", lambda _: indent(_MAIN_STEP, step_level) + "\n", driver, flags=re.MULTILINE)
+        .replace("        @STEP_COPIES@\n", indent(_STEP_COPIES, 2) + "\n")
         .replace("@STORE_DK_DV@", indent(_STORE_DK_DV, store_level).lstrip())
         .replace("@NAME@", name)
         .replace("@BLOCK_Q@", str(WGMMA_BLOCK_Q))
         .replace("@UPDATE@", names["update"])
         .replace("@DQ@", names["dq"])
     )
-
-
-def _main_step() -> str:
-    """One step of the main pass, its copies already waited for and the next ones issued: Sᵀ and dPᵀ, Pᵀ and dSᵀ,
-    dq (stored dSᵀ, one product, vector reductions), dv and dk."""
-    return _MAIN_STEP
 
 
 _ONE_TILE_KERNEL = """
@@ -273,20 +269,7 @@ _ONE_TILE_KERNEL = """
             auto load_step = [&](int step) {  // q, dO, LSE2 and D rows of step `step` into its stage
                 const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
                 const int q0 = (first + step % tiles) * BLOCK_Q;
-                load_swizzled<BLOCK_Q>(sQ + stage * Q_TILE_BYTES,
-                                       q + Q_OFFSET + batch * Q_BATCH + head * Q_HEAD + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
-                load_swizzled<BLOCK_Q>(sDO + stage * Q_TILE_BYTES,
-                                       dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD + q0 * DO_SEQ, DO_SEQ,
-                                       SEQ_Q - q0);
-                // the rows' LSE2 and D, copied without blocking (rows past SEQ_Q read as 0: their q and dO are
-                // zero and their scores masked, so nothing they give is used)
-                const size_t rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
-                if (threadIdx.x < 2 * BLOCK_Q) {
-                    const int i = threadIdx.x % BLOCK_Q;
-                    const float* src = (threadIdx.x < BLOCK_Q ? lse2 : deltas) + rows + i;
-                    float* dst = (threadIdx.x < BLOCK_Q ? sLse : sDelta) + stage * BLOCK_Q + i;
-                    cp_async_4(smem_address(dst), q0 + i < SEQ_Q ? src : lse2, q0 + i < SEQ_Q);
-                }
+                @STEP_COPIES@
             };
             #pragma unroll
             for (int ahead = 0; ahead < STAGES - 1; ++ahead) {  // the first STAGES - 1 steps, a commit group each
@@ -381,7 +364,7 @@ _WALK_KERNEL = """
             auto issue_load = [&]() {  // q, dO, LSE2 and D rows of the next step (and its tile's K, V) into their stage
                 const KeyTile kt = key_tile(load_n);
                 const int stage = load_position++ % STAGES, head = kt.kv_head * GROUP + load_step / kt.tiles;
-                const int q0 = (kt.first + load_step % kt.tiles) * BLOCK_Q;
+                const int q0 = (kt.first + load_step % kt.tiles) * BLOCK_Q, batch = kt.batch;
                 if (load_step == 0) {
                     const u32 to = sKV + load_buffer * KV_BUFFER_BYTES;
                     load_swizzled<BLOCK_KV>(to, k + K_OFFSET + kt.batch * K_BATCH + kt.kv_head * K_HEAD + kt.k0 * K_SEQ,
@@ -390,20 +373,7 @@ _WALK_KERNEL = """
                                             v + V_OFFSET + kt.batch * V_BATCH + kt.kv_head * V_HEAD + kt.k0 * V_SEQ,
                                             V_SEQ, SEQ_KV - kt.k0);
                 }
-                load_swizzled<BLOCK_Q>(sQ + stage * Q_TILE_BYTES,
-                                       q + Q_OFFSET + kt.batch * Q_BATCH + head * Q_HEAD + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
-                load_swizzled<BLOCK_Q>(sDO + stage * Q_TILE_BYTES,
-                                       dout + DO_OFFSET + kt.batch * DO_BATCH + head * DO_HEAD + q0 * DO_SEQ, DO_SEQ,
-                                       SEQ_Q - q0);
-                // the rows' LSE2 and D, copied without blocking (rows past SEQ_Q read as 0: their q and dO are
-                // zero and their scores masked, so nothing they give is used)
-                const size_t rows = (size_t(kt.batch) * HEADS + head) * SEQ_Q + q0;
-                if (threadIdx.x < 2 * BLOCK_Q) {
-                    const int i = threadIdx.x % BLOCK_Q;
-                    const float* src = (threadIdx.x < BLOCK_Q ? lse2 : deltas) + rows + i;
-                    float* dst = (threadIdx.x < BLOCK_Q ? sLse : sDelta) + stage * BLOCK_Q + i;
-                    cp_async_4(smem_address(dst), q0 + i < SEQ_Q ? src : lse2, q0 + i < SEQ_Q);
-                }
+                @STEP_COPIES@
             };
             bool loading = next_load();
             #pragma unroll
@@ -447,6 +417,8 @@ _WALK_KERNEL = """
         }
         """
 
+# One step of the main pass, its copies already waited for and the next ones issued: Sᵀ and dPᵀ, Pᵀ and dSᵀ, dq
+# (stored dSᵀ, one product, vector reductions), dv and dk.
 _MAIN_STEP = """const u32 tq = sQ + stage * Q_TILE_BYTES, tdo = sDO + stage * Q_TILE_BYTES;
 const float* tlse = sLse + stage * BLOCK_Q;
 const float* tdelta = sDelta + stage * BLOCK_Q;
@@ -712,3 +684,20 @@ def workspace_floats(plan: BackwardPlan) -> int:
     rows = a.batch * a.heads * a.seq_q
     tiles = -(-a.seq_q // WGMMA_BLOCK_Q)
     return -(-2 * rows // 4) * 4 + a.batch * a.heads * tiles * WGMMA_BLOCK_Q * a.head_dim
+
+
+# A step's q and dO tiles and its rows' LSE2 and D (of query head `head`, rows q0.. of batch `batch`) into `stage`.
+_STEP_COPIES = """load_swizzled<BLOCK_Q>(sQ + stage * Q_TILE_BYTES,
+                       q + Q_OFFSET + batch * Q_BATCH + head * Q_HEAD + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
+load_swizzled<BLOCK_Q>(sDO + stage * Q_TILE_BYTES,
+                       dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD + q0 * DO_SEQ, DO_SEQ,
+                       SEQ_Q - q0);
+// the rows' LSE2 and D, copied without blocking (rows past SEQ_Q read as 0: their q and dO are
+// zero and their scores masked, so nothing they give is used)
+const size_t rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
+if (threadIdx.x < 2 * BLOCK_Q) {
+    const int i = threadIdx.x % BLOCK_Q;
+    const float* src = (threadIdx.x < BLOCK_Q ? lse2 : deltas) + rows + i;
+    float* dst = (threadIdx.x < BLOCK_Q ? sLse : sDelta) + stage * BLOCK_Q + i;
+    cp_async_4(smem_address(dst), q0 + i < SEQ_Q ? src : lse2, q0 + i < SEQ_Q);
+}"""

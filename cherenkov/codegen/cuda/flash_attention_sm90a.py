@@ -307,6 +307,15 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
             return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
         }
 
+        // Row r's scores to probabilities in place: 2^(s * c - shifted), one FMA and one ex2 a score.
+        __device__ __forceinline__ void row_exponentials(float (&s)[S_REGS], int r, float scale_log2, float shifted) {
+            #pragma unroll
+            for (int c = 0; c < BLOCK_KV / 8; ++c) {
+                s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
+                s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
+            }
+        }
+
         __device__ __forceinline__ float thread_row_sum(const float (&s)[S_REGS], int r) {
             float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             #pragma unroll
@@ -361,11 +370,7 @@ __device__ __forceinline__ bool online_softmax(float (&s)[S_REGS], RowState& st,
         alpha[r] = fast_exp2(st.max[r] * scale_log2 - offset);
         st.max[r] = row_max[r];
         const float shifted = offset - P_SHIFT;
-        #pragma unroll
-        for (int c = 0; c < BLOCK_KV / 8; ++c) {
-            s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
-            s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
-        }
+        row_exponentials(s, r, scale_log2, shifted);
         st.sum[r] = st.sum[r] * alpha[r] + (ROW_SUMS_MMA ? 0.0f : thread_row_sum(s, r));  // else P V sums them
     }
     return true;
@@ -397,11 +402,7 @@ __device__ __forceinline__ bool online_softmax(float (&s)[S_REGS], RowState& st,
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float shifted = (st.max[r] == neg_inf() ? 0.0f : st.max[r] * scale_log2) - P_SHIFT;
-        #pragma unroll
-        for (int c = 0; c < BLOCK_KV / 8; ++c) {
-            s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
-            s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
-        }
+        row_exponentials(s, r, scale_log2, shifted);
         if (!ROW_SUMS_MMA) st.sum[r] += thread_row_sum(s, r);  // else P V sums them
     }
     return rescale;
@@ -576,33 +577,27 @@ def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False, 
     qk = wgmma.wgmma_name(*kv_wgmma)
     pv = wgmma.wgmma_name(*o_wgmma)
     sums = wgmma.wgmma_name(ONES_ROWS, o_wgmma[1], True, False)
+    sums_note, sums_param, sums_issue = ("", "", "") if not row_sums else (
+        "; and each k step's P against the\n// ONES_ROWS rows of ones after the tile, so `sums` (from zero) is this key "
+        "tile's row sums",
+        " float (&sums)[4],",
+        f"\n        {sums}(sums, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],"
+        "\n            v_desc + ((V_TILE_BYTES + kk * 32) >> 4), kk > 0);",
+    )
     values = block(
         f"""
         // O += P V with V transposed (K-major, keys in P's slot order): BLOCK_KV / 32 k-steps of 32
-        // key bytes of each 128-byte swizzled row of the D-row tile.
-        __device__ __forceinline__ void issue_values(float (&o)[O_REGS], const u32 (&p)[P_REGS],
-                                                     unsigned long long v_desc) {{
-            #pragma unroll
-            for (int kk = 0; kk < PV_STEPS; ++kk)
-                {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_desc + ((kk * 32) >> 4), 1);
-        }}
-        """
-    ) if eight_bit and not row_sums else block(
-        f"""
-        // O += P V with V transposed (K-major, keys in P's slot order): BLOCK_KV / 32 k-steps of 32
-        // key bytes of each 128-byte swizzled row of the D-row tile; and each k step's P against the
-        // ONES_ROWS rows of ones after the tile, so `sums` (from zero) is this key tile's row sums.
-        __device__ __forceinline__ void issue_values(float (&o)[O_REGS], float (&sums)[4], const u32 (&p)[P_REGS],
+        // key bytes of each 128-byte swizzled row of the D-row tile@SUMS_NOTE@.
+        __device__ __forceinline__ void issue_values(float (&o)[O_REGS],@SUMS_PARAM@ const u32 (&p)[P_REGS],
                                                      unsigned long long v_desc) {{
             #pragma unroll
             for (int kk = 0; kk < PV_STEPS; ++kk) {{
-                {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_desc + ((kk * 32) >> 4), 1);
-                {sums}(sums, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
-                    v_desc + ((V_TILE_BYTES + kk * 32) >> 4), kk > 0);
+                {pv}(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_desc + ((kk * 32) >> 4), 1);@SUMS_ISSUE@
             }}
         }}
         """
-    ) if eight_bit else block(
+    ).replace("@SUMS_NOTE@", sums_note).replace("@SUMS_PARAM@", sums_param).replace("@SUMS_ISSUE@", sums_issue) \
+        if eight_bit else block(
         f"""
         // O += P V: BLOCK_KV / 16 k-steps of 16 V rows; N = V_BOXES * BOX_COLUMNS columns spans
         // V_BOXES boxes, KV_BOX_BYTES apart (the descriptor's LBO).
