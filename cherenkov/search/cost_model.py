@@ -478,9 +478,10 @@ WGMMA_PERSISTENT_FACTOR = {64: 1.09, 128: 1.0}
 """The persistent ``wgmma`` main pass over the one-block-a-key-tile one at equal wave fill, by head dim
 (H200, 2026-12-04, ``results/backward-h200-2026-12-04-persistent.json`` and a same-process A/B: D 64
 1.09x, the seed at D 128 0.97-1.01x: hiding a key tile's prologue and stores pays where steps are short)."""
-WGMMA_PERSISTENT_CAUSAL_FACTOR = 0.95
-"""The persistent walk's cost with a causal mask at equal fill (B4 H16 4k causal: 0.95x, where 2048 key
-tiles of unequal lengths already balance over 16 waves)."""
+WGMMA_PERSISTENT_CAUSAL_FACTOR = 0.87
+"""The persistent walk's speed with a causal mask at equal fill, against the one-tile grid taking its slabs in
+chunks, longest key tiles first (H200, 2026-12-04, ``results/backward-h200-2026-12-04-chunks.json``: B4 H16 4k
+causal 0.86x, B2 H32/8 2k causal 0.89x)."""
 
 
 def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
@@ -499,8 +500,6 @@ def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
     knobs *= WGMMA_BACKWARD_FACTOR if schedule.wgmma else 1.0
     if schedule.persistent:  # equal work items (causal: paired key tiles)
         knobs *= WGMMA_PERSISTENT_FACTOR.get(a.head_dim, 1.0) * (WGMMA_PERSISTENT_CAUSAL_FACTOR if a.causal else 1.0)
-    elif a.causal:  # key tiles of 1..n query tiles: the last round waits for a long one (one round: twice the mean)
-        knobs *= 1.0 - 0.5 / rounds
     efficiency = BACKWARD_EFFICIENCY * knobs * max(waves, 0.25)
     if schedule.saved_statistics:  # read O and dO, write D and LSE2, zero the dq accumulator
         rows = a.batch * a.heads * a.seq_q

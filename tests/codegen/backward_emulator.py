@@ -67,13 +67,13 @@ static inline float fast_exp2(float x) { return std::exp2(x); }
 """
 
 
-def host_source(plan) -> str:
+def host_source(plan, sms: int | None = None) -> str:
     """The plan's source as host C++ (helpers emulated, shared memory a static buffer per kernel)."""
     source = cuda_source(plan)
     source = source.replace("template <int N>\n__device__ __forceinline__ void cp_async_wait()",
                             "__device__ __forceinline__ void cp_async_wait()")  # fmt: skip
     body = _strip_functions(source, REPLACED)
-    launches = grids(plan)
+    launches = grids(plan, sms)
     size = max(m for _, _, m in launches.values()) + 16
     body = body.replace("extern __shared__ __align__(16) unsigned char smem[];",
                         f"alignas(16) static unsigned char smem[{size}];")  # fmt: skip
@@ -86,9 +86,9 @@ FILES = ("q", "k", "v", "do", "dq", "dk", "dv", "ws", "o", "lse")
 """The buffers the host program reads, in its arguments' order (o and lse: the saved statistics)."""
 
 
-def _main(plan) -> str:
+def _main(plan, sms: int | None = None) -> str:
     name = kernel_name(plan)
-    launches = grids(plan)
+    launches = grids(plan, sms)
     reads = "\n".join(f"    auto buf_{f} = read_file(argv[{i + 1}]);" for i, f in enumerate(FILES))
     e = "unsigned short*"
     pointers = {f: f"reinterpret_cast<{e}>(buf_{f}.data())" for f in ("q", "k", "v", "do", "dq", "dk", "dv", "o")}
@@ -115,13 +115,14 @@ int main(int argc, char** argv) {{
 
 
 def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, o: np.ndarray | None = None,
-                     lse: np.ndarray | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+                     lse: np.ndarray | None = None, sms: int | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """The plan's gradients (float64; NaN where never written) for contiguous BHSD operands; the
     gradients' buffers are laid out as the plan's layouts say (contiguous ones here). A plan that
-    reads saved statistics takes the forward's ``o`` and ``lse`` (contiguous) too."""
+    reads saved statistics takes the forward's ``o`` and ``lse`` (contiguous) too; ``sms``: the launches'
+    multiprocessor count (:func:`~cherenkov.codegen.cuda.flash_attention_backward.grids`)."""
     problem = plan.problem
     dtype = problem.attention.dtype
-    binary = host_binary(host_source(plan) + _main(plan), "backward", plan.name)
+    binary = host_binary(host_source(plan, sms) + _main(plan, sms), "backward", plan.name)
     root = emulator_root()
     shapes = {g.role: g.layout.shape for g in problem.gradients}
     with tempfile.TemporaryDirectory(dir=root) as tmp:

@@ -45,6 +45,7 @@ PRELUDE = r"""
 
 struct ck_dim3 { unsigned x = 0, y = 0, z = 0; };
 thread_local ck_dim3 threadIdx, blockIdx;
+ck_dim3 gridDim;
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 
@@ -230,6 +231,7 @@ def launch_blocks(function: str, grid: tuple[int, int, int], threads: int, args:
     block's ``threads`` CUDA threads as ``std::thread`` s sharing its barriers."""
     gx, gy, gz = grid
     return f"""
+    gridDim.x = {gx}; gridDim.y = {gy}; gridDim.z = {gz};
     for (unsigned bz = 0; bz < {gz}; ++bz)
     for (unsigned by = 0; by < {gy}; ++by)
     for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{

@@ -100,7 +100,7 @@ def test_persistent_main_pass_walks_paired_key_tiles() -> None:
     assert "constexpr int KV_BUFFERS = 2;" in source and "KeyTile key_tile(int n)" in source
     one_tile = cuda_source(next(p for p in backward_plans(gradient_graph(2, 8, 2, 200, 1333, 128, causal=True), "sm_90a")
                                 if p.schedule.wgmma and not p.schedule.persistent))  # fmt: skip
-    assert "KV_BUFFERS" not in one_tile and "key_tile(" not in one_tile
+    assert "KV_BUFFERS" not in one_tile and "KeyTile key_tile(" not in one_tile
     # both drivers run the same step
     step = source[source.index("const u32 tq = "):source.index("fence_operands(dv);")]
     assert " ".join(step.split()) in " ".join(one_tile.split())
@@ -180,17 +180,38 @@ def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.nd
     ((1, 2, 2, 100, 77, 64), True, ("k", "v"), ("kv64_q64_s2",)),  # Sq > Skv, no dq
 ], ids=["tails", "causal_gqa", "dk_dv_only"])  # fmt: skip
 def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules) -> None:
+    """Causal plans also run as launched on a device of 5 multiprocessors: chunks of 2 or 3 slabs, the
+    last one short (its blocks past the last slab return at once)."""
     gg = gradient_graph(*sizes, causal=causal, wrt=wrt)
     inputs = _inputs(gg)
     expected = ck.evaluate(gg, inputs)
     plans = {p.schedule.key(): p for p in backward_plans(gg)}
-    for key in schedules:
-        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"])
+    for key, sms in [(key, sms) for key in schedules for sms in ((None, 5) if causal else (None,))]:
+        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], sms=sms)
         assert set(got) == {f"d{n}" for n in wrt}
         for role, values in got.items():
             reference = expected[f"d_{role[1]}"]
             error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
-            assert error <= 1e-2, f"{key}: {role} differs by {error:.3g}"
+            assert error <= 1e-2, f"{key} ({sms} SMs): {role} differs by {error:.3g}"
+
+
+def test_causal_one_tile_grid_takes_slabs_in_chunks() -> None:
+    """A one-tile causal main pass launches chunks of about one block an SM (round(SMs / key tiles)
+    slabs, 1 to all of them), key tile by key tile; without a mask or a device count, a slab a chunk."""
+    from cherenkov.codegen.cuda.flash_attention_backward import chunk_slabs, grids
+
+    causal = next(p for p in backward_plans(gradient_graph(4, 16, 16, 4096, 4096, 128, causal=True), "sm_90a")
+                  if p.schedule.key() == "kv128_q64_s2_wg")  # fmt: skip
+    assert chunk_slabs(causal, 132) == 4 and grids(causal, 132)["main"][0] == (4 * 32, 16, 1)
+    assert grids(causal)["main"][0] == (32, 64, 1)
+    assert chunk_slabs(causal, 10_000) == 64  # at most every slab
+    gqa = next(p for p in backward_plans(gradient_graph(2, 32, 8, 2048, 2048, 128, causal=True), "sm_90a")
+               if p.schedule.key() == "kv128_q64_s2_wg")  # fmt: skip
+    assert grids(gqa, 132)["main"][0] == (8 * 16, 2, 1)
+    assert grids(gqa, 100)["main"][0] == (6 * 16, 3, 1)  # 16 slabs: chunks of 6, 6 and 4
+    plain = next(p for p in backward_plans(gradient_graph(4, 16, 16, 4096, 4096, 128, causal=False), "sm_90a")
+                 if p.schedule.key() == "kv128_q64_s2_wg")  # fmt: skip
+    assert grids(plain, 132)["main"][0] == (32, 64, 1)
 
 
 @needs_gxx

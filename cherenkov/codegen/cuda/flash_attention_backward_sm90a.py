@@ -1,7 +1,7 @@
 """The Hopper (sm_90a) statistics and main passes of the flash-attention backward, on ``wgmma``.
 
 Same work and arguments as the ``mma.sync`` passes of :mod:`.flash_attention_backward`;
-the workspace's dq accumulator is tiled (below), so the dq launch here reads it that way.
+the workspace's dq accumulator is tiled (below), so the dq launch here reads it that way (a thread a 16-byte slot).
 
 **Statistics**: one block of two warpgroups per 128 query rows of one head; warpgroup ``w``
 owns rows ``64w …``. Per step of 128 keys it issues ``S = Q Kᵀ`` (m64n128k16, both operands
@@ -13,7 +13,7 @@ step's copies). At the end each row's ``LSE₂`` and
 accumulator (its two query tiles) zeroed.
 
 **Main pass**: one block per ``BLOCK_KV = 128`` keys of one
-K/V head, the query tiles of every query head of the group streaming past, dk and dv held
+K/V head (launched in chunks of slabs as the ``mma.sync`` pass is), the query tiles of every query head of the group streaming past, dk and dv held
 in fp32 registers, dq accumulated in the fp32 workspace by vector reductions. ``PERSISTENT``:
 at most one block an SM, each walking work items (a key tile, or with a causal mask key
 tiles ``p`` and ``n − 1 − p``, so every item has as many steps) with two K/V buffers: the copies
@@ -210,7 +210,6 @@ def _walk_constants() -> list[str]:
         "// a persistent block walks work items of key tiles; an item: a key tile, or (PAIRED, causal) key tiles p",
         "// and KV_TILES - 1 - p, as long together as any other pair",
         "constexpr bool PAIRED = CAUSAL;",
-        "constexpr int KV_HEADS = HEADS / GROUP, KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;",
         "constexpr int ITEM_TILES = PAIRED ? 2 : 1, HEAD_ITEMS = PAIRED ? (KV_TILES + 1) / 2 : KV_TILES;",
         "constexpr int ITEMS = HEAD_ITEMS * KV_HEADS * BATCH;",
         "constexpr int KV_BUFFERS = 2;  // the next key tile's K and V load beside this one's",
@@ -254,7 +253,9 @@ _ONE_TILE_KERNEL = """
             float* sLse = reinterpret_cast<float*>(smem_raw + (sDs - raw) + DS_BYTES);  // STAGES x BLOCK_Q
             float* sDelta = sLse + STAGES * BLOCK_Q;
             const int g = lane >> 2, t = lane & 3;
-            const int k0 = blockIdx.x * BLOCK_KV, kv_head = blockIdx.y, batch = blockIdx.z;
+            const BlockKeyTile mine = block_key_tile();
+            if (!mine.valid) return;  // past the last slab
+            const int k0 = mine.k0, kv_head = mine.kv_head, batch = mine.batch;
             const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
             const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
             load_swizzled<BLOCK_KV>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
@@ -652,26 +653,29 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
 
 def dq_kernel(name: str) -> str:
     """The ``extern "C"`` dq conversion: the tiled, thread-major accumulator scaled, rounded and written at dq's
-    strides (arguments as the ``mma.sync`` one's)."""
+    strides (arguments as the ``mma.sync`` one's). A thread takes one 16-byte slot in the accumulator's order, so a
+    warp reads 512 contiguous bytes; a slot holds two columns of two rows, 8 apart."""
     return block(
         """
         extern "C" __global__ void __launch_bounds__(DQ_THREADS) @NAME@_dq(const float* __restrict__ workspace,
                                                                    elem_t* __restrict__ dq_out) {
-            const float* accumulator = workspace + DQ_ACCUMULATOR;
-            const size_t pairs = ROWS_TOTAL * D / 2;
-            for (size_t i = size_t(blockIdx.x) * DQ_THREADS + threadIdx.x; i < pairs; i += size_t(DQ_BLOCKS) * DQ_THREADS) {
-                const size_t element = 2 * i;
-                const int d = int(element % D);
-                const size_t row = element / D;
-                const int s = int(row % SEQ_Q), head = int(row / SEQ_Q % HEADS), batch = int(row / SEQ_Q / HEADS);
-                // where (row r of query tile s / BLOCK_Q, columns d, d + 1) lies: slot j of thread tau of its part
-                const int r = s % BLOCK_Q, c = d % 64;
-                const int j = 2 * (c >> 3) + ((r >> 3) & 1), tau = (r >> 4) * 32 + (r & 7) * 4 + ((c & 7) >> 1);
-                const float2 x = *reinterpret_cast<const float2*>(
-                    accumulator + ((size_t(batch) * HEADS + head) * Q_TILES + s / BLOCK_Q) * (BLOCK_Q * D)
-                    + (d / 64) * DQ_PART_FLOATS + ((j >> 1) * 128 + tau) * 4 + (j & 1) * 2);
-                *reinterpret_cast<u32*>(dq_out + DQ_OFFSET + batch * DQ_BATCH + head * DQ_HEAD + s * DQ_SEQ + d)
-                    = pack2(x.x * SCALE, x.y * SCALE);
+            const float4* slots = reinterpret_cast<const float4*>(workspace + DQ_ACCUMULATOR);
+            constexpr size_t SLOTS = size_t(BATCH) * HEADS * Q_TILES * BLOCK_Q * D / 4;
+            constexpr int PART_SLOTS = DQ_PART_FLOATS / 4;  // a (query tile, 64-column part)
+            for (size_t i = size_t(blockIdx.x) * DQ_THREADS + threadIdx.x; i < SLOTS; i += size_t(DQ_BLOCKS) * DQ_THREADS) {
+                // slot (c / 8) * 128 + tau of a part: columns c, c + 1 of rows r and r + 8 of its query tile, with
+                // tau = (r / 16) * 32 + (r % 8) * 4 + (c % 8) / 2 (the accumulator's fragment order)
+                const int in_part = int(i % PART_SLOTS), tau = in_part % 128;
+                const size_t part = i / PART_SLOTS;
+                const size_t tile = part / (D / 64);  // (batch, head, query tile)
+                const int q_tile = int(tile % Q_TILES), head = int(tile / Q_TILES % HEADS);
+                const int batch = int(tile / Q_TILES / HEADS);
+                const int s = q_tile * BLOCK_Q + (tau >> 5) * 16 + ((tau >> 2) & 7);
+                const int d = int(part % (D / 64)) * 64 + (in_part / 128) * 8 + (tau & 3) * 2;
+                const float4 x = slots[i];
+                elem_t* out = dq_out + DQ_OFFSET + batch * DQ_BATCH + head * DQ_HEAD + d;
+                if (s < SEQ_Q) *reinterpret_cast<u32*>(out + s * DQ_SEQ) = pack2(x.x * SCALE, x.y * SCALE);
+                if (s + 8 < SEQ_Q) *reinterpret_cast<u32*>(out + (s + 8) * DQ_SEQ) = pack2(x.z * SCALE, x.w * SCALE);
             }
         }
         """

@@ -568,7 +568,7 @@ def _producer(eight_bit: bool = False) -> str:
             }
         }
         """
-    ).replace("@V_COPY@", indent(v_copy, 3).lstrip())
+    ).replace("@V_COPY@", indent(v_copy, 1).lstrip())
 
 
 def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False, row_sums: bool = False) -> str:
