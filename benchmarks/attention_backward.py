@@ -93,7 +93,8 @@ def run_shape(name: str, torch, flush, args) -> dict:
         kernel = load_kernel(build)
         kernels[plan.schedule.key()] = (plan, kernel, build, saved if plan.schedule.saved_statistics else {})
     quick = time_interleaved(torch, {key: (lambda kern=kern, extra=extra: kern(q, k, v, do, **extra))
-                                     for key, (_, kern, _, extra) in kernels.items()}, flush, 5)  # fmt: skip
+                                     for key, (_, kern, _, extra) in kernels.items()}, flush, 5,
+                             args.hide_launch_gaps)  # fmt: skip
     best = min(quick, key=quick.get)
     plan, kernel, build, extra = kernels[best]
     grads = kernel(q, k, v, do, **extra)
@@ -119,10 +120,10 @@ def run_shape(name: str, torch, flush, args) -> dict:
             launches[key] = launch
         except RuntimeError as error:
             print(f"  {key} unavailable: {str(error).splitlines()[0]}")
-    ms = time_interleaved(torch, launches, flush, args.samples)
+    ms = time_interleaved(torch, launches, flush, args.samples, args.hide_launch_gaps)
     steps = ("statistics", "main", "dq")
     launch_ms = time_interleaved(torch, {step: (lambda step=step: kernel(q, k, v, do, grads, steps=(step,), **extra))
-                                         for step in steps}, flush, args.samples)  # fmt: skip
+                                         for step in steps}, flush, args.samples, args.hide_launch_gaps)  # fmt: skip
     tflops = {key: problem.flops / (t * 1e9) for key, t in ms.items()}
     return {
         "name": name,
@@ -147,6 +148,9 @@ def main() -> None:
     parser.add_argument("--statistics", choices=("saved", "recomputed"), default="saved",
                         help="saved: the forward's o and log-sum-exp are inputs (a training step); recomputed: not")
     parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--hide-launch-gaps", action="store_true",
+                        help="spin the GPU ~0.2 ms before each sample's start event, so that host-side launch work "
+                             "(cherenkov's Python call, SDPA's autograd) is not timed")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--suffix", default="")
     args = parser.parse_args()
@@ -182,7 +186,7 @@ def main() -> None:
         "method": "CUDA events, L2 flushed (read) before each sample, contenders round-robin, median of "
                   f"{args.samples}; cherenkov: the fastest of its target's backward schedules (5 quick samples each), "
                   f"statistics pass included ({args.statistics}), each launch also timed alone; SDPA: autograd.grad of a "
-                  "computed output",
+                  "computed output" + ("; GPU spin before each start event" if args.hide_launch_gaps else ""),
         "rows": rows,
     }
     out = Path(args.out)

@@ -220,14 +220,16 @@ def row_elements(head_dim: int) -> int:
 def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
     """Dynamic shared memory of the main pass: K and V (the block's keys; persistent: two of each),
     ``stages`` q and dO tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's
-    product (``wgmma``: unpadded swizzled tiles, plus slack to align them)."""
+    product (``wgmma``: unpadded swizzled tiles, plus slack to align them; a one-tile block keeps two
+    dSᵀ tiles, by step parity, and an mbarrier a stage that its copies arrive on)."""
     d = problem.attention.head_dim
     element = 2
     if schedule.wgmma:
-        kv_buffers = 2 if schedule.persistent else 1
+        kv_buffers, ds_buffers = (2, 1) if schedule.persistent else (1, 2)
+        barriers = 0 if schedule.persistent else 8 * schedule.stages
         tiles = (2 * kv_buffers * schedule.block_kv + 2 * schedule.stages * schedule.block_q) * d * element
-        return tiles + schedule.block_kv * schedule.block_q * element + 2 * 4 * schedule.stages * schedule.block_q \
-            + SWIZZLE_ALIGN
+        return tiles + ds_buffers * schedule.block_kv * schedule.block_q * element \
+            + 2 * 4 * schedule.stages * schedule.block_q + barriers + SWIZZLE_ALIGN
     kv = 2 * schedule.block_kv * row_elements(d) * element
     streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + 2 * 4 * schedule.block_q)
     ds = schedule.block_kv * (schedule.block_q + PAD) * element

@@ -39,6 +39,19 @@ def emit_cp_async() -> str:
     )
 
 
+def emit_cp_async_arrive() -> str:
+    """``cp_async_arrive(bar)``: an arrival on an mbarrier once the thread's earlier copies have landed
+    (``cp.async.mbarrier.arrive.noinc``: the barrier's count includes it)."""
+    return block(
+        """
+        // One arrival on `bar` once every earlier cp.async of this thread has landed.
+        __device__ __forceinline__ void cp_async_arrive(u32 bar) {
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\\n" :: "r"(bar) : "memory");
+        }
+        """
+    )
+
+
 def emit_tile_loader() -> str:
     """``load_tile<ROWS, GUARD, ROW_STRIDE, CHUNKS>``: the whole block copies a ``ROWS × 8·CHUNKS``
     tile whose rows lie ``ROW_STRIDE`` elements apart, coalesced."""

@@ -45,9 +45,14 @@ Tiles are copied by every thread with 16-byte ``cp.async`` into boxes of 64 colu
 bytes a row) in the 128-byte-swizzled layout the wgmma descriptors read (16-byte chunk ``c``
 of row ``r`` of a box at ``r·128 + (c ⊕ (r mod 8))·16``; boxes 1024-byte aligned), rows
 past a sequence's end zero-filled. The main pass keeps ``STAGES`` (2 or 3) q and dO
-buffers, its copies ``STAGES − 1`` steps ahead; each step waits for its own copies, fences
-them into the async proxy and passes a block barrier, then starts the copies of the step
-``STAGES − 1`` later into the buffer the last step used. Scores are masked only in tiles
+buffers, its copies ``STAGES − 1`` steps ahead. In the one-tile kernel every thread's copies
+of a step arrive on the stage's mbarrier when they land (``cp.async.mbarrier.arrive``); a step
+waits on it and fences the copies into the async proxy, and the copies of the step ``STAGES − 1``
+later start after the step's dSᵀ barrier (both warpgroups are then done with the last step,
+whose buffer they fill); dSᵀ alternates between two buffers, since one warpgroup may store the
+next while the other's dq product still reads the last. The persistent walk waits for its
+copies with ``cp.async.wait_group`` and a block barrier at each step's start, then starts the
+next copies (one dSᵀ: two do not fit beside its two K/V buffers). Scores are masked only in tiles
 that cross the causal diagonal or a sequence's end.
 """
 
@@ -55,7 +60,7 @@ from __future__ import annotations
 
 import re
 
-from cherenkov.codegen.cuda import tma, wgmma
+from cherenkov.codegen.cuda import cp_async, tma, wgmma
 from cherenkov.codegen.cuda.text import block, bool_literal, indent
 from cherenkov.rewrites.plan_backward import (
     WGMMA_BLOCK_KV,
@@ -119,7 +124,8 @@ def helpers(plan: BackwardPlan) -> str:
     products = (_head_dim_product(WGMMA_BLOCK_Q, a.dtype), _head_dim_product(WGMMA_STATISTICS_KEYS, a.dtype))
     return "\n\n".join(
         [wgmma.emit_descriptor(), wgmma.emit_sync(), *dict.fromkeys(shapes), *dict.fromkeys(products),
-         tma.emit_fence_proxy_async(), emit_stmatrix_x4(), emit_reduce_add_v4_f32(), swizzled_copy]
+         tma.emit_fence_proxy_async(), tma.emit_mbarrier_basics(), cp_async.emit_cp_async_arrive(), emit_stmatrix_x4(),
+         emit_reduce_add_v4_f32(), swizzled_copy]
     )
 
 
@@ -225,8 +231,11 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
     names = wgmma_names(plan)
     driver = block(_KEY_TILE) + "\n\n" + block(_WALK_KERNEL) if plan.schedule.persistent else block(_ONE_TILE_KERNEL)
     step_level, store_level = (3, 2) if plan.schedule.persistent else (2, 1)
+    refill = "" if plan.schedule.persistent else \
+        "if (step + STAGES - 1 < steps) copy_step(step + STAGES - 1);  // into the last step's stage\n"
+    step = _MAIN_STEP.replace("@REFILL@\n", refill)
     return (
-        re.sub(r"^ *@STEP@\n", lambda _: indent(_MAIN_STEP, step_level) + "\n", driver, flags=re.MULTILINE)
+        re.sub(r"^ *@STEP@\n", lambda _: indent(step, step_level) + "\n", driver, flags=re.MULTILINE)
         .replace("        @STEP_COPIES@\n", indent(_STEP_COPIES, 2) + "\n")
         .replace("@STORE_DK_DV@", indent(_STORE_DK_DV, store_level).lstrip())
         .replace("@NAME@", name)
@@ -242,7 +251,7 @@ _ONE_TILE_KERNEL = """
             const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
             float* __restrict__ workspace) {
             extern __shared__ __align__(16) unsigned char smem_raw[];
-            // [K | V | STAGES q tiles | STAGES dO tiles | dS^T | LSE2 | D],
+            // [K | V | STAGES q tiles | STAGES dO tiles | 2 dS^T | LSE2 | D | STAGES mbarriers],
             // tiles 1024-byte aligned
             const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
             const int tau = threadIdx.x & 127;  // thread of the warpgroup
@@ -250,11 +259,17 @@ _ONE_TILE_KERNEL = """
             const u32 sK = (raw + ALIGN - 1) & ~(ALIGN - 1);
             const u32 sV = sK + KV_TILE_BYTES, sQ = sV + KV_TILE_BYTES, sDO = sQ + STAGES * Q_TILE_BYTES;
             const u32 sDs = sDO + STAGES * Q_TILE_BYTES;
-            float* sLse = reinterpret_cast<float*>(smem_raw + (sDs - raw) + DS_BYTES);  // STAGES x BLOCK_Q
+            float* sLse = reinterpret_cast<float*>(smem_raw + (sDs - raw) + 2 * DS_BYTES);  // STAGES x BLOCK_Q
             float* sDelta = sLse + STAGES * BLOCK_Q;
+            const u32 full = smem_address(sDelta + STAGES * BLOCK_Q);  // + 8 * stage: its copies landed
             const int g = lane >> 2, t = lane & 3;
             const BlockKeyTile mine = block_key_tile();
             if (!mine.valid) return;  // past the last slab
+            if (threadIdx.x == 0) {
+                #pragma unroll
+                for (int stage = 0; stage < STAGES; ++stage) mbar_init(full + 8 * stage, THREADS);
+            }
+            __syncthreads();  // the barriers, initialised
             const int k0 = mine.k0, kv_head = mine.kv_head, batch = mine.batch;
             const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
             const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
@@ -272,10 +287,15 @@ _ONE_TILE_KERNEL = """
                 const int q0 = (first + step % tiles) * BLOCK_Q;
                 @STEP_COPIES@
             };
+            // A step's copies: every thread's arrive on the stage's barrier once its copies (K and V too, for
+            // step 0) have landed, so no block barrier opens a step.
+            auto copy_step = [&](int step) {
+                load_step(step);
+                cp_async_arrive(full + 8 * (step % STAGES));
+            };
             #pragma unroll
-            for (int ahead = 0; ahead < STAGES - 1; ++ahead) {  // the first STAGES - 1 steps, a commit group each
-                if (ahead < steps) load_step(ahead);
-                cp_async_commit();
+            for (int ahead = 0; ahead < STAGES - 1; ++ahead) {  // the first STAGES - 1 steps
+                if (ahead < steps) copy_step(ahead);
             }
             // this warpgroup's 64 keys x D of dk and dv, fp32 (row 16 warp + g (+ 8), columns 8c + 2t (+ 1))
             float dk[D / 2], dv[D / 2];
@@ -287,11 +307,9 @@ _ONE_TILE_KERNEL = """
             for (int step = 0; step < steps; ++step) {
                 const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
                 const int q0 = (first + step % tiles) * BLOCK_Q;
-                cp_async_wait<STAGES - 2>();  // this step's group (the later steps' may still land)
-                fence_proxy_async();  // this thread's copies, visible to the wgmmas (async proxy)
-                __syncthreads();      // every copy of this step is in; every warpgroup is past the last step
-                if (step + STAGES - 1 < steps) load_step(step + STAGES - 1);  // into the last step's buffer
-                cp_async_commit();
+                mbar_wait(full + 8 * stage, (step / STAGES) & 1);  // every thread's copies of this step
+                fence_proxy_async();  // ... visible to this thread's wgmmas (async proxy)
+                const u32 tds = sDs + (step & 1) * DS_BYTES;  // dS^T by step parity: the other may still be read
                 @STEP@
             }
             @STORE_DK_DV@
@@ -410,6 +428,7 @@ _WALK_KERNEL = """
                         loading = next_load();
                     }
                     cp_async_commit();
+                    const u32 tds = sDs;  // one dS^T: the barrier above closed the last step
                     @STEP@
                 }
                 if (!kt.store) continue;
@@ -455,7 +474,7 @@ for (int i = 0; i < BLOCK_Q / 4; ++i) {
 if (WANT_DQ) {  // dsa[i] is the 8 x 8 block (key rows 8 (i % 2), query columns 8 (i / 2)) of the
                 // warp's 16 keys: four blocks a stmatrix, lane l giving row l % 8 of block l / 8
     const int block_of_lane = lane >> 3, r = lane & 7;
-    const u32 row_address = sDs + (64 * warpgroup + 16 * warp + 8 * (block_of_lane & 1) + r) * 128;
+    const u32 row_address = tds + (64 * warpgroup + 16 * warp + 8 * (block_of_lane & 1) + r) * 128;
     #pragma unroll
     for (int j = 0; j < BLOCK_Q / 16; ++j) {
         const int chunk = 2 * j + (block_of_lane >> 1);
@@ -467,14 +486,15 @@ if (WANT_DQ) {  // dsa[i] is the 8 x 8 block (key rows 8 (i % 2), query columns 
 // accumulator while dv and dk still run
 const int key0 = DQ_SPLIT_KEYS ? 64 * warpgroup : 0, column0 = DQ_SPLIT_KEYS ? 0 : 64 * warpgroup;
 float dq[32];
+fence_proxy_async();  // the dS^T stores, visible to the wgmmas
+__syncthreads();      // both warpgroups' dS^T are in, and both are done with the last step
+@REFILL@
 if (WANT_DQ) {
-    fence_proxy_async();  // the dS^T stores, visible to the wgmmas
-    __syncthreads();      // both warpgroups' dS^T are in
     const u32 k_box = sK + (column0 / 64) * KV_BOX_BYTES + key0 * 128;
     wgmma_fence();
     #pragma unroll
     for (int kk = 0; kk < DQ_KEYS / 16; ++kk) {
-        @DQ@(dq, make_smem_desc(sDs + key0 * 128 + kk * K_STEP_ROWS_BYTES, DS_BYTES, 1024),
+        @DQ@(dq, make_smem_desc(tds + key0 * 128 + kk * K_STEP_ROWS_BYTES, DS_BYTES, 1024),
              make_smem_desc(k_box + kk * K_STEP_ROWS_BYTES, KV_BOX_BYTES, 1024), kk > 0);
     }
     wgmma_commit();

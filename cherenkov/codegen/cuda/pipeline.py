@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cherenkov.codegen.cuda import tma
+from cherenkov.codegen.cuda import cp_async, tma
 from cherenkov.codegen.cuda.text import block
 
 _SIGNATURE = "u32 smem, const elem_t* k_head, const elem_t* v_head, int j, int slot, int n_tiles"
@@ -293,13 +293,8 @@ class MbarrierKvPipeline:
         return [
             tma.emit_mbarrier_basics(),
             _emit_load_kv_tile(),
-            self._emit_barriers() + "\n\n" + block(
+            self._emit_barriers() + "\n\n" + cp_async.emit_cp_async_arrive() + "\n\n" + block(
                 """
-                // One arrival on `bar` once every earlier cp.async of this thread has landed.
-                __device__ __forceinline__ void cp_async_arrive(u32 bar) {
-                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\\n" :: "r"(bar) : "memory");
-                }
-
                 // Start copying K and V tile `tile` into stage `slot` (= tile % STAGES) once every warp
                 // has released the tile STAGES before it; the stage's full barrier counts the copies.
                 // Tiles past n_tiles are never read, so they are neither copied nor counted.
