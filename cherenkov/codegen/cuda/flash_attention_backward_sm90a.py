@@ -236,6 +236,7 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
     step = _MAIN_STEP.replace("@REFILL@\n", refill)
     return (
         re.sub(r"^ *@STEP@\n", lambda _: indent(step, step_level) + "\n", driver, flags=re.MULTILINE)
+        .replace("@OPENING@", _KERNEL_OPENING)
         .replace("        @STEP_COPIES@\n", indent(_STEP_COPIES, 2) + "\n")
         .replace("@STORE_DK_DV@", indent(_STORE_DK_DV, store_level).lstrip())
         .replace("@NAME@", name)
@@ -245,16 +246,19 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
     )
 
 
+_KERNEL_OPENING = """extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
+    const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+    const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
+    float* __restrict__ workspace) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int tau = threadIdx.x & 127;  // thread of the warpgroup"""
+"""Both main-pass drivers' signature (the launcher's arguments) and thread roles."""
+
 _ONE_TILE_KERNEL = """
-        extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
-            const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-            const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
-            float* __restrict__ workspace) {
-            extern __shared__ __align__(16) unsigned char smem_raw[];
+        @OPENING@
             // [K | V | STAGES q tiles | STAGES dO tiles | 2 dS^T | LSE2 | D | STAGES mbarriers],
             // tiles 1024-byte aligned
-            const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-            const int tau = threadIdx.x & 127;  // thread of the warpgroup
             const u32 raw = smem_address(smem_raw);
             const u32 sK = (raw + ALIGN - 1) & ~(ALIGN - 1);
             const u32 sV = sK + KV_TILE_BYTES, sQ = sV + KV_TILE_BYTES, sDO = sQ + STAGES * Q_TILE_BYTES;
@@ -345,15 +349,9 @@ _KEY_TILE = """
         """
 
 _WALK_KERNEL = """
-        extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
-            const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-            const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
-            float* __restrict__ workspace) {
-            extern __shared__ __align__(16) unsigned char smem_raw[];
+        @OPENING@
             // [KV_BUFFERS x (K | V) | STAGES q tiles | STAGES dO tiles | dS^T | LSE2 | D],
             // tiles 1024-byte aligned
-            const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-            const int tau = threadIdx.x & 127;  // thread of the warpgroup
             const u32 raw = smem_address(smem_raw);
             const u32 sKV = (raw + ALIGN - 1) & ~(ALIGN - 1);  // K/V buffer b: K at sKV + b * KV_BUFFER_BYTES, V after
             const u32 sQ = sKV + KV_BUFFERS * KV_BUFFER_BYTES, sDO = sQ + STAGES * Q_TILE_BYTES;
