@@ -141,6 +141,9 @@ def test_wgmma_main_pass_source(dim: int) -> None:
     assert "reduce_add_v4_f32(part + (m * 128 + tau) * 4, " in source and "atomicAdd" not in source
     assert source.index("wgmma_m64n64k16_ss_bf16_ta_tb(dq, ") < source.index("(dk, dsa[4 * kk]")  # dq issued first
     assert f"DQ_SPLIT_KEYS = {'true' if dim == 64 else 'false'}" in source
+    # descriptors made once per tile, their k steps added; the probabilities on the SFU
+    assert "make_smem_desc(tq + kk" not in source and "q_desc + ((kk * K_STEP_ROWS_BYTES) >> 4)" in source
+    assert "fast_exp2(s[i] * SCALE_LOG2 - tlse[column])" in source and "exp2f(s[i]" not in source
     assert "_statistics(" in source and "_dq(" in source
     assert "head_dim_product_n128<STAT_Q_BOX_BYTES, STAT_KV_BOX_BYTES>(\n" in source  # statistics' S
     assert "wgmma_m64n128k16_ss_bf16(acc, " in source

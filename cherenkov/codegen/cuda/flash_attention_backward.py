@@ -507,7 +507,7 @@ def _statistics_kernel(name: str) -> str:
                 for (int n = 0; n < STAT_KEYS / 8; ++n) {
                     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        s[n][e] = exp2f(s[n][e] - shift[e >> 1]);
+                        s[n][e] = fast_exp2(s[n][e] - shift[e >> 1]);
                         l[e >> 1] += s[n][e];
                     }
                 }
@@ -664,7 +664,7 @@ def _main_kernel(name: str, vector_reductions: bool) -> str:
                     for (int e = 0; e < 4; ++e) {
                         const int column = 8 * n + 2 * t + (e & 1), query = q0 + column;
                         const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || (CAUSAL && key[e >> 1] > query);
-                        s[n][e] = masked ? 0.0f : exp2f(s[n][e] * SCALE_LOG2 - tlse[column]);
+                        s[n][e] = masked ? 0.0f : fast_exp2(s[n][e] * SCALE_LOG2 - tlse[column]);
                     }
                 }
                 if (WANT_DV) {  // dv += P^T dO
