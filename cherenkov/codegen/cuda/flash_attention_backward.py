@@ -117,10 +117,9 @@ def grids(plan: BackwardPlan, sms: int | None = None) -> dict[str, tuple[tuple[i
     else:
         chunk, slabs = chunk_slabs(plan, sms), a.batch * a.kv_heads
         main_grid = (chunk * -(-a.seq_kv // s.block_kv), -(-slabs // chunk), 1)
-    elements = a.batch * a.heads * a.seq_q * a.head_dim
-    # dq: a thread a pair of elements; wgmma: a 16-byte slot of the accumulator's whole query tiles
-    dq_threads = (a.batch * a.heads * -(-a.seq_q // s.block_q) * s.block_q * a.head_dim // 4 if s.wgmma
-                  else -(-elements // 2))
+    # dq: a thread a pair of elements; wgmma: a block a (query tile, 64-column part) of the tiled accumulator
+    dq_blocks = (a.batch * a.heads * -(-a.seq_q // s.block_q) * (a.head_dim // 64) if s.wgmma
+                 else -(-a.batch * a.heads * a.seq_q * a.head_dim // (2 * DQ_THREADS)))
     saved_rows = SAVED_STATISTICS_THREADS // 32
     return {
         "statistics": (((-(-a.batch * a.heads * a.seq_q // saved_rows), 1, 1), SAVED_STATISTICS_THREADS, 0)
@@ -128,7 +127,7 @@ def grids(plan: BackwardPlan, sms: int | None = None) -> dict[str, tuple[tuple[i
                        ((-(-a.seq_q // statistics_rows(s)), a.heads, a.batch),
                         2 * 128 if s.wgmma else STATISTICS_THREADS, statistics_smem_bytes(plan.problem, s))),
         "main": (main_grid, s.threads, backward_smem_bytes(s, plan.problem)),
-        "dq": ((max(1, -(-dq_threads // DQ_THREADS)), 1, 1), DQ_THREADS, 0),
+        "dq": ((max(1, dq_blocks), 1, 1), DQ_THREADS, 0),
     }  # fmt: skip
 
 

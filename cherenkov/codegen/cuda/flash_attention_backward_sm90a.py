@@ -206,6 +206,8 @@ def constants(plan: BackwardPlan) -> str:
         "constexpr int Q_TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;",
         *(_walk_constants() if plan.schedule.persistent else []),
         "constexpr u32 DQ_PART_FLOATS = 64 * 64;  // a warpgroup's dq part",
+        "// dq's rows start 16-byte aligned (its pointer is): the dq launch writes 16-byte chunks",
+        "constexpr bool DQ_CHUNKS_ALIGNED = DQ_OFFSET % 8 == 0 && DQ_BATCH % 8 == 0 && DQ_HEAD % 8 == 0 && DQ_SEQ % 8 == 0;",
         f"constexpr int STAT_BLOCK_KEYS = {WGMMA_STATISTICS_KEYS};  // keys of a statistics step",
         f"constexpr int STAT_BUFFERS = {WGMMA_STATISTICS_BUFFERS};  // the statistics pass's K and V buffers",
         "constexpr u32 STAT_Q_BOX_BYTES = STAT_ROWS * 128, STAT_KV_BOX_BYTES = STAT_BLOCK_KEYS * 128;",
@@ -684,30 +686,47 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
 
 
 def dq_kernel(name: str) -> str:
-    """The ``extern "C"`` dq conversion: the tiled, thread-major accumulator scaled, rounded and written at dq's
-    strides (arguments as the ``mma.sync`` one's). A thread takes one 16-byte slot in the accumulator's order, so a
-    warp reads 512 contiguous bytes; a slot holds two columns of two rows, 8 apart."""
+    """The ``extern "C"`` dq conversion: a block a (query tile, 64-column part) of the tiled, thread-major
+    accumulator (arguments as the ``mma.sync`` one's). Its 1024 16-byte slots are read in order (a thread four:
+    a warp 512 contiguous bytes), scaled and rounded into a 64 × 64 tile in shared memory (rows padded by 16
+    bytes: a warp's stores hit 32 banks), and written at dq's strides a 16-byte chunk a thread, eight to a
+    128-byte row piece, so every write fills whole sectors (two 4-byte stores a slot, 16 bytes a row, had
+    filled half of each)."""
     return block(
         """
         extern "C" __global__ void __launch_bounds__(DQ_THREADS) @NAME@_dq(const float* __restrict__ workspace,
                                                                    elem_t* __restrict__ dq_out) {
-            const float4* slots = reinterpret_cast<const float4*>(workspace + DQ_ACCUMULATOR);
-            constexpr size_t SLOTS = size_t(BATCH) * HEADS * Q_TILES * BLOCK_Q * D / 4;
-            constexpr int PART_SLOTS = DQ_PART_FLOATS / 4;  // a (query tile, 64-column part)
-            for (size_t i = size_t(blockIdx.x) * DQ_THREADS + threadIdx.x; i < SLOTS; i += size_t(DQ_BLOCKS) * DQ_THREADS) {
-                // slot (c / 8) * 128 + tau of a part: columns c, c + 1 of rows r and r + 8 of its query tile, with
+            static_assert(DQ_THREADS == 256 && BLOCK_Q == 64, "four slots and two row chunks a thread");
+            constexpr int PITCH = 32 + 4;  // packed pairs a tile row: 64 columns and 16 bytes of padding
+            __shared__ __align__(16) u32 tile[BLOCK_Q * PITCH];
+            const size_t part = blockIdx.x;  // ((batch, head, query tile), 64-column part of the row)
+            const float4* slots = reinterpret_cast<const float4*>(workspace + DQ_ACCUMULATOR) + part * (DQ_PART_FLOATS / 4);
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                // slot (c / 8) * 128 + tau: columns c, c + 1 of rows r and r + 8 of the tile, with
                 // tau = (r / 16) * 32 + (r % 8) * 4 + (c % 8) / 2 (the accumulator's fragment order)
-                const int in_part = int(i % PART_SLOTS), tau = in_part % 128;
-                const size_t part = i / PART_SLOTS;
-                const size_t tile = part / (D / 64);  // (batch, head, query tile)
-                const int q_tile = int(tile % Q_TILES), head = int(tile / Q_TILES % HEADS);
-                const int batch = int(tile / Q_TILES / HEADS);
-                const int s = q_tile * BLOCK_Q + (tau >> 5) * 16 + ((tau >> 2) & 7);
-                const int d = int(part % (D / 64)) * 64 + (in_part / 128) * 8 + (tau & 3) * 2;
+                const int i = j * DQ_THREADS + int(threadIdx.x), tau = i % 128;
+                const int r = (tau >> 5) * 16 + ((tau >> 2) & 7), pair = (i / 128) * 4 + (tau & 3);
                 const float4 x = slots[i];
-                elem_t* out = dq_out + DQ_OFFSET + batch * DQ_BATCH + head * DQ_HEAD + d;
-                if (s < SEQ_Q) *reinterpret_cast<u32*>(out + s * DQ_SEQ) = pack2(x.x * SCALE, x.y * SCALE);
-                if (s + 8 < SEQ_Q) *reinterpret_cast<u32*>(out + (s + 8) * DQ_SEQ) = pack2(x.z * SCALE, x.w * SCALE);
+                tile[r * PITCH + pair] = pack2(x.x * SCALE, x.y * SCALE);
+                tile[(r + 8) * PITCH + pair] = pack2(x.z * SCALE, x.w * SCALE);
+            }
+            __syncthreads();
+            const size_t query_tile = part / (D / 64);
+            const int q_tile = int(query_tile % Q_TILES), head = int(query_tile / Q_TILES % HEADS);
+            const int batch = int(query_tile / Q_TILES / HEADS), d0 = int(part % (D / 64)) * 64;
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {  // 16-byte chunk `chunk` of the tile: row chunk / 8, columns 8 (chunk % 8) ...
+                const int chunk = j * DQ_THREADS + int(threadIdx.x), r = chunk / 8, s = q_tile * BLOCK_Q + r;
+                if (s >= SEQ_Q) continue;
+                const u32* from = tile + r * PITCH + (chunk % 8) * 4;
+                elem_t* to = dq_out + DQ_OFFSET + batch * DQ_BATCH + head * DQ_HEAD + s * DQ_SEQ + d0 + (chunk % 8) * 8;
+                if (DQ_CHUNKS_ALIGNED) {
+                    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+                } else {
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) reinterpret_cast<u32*>(to)[k] = from[k];
+                }
             }
         }
         """
