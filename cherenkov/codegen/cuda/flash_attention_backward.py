@@ -585,9 +585,7 @@ def _main_kernel(name: str, vector_reductions: bool) -> str:
     return block(
         """
         extern "C" __global__ void __launch_bounds__(THREADS) @NAME@(
-            const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-            const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
-            float* __restrict__ workspace) {
+            @PARAMETERS@) {
             extern __shared__ __align__(16) unsigned char smem[];
             elem_t* sK = reinterpret_cast<elem_t*>(smem);
             elem_t* sV = sK + BLOCK_KV * ROW;
@@ -755,7 +753,7 @@ def _main_kernel(name: str, vector_reductions: bool) -> str:
             }
         }
         """
-    ).replace("@NAME@", name).replace(
+    ).replace("@NAME@", name).replace("@PARAMETERS@", flash_attention_backward_sm90a.MAIN_PASS_PARAMETERS).replace(
         "@DQ_ADD@", indent(_DQ_VECTOR_REDUCTIONS if vector_reductions else _DQ_ATOMICS, 4).lstrip()
     )
 

@@ -255,10 +255,13 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
     )
 
 
-_KERNEL_OPENING = """extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
-    const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+MAIN_PASS_PARAMETERS = """const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
     const elem_t* __restrict__ dout, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
-    float* __restrict__ workspace) {
+    float* __restrict__ workspace"""
+"""The main pass's parameters in both families (the launcher's arguments), continuation lines indented by four."""
+
+_KERNEL_OPENING = """extern "C" __global__ void __launch_bounds__(THREADS, 1) @NAME@(
+    """ + MAIN_PASS_PARAMETERS + """) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int warpgroup = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int tau = threadIdx.x & 127;  // thread of the warpgroup"""
