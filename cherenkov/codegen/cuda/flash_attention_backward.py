@@ -1,7 +1,8 @@
 """The ``mma.sync`` flash-attention backward (sm_80 … sm_120): one plan → three ``__global__`` kernels.
 
-(A ``wgmma`` schedule on sm_90a keeps this module's constants, helpers and launch shape but
-takes its three kernels from :mod:`.flash_attention_backward_sm90a`.)
+(A ``wgmma`` schedule on sm_90a keeps this module's constants, helpers and launch shape — but for
+dq, a block a (query tile, 64-column part) — and takes its three kernels from
+:mod:`.flash_attention_backward_sm90a`.)
 
 For ``o = softmax(c·q kᵀ [causal]) v`` and the gradient ``dO`` of its output, the derivation
 gives ``dS = P∘(dP − D)`` with ``P = 2^{c·log2e·q·k − LSE₂}``, ``dP = dO vᵀ``, ``D = rowsum(dO∘O)``,
