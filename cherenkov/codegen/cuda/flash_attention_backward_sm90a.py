@@ -247,6 +247,7 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
         re.sub(r"^ *@STEP@\n", lambda _: indent(step, step_level) + "\n", driver, flags=re.MULTILINE)
         .replace("@OPENING@", _KERNEL_OPENING)
         .replace("        @STEP_COPIES@\n", indent(_STEP_COPIES, 2) + "\n")
+        .replace("@KEY_ROWS@", indent(_KEY_ROWS, step_level - 1).lstrip())
         .replace("@STORE_DK_DV@", indent(_STORE_DK_DV, store_level).lstrip())
         .replace("@NAME@", name)
         .replace("@BLOCK_Q@", str(WGMMA_BLOCK_Q))
@@ -317,12 +318,7 @@ _ONE_TILE_KERNEL = """
             float dk[D / 2], dv[D / 2];
             #pragma unroll
             for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
-            const int key_row = 64 * warpgroup + 16 * warp + g;  // rows key_row and key_row + 8 of the block
-            const int key[2] = {k0 + key_row, k0 + key_row + 8};
-            // the warpgroup index broadcast from lane 0, so the compiler knows it warp-uniform: the addresses and wgmma
-            // descriptors made from it live in uniform registers (the masks keep `warpgroup`)
-            const int uniform_warpgroup = __shfl_sync(0xffffffffu, warpgroup, 0);
-            const u32 k_rows = sK + 64 * uniform_warpgroup * 128, v_rows = sV + 64 * uniform_warpgroup * 128;
+            @KEY_ROWS@
             for (int step = 0; step < steps; ++step) {
                 const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
                 const int q0 = (first + step % tiles) * BLOCK_Q;
@@ -427,12 +423,7 @@ _WALK_KERNEL = """
                 #pragma unroll
                 for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
                 const int k0 = kt.k0, kv_head = kt.kv_head, batch = kt.batch;
-                const int key_row = 64 * warpgroup + 16 * warp + g;  // rows key_row and key_row + 8 of the block
-                const int key[2] = {k0 + key_row, k0 + key_row + 8};
-                // the warpgroup index broadcast from lane 0, so the compiler knows it warp-uniform: the addresses and wgmma
-                // descriptors made from it live in uniform registers (the masks keep `warpgroup`)
-                const int uniform_warpgroup = __shfl_sync(0xffffffffu, warpgroup, 0);
-                const u32 k_rows = sK + 64 * uniform_warpgroup * 128, v_rows = sV + 64 * uniform_warpgroup * 128;
+                @KEY_ROWS@
                 for (int step = 0; step < kt.steps; ++step, ++position) {
                     const int stage = position % STAGES, head = kv_head * GROUP + step / kt.tiles;
                     const int q0 = (kt.first + step % kt.tiles) * BLOCK_Q;
@@ -542,6 +533,14 @@ if (WANT_DQ) {  // four floats a reduction, a warp's 32 of them one contiguous 5
 wgmma_wait<0>();
 fence_operands(dk);
 fence_operands(dv);"""
+
+_KEY_ROWS = """const int key_row = 64 * warpgroup + 16 * warp + g;  // rows key_row and key_row + 8 of the block
+const int key[2] = {k0 + key_row, k0 + key_row + 8};
+// the warpgroup index broadcast from lane 0, so the compiler knows it warp-uniform: the addresses and wgmma
+// descriptors made from it live in uniform registers (the masks keep `warpgroup`)
+const int uniform_warpgroup = __shfl_sync(0xffffffffu, warpgroup, 0);
+const u32 k_rows = sK + 64 * uniform_warpgroup * 128, v_rows = sV + 64 * uniform_warpgroup * 128;"""
+"""A key tile's rows of this thread (the masks, the dk and dv stores) and of its warpgroup (K, V) in both drivers."""
 
 _STORE_DK_DV = """// dk * SCALE and dv, rounded, at their strides
 #pragma unroll
