@@ -118,6 +118,46 @@ def joined_backward(kernels: list[FusedKernel]) -> list[FusedKernel]:
     return [k for k in result if k is not None]
 
 
+def gradient_head_dim(form: Term) -> str | None:
+    """The head-dim axis of a ``FlashAttentionGrad*`` form's gradient: the one free axis it has only
+    through the operand read again (k for dq, q for dk, dO for dv); the batch, head and sequence
+    axes come through q, k and dO as well. None where that is not one axis."""
+    again = gradient_form(form).again
+    dims = t.free_axes(form) - t.free_axes(t.replace(form, again, ("Num", 0.0)))
+    return next(iter(dims)) if len(dims) == 1 else None
+
+
+def gradients_head_dim_last(kernels: list[FusedKernel], outputs: frozenset[str]) -> list[FusedKernel]:
+    """Each backward kernel's intermediate gradient buffer laid out with its head dim last (the rows
+    a backward kernel writes), its readers' accesses permuted to match. The gradient of a view
+    (``v.transpose(-2, -1)`` inside ``q @ k.T``, a matmul's operand) comes out over the view's axes,
+    e.g. ``(B, H, D, S)``; the kernel that reads it back into place (a concatenation of q, k and v's
+    gradients) reads it as well in either order. A graph output keeps its layout."""
+    moved: dict[str, tuple[int, ...]] = {}  # buffer -> the old position of each new axis
+    result = []
+    for kernel in kernels:
+        if kernel.kind == "flash_attention_backward" and kernel.term == kernel.core and kernel.output not in outputs \
+                and kernel.buffer is None and not kernel.side_outputs:  # fmt: skip
+            dim = gradient_head_dim(kernel.core)
+            if dim is not None and dim in kernel.axes and kernel.axes[-1] != dim:
+                order = tuple(i for i, a in enumerate(kernel.axes) if a != dim) + (kernel.axes.index(dim),)
+                moved[kernel.output] = order
+                kernel = replace(kernel, axes=tuple(kernel.axes[i] for i in order))
+        result.append(kernel)
+    if not moved:
+        return result
+
+    def permuted(term: Term) -> Term:
+        for access in {s for s in t.subterms(term) if s[0] == "Tensor" and s[1] in moved}:
+            items = t.ix_items(access[2])
+            term = t.replace(term, access, t.access(access[1], (items[i] for i in moved[access[1]])))
+        return term
+
+    return [replace(k, term=permuted(k.term),
+                    side_outputs=tuple(replace(s, term=permuted(s.term)) for s in k.side_outputs))
+            if moved.keys() & set(k.reads) else k for k in result]  # fmt: skip
+
+
 def _kv_axis_roles(k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None]:
     """(batch, head) axis names of a k read: of its axes other than the key and head dim, the
     head is the one it strides least (the K/V head)."""

@@ -16,11 +16,12 @@ e-graph): contraction, softmax rows, contraction. ``kernels`` applies the first 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from cherenkov.rewrites.gradients import GRADIENTS
 from cherenkov.rewrites.attention_backward import (
     SavedAttention,
     attention_backward_problem,
+    gradients_head_dim_last,
     joined_backward,
     saved_attentions,
     saved_statistics,
@@ -241,10 +243,18 @@ class Derivation:
         """The cheapest term of each root (intermediate tensors first, then outputs)."""
         return self._extract(())
 
-    @functools.cache
     def _extract(self, excluded: tuple[str, ...]) -> dict[str, Term]:
         """The cheapest term of each root with the e-nodes of the ``excluded`` constructors
         subsumed (in a pushed scope: the e-graph is unchanged afterwards)."""
+        return self._extraction(excluded)[0]
+
+    @functools.cache
+    def _extraction(self, excluded: tuple[str, ...]) -> tuple[dict[str, Term], tuple[str, ...]]:
+        """:meth:`_extract`'s terms, and the recomputed intermediates they compute in place: group
+        by group (one attention's, one activation's), each kept where computing it in place too, as
+        well as those kept before, gives a whole answer no costlier that holds a flash-attention
+        backward form (an attention's probabilities and score gradient do; a GELU's exponentials,
+        which every reader would recompute with the GEMM before them, do not)."""
         if excluded:
             rules = ["(push)", "(ruleset exclude)"]
             for constructor in (c for c in EXPR_CONSTRUCTORS if c.name in excluded):
@@ -252,11 +262,14 @@ class Derivation:
                 rules.append(f"(rule ((= e {node})) ((subsume {node})) :ruleset exclude)")
             self._run("\n".join([*rules, "(run exclude 1)"]))
         try:
-            stored = _read_from_outputs(self._best(self.roots), self.lowered.outputs)
-            computed = self._computed_in_place() if self.lowered.inlined else None
-            if computed is not None and _cost(computed) < _cost(stored) and _holds_gradient_forms(computed):
-                stored = computed
-            return {name: term for name, (term, _) in stored.items()}
+            chosen = _read_from_outputs(self._best(self.roots), self.lowered.outputs)
+            in_place: tuple[str, ...] = ()
+            derivable = self.lowered.inlined and not GRADIENT_FORMS <= set(excluded)
+            for group in self.lowered.recomputed if derivable else ():
+                trial = self._computed_in_place((*in_place, *group))
+                if trial is not None and _cost(trial) <= _cost(chosen) and _holds_gradient_forms(trial):
+                    chosen, in_place = trial, (*in_place, *group)
+            return {name: term for name, (term, _) in chosen.items()}, in_place
         finally:
             if excluded:
                 self._run("(pop)")
@@ -269,25 +282,36 @@ class Derivation:
             result[name] = (t.from_termdag(best.termdag, best.term), best.cost)
         return result
 
-    def _computed_in_place(self) -> dict[str, tuple[Term, int]] | None:
-        """The cheapest terms of the outputs with no intermediate root read (each computed where
-        it is read, through the inlined alternatives), or None where an output has no such term.
+    def _computed_in_place(self, unstored: tuple[str, ...]) -> dict[str, tuple[Term, int]] | None:
+        """The cheapest terms of the roots with no read of the ``unstored`` intermediates (each
+        computed where it is read, through the inlined alternatives), those the outputs read, or
+        None where a root has no such term.
 
         Extraction prices a read of a stored intermediate at a tensor access, not at the kernel
-        that writes it; this is the other whole answer — the outputs self-contained, as the fused
-        forms of an attention gradient are — whose total cost :meth:`_extract` weighs against
-        the stored one's."""
-        outputs = set(self.lowered.outputs)
-        intermediates = [name for name in self.roots if name not in outputs]
+        that writes it; this is another whole answer — some of the recomputed intermediates
+        (:attr:`~cherenkov.rewrites.lower.Lowered.recomputed`: an attention's probabilities and
+        score gradient) never stored, as in the fused forms of its gradient, which still read the
+        other intermediates (a projection q, k and v are slices of) — whose total cost
+        :meth:`_extraction` weighs against the stored one's."""
+        with self._unstored(unstored):
+            unread = {name: root for name, root in self.roots.items() if name not in unstored}
+            try:
+                return _read_from_outputs(self._best(unread), self.lowered.outputs)
+            except Exception:  # a root whose every term reads a recomputed intermediate: egglog finds none
+                return None
+
+    @contextlib.contextmanager
+    def _unstored(self, names: tuple[str, ...]) -> Iterator[None]:
+        """A pushed scope of the e-graph in which no term reads the intermediates ``names`` (their
+        reads subsumed): where :meth:`_computed_in_place` extracts, and where the forms of the
+        chosen extraction's terms are looked up again (a flash form's schedules)."""
         rules = ["(push)", "(ruleset unstored)"]
-        for name in intermediates:
+        for name in names:
             read = f"(Tensor {t.literal(name)} ix)"
             rules.append(f"(rule ((= e {read})) ((subsume {read})) :ruleset unstored)")
         self._run("\n".join([*rules, "(run unstored 1)"]))
         try:
-            return self._best({name: self.roots[name] for name in self.lowered.outputs})
-        except Exception:  # an output whose every term reads an intermediate: egglog finds none
-            return None
+            yield
         finally:
             self._run("(pop)")
 
@@ -365,6 +389,7 @@ class Derivation:
     @functools.cache
     def _partition(self, streaming: bool) -> list[FusedKernel]:
         kernels = partition_kernels(self._extract(() if streaming else STREAMING_FORMS), self.lowered)
+        kernels = gradients_head_dim_last(kernels, frozenset(self.lowered.outputs))
         return joined_backward(joined_statistics(kernels))
 
     @functools.cached_property
@@ -505,12 +530,14 @@ class Derivation:
         if not problems:
             return ()
         dims = tuple(sorted({(p.head_dim, p.value_dim) for p in problems.values()}))
-        self._run("(push)")
-        try:
-            self._run(schedule_facts(target, dims) + "\n(run-schedule (run schedule))")
-            rows = self.forms_of("Scheduled")
-        finally:
-            self._run("(pop)")
+        # the forms as the kernels' extraction saw them: in its scope, where it computed in place
+        with self._unstored(self._extraction(())[1]):
+            self._run("(push)")
+            try:
+                self._run(schedule_facts(target, dims) + "\n(run-schedule (run schedule))")
+                rows = self.forms_of("Scheduled")
+            finally:
+                self._run("(pop)")
         schedules: dict[Term, list[Any]] = {}  # by the flash form they schedule
         for row in rows:
             schedules.setdefault(row[1], []).append(schedule_from_term(row[2]))

@@ -18,6 +18,7 @@ reduction. Otherwise it takes the first ``r0:n, r1:n, ...`` not free in its resu
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
 from collections.abc import Iterator
@@ -48,10 +49,15 @@ class Lowered:
     root_dtypes: dict[str, str] = field(default_factory=dict)
     """Each root's dtype: that of the graph node it holds."""
     inlined: dict[str, Term] = field(default_factory=dict)
-    """For a root whose term reads intermediate roots: the same value with each of them computed
-    in place (an equal alternative the e-graph holds in the root's e-class, so that identities
-    can see across a stored intermediate: an attention gradient's probabilities and score
-    gradient, which its three outputs read transposed). See :func:`lower`."""
+    """For a root whose term reads a :attr:`recomputed` intermediate: the same value with each of
+    them computed in place (an equal alternative the e-graph holds in the root's e-class, so that
+    identities can see across a stored intermediate: an attention gradient's probabilities and
+    score gradient, which its three gradients read transposed). See :func:`lower`."""
+    recomputed: tuple[tuple[str, ...], ...] = ()
+    """The intermediate roots the :attr:`inlined` alternatives compute where they are read, in
+    groups (:func:`recomputed_intermediates`: an attention's probabilities, row sums and score
+    gradient). Every other intermediate (a projection q, k and v are slices of, dO) stays a read
+    in them too."""
 
     @property
     def buffer_dtype(self) -> str:
@@ -358,6 +364,8 @@ def lower(graph: Graph) -> Lowered:
         taken.add(name)
         split[extra] = name
     inputs = graph.inputs
+    inlines = graph.is_gradient and len(graph.nodes) <= INLINE_GRAPH_NODES
+    recomputed = recomputed_intermediates(graph, split, roots, axes) if inlines else ()
     return Lowered(
         roots=roots,
         root_axes=axes,
@@ -366,28 +374,132 @@ def lower(graph: Graph) -> Lowered:
         input_shapes={n: x.shape for n, x in inputs.items()},
         root_dtypes={**{name: graph.node(index).dtype for index, name in split.items()},
                      **{name: graph.outputs[name].dtype for name in copies}},  # fmt: skip
-        inlined=_inlined(graph, split, roots, axes),
+        inlined=_inlined(graph, split, roots, axes, tuple(n for group in recomputed for n in group)),
+        recomputed=recomputed,
     )
 
 
-def _inlined(graph: Graph, split: dict[int, str], roots: dict[str, Term],
-             axes: dict[str, tuple[str, ...]]) -> dict[str, Term]:  # fmt: skip
-    """Each root that reads an intermediate root (one the outputs do not name), lowered again with
-    every intermediate computed where it is read (reading an intermediate is the same as computing
-    it there): for gradient graphs (``ck.grad``'s, whose outputs read the forward's intermediates
-    transposed: an attention's probabilities and score gradient) of at most
-    ``INLINE_GRAPH_NODES`` nodes, and alternatives of at most ``INLINE_LIMIT`` new subterms.
-    A forward graph is derived over its stored intermediates only (its e-graph stays small)."""
+REDUCTIONS = frozenset({"Sum", "Max"})
+"""The binders a lowered term reduces an axis with."""
+EXPONENTIALS = frozenset({"Exp2", "Exp"})
+
+
+def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[str, Term],
+                             axes: dict[str, tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:  # fmt: skip
+    """The intermediate roots (those the outputs do not name) that an attention's streaming forms
+    may recompute rather than read stored, in groups (one attention's each).
+
+    The softmax's parts first: an intermediate that sums exponentials alone (the row sums, the
+    probabilities), the exponentials it sums, or one that exponentiates scores less their row
+    maximum; a GELU's or SiLU's exponentials are none of these. Then, to a fixed point: an
+    elementwise function of the inputs (``q·c``), one that reads recomputed intermediates and
+    nothing else, one that reads a recomputed one element by element at its own indices (a score
+    gradient from stored probabilities), and one that a recomputed one reads so (the scores under
+    the exponential). Last, a gradient per query head whose one reader only sums it over the GQA
+    group (the grouped form is derived where the sum reads it). One that reduces a recomputed
+    intermediate together with another tensor (attention's output, read by the output
+    projection's gradient; q's gradient, read by the concatenation into the projection's) is what
+    a streaming form computes: it stays a read, as does every other intermediate."""
     outputs = set(graph.outputs)
-    intermediates = {name for name in split.values() if name not in outputs}
-    if not graph.is_gradient or not intermediates or len(graph.nodes) > INLINE_GRAPH_NODES:
+    order = [name for _, name in sorted(split.items()) if name not in outputs]  # every root after those it reads
+    reads = {name: [s for s in t.subterms(roots[name]) if s[0] == "Tensor" and s[1] in order] for name in order}
+    readers: dict[str, set[str]] = {}
+    for reader, term in roots.items():
+        for s in t.subterms(term):
+            if s[0] == "Tensor" and s[1] in reads:
+                readers.setdefault(s[1], set()).add(reader)
+
+    def summed_by_its_reader(name: str) -> bool:
+        """Whether one root reads ``name``, and that root is a plain sum of it over one axis."""
+        if len(readers.get(name, ())) != 1:
+            return False
+        term = roots[next(iter(readers[name]))]
+        return term[0] == "Sum" and term[3][0] == "Tensor" and term[3][1] == name
+
+    def at_own_indices(reader: str, read: Term) -> bool:
+        return t.free_axes(read) <= set(axes[reader])
+
+    exponential = {name for name in order if any(s[0] in EXPONENTIALS for s in t.subterms(roots[name]))}
+
+    def softmax_parts(name: str) -> set[str]:
+        """``name`` and the intermediate it sums, where its term normalises or shifts exponentials:
+        a sum of exponentials alone (the row sums), or an exponential of an argument less a row
+        maximum; a GELU's or SiLU's exponentials are neither."""
+        parts = set()
+        for s in t.subterms(roots[name]):
+            body = s[3] if s[0] == "Sum" else None
+            if body is not None and body[0] in EXPONENTIALS:
+                parts.add(name)
+            elif body is not None and body[0] == "Tensor" and body[1] in exponential:
+                parts |= {name, body[1]}
+            elif s[0] in EXPONENTIALS and any(x[0] == "Max" for x in t.subterms(s[1])):
+                parts.add(name)
+        return parts
+
+    recomputed: set[str] = set()  # the softmax's: what the rules below grow from
+    for name in order:
+        subterms = list(t.subterms(roots[name]))
+        recomputed |= softmax_parts(name)
+        if not (reads[name] or REDUCTIONS & {s[0] for s in subterms}):  # an elementwise function of the inputs
+            recomputed.add(name)
+    while True:
+        grown = {name for name in order if name not in recomputed and (
+            (reads[name] and {s[1] for s in reads[name]} <= recomputed)
+            or any(s[1] in recomputed and at_own_indices(name, s) for s in reads[name])
+            or any(s[1] == name and at_own_indices(other, s) for other in recomputed for s in reads[other]))}  # fmt: skip
+        if not grown:
+            break
+        recomputed |= grown
+    grouped = {name for name in order if name not in recomputed and summed_by_its_reader(name)
+               and any(s[1] in recomputed for s in reads[name])}  # fmt: skip
+    chosen = [name for name in order if name in recomputed | grouped]
+    return _linked_groups(chosen, {name: {s[1] for s in reads[name]} for name in chosen}, roots)
+
+
+def _linked_groups(names: list[str], reads: dict[str, set[str]], roots: dict[str, Term]) -> tuple[tuple[str, ...], ...]:
+    """``names`` in groups (in their order): two are linked where one reads the other, a root reads
+    both, or both read one intermediate (the projection q and k are slices of)."""
+    parent = {name: name for name in names}
+
+    def find(name: str) -> str:
+        while parent[name] != name:
+            name = parent[name]
+        return name
+
+    def link(linked: list[str]) -> None:
+        members = [name for name in linked if name in parent]
+        for other in members[1:]:
+            parent[find(other)] = find(members[0])
+
+    for name in names:
+        link([name, *sorted(reads[name])])
+    for term in roots.values():
+        link(sorted({s[1] for s in t.subterms(term) if s[0] == "Tensor"}))
+    for first, second in itertools.combinations(names, 2):
+        if reads[first] & reads[second]:
+            link([first, second])
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(find(name), []).append(name)
+    return tuple(tuple(members) for members in groups.values())
+
+
+def _inlined(graph: Graph, split: dict[int, str], roots: dict[str, Term], axes: dict[str, tuple[str, ...]],
+             recomputed: tuple[str, ...]) -> dict[str, Term]:  # fmt: skip
+    """Each root that reads a ``recomputed`` intermediate, lowered again with every recomputed one
+    computed where it is read (reading an intermediate is the same as computing it there) and
+    every other intermediate still read. Only gradient graphs (``ck.grad``'s, whose gradients
+    read the forward's intermediates transposed) of at most ``INLINE_GRAPH_NODES`` nodes get
+    ``recomputed`` ones, and an alternative adds at most ``INLINE_LIMIT`` new subterms: a forward
+    graph is derived over its stored intermediates only (its e-graph stays small)."""
+    if not recomputed:
         return {}
-    named = {index: name for index, name in split.items() if name in outputs}
+    named = {index: name for index, name in split.items() if name not in recomputed}
     inliner = _Lowering(graph, named)
     result: dict[str, Term] = {}
     with recursion_for(graph):
         for index, name in sorted(split.items()):
-            if not any(s[0] == "Tensor" and s[1] in intermediates for s in t.subterms(roots[name])):
+            if not any(s[0] == "Tensor" and s[1] in recomputed for s in t.subterms(roots[name])):
                 continue
             inliner.limit = len(inliner.memo) + INLINE_LIMIT
             try:

@@ -12,6 +12,7 @@ On the GPU, at small sizes: each module's ``res.run`` matches the module in bf16
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -101,6 +102,87 @@ def test_a_stored_strided_flash_plan_comes_back_equal() -> None:
     rebuilt = stored_plan(json.loads(json.dumps(plan.params())), kernels, derivation, TARGETS["sm_90a"])
     assert rebuilt == plan and rebuilt.name == plan.name
     assert all(isinstance(layout, OperandLayout) for layout in rebuilt.problem.layouts)
+
+
+# timm's ViT block is not here yet: its q, k and v are unbound from one (3, B, H, N, D) tensor, so
+# their gradients are stacked inside one root, and the backward forms stay inside that root's term.
+GRADIENT_MODULES = ["nanogpt_attention", "llama_attention_sdpa", "llama_attention_eager", "llama_decoder_layer"]
+
+
+def gradient_of(real: real_modules.RealModule) -> ck.Graph:
+    """``ck.grad`` of a captured module for its input and every parameter."""
+    graph = ck.from_torch(real.module, *real.inputs)
+    return ck.grad(graph, wrt=tuple(graph.inputs))
+
+
+@pytest.mark.parametrize("name", GRADIENT_MODULES)
+def test_module_gradients_recompute_the_scores_in_one_flash_forward_and_one_flash_backward(name: str) -> None:
+    """The gradient graph of a captured module (q, k and v from projections: slices of nanoGPT's
+    fused one, Llama's three with RoPE and GQA; their gradients concatenated or summed back) never
+    stores an attention's probabilities or score gradient: one flash forward (attention's output,
+    which the output projection's gradient reads) and one flash backward writing dq, dk and dv (GQA:
+    dk and dv summed over the group), the derived program equal to the gradient graph in float64;
+    in bf16 both flash kernels are planned on every target."""
+    graph = gradient_of(build(name))
+    d = ck.derive(graph)
+    kinds = [k.kind for k in d.kernels]
+    assert kinds.count("flash_attention") == 1 and kinds.count("flash_attention_backward") == 1, kinds
+    assert "softmax_rows" not in kinds
+    inputs = graph.example_inputs()
+    expected, got = ck.evaluate(graph, inputs), ck.evaluate(d, inputs)
+    for output, value in expected.items():
+        assert np.linalg.norm(got[output] - value) <= 1e-9 * np.linalg.norm(value), output
+    d = ck.derive(gradient_of(build(name, dtype=torch.bfloat16)))
+    for target in ("sm_80", "sm_90", "sm_90a", "sm_120"):
+        assert {p.kind for p in d.plans(target)} == {"flash_attention", "flash_attention_backward"}, target
+        assert [k.kind for k in d.kernels_for(target)] == [k.kind for k in d.kernels], target
+
+
+def test_nanogpt_gradient_reads_q_k_v_in_the_fused_projection() -> None:
+    """nanoGPT's attention gradient: the probabilities and score gradient are the two recomputed
+    intermediates; the flash backward reads q, k and v at their offsets in the fused projection's
+    output, and writes dq, dk and dv with the head dim last (dv, which the capture gives as
+    ``(B, H, D, T)``, laid out for the kernel)."""
+    width, heads, tokens = 128, 2, 16
+    real = real_modules.nanogpt_attention(dims=(width, heads, tokens), dtype=torch.bfloat16)
+    d = ck.derive(gradient_of(real))
+    assert [tuple(d.lowered.shape(n) for n in group) for group in d.lowered.recomputed] == \
+        [((2, heads, tokens, tokens),) * 2]  # fmt: skip
+    problem = next(p for p in d.plans("sm_90a") if p.kind == "flash_attention_backward").problem
+    attention = problem.attention
+    assert attention.q == attention.k == attention.v, "one projection buffer"
+    assert [layout.offset for layout in attention.layouts[:3]] == [0, width, 2 * width]
+    assert attention.layouts[0].shape == (2, tokens, 3 * width) and attention.layouts[0].seq == 3 * width
+    assert [g.role for g in problem.gradients] == ["dq", "dk", "dv"]
+    assert all(g.layout.shape == (2, heads, tokens, width // heads) for g in problem.gradients)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
+def test_emulated_nanogpt_backward_reads_the_projection_in_place_like_float64() -> None:
+    """The flash backward of nanoGPT's attention, its ``mma.sync`` kernels run on the CPU: q, k and
+    v read at their offsets in the fused projection's output and dO through the heads view of the
+    output projection's gradient; dq, dk and dv (dv laid out with its head dim last) within 1e-2
+    of the derived program's float64 buffers from the same bf16 operands."""
+    from tests.codegen.backward_emulator import emulate_backward
+    from tests.codegen.emulator import rounded
+
+    real = real_modules.nanogpt_attention(dims=(128, 2, 40), dtype=torch.bfloat16)
+    graph = ck.grad(ck.from_torch(real.module, *real.inputs), wrt=("x", "c_attn_weight"))
+    d = ck.derive(graph)
+    buffers = {n: rounded(value, "bf16") for n, value in graph.example_inputs().items()}
+    (backward,) = (k for k in d.kernels if k.kind == "flash_attention_backward")
+    for kernel in d.kernels[: d.kernels.index(backward)]:  # the buffers it reads, rounded as stored
+        buffers.update({n: rounded(v, "bf16") for n, v in kernel.evaluate_outputs(buffers).items()})
+    expected = backward.evaluate_outputs(buffers)
+    plan = next(p for p in d.plans("sm_90") if p.kind == "flash_attention_backward" and p.schedule.key() == "kv64_q32_s2")
+    problem = plan.problem
+    projection = buffers[problem.attention.q]
+    got = emulate_backward(plan, projection, projection, projection, buffers[problem.grad_output])
+    assert set(got) == {"dq", "dk", "dv"}
+    for gradient in problem.gradients:
+        reference = expected[gradient.tensor]
+        error = np.linalg.norm(got[gradient.role] - reference) / np.linalg.norm(reference)
+        assert error <= 1e-2, f"{gradient.role} differs by {error:.3g}"
 
 
 @pytest.mark.gpu
