@@ -263,16 +263,21 @@ class _Partition:
 
     def emit(self, term: Term, output: str, axes: tuple[str, ...]) -> None:
         """Add the kernel(s) computing ``term`` into ``output``: the most valuable core
-        stays in this kernel, every other core is materialised by an earlier one."""
+        stays in this kernel, every other core is materialised by an earlier one. A backward
+        form does not stay under elementwise work (a backward kernel writes gradients only): the
+        gradients of q, k and v stacked by pads (``torch.unbind``'s) are each their own buffer,
+        and this kernel stacks them."""
         cores = _by_priority(_cores(term))
-        source = cores[0] if cores else None
+        stacked = bool(cores) and cores[0][0] in GRADIENT_OPERANDS and cores[0] != term
+        source = None if stacked or not cores else cores[0]
         primary = source
-        extras = cores[1:]
+        extras = list(cores) if stacked else cores[1:]
         while extras:
             extra = extras.pop(0)
             access = self.materialise(extra)
             # a core nested in a later one (a contraction inside a sum) is read from its buffer there too
-            term, primary = t.replace(term, extra, access), t.replace(primary, extra, access)
+            term = t.replace(term, extra, access)
+            primary = t.replace(primary, extra, access) if primary is not None else None
             extras = [t.replace(other, extra, access) for other in extras]
         if primary is not None:
             term = t.replace(term, primary, self.prepare(primary))

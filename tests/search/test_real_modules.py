@@ -104,9 +104,8 @@ def test_a_stored_strided_flash_plan_comes_back_equal() -> None:
     assert all(isinstance(layout, OperandLayout) for layout in rebuilt.problem.layouts)
 
 
-# timm's ViT block is not here yet: its q, k and v are unbound from one (3, B, H, N, D) tensor, so
-# their gradients are stacked inside one root, and the backward forms stay inside that root's term.
-GRADIENT_MODULES = ["nanogpt_attention", "llama_attention_sdpa", "llama_attention_eager", "llama_decoder_layer"]
+GRADIENT_MODULES = ["nanogpt_attention", "llama_attention_sdpa", "llama_attention_eager", "llama_decoder_layer",
+                    "vit_block"]
 
 
 def gradient_of(real: real_modules.RealModule) -> ck.Graph:
@@ -118,7 +117,8 @@ def gradient_of(real: real_modules.RealModule) -> ck.Graph:
 @pytest.mark.parametrize("name", GRADIENT_MODULES)
 def test_module_gradients_recompute_the_scores_in_one_flash_forward_and_one_flash_backward(name: str) -> None:
     """The gradient graph of a captured module (q, k and v from projections: slices of nanoGPT's
-    fused one, Llama's three with RoPE and GQA; their gradients concatenated or summed back) never
+    fused one, unbound from timm's, Llama's three with RoPE and GQA; their gradients concatenated,
+    stacked or summed back) never
     stores an attention's probabilities or score gradient: one flash forward (attention's output,
     which the output projection's gradient reads) and one flash backward writing dq, dk and dv (GQA:
     dk and dv summed over the group), the derived program equal to the gradient graph in float64;
@@ -158,26 +158,29 @@ def test_nanogpt_gradient_reads_q_k_v_in_the_fused_projection() -> None:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
-def test_emulated_nanogpt_backward_reads_the_projection_in_place_like_float64() -> None:
-    """The flash backward of nanoGPT's attention, its ``mma.sync`` kernels run on the CPU: q, k and
-    v read at their offsets in the fused projection's output and dO through the heads view of the
-    output projection's gradient; dq, dk and dv (dv laid out with its head dim last) within 1e-2
-    of the derived program's float64 buffers from the same bf16 operands."""
+@pytest.mark.parametrize("name", ["nanogpt_attention", "llama_attention_sdpa"])
+def test_emulated_module_backward_reads_its_operands_in_place_like_float64(name: str) -> None:
+    """A captured module's flash backward, its ``mma.sync`` kernels run on the CPU on the buffers
+    the kernels before it write (rounded to bf16 as stored): q, k and v read in place (nanoGPT: at
+    their offsets in the fused projection; Llama: RoPE'd q and k, v through its heads view, K/V
+    heads shared by a group) and dO through the heads view of the output projection's gradient;
+    dq, dk and dv (nanoGPT's dv laid out with its head dim last; Llama's dk and dv summed over the
+    group) within 1e-2 of the derived program's float64 buffers."""
     from tests.codegen.backward_emulator import emulate_backward
     from tests.codegen.emulator import rounded
 
-    real = real_modules.nanogpt_attention(dims=(128, 2, 40), dtype=torch.bfloat16)
-    graph = ck.grad(ck.from_torch(real.module, *real.inputs), wrt=("x", "c_attn_weight"))
+    options = {"dims": (128, 2, 40)} if name == "nanogpt_attention" else {}
+    graph = gradient_of(build(name, dtype=torch.bfloat16, **options))
     d = ck.derive(graph)
     buffers = {n: rounded(value, "bf16") for n, value in graph.example_inputs().items()}
     (backward,) = (k for k in d.kernels if k.kind == "flash_attention_backward")
     for kernel in d.kernels[: d.kernels.index(backward)]:  # the buffers it reads, rounded as stored
         buffers.update({n: rounded(v, "bf16") for n, v in kernel.evaluate_outputs(buffers).items()})
     expected = backward.evaluate_outputs(buffers)
-    plan = next(p for p in d.plans("sm_90") if p.kind == "flash_attention_backward" and p.schedule.key() == "kv64_q32_s2")
+    plan = next(p for p in d.plans("sm_90") if p.kind == "flash_attention_backward")
     problem = plan.problem
-    projection = buffers[problem.attention.q]
-    got = emulate_backward(plan, projection, projection, projection, buffers[problem.grad_output])
+    a = problem.attention
+    got = emulate_backward(plan, buffers[a.q], buffers[a.k], buffers[a.v], buffers[problem.grad_output])
     assert set(got) == {"dq", "dk", "dv"}
     for gradient in problem.gradients:
         reference = expected[gradient.tensor]
