@@ -304,7 +304,11 @@ class Derivation:
     def _unstored(self, names: tuple[str, ...]) -> Iterator[None]:
         """A pushed scope of the e-graph in which no term reads the intermediates ``names`` (their
         reads subsumed): where :meth:`_computed_in_place` extracts, and where the forms of the
-        chosen extraction's terms are looked up again (a flash form's schedules)."""
+        chosen extraction's terms are looked up again (a flash form's schedules). No names: the
+        e-graph as it is (no scope pushed: a forward graph's plans)."""
+        if not names:
+            yield
+            return
         rules = ["(push)", "(ruleset unstored)"]
         for name in names:
             read = f"(Tensor {t.literal(name)} ix)"

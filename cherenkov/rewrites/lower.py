@@ -379,9 +379,8 @@ def lower(graph: Graph) -> Lowered:
     )
 
 
-REDUCTIONS = frozenset({"Sum", "Max"})
-"""The binders a lowered term reduces an axis with."""
 EXPONENTIALS = frozenset({"Exp2", "Exp"})
+"""The constructors of a softmax's exponentials (base 2 or e)."""
 
 
 def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[str, Term],
@@ -402,10 +401,11 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
     a streaming form computes: it stays a read, as does every other intermediate."""
     outputs = set(graph.outputs)
     order = [name for _, name in sorted(split.items()) if name not in outputs]  # every root after those it reads
-    reads = {name: [s for s in t.subterms(roots[name]) if s[0] == "Tensor" and s[1] in order] for name in order}
+    subterms = {name: list(t.subterms(term)) for name, term in roots.items()}
+    reads = {name: [s for s in subterms[name] if s[0] == "Tensor" and s[1] in order] for name in order}
     readers: dict[str, set[str]] = {}
-    for reader, term in roots.items():
-        for s in t.subterms(term):
+    for reader, parts in subterms.items():
+        for s in parts:
             if s[0] == "Tensor" and s[1] in reads:
                 readers.setdefault(s[1], set()).add(reader)
 
@@ -419,14 +419,14 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
     def at_own_indices(reader: str, read: Term) -> bool:
         return t.free_axes(read) <= set(axes[reader])
 
-    exponential = {name for name in order if any(s[0] in EXPONENTIALS for s in t.subterms(roots[name]))}
+    exponential = {name for name in order if any(s[0] in EXPONENTIALS for s in subterms[name])}
 
     def softmax_parts(name: str) -> set[str]:
         """``name`` and the intermediate it sums, where its term normalises or shifts exponentials:
         a sum of exponentials alone (the row sums), or an exponential of an argument less a row
         maximum; a GELU's or SiLU's exponentials are neither."""
         parts = set()
-        for s in t.subterms(roots[name]):
+        for s in subterms[name]:
             body = s[3] if s[0] == "Sum" else None
             if body is not None and body[0] in EXPONENTIALS:
                 parts.add(name)
@@ -438,9 +438,8 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
 
     recomputed: set[str] = set()  # the softmax's: what the rules below grow from
     for name in order:
-        subterms = list(t.subterms(roots[name]))
         recomputed |= softmax_parts(name)
-        if not (reads[name] or REDUCTIONS & {s[0] for s in subterms}):  # an elementwise function of the inputs
+        if not (reads[name] or any(s[0] in t.BINDERS for s in subterms[name])):  # elementwise, of the inputs
             recomputed.add(name)
     while True:
         grown = {name for name in order if name not in recomputed and (
@@ -453,12 +452,15 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
     grouped = {name for name in order if name not in recomputed and summed_by_its_reader(name)
                and any(s[1] in recomputed for s in reads[name])}  # fmt: skip
     chosen = [name for name in order if name in recomputed | grouped]
-    return _linked_groups(chosen, {name: {s[1] for s in reads[name]} for name in chosen}, roots)
+    tensors = {name: {s[1] for s in parts if s[0] == "Tensor"} for name, parts in subterms.items()}
+    return _linked_groups(chosen, tensors, set(order))
 
 
-def _linked_groups(names: list[str], reads: dict[str, set[str]], roots: dict[str, Term]) -> tuple[tuple[str, ...], ...]:
+def _linked_groups(names: list[str], tensors: dict[str, set[str]],
+                   intermediates: set[str]) -> tuple[tuple[str, ...], ...]:  # fmt: skip
     """``names`` in groups (in their order): two are linked where one reads the other, a root reads
-    both, or both read one intermediate (the projection q and k are slices of)."""
+    both (``tensors``: the tensors each root reads), or both read one of the ``intermediates`` (the
+    projection q and k are slices of)."""
     parent = {name: name for name in names}
 
     def find(name: str) -> str:
@@ -472,11 +474,11 @@ def _linked_groups(names: list[str], reads: dict[str, set[str]], roots: dict[str
             parent[find(other)] = find(members[0])
 
     for name in names:
-        link([name, *sorted(reads[name])])
-    for term in roots.values():
-        link(sorted({s[1] for s in t.subterms(term) if s[0] == "Tensor"}))
+        link([name, *sorted(tensors[name])])
+    for read in tensors.values():
+        link(sorted(read))
     for first, second in itertools.combinations(names, 2):
-        if reads[first] & reads[second]:
+        if tensors[first] & tensors[second] & intermediates:
             link([first, second])
     groups: dict[str, list[str]] = {}
     for name in names:
