@@ -5,8 +5,10 @@
 dtype; ``outputs=`` names fewer), and outputs ``d_<input>`` for each input named in ``wrt``:
 the sum over those outputs of the vector-Jacobian products. ``saved=`` names outputs of ``g``
 that the forward pass keeps (its attention output, its rows' log-sum-exp): each becomes a
-saved input of the gradient graph (:meth:`~cherenkov.graph.tensor.Graph.saved_input`), which
-kernels may read instead of recomputing it — the flash-attention backward's statistics. Every primitive's VJP is written in primitives
+saved input of the gradient graph (:meth:`~cherenkov.graph.tensor.Graph.mark_saved`), which
+every op after it reads (the output projection's weight gradient reads the saved attention
+output), and which kernels may read instead of recomputing it — the flash-attention backward's
+statistics. Every primitive's VJP is written in primitives
 (:data:`VJPS`): views transpose to views (``slice`` to ``pad``, ``expand`` to a sum over the
 broadcast axes), reductions to broadcasts, ``where`` to ``where``, ``max_reduce`` through
 the mask of its maxima (shared equally by ties, as ``torch.amax``'s gradient), ``maximum``
@@ -61,6 +63,10 @@ def grad(graph: Graph, wrt: Iterable[str], saved: Iterable[str] = (), outputs: I
             raise GraphError(f"grad: the cotangent input d_{name} of output {name!r} is already an input name")
     if len(set(kept)) != len(kept):
         raise GraphError(f"grad: saved names an output twice: {list(kept)}")
+    for name in kept:
+        if graph.outputs[name].dtype not in FLOAT_DTYPES:
+            raise GraphError(f"grad: saved output {name!r} is a {graph.outputs[name].dtype} value; saved values are "
+                             f"floating-point ({', '.join(sorted(FLOAT_DTYPES))})")  # fmt: skip
     return _Backward(graph).run(names, differentiated, kept)
 
 
@@ -102,10 +108,7 @@ class _Backward:
         self.value: dict[int, Tensor] = {}
 
     def run(self, wrt: tuple[str, ...], outputs: tuple[str, ...], saved: tuple[str, ...]) -> Graph:
-        for index, node in enumerate(self.graph.nodes):
-            self.value[index] = self._copy(node)
-        for name in saved:
-            self.out.saved_input(name, self.value[self.graph.outputs[name].id])
+        self._copy_reading_saved(saved)
         cotangent: dict[int, Tensor] = {}
         for name in outputs:
             tensor = self.graph.outputs[name]
@@ -130,6 +133,27 @@ class _Backward:
                 value = self.out.constant(0.0, spec.dtype).broadcast_to(spec.shape)
             self.out.output(value, f"d_{name}")
         return self.out
+
+    def _copy_reading_saved(self, saved: tuple[str, ...]) -> None:
+        """Copy the graph's nodes: its inputs, then an input for each ``saved`` output, then the
+        rest, each saved value held by its input and every later node reading that input in its
+        place (the output projection after an attention reads the saved output instead of
+        recomputing it)."""
+        for index, node in enumerate(self.graph.nodes):
+            if node.op == "input":
+                self.value[index] = self._copy(node)
+        holders: dict[int, list[Tensor]] = {}
+        for name in saved:
+            value = self.graph.outputs[name]
+            holders.setdefault(value.id, []).append(self.out.input(name, value.shape, value.dtype))
+        for index, node in enumerate(self.graph.nodes):
+            if node.op == "input":
+                continue
+            self.value[index] = self._copy(node)
+            for holder in holders.get(index, ()):
+                self.out.mark_saved(holder, self.value[index])
+            if index in holders:
+                self.value[index] = holders[index][0]
 
     def _copy(self, node: Node) -> Tensor:
         if node.op == "input":

@@ -173,7 +173,7 @@ def evaluate(graph: Graph | Evaluable, inputs: Mapping[str, Any]) -> dict[str, n
 
 def _values(graph: Graph, arrays: Mapping[str, np.ndarray], roots: list[int]) -> dict[int, np.ndarray]:
     """The value of every node ``roots`` depend on, from the input ``arrays``."""
-    live = sorted(graph._ancestors(roots))
+    live = sorted(graph.ancestors(roots))
     consumers: dict[int, list[int]] = {i: [] for i in live}
     for i in live:
         for j in graph.node(i).inputs:

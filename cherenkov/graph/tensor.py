@@ -111,7 +111,7 @@ class Graph:
         if tensor.shape != input.shape or tensor.dtype != input.dtype:
             raise GraphError(f"mark_saved: input {name!r} is {input.shape} {input.dtype}, the value it holds "
                              f"{tensor.shape} {tensor.dtype}; valid when both agree")  # fmt: skip
-        if input.id in self._ancestors([tensor.id]):
+        if input.id in self.ancestors([tensor.id]):
             raise GraphError(f"mark_saved: the value input {name!r} holds is computed from {name!r} itself")
         self._saved[name] = tensor.id
 
@@ -173,7 +173,7 @@ class Graph:
                 "build each computation in one Graph"
             )
         mapping: dict[int, int] = {}
-        for index in sorted(tensor.graph._ancestors([tensor.id])):
+        for index in sorted(tensor.graph.ancestors([tensor.id])):
             node = tensor.graph._nodes[index]
             mapping[index] = self._add(
                 Node(node.op, tuple(mapping[i] for i in node.inputs), node.attrs, node.shape, node.dtype)
@@ -200,7 +200,7 @@ class Graph:
         captured sources and examples and the attentions among the nodes it keeps."""
         graph = Graph(name or self.name)
         copied: dict[int, Tensor] = {}
-        for index in sorted(self._ancestors([t.id for t in outputs.values()])):
+        for index in sorted(self.ancestors([t.id for t in outputs.values()])):
             node = self._nodes[index]
             if node.op == "input":
                 input_name = node.attrs[0]
@@ -239,7 +239,8 @@ class Graph:
     def node(self, index: int) -> Node:
         return self._nodes[index]
 
-    def _ancestors(self, roots: Iterable[int]) -> set[int]:
+    def ancestors(self, roots: Iterable[int]) -> set[int]:
+        """Indices of the nodes ``roots`` (node indices) are computed from, ``roots`` included."""
         seen: set[int] = set()
         stack = list(roots)
         while stack:
@@ -252,7 +253,7 @@ class Graph:
     def live_nodes(self) -> list[int]:
         """Indices (in topological order) of the nodes the outputs depend on."""
         roots = self._outputs.values() if self._outputs else range(len(self._nodes))
-        return sorted(self._ancestors(roots))
+        return sorted(self.ancestors(roots))
 
     def ops(self) -> Counter[str]:
         """How often each primitive op occurs in the computation of the outputs."""

@@ -302,6 +302,7 @@ class _Capture:
         self.declared = declared  # parameter input name -> its input tensor
         self.read: list[str] = []  # parameter names read, in order of first read
         self.user_outputs: list[int] = []  # positions of the user outputs among the graph's outputs
+        self.softmax_scores: dict[int, Tensor] = {}  # a softmax along the last axis (by tensor id) -> its input
         self.node: Any = None
         self.base = ""  # the ATen op being lowered, without "aten::" and the overload
 
@@ -738,7 +739,13 @@ def _linear(c: _Capture, a: dict[str, Any]) -> Any:
 @_op("matmul", "mm", "bmm")
 def _matmul(c: _Capture, a: dict[str, Any]) -> Any:
     other = a.get("other", a.get("mat2"))
-    return matmul(c.t(a["self"]), c.t(other))
+    probabilities = c.t(a["self"])
+    out = matmul(probabilities, c.t(other))
+    while probabilities.node.op == "cast":
+        probabilities = Tensor(c.g, probabilities.node.inputs[0])
+    if probabilities.id in c.softmax_scores:  # softmax(scores) @ v, spelled out: an attention
+        c.g.note_attention(out, c.softmax_scores[probabilities.id])
+    return out
 
 
 @_op("addmm", "baddbmm")
@@ -761,14 +768,23 @@ def _softmax(c: _Capture, a: dict[str, Any]) -> Any:
     if a.get("half_to_float"):
         x = x.cast("fp32")
     x = _cast_to(c, x, a.get("dtype"))
-    return cknn.softmax(x, axis=a["dim"])
+    return _noted_softmax(c, x, cknn.softmax(x, axis=a["dim"]), a["dim"])
 
 
 @_op("_safe_softmax")
 def _safe_softmax(c: _Capture, a: dict[str, Any]) -> Any:
     x = _cast_to(c, c.t(a["self"]), a.get("dtype"))
     row_max = x.max(axis=a["dim"], keepdim=True)
-    return where(row_max > -math.inf, cknn.softmax(x, axis=a["dim"]), 0.0)
+    return _noted_softmax(c, x, where(row_max > -math.inf, cknn.softmax(x, axis=a["dim"]), 0.0), a["dim"])
+
+
+def _noted_softmax(c: _Capture, scores: Tensor, probabilities: Tensor, dim: int) -> Tensor:
+    """``probabilities``, remembered as the softmax of ``scores`` where it runs along the last axis:
+    a product of them with values (:func:`_matmul`) is then noted an attention, whose log-sum-exp a
+    training forward saves (nanoGPT's and transformers' eager attention spell it so)."""
+    if dim in (-1, scores.ndim - 1):
+        c.softmax_scores[probabilities.id] = scores
+    return probabilities
 
 
 @_op("log_softmax", "_log_softmax")

@@ -28,7 +28,7 @@ from typing import Any
 import egglog.bindings as egg
 import numpy as np
 
-from cherenkov.graph import Graph, GraphError
+from cherenkov.graph import Graph, GraphError, Tensor
 from cherenkov.graph.evaluate import check_inputs
 from cherenkov.graph.shape import FP8_DTYPES
 from cherenkov.rewrites import terms as t
@@ -510,11 +510,17 @@ class Derivation:
     @functools.cached_property
     def saved_attentions(self) -> tuple[SavedAttention, ...]:
         """The attentions whose output and log-sum-exp the graph's saved inputs hold: the values
-        those inputs hold derived on their own (a flash attention and its ``AttentionLse``)."""
+        those inputs hold derived on their own (a flash attention and its ``AttentionLse``), reading
+        the intermediates this graph stores (RoPE'd q and k, the projections) under this derivation's
+        names, so that they compare with its backward's attention."""
         if not self.graph.saved:
             return ()
+        lowered, recomputed = self.lowered, {n for group in self.lowered.recomputed for n in group}
+        below = self.graph.ancestors([value.id for value in self.graph.saved.values()])
+        stored = {name: Tensor(self.graph, index) for name, index in lowered.nodes.items()
+                  if name not in lowered.outputs and name not in recomputed and index in below}  # fmt: skip
         try:
-            values = self.graph.subgraph(self.graph.saved, f"saved values of {self.graph.name}"[:200])
+            values = self.graph.subgraph({**self.graph.saved, **stored}, f"saved values of {self.graph.name}"[:200])
         except GraphError:  # a value that reads another saved input under its own name
             return ()
         derivation = Derivation(values, self.rulesets, self.stats.iterations, MAX_ENODES)

@@ -233,11 +233,18 @@ def _axis_order(axes: frozenset[str], output_axes: tuple[str, ...]) -> tuple[str
     return tuple(a for a in output_axes if a in axes) + tuple(sorted(axes - set(output_axes)))
 
 
+def _up_to_axis_names(term: Term, axes: tuple[str, ...]) -> tuple[Term, tuple[str, ...]]:
+    """``term`` over ``axes`` with each free axis named by its position (``#0:64``, ...): equal for
+    two terms that compute the same buffer whatever their binders call its axes."""
+    names = {a: f"#{i}:{t.extent(a)}" for i, a in enumerate(axes) if a != PAD_AXIS}
+    return t.substitute_axes(term, {a: t.ax(n) for a, n in names.items()}), tuple(names.get(a, a) for a in axes)
+
+
 class _Partition:
     def __init__(self, lowered: Lowered) -> None:
         self.lowered = lowered
         self.kernels: list[FusedKernel] = []
-        self.buffers: dict[Term, Term] = {}  # materialised term -> access of its buffer
+        self.buffers: dict[tuple[Term, tuple[str, ...]], str] = {}  # materialised term, up to axis names -> its buffer
         self.taken = set(lowered.input_shapes) | set(lowered.roots)
         self.output_axes: tuple[str, ...] = ()
 
@@ -251,15 +258,16 @@ class _Partition:
     def materialise(self, term: Term, axes: tuple[str, ...] | None = None) -> Term:
         """Compute ``term`` in its own kernel; return the access that reads its buffer.
 
-        Axes of extent 1 (``PAD_AXIS``) pad the buffer's rank; reads index them with 0."""
+        Axes of extent 1 (``PAD_AXIS``) pad the buffer's rank; reads index them with 0. A term
+        materialised before under other names of its axes (a flash kernel and its log-sum-exp
+        kernel name the head dim of the same RoPE'd q apart) reads the same buffer."""
         if axes is None:
             axes = _axis_order(t.free_axes(term), self.output_axes)
-        key = (term, axes)
+        key = _up_to_axis_names(term, axes)
         if key not in self.buffers:
-            name = self.fresh_buffer()
-            self.emit(term, name, tuple(f"u{i}:1" if a == PAD_AXIS else a for i, a in enumerate(axes)))
-            self.buffers[key] = t.access(name, (t.ix_lit(0) if a == PAD_AXIS else t.ax(a) for a in axes))
-        return self.buffers[key]
+            self.buffers[key] = self.fresh_buffer()
+            self.emit(term, self.buffers[key], tuple(f"u{i}:1" if a == PAD_AXIS else a for i, a in enumerate(axes)))
+        return t.access(self.buffers[key], (t.ix_lit(0) if a == PAD_AXIS else t.ax(a) for a in axes))
 
     def emit(self, term: Term, output: str, axes: tuple[str, ...]) -> None:
         """Add the kernel(s) computing ``term`` into ``output``: the most valuable core

@@ -58,6 +58,8 @@ class Lowered:
     groups (:func:`recomputed_intermediates`: an attention's probabilities, row sums and score
     gradient). Every other intermediate (a projection q, k and v are slices of, dO) stays a read
     in them too."""
+    nodes: dict[str, int] = field(default_factory=dict)
+    """Each root's graph node (an output naming another output's node: that node)."""
 
     @property
     def buffer_dtype(self) -> str:
@@ -376,6 +378,7 @@ def lower(graph: Graph) -> Lowered:
                      **{name: graph.outputs[name].dtype for name in copies}},  # fmt: skip
         inlined=_inlined(graph, split, roots, axes, tuple(n for group in recomputed for n in group)),
         recomputed=recomputed,
+        nodes={**{name: index for index, name in split.items()}, **{name: outputs[name] for name in copies}},
     )
 
 

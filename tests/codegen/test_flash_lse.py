@@ -54,6 +54,27 @@ def test_the_log_sum_exp_is_a_side_output_of_the_flash_kernel() -> None:
     np.testing.assert_allclose(got["lse"], expected["lse"], rtol=1e-6)
 
 
+def test_computed_operands_are_stored_once_for_the_output_and_the_log_sum_exp() -> None:
+    """q and k computed from inputs (a rotary factor on each) are each stored once, by an elementwise
+    kernel, and read by the one flash kernel that writes the output and the log-sum-exp (the two
+    forms name the head dim apart, which does not make their operands two buffers)."""
+    g = ck.Graph("rotated attention")
+    q = g.input("q", (2, 4, 64, 64), "bf16")
+    k, v = (g.input(n, (2, 2, 64, 64), "bf16") for n in "kv")
+    c = g.input("c", (2, 64, 64), "bf16")
+    o, statistics = ck.nn.attention(q * c.unsqueeze(1), k * c.unsqueeze(1), v, causal=True, return_lse=True)
+    g.output(o, "o")
+    g.output(statistics, "lse")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["elementwise", "elementwise", "flash_attention"]
+    assert [s.output for s in d.kernels[-1].side_outputs] == ["lse"]
+    assert {p.kind for p in d.plans("sm_90a")} == {"flash_attention"}
+    inputs = g.example_inputs()
+    expected, got = ck.evaluate(g, inputs), ck.evaluate(d, inputs)
+    for name in ("o", "lse"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-6)  # the log-sum-exp rounds to fp32
+
+
 def test_short_query_and_eight_bit_schedules_write_no_log_sum_exp() -> None:
     """Decode-shaped problems keep their short-query schedules for a plain forward; with the
     log-sum-exp wanted only the prefill schedules remain (and still some plan)."""

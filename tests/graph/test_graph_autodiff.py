@@ -222,6 +222,31 @@ def test_a_saved_output_and_log_sum_exp_become_saved_inputs(causal: bool) -> Non
     assert loaded.saved["o"].shape == o.shape
 
 
+def test_ops_after_a_saved_output_read_its_saved_input() -> None:
+    """An op after a saved output (an output projection after the attention) reads the saved input
+    rather than the value recomputed: the gradients match torch's in float64 with the input filled
+    from its value, and a different saved value changes the weight gradient that reads it (so the
+    gradient graph recomputes no attention output for it)."""
+    g = ck.Graph("projected attention")
+    q, k, v = (g.input(n, (1, 2, 5, 4), "fp32") for n in "qkv")
+    w = g.input("w", (4, 3), "fp32")
+    o = ck.nn.attention(q, k, v, causal=True)
+    g.output(o, "o")
+    g.output(o @ w, "y")
+    gg = ck.grad(g, wrt=("q", "k", "v", "w"), saved=("o",), outputs=("y",))
+    values = {n: RNG.standard_normal(x.shape) for n, x in g.inputs.items()}
+    cotangent = RNG.standard_normal((1, 2, 5, 3))
+    got = ck.evaluate(gg, {**values, "d_y": cotangent})
+    leaves = {n: torch.tensor(x, requires_grad=True) for n, x in values.items()}
+    y = torch.nn.functional.scaled_dot_product_attention(*(leaves[n] for n in "qkv"), is_causal=True) @ leaves["w"]
+    for name, want in zip(leaves, torch.autograd.grad(y, list(leaves.values()), torch.tensor(cotangent))):
+        np.testing.assert_allclose(got[f"d_{name}"], want.numpy(), rtol=1e-9, atol=1e-9)
+    other = RNG.standard_normal(o.shape)
+    moved = ck.evaluate(gg, {**values, "o": other, "d_y": cotangent})
+    expected = np.einsum("bhsd,bhse->de", other, cotangent)
+    np.testing.assert_allclose(moved["d_w"], expected, rtol=1e-9, atol=1e-12)
+
+
 def test_log_sum_exp_matches_torch() -> None:
     g = ck.Graph("lse")
     x = g.input("x", (3, 2, 9), "fp32")

@@ -345,11 +345,12 @@ def test_a_training_loop_through_a_compiled_module_follows_eager(block):
 
 
 class SelfAttention(torch.nn.Module):
-    """A fused QKV projection, causal SDPA over 2 heads, an output projection."""
+    """A fused QKV projection, causal attention over 2 heads (SDPA, or ``spelled_out``: masked
+    scores, softmax and a product with v, as nanoGPT writes it), an output projection."""
 
-    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+    def __init__(self, dim: int = 16, heads: int = 2, spelled_out: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.spelled_out = heads, spelled_out
         self.qkv = torch.nn.Linear(dim, 3 * dim)
         self.out = torch.nn.Linear(dim, dim)
 
@@ -357,16 +358,22 @@ class SelfAttention(torch.nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.spelled_out:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            y = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, s, d))
 
 
-def test_a_training_call_saves_the_attention_statistics_for_its_backward():
-    """With gradients wanted, a module's attention runs in a training forward that also outputs its
-    output and rows' log-sum-exp (one flash kernel writes both); the gradient graph takes them as
-    saved inputs, and every gradient matches eager autograd."""
+@pytest.mark.parametrize("spelled_out", [False, True], ids=["sdpa", "spelled_out"])
+def test_a_training_call_saves_the_attention_statistics_for_its_backward(spelled_out: bool):
+    """With gradients wanted, a module's attention (SDPA's, or softmax(scores) @ v written out) runs
+    in a training forward that also outputs its output and rows' log-sum-exp (one flash kernel writes
+    both); the gradient graph takes them as saved inputs, and every gradient matches eager autograd."""
     torch.manual_seed(0)
-    module = SelfAttention()
+    module = SelfAttention(spelled_out=spelled_out)
     x = torch.randn(2, 8, 16, requires_grad=True)
     compiled = ck.compile(module, x.detach(), saved_statistics=True)
     (compiled(x) ** 2).sum().backward()

@@ -21,6 +21,8 @@ import cherenkov as ck
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.plan import TARGETS, OperandLayout
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+from cherenkov.search.compiled_autograd import training_graph
+from cherenkov.search.measure import fill_saved_statistics
 from cherenkov.search.space import stored_plan
 
 torch = pytest.importorskip("torch")
@@ -138,6 +140,57 @@ def test_module_gradients_recompute_the_scores_in_one_flash_forward_and_one_flas
         assert [k.kind for k in d.kernels_for(target)] == [k.kind for k in d.kernels], target
 
 
+def training_gradient_of(real: real_modules.RealModule) -> tuple[ck.Graph, ck.Graph]:
+    """A captured module's training forward (its attention's output and log-sum-exp as further
+    outputs, as ``ck.compile(..., saved_statistics=True)`` runs it) and the gradient graph for its
+    input and every parameter that reads them as saved inputs."""
+    graph = ck.from_torch(real.module, *real.inputs)
+    made = training_graph(graph)
+    assert made is not None, f"{real.name}: the capture notes no attention"
+    training, saved = made
+    return training, ck.grad(training, wrt=tuple(graph.inputs), saved=saved, outputs=tuple(graph.outputs))
+
+
+def assert_program_is_graph(graph: ck.Graph) -> None:
+    """The derived program of ``graph`` equals the graph in float64 (≤ 1e-9 relative, each output)."""
+    inputs = graph.example_inputs()
+    expected, got = ck.evaluate(graph, inputs), ck.evaluate(ck.derive(graph), inputs)
+    for output, value in expected.items():
+        assert np.linalg.norm(got[output] - value) <= 1e-9 * np.linalg.norm(value), output
+
+
+@pytest.mark.parametrize("name", GRADIENT_MODULES)
+def test_module_training_forward_saves_what_its_flash_backward_reads(name: str) -> None:
+    """Training with saved statistics: the capture notes each module's attention (SDPA's, and
+    ``softmax(scores) @ v`` spelled out as nanoGPT and transformers' eager path write it); the
+    training forward writes the attention's output and log-sum-exp from one flash kernel (q and k
+    RoPE'd once for both); the gradient graph runs one flash backward that reads them, planned from
+    saved statistics on every target, and no flash forward (the output projection's weight gradient
+    reads the saved output)."""
+    training, gradient = training_gradient_of(build(name, dtype=torch.bfloat16))
+    forward = ck.derive(training)
+    (flash,) = [k for k in forward.kernels if k.kind == "flash_attention"]
+    assert [side.output for side in flash.side_outputs] == [n for n in gradient.saved if n.endswith("_lse")]
+    backward = ck.derive(gradient)
+    kinds = [k.kind for k in backward.kernels]
+    assert kinds.count("flash_attention_backward") == 1 and "flash_attention" not in kinds, kinds
+    for target in ("sm_80", "sm_90", "sm_90a", "sm_120"):
+        assert {p.kind for p in forward.plans(target)} == {"flash_attention"}, target
+        plans = backward.plans(target)
+        assert plans and all(p.problem.saved is not None for p in plans), target
+        assert any(p.schedule.saved_statistics for p in plans), target
+        assert backward.kernels_for(target) == backward.kernels, target
+
+
+@pytest.mark.parametrize("name", ["nanogpt_attention", "llama_attention_eager"])
+def test_module_training_programs_equal_their_graphs(name: str) -> None:
+    """A spelled-out attention's training forward and the gradient graph reading what it saves (RoPE,
+    GQA and a float32 softmax in Llama's eager path): each derived program equals its graph in
+    float64."""
+    for graph in training_gradient_of(build(name)):
+        assert_program_is_graph(graph)
+
+
 def test_nanogpt_gradient_reads_q_k_v_in_the_fused_projection() -> None:
     """nanoGPT's attention gradient: the probabilities and score gradient are the two recomputed
     intermediates; the flash backward reads q, k and v at their offsets in the fused projection's
@@ -158,29 +211,37 @@ def test_nanogpt_gradient_reads_q_k_v_in_the_fused_projection() -> None:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
-@pytest.mark.parametrize("name", ["nanogpt_attention", "llama_attention_sdpa"])
-def test_emulated_module_backward_reads_its_operands_in_place_like_float64(name: str) -> None:
+@pytest.mark.parametrize(("name", "saved"), [("nanogpt_attention", False), ("llama_attention_sdpa", False),
+                                             ("nanogpt_attention", True)])  # fmt: skip
+def test_emulated_module_backward_reads_its_operands_in_place_like_float64(name: str, saved: bool) -> None:
     """A captured module's flash backward, its ``mma.sync`` kernels run on the CPU on the buffers
-    the kernels before it write (rounded to bf16 as stored): q, k and v read in place (nanoGPT: at
+    the kernels before it write (rounded as stored): q, k and v read in place (nanoGPT: at
     their offsets in the fused projection; Llama: RoPE'd q and k, v through its heads view, K/V
     heads shared by a group) and dO through the heads view of the output projection's gradient;
     dq, dk and dv (nanoGPT's dv laid out with its head dim last; Llama's dk and dv summed over the
-    group) within 1e-2 of the derived program's float64 buffers."""
+    group) within 1e-2 of the derived program's float64 buffers. ``saved``: the gradient graph of the
+    training forward, its statistics pass reading the output and log-sum-exp that forward saves."""
     from tests.codegen.backward_emulator import emulate_backward
     from tests.codegen.emulator import rounded
 
     options = {"dims": (128, 2, 40)} if name == "nanogpt_attention" else {}
-    graph = gradient_of(build(name, dtype=torch.bfloat16, **options))
+    real = build(name, dtype=torch.bfloat16, **options)
+    graph = training_gradient_of(real)[1] if saved else gradient_of(real)
     d = ck.derive(graph)
-    buffers = {n: rounded(value, "bf16") for n, value in graph.example_inputs().items()}
+    buffers = {n: rounded(value, graph.inputs[n].dtype) for n, value in graph.example_inputs().items()}
     (backward,) = (k for k in d.kernels if k.kind == "flash_attention_backward")
     for kernel in d.kernels[: d.kernels.index(backward)]:  # the buffers it reads, rounded as stored
         buffers.update({n: rounded(v, "bf16") for n, v in kernel.evaluate_outputs(buffers).items()})
     expected = backward.evaluate_outputs(buffers)
-    plan = next(p for p in d.plans("sm_90") if p.kind == "flash_attention_backward")
+    plan = next(p for p in d.plans("sm_90") if p.kind == "flash_attention_backward" and p.schedule.saved_statistics == saved)
     problem = plan.problem
     a = problem.attention
-    got = emulate_backward(plan, buffers[a.q], buffers[a.k], buffers[a.v], buffers[problem.grad_output])
+    statistics = {}
+    if saved:  # what the training forward's flash kernel writes, from the q, k and v stored in bf16
+        stored = {n: torch.from_numpy(buffers[n]).float() for n in {a.q, a.k, a.v, problem.saved.o, problem.saved.lse}}
+        fill_saved_statistics(problem, stored)
+        statistics = {"o": rounded(stored[problem.saved.o].numpy(), "bf16"), "lse": stored[problem.saved.lse].numpy()}
+    got = emulate_backward(plan, buffers[a.q], buffers[a.k], buffers[a.v], buffers[problem.grad_output], **statistics)
     assert set(got) == {"dq", "dk", "dv"}
     for gradient in problem.gradients:
         reference = expected[gradient.tensor]
