@@ -262,13 +262,17 @@ class Derivation:
                 rules.append(f"(rule ((= e {node})) ((subsume {node})) :ruleset exclude)")
             self._run("\n".join([*rules, "(run exclude 1)"]))
         try:
-            chosen = _read_from_outputs(self._best(self.roots), self.lowered.outputs)
+            every = self._best(self.roots)  # each root's, the outputs' reads or not
+            chosen = _read_from_outputs(every, self.lowered.outputs)
             in_place: tuple[str, ...] = ()
             derivable = self.lowered.inlined and not GRADIENT_FORMS <= set(excluded)
             for group in self.lowered.recomputed if derivable else ():
-                trial = self._computed_in_place((*in_place, *group))
-                if trial is not None and _cost(trial) <= _cost(chosen) and _holds_gradient_forms(trial):
-                    chosen, in_place = trial, (*in_place, *group)
+                computed = self._computed_in_place((*in_place, *group), every)
+                if computed is None:
+                    continue
+                trial = _read_from_outputs(computed, self.lowered.outputs)
+                if _cost(trial) <= _cost(chosen) and _holds_gradient_forms(trial):
+                    chosen, in_place, every = trial, (*in_place, *group), computed
             return {name: term for name, (term, _) in chosen.items()}, in_place
         finally:
             if excluded:
@@ -282,10 +286,13 @@ class Derivation:
             result[name] = (t.from_termdag(best.termdag, best.term), best.cost)
         return result
 
-    def _computed_in_place(self, unstored: tuple[str, ...]) -> dict[str, tuple[Term, int]] | None:
-        """The cheapest terms of the roots with no read of the ``unstored`` intermediates (each
-        computed where it is read, through the inlined alternatives), those the outputs read, or
-        None where a root has no such term.
+    def _computed_in_place(self, unstored: tuple[str, ...],
+                           known: Mapping[str, tuple[Term, int]]) -> dict[str, tuple[Term, int]] | None:  # fmt: skip
+        """The cheapest terms of the roots but the ``unstored`` intermediates with no read of those
+        (each computed where it is read, through the inlined alternatives), or None where a root has
+        no such term. A root whose ``known`` cheapest term (with fewer intermediates unstored) reads
+        none of them keeps it: hiding reads it does not make leaves it the cheapest, and only the
+        attention's own roots are extracted again (a whole model's layers are one gradient graph).
 
         Extraction prices a read of a stored intermediate at a tensor access, not at the kernel
         that writes it; this is another whole answer — some of the recomputed intermediates
@@ -293,12 +300,16 @@ class Derivation:
         score gradient) never stored, as in the fused forms of its gradient, which still read the
         other intermediates (a projection q, k and v are slices of) — whose total cost
         :meth:`_extraction` weighs against the stored one's."""
+        hidden = set(unstored)
+        unread = {name: root for name, root in self.roots.items() if name not in hidden}
+        stale = {name: root for name, root in unread.items()
+                 if any(s[0] == "Tensor" and s[1] in hidden for s in t.subterms(known[name][0]))}  # fmt: skip
         with self._unstored(unstored):
-            unread = {name: root for name, root in self.roots.items() if name not in unstored}
             try:
-                return _read_from_outputs(self._best(unread), self.lowered.outputs)
+                extracted = self._best(stale)
             except Exception:  # a root whose every term reads a recomputed intermediate: egglog finds none
                 return None
+        return {name: extracted.get(name, known[name]) for name in unread}
 
     @contextlib.contextmanager
     def _unstored(self, names: tuple[str, ...]) -> Iterator[None]:

@@ -89,6 +89,17 @@ def root_indices(names: tuple[str, ...]) -> tuple[Term, ...]:
     return tuple(t.ax(n) if t.extent(n) > 1 else t.ix_lit(0) for n in names)
 
 
+def constant_nodes(graph: Graph) -> list[bool]:
+    """Per node: whether it is a constant, or a view or cast of one. Such a node is read as
+    its literal wherever it is used, also where it is stored (an output): ``where(m > −∞, ·, 0)``
+    must meet the literals ``−∞`` and ``0`` that the identities are stated with, not a tensor
+    that happens to hold them (a region that also hands its constants to later ops)."""
+    flags: list[bool] = []
+    for node in graph.nodes:
+        flags.append(node.op == "constant" or (node.op in CONSTANT_PRESERVING and flags[node.inputs[0]]))
+    return flags
+
+
 class _Lowering:
     """One lowering pass; nodes in ``split`` are read as stored tensors of those names."""
 
@@ -99,9 +110,10 @@ class _Lowering:
         self.memo: dict[tuple, Term] = {}
         # each node's indexings: (index terms, the same with bound axes named by binder depth)
         self.uses: dict[int, set[tuple[tuple[Term, ...], tuple[Term, ...]]]] = {}
+        self.reads: dict[int, set[tuple[tuple[Term, ...], tuple[Term, ...]]]] = {}  # the same, of stored nodes
         self.bound: list[str] = []  # the axis names the enclosing reductions bind, innermost last
         self.reduces_below = self._reductions_below()
-        self.constant = self._constants()
+        self.constant = constant_nodes(graph)
 
     def _reductions_below(self) -> list[bool]:
         flags: list[bool] = []
@@ -111,18 +123,9 @@ class _Lowering:
 
     def lower(self, index: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...]) -> Term:
         if index in self.split and not self.constant[index]:
+            self.reads.setdefault(index, set()).add((ixs, tuple(self._canonical(ix) for ix in ixs)))
             return t.access(self.split[index], ixs)
         return self.define(index, ixs, hints)
-
-    def _constants(self) -> list[bool]:
-        """Per node: whether it is a constant, or a view or cast of one. Such a node is read as
-        its literal wherever it is used, also where it is stored (an output): ``where(m > −∞, ·, 0)``
-        must meet the literals ``−∞`` and ``0`` that the identities are stated with, not a tensor
-        that happens to hold them (a region that also hands its constants to later ops)."""
-        flags: list[bool] = []
-        for node in self.graph.nodes:
-            flags.append(node.op == "constant" or (node.op in CONSTANT_PRESERVING and flags[node.inputs[0]]))
-        return flags
 
     def define(self, index: int, ixs: tuple[Term, ...], hints: tuple[Hint, ...] = ()) -> Term:
         """The term computing node ``index`` (not a read of its stored tensor)."""
@@ -149,11 +152,8 @@ class _Lowering:
         """The last compute node used under several indexings or a reshaped one, if any:
         it must be stored so that every use reads one tensor."""
         for index in sorted(self.uses, reverse=True):
-            node = self.graph.node(index)
-            if node.op in STORED_OR_VIEW or index in self.split:
-                continue
-            uses = self.uses[index]
-            if not _one_indexing(uses) or any(ix[0] not in ("Ax", "IxLit") for ixs, _ in uses for ix in ixs):
+            if self.graph.node(index).op not in STORED_OR_VIEW and index not in self.split \
+                    and _needs_own_tensor(self.uses[index]):  # fmt: skip
                 return index
         return None
 
@@ -240,6 +240,11 @@ class _Lowering:
         return term
 
 
+def _needs_own_tensor(uses: set[tuple[tuple[Term, ...], tuple[Term, ...]]]) -> bool:
+    """Whether a node read with these indexings must be stored: under several, or a reshaped one."""
+    return not _one_indexing(uses) or any(ix[0] not in ("Ax", "IxLit") for ixs, _ in uses for ix in ixs)
+
+
 def _one_indexing(uses: set[tuple[tuple[Term, ...], tuple[Term, ...]]]) -> bool:
     """Whether a node's uses index it one way: linked by equal index terms (a softmax's
     exponentials inside and outside their row sum, the sum rebinding the row's axis name) or by
@@ -309,9 +314,6 @@ CONSTANT_PRESERVING = frozenset({"cast", "contiguous", "permute", "expand", "res
 STORED_OR_VIEW = frozenset({"input", "constant", "iota", "permute", "expand", "reshape", "slice", "pad", "contiguous"})
 
 
-INLINE_GRAPH_NODES = 600
-"""Gradient graphs up to this many nodes get inlined alternatives for roots that read intermediate
-roots (an attention layer's gradient); a larger one is derived over stored tensors."""
 INLINE_LIMIT = 400
 """New subterms one inlined alternative may add to the e-graph; a larger one is not offered."""
 
@@ -348,7 +350,8 @@ def lower(graph: Graph) -> Lowered:
     for name, index in outputs.items():
         split.setdefault(index, name)
     copies = {name: split[index] for name, index in outputs.items() if split[index] != name}
-    while True:
+    split.update(_intermediates(graph, split, taken))
+    while True:  # no node needs a tensor of its own after _intermediates but in a case it does not foresee
         lowering = _Lowering(graph, split)
         roots: dict[str, Term] = {}
         axes: dict[str, tuple[str, ...]] = {}
@@ -366,8 +369,7 @@ def lower(graph: Graph) -> Lowered:
         taken.add(name)
         split[extra] = name
     inputs = graph.inputs
-    inlines = graph.is_gradient and len(graph.nodes) <= INLINE_GRAPH_NODES
-    recomputed = recomputed_intermediates(graph, split, roots, axes) if inlines else ()
+    recomputed = recomputed_intermediates(graph, split, roots, axes) if graph.is_gradient else ()
     return Lowered(
         roots=roots,
         root_axes=axes,
@@ -380,6 +382,63 @@ def lower(graph: Graph) -> Lowered:
         recomputed=recomputed,
         nodes={**{name: index for index, name in split.items()}, **{name: outputs[name] for name in copies}},
     )
+
+
+def _intermediates(graph: Graph, outputs: dict[int, str], taken: set[str]) -> dict[int, str]:
+    """The intermediate tensors ``graph`` stores (node -> name, ``t0, t1, ...`` skipping ``taken``,
+    from the last node back): each node its readers use under several indexings or a reshaped
+    one, given which of the nodes after it are stored.
+
+    Whether a node needs a tensor of its own depends only on which of its descendants are stored
+    (its readers' terms reach it through them). So every computing node starts stored, undecided;
+    each round decides the undecided nodes with no undecided descendant, by the indexings the
+    terms of the stored nodes that reach them read them with (lowering only those terms, which
+    the stored nodes around keep small), and stores those that need it. This stores what storing
+    the last node that needs a tensor, one lowering of the whole graph at a time, stores — which
+    took a gradient graph of a few layers minutes, its first lowerings inlining nearly everything."""
+    readers: dict[int, list[int]] = {}
+    for index, node in enumerate(graph.nodes):
+        for source in node.inputs:
+            readers.setdefault(source, []).append(index)
+    constant = constant_nodes(graph)
+    undecided = {index for index, node in enumerate(graph.nodes)
+                 if node.op not in STORED_OR_VIEW and index not in outputs}  # fmt: skip
+    stored: set[int] = set()
+    while undecided:
+        # a constant's view or cast is read as its literal, stored or not: its uses decide it
+        split = {**outputs, **{index: f"#{index}" for index in stored | undecided if not constant[index]}}
+        decided = undecided - graph.ancestors(source for index in undecided for source in graph.node(index).inputs)
+        lowering = _Lowering(graph, split)
+        with recursion_for(graph):
+            for index in sorted(_stored_readers(decided, readers, split, constant)):
+                lowering.define(index, root_indices(root_axes(graph.node(index).shape)))
+        for index in decided:
+            if _needs_own_tensor((lowering.uses if constant[index] else lowering.reads).get(index, set())):
+                stored.add(index)
+        undecided -= decided
+    names: dict[int, str] = {}
+    for index in sorted(stored, reverse=True):
+        names[index] = next(f"t{k}" for k in range(len(taken) + 1) if f"t{k}" not in taken)
+        taken.add(names[index])
+    return names
+
+
+def _stored_readers(nodes: set[int], readers: dict[int, list[int]], split: dict[int, str],
+                    constant: list[bool]) -> set[int]:  # fmt: skip
+    """The stored nodes whose terms read ``nodes``: their readers, through the readers of those
+    computed where they are read."""
+    found: set[int] = set()
+    seen, stack = set(nodes), list(nodes)
+    while stack:
+        for reader in readers.get(stack.pop(), ()):
+            if reader in seen:
+                continue
+            seen.add(reader)
+            if reader in split:
+                found.add(reader)
+            if reader not in split or constant[reader]:  # a constant is computed where it is read
+                stack.append(reader)
+    return found
 
 
 EXPONENTIALS = frozenset({"Exp2", "Exp"})
@@ -494,9 +553,10 @@ def _inlined(graph: Graph, split: dict[int, str], roots: dict[str, Term], axes: 
     """Each root that reads a ``recomputed`` intermediate, lowered again with every recomputed one
     computed where it is read (reading an intermediate is the same as computing it there) and
     every other intermediate still read. Only gradient graphs (``ck.grad``'s, whose gradients
-    read the forward's intermediates transposed) of at most ``INLINE_GRAPH_NODES`` nodes get
-    ``recomputed`` ones, and an alternative adds at most ``INLINE_LIMIT`` new subterms: a forward
-    graph is derived over its stored intermediates only (its e-graph stays small)."""
+    read the forward's intermediates transposed; a whole model's layers too, each attention's
+    intermediates a group) get ``recomputed`` ones, and an alternative adds at most
+    ``INLINE_LIMIT`` new subterms: a forward graph is derived over its stored intermediates only
+    (its e-graph stays small)."""
     if not recomputed:
         return {}
     named = {index: name for index, name in split.items() if name not in recomputed}
