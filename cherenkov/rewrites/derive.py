@@ -523,22 +523,31 @@ class Derivation:
         """The attentions whose output and log-sum-exp the graph's saved inputs hold: the values
         those inputs hold derived on their own (a flash attention and its ``AttentionLse``), reading
         the intermediates this graph stores (RoPE'd q and k, the projections) under this derivation's
-        names, so that they compare with its backward's attention."""
+        names, so that they compare with its backward's attention. A value may read an earlier saved
+        input (the second layer's attention reads the first's saved output): the values are
+        outputs under names of their own, given back the saved inputs' names after."""
         if not self.graph.saved:
             return ()
         lowered, recomputed = self.lowered, {n for group in self.lowered.recomputed for n in group}
         below = self.graph.ancestors([value.id for value in self.graph.saved.values()])
         stored = {name: Tensor(self.graph, index) for name, index in lowered.nodes.items()
                   if name not in lowered.outputs and name not in recomputed and index in below}  # fmt: skip
-        try:
-            values = self.graph.subgraph({**self.graph.saved, **stored}, f"saved values of {self.graph.name}"[:200])
-        except GraphError:  # a value that reads another saved input under its own name
-            return ()
+        taken = {*self.graph.inputs, *lowered.nodes}
+        holder: dict[str, str] = {}  # a value's output name -> the saved input holding it
+        for name in self.graph.saved:
+            output = next(n for n in (f"{name}_value{k or ''}" for k in range(len(taken) + 1)) if n not in taken)
+            holder[output] = name
+            taken.add(output)
+        outputs = {output: self.graph.saved[name] for output, name in holder.items()}
+        values = self.graph.subgraph({**outputs, **stored}, f"saved values of {self.graph.name}"[:200])
         derivation = Derivation(values, self.rulesets, self.stats.iterations, MAX_ENODES)
         lowered = derivation.lowered
-        shapes = {**lowered.input_shapes, **{name: lowered.shape(name) for name in lowered.roots}}
-        dtypes = {**lowered.input_dtypes, **lowered.root_dtypes, **{n: x.dtype for n, x in values.outputs.items()}}
-        return tuple(saved_attentions(derivation.extracted, lowered.root_axes, shapes, dtypes))
+        extracted = {holder[name]: term for name, term in derivation.extracted.items() if name in holder}
+        root_axes = {holder.get(name, name): axes for name, axes in lowered.root_axes.items()}
+        shapes = {**lowered.input_shapes, **{holder.get(name, name): lowered.shape(name) for name in lowered.roots}}
+        dtypes = {**lowered.input_dtypes, **{holder.get(n, n): dtype for n, dtype in lowered.root_dtypes.items()},
+                  **{name: x.dtype for name, x in self.graph.saved.items()}}  # fmt: skip
+        return tuple(saved_attentions(extracted, root_axes, shapes, dtypes))
 
     @functools.cache
     def _plans(self, target: Target) -> tuple[KernelPlan, ...]:

@@ -160,6 +160,33 @@ def gpt2_lm(small: bool = True, dtype: Any = None, device: str = "cpu", layers: 
     return transformers.GPT2LMHeadModel(config).eval().to(device=device, dtype=dtype or torch.float32)
 
 
+def gpt2_blocks(layers: int = 2, implementation: str = "sdpa", batch: int = 2, seq: int = 64, dtype: Any = None,
+                device: str = "cpu") -> RealModule:  # fmt: skip
+    """The transformer blocks, final norm and LM head of a ``GPT2LMHeadModel`` (width 128, 2 heads
+    of 64, vocabulary 128) called on token embeddings: a whole model's layers with a float input."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_positions=1024, n_layer=layers, n_embd=128, n_head=2, vocab_size=128,
+                                     attn_implementation=implementation)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).eval().to(device=device, dtype=dtype or torch.float32)
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            for block in self.model.transformer.h:
+                out = block(x)
+                x = out[0] if isinstance(out, tuple) else out
+            return self.model.lm_head(self.model.transformer.ln_f(x))
+
+    x = torch.randn(batch, seq, 128, dtype=dtype or torch.float32, device=device)
+    return RealModule(f"GPT2Blocks[{layers}, {implementation}]", Blocks().eval(), (x,), causal=True)
+
+
 def llama_lm(small: bool = True, dtype: Any = None, device: str = "cpu") -> Any:
     """transformers' ``LlamaForCausalLM``: 4 layers, hidden 2048, 16 query / 4 KV heads of 128,
     SwiGLU 5632, vocab 32000 (the PyTorch-integration issue's model), or 2 layers of hidden 64

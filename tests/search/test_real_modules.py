@@ -182,6 +182,25 @@ def test_module_training_forward_saves_what_its_flash_backward_reads(name: str) 
         assert backward.kernels_for(target) == backward.kernels, target
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_each_layer_of_a_model_trains_from_its_saved_statistics(implementation: str) -> None:
+    """Two GPT-2 blocks (transformers): the training forward writes each attention's output and
+    log-sum-exp from its flash kernel; in the gradient graph the second layer reads the first one's
+    saved output, and each layer's flash backward is planned from its own saved statistics, with
+    no flash forward left."""
+    real = real_modules.gpt2_blocks(layers=2, implementation=implementation, dtype=torch.bfloat16)
+    training, gradient = training_gradient_of(real)
+    first, second = (n for n in gradient.saved if n.endswith("_o"))
+    assert gradient.inputs[first].id in gradient.ancestors([gradient.saved[second].id])
+    forward = ck.derive(training)
+    assert [len(k.side_outputs) for k in forward.kernels if k.kind == "flash_attention"] == [1, 1]
+    backward = ck.derive(gradient)
+    kinds = [k.kind for k in backward.kernels]
+    assert kinds.count("flash_attention_backward") == 2 and "flash_attention" not in kinds, kinds
+    plans = [p for p in backward.plans("sm_90a") if p.schedule.saved_statistics]
+    assert len({(p.problem.saved.o, p.problem.saved.lse) for p in plans}) == 2
+
+
 @pytest.mark.parametrize("name", ["nanogpt_attention", "llama_attention_eager"])
 def test_module_training_programs_equal_their_graphs(name: str) -> None:
     """A spelled-out attention's training forward and the gradient graph reading what it saves (RoPE,
