@@ -53,7 +53,7 @@ def graphs() -> dict[str, ck.Graph]:
                  for name in ("textbook", "causal_where", "gqa_expand", "exp2_folded")}  # fmt: skip
     made = {**spellings, **{f"grad {name}": ck.grad(g, wrt=("q", "k", "v")) for name, g in spellings.items()}}
     made["grad causal_where q v"] = ck.grad(spellings["causal_where"], wrt=("q", "v"))
-    for layers in (1, 3):
+    for layers in (1, 2):
         stack = blocks(layers)
         made[f"{layers} blocks"] = stack
         made[f"grad {layers} blocks"] = ck.grad(stack, wrt=tuple(stack.inputs))
@@ -68,8 +68,11 @@ def test_the_stored_tensors_are_those_of_storing_one_at_a_time(name: str) -> Non
 
 
 def test_a_gradient_of_stacked_blocks_derives_a_flash_forward_and_backward_per_layer() -> None:
-    """Each attention of a three-block gradient graph recomputes its probabilities: three flash
-    forwards (the output projections' weight gradients read their outputs) and three flash backwards."""
-    stack = blocks(3)
-    kinds = [k.kind for k in ck.derive(ck.grad(stack, wrt=tuple(stack.inputs))).kernels]
-    assert kinds.count("flash_attention") == 3 and kinds.count("flash_attention_backward") == 3, kinds
+    """Each attention of a two-block gradient graph (over 700 nodes) recomputes its probabilities:
+    two flash forwards (the output projections' weight gradients read their outputs) and two flash
+    backwards."""
+    stack = blocks(2)
+    gradient = ck.grad(stack, wrt=tuple(stack.inputs))
+    assert len(gradient.nodes) > 700
+    kinds = [k.kind for k in ck.derive(gradient).kernels]
+    assert kinds.count("flash_attention") == 2 and kinds.count("flash_attention_backward") == 2, kinds

@@ -159,7 +159,7 @@ def assert_program_is_graph(graph: ck.Graph) -> None:
         assert np.linalg.norm(got[output] - value) <= 1e-9 * np.linalg.norm(value), output
 
 
-@pytest.mark.parametrize("name", GRADIENT_MODULES)
+@pytest.mark.parametrize("name", [n for n in GRADIENT_MODULES if n != "llama_attention_sdpa"])  # eager: the same RoPE
 def test_module_training_forward_saves_what_its_flash_backward_reads(name: str) -> None:
     """Training with saved statistics: the capture notes each module's attention (SDPA's, and
     ``softmax(scores) @ v`` spelled out as nanoGPT and transformers' eager path write it); the
@@ -182,7 +182,7 @@ def test_module_training_forward_saves_what_its_flash_backward_reads(name: str) 
         assert backward.kernels_for(target) == backward.kernels, target
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("implementation", ["sdpa"])  # the eager spelling: nanoGPT's and Llama's tests
 def test_each_layer_of_a_model_trains_from_its_saved_statistics(implementation: str) -> None:
     """Two GPT-2 blocks (transformers): the training forward writes each attention's output and
     log-sum-exp from its flash kernel; in the gradient graph the second layer reads the first one's
