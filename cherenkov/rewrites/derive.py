@@ -48,7 +48,7 @@ from cherenkov.rewrites.attention_backward import (
 from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem, joined_statistics, lse_output
 from cherenkov.rewrites.kernels import partition as partition_kernels
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS, prelude
-from cherenkov.rewrites.lower import Lowered, lower
+from cherenkov.rewrites.lower import Lowered, fresh_name, lower
 from cherenkov.rewrites.masks import MASKS
 from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, Target, flash_schedule_problems
 from cherenkov.rewrites.rule import Ruleset
@@ -535,9 +535,7 @@ class Derivation:
         taken = {*self.graph.inputs, *lowered.nodes}
         holder: dict[str, str] = {}  # a value's output name -> the saved input holding it
         for name in self.graph.saved:
-            output = next(n for n in (f"{name}_value{k or ''}" for k in range(len(taken) + 1)) if n not in taken)
-            holder[output] = name
-            taken.add(output)
+            holder[fresh_name(f"{name}_value", taken, bare_first=True)] = name
         outputs = {output: self.graph.saved[name] for output, name in holder.items()}
         values = self.graph.subgraph({**outputs, **stored}, f"saved values of {self.graph.name}"[:200])
         derivation = Derivation(values, self.rulesets, self.stats.iterations, MAX_ENODES)

@@ -351,23 +351,19 @@ def lower(graph: Graph) -> Lowered:
         split.setdefault(index, name)
     copies = {name: split[index] for name, index in outputs.items() if split[index] != name}
     split.update(_intermediates(graph, split, taken))
-    while True:  # no node needs a tensor of its own after _intermediates but in a case it does not foresee
-        lowering = _Lowering(graph, split)
-        roots: dict[str, Term] = {}
-        axes: dict[str, tuple[str, ...]] = {}
-        with recursion_for(graph):
-            for index, name in sorted(split.items()):
-                axes[name] = root_axes(graph.node(index).shape)
-                roots[name] = lowering.define(index, root_indices(axes[name]))
-            for name, original in copies.items():  # an output naming a node another output names: a copy
-                axes[name] = axes[original]
-                roots[name] = t.access(original, root_indices(axes[name]))
-        extra = lowering.needs_own_tensor()
-        if extra is None:
-            break
-        name = next(f"t{k}" for k in range(len(taken) + 1) if f"t{k}" not in taken)
-        taken.add(name)
-        split[extra] = name
+    lowering = _Lowering(graph, split)
+    roots: dict[str, Term] = {}
+    axes: dict[str, tuple[str, ...]] = {}
+    with recursion_for(graph):
+        for index, name in sorted(split.items()):
+            axes[name] = root_axes(graph.node(index).shape)
+            roots[name] = lowering.define(index, root_indices(axes[name]))
+        for name, original in copies.items():  # an output naming a node another output names: a copy
+            axes[name] = axes[original]
+            roots[name] = t.access(original, root_indices(axes[name]))
+    unstored = lowering.needs_own_tensor()
+    if unstored is not None:
+        raise AssertionError(f"node {unstored} of {graph.name!r} is read under several indexings but not stored")
     inputs = graph.inputs
     recomputed = recomputed_intermediates(graph, split, roots, axes) if graph.is_gradient else ()
     return Lowered(
@@ -418,9 +414,17 @@ def _intermediates(graph: Graph, outputs: dict[int, str], taken: set[str]) -> di
         undecided -= decided
     names: dict[int, str] = {}
     for index in sorted(stored, reverse=True):
-        names[index] = next(f"t{k}" for k in range(len(taken) + 1) if f"t{k}" not in taken)
-        taken.add(names[index])
+        names[index] = fresh_name("t", taken)
     return names
+
+
+def fresh_name(stem: str, taken: set[str], *, bare_first: bool = False) -> str:
+    """The first of ``stem`` (when ``bare_first``), ``stem0`` (else), ``stem1``, ``stem2``, ...
+    that is not in ``taken``; added to it."""
+    numbered = (f"{stem}{k}" for k in itertools.count(1 if bare_first else 0))
+    name = next(n for n in itertools.chain([stem] if bare_first else [], numbered) if n not in taken)
+    taken.add(name)
+    return name
 
 
 def _stored_readers(nodes: set[int], readers: dict[int, list[int]], split: dict[int, str],
