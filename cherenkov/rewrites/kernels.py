@@ -24,7 +24,7 @@ a GEMM's epilogue finds it among its own accumulators.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -416,9 +416,9 @@ def _elements(axes: frozenset[str]) -> int:
     return int(np.prod([t.extent(a) for a in axes], dtype=np.int64)) if axes else 1
 
 
-def _reads_at_least_two(term: Term, axes_memo: dict[Term, frozenset[str]]) -> bool:
-    """Whether ``term``'s elementwise closure reads two or more stored tensors or cores, none
-    of them over more elements than ``term`` itself has (storing it adds no broadcast)."""
+def _reads_at_least_two(term: Term, axes_memo: dict[Term, frozenset[str]], stored: Set[Term] = frozenset()) -> bool:
+    """Whether ``term``'s elementwise closure reads two or more stored tensors, cores or ``stored``
+    values, none of them over more elements than ``term`` itself has (storing it adds no broadcast)."""
     size = _elements(t.free_axes(term, axes_memo))
     reads, stack, seen = set(), [term], set()
     while stack:
@@ -426,7 +426,7 @@ def _reads_at_least_two(term: Term, axes_memo: dict[Term, frozenset[str]]) -> bo
         if node in seen or node[0] in INDEX_HEADS:
             continue
         seen.add(node)
-        if node[0] == "Tensor" or node[0] not in ELEMENTWISE:
+        if node[0] == "Tensor" or node[0] not in ELEMENTWISE or (node in stored and node != term):
             if _elements(t.free_axes(node, axes_memo)) > size:
                 return False
             reads.add(node[1] if node[0] == "Tensor" else node)
@@ -445,7 +445,12 @@ def shared_values(extracted: Mapping[str, Term]) -> list[tuple[Term, str]]:
     terms. Such a value is stored once instead when it reads two or more tensors (a single
     read recomputes for free). A kernel here is a core's operands or a root; walking the
     terms parents first, a node's *owners* are the kernels that reach it through
-    elementwise constructors, a value chosen to be stored owning what is beneath it."""
+    elementwise constructors, a value chosen to be stored owning what is beneath it.
+
+    A stored value's own steps are then shared too (a GELU stored for the forward, whose erf
+    polynomial's every step the backward reads again), each reading the GEMM and bias beneath:
+    so the values chosen are revisited children first, and a value that reads only one thing
+    once the values kept beneath it count as reads is recomputed, not stored."""
     order: list[Term] = []  # children before parents
     first_root: dict[Term, str] = {}  # node -> the first root reaching it (visited)
     for name, root in extracted.items():
@@ -476,7 +481,11 @@ def shared_values(extracted: Mapping[str, Term]) -> list[tuple[Term, str]]:
         for child in t.children(node):
             if child[0] not in INDEX_HEADS:
                 owners.setdefault(child, set()).update({node} if boundary else mine)
-    return chosen
+    kept: set[Term] = set()
+    for node, _ in reversed(chosen):  # children first
+        if _reads_at_least_two(node, axes_memo, kept):
+            kept.add(node)
+    return [(node, root) for node, root in chosen if node in kept]
 
 
 def _replaced(term: Term, mapping: Mapping[Term, Term], memo: dict[Term, Term]) -> Term:

@@ -540,6 +540,22 @@ def test_a_residual_stream_is_stored_once_not_recomputed_by_every_later_norm(lay
     assert_derived_program_matches(g, d)
 
 
+def test_the_steps_of_a_gelu_the_gradient_reads_again_are_recomputed_not_stored() -> None:
+    """The gradient of an erf GELU after a GEMM reads every step of the erf polynomial again. The
+    GEMM with its bias is stored once; the forward's GELU and its gradient both recompute the steps
+    from it (each step was a kernel of its own: a dozen of them); the program is unchanged."""
+    g = ck.Graph("erf_gelu_mlp")
+    x, w1 = g.input("x", (32, 64), "float32"), g.input("w1", (64, 128), "float32")
+    b1, w2 = g.input("b1", (128,), "float32"), g.input("w2", (128, 64), "float32")
+    g.output(ck.nn.gelu(x @ w1 + b1, approximate="none") @ w2, "out")
+    gradient = ck.grad(g, wrt=("x", "w1", "b1", "w2"))
+    d = ck.derive(gradient)
+    elementwise = [k for k in d.kernels if k.kind == "elementwise"]
+    assert len(elementwise) <= 2 and all(len(k.reads) == 1 for k in elementwise), [
+        k.describe()[:120] for k in elementwise]
+    assert_derived_program_matches(gradient, d)
+
+
 def test_a_value_one_kernel_reads_stays_inlined() -> None:
     """An elementwise value read twice inside one kernel (GELU's ``x``, ``x³`` and ``0.5·x``)
     is not stored: only values two kernels read are."""
