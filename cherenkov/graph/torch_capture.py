@@ -787,6 +787,15 @@ def _noted_softmax(c: _Capture, scores: Tensor, probabilities: Tensor, dim: int)
     return probabilities
 
 
+@_op("_softmax_backward_data")
+def _softmax_backward_data(c: _Capture, a: dict[str, Any]) -> Any:
+    """A softmax's vector-Jacobian product ``P∘(g − rowsum(g∘P))`` from its output ``P`` (what a
+    training graph's backward, AOTAutograd's, calls for a written-out softmax)."""
+    grad, probabilities, dim = c.t(a["grad_output"]), c.t(a["output"]), a["dim"]
+    result = probabilities * (grad - (grad * probabilities).sum(axis=dim, keepdim=True))
+    return _cast_to(c, result, a.get("input_dtype"))
+
+
 @_op("log_softmax", "_log_softmax")
 def _log_softmax(c: _Capture, a: dict[str, Any]) -> Any:
     x = c.t(a["self"])

@@ -474,6 +474,14 @@ CASES: dict[str, Case] = {
         ),
         (x46,),
     ),
+    # a written-out softmax's gradient, as a training graph's backward (AOTAutograd) calls it
+    "softmax_backward": Case(
+        lambda g, x: (
+            A._softmax_backward_data(g, F.softmax(x, -1), -1, torch.float32),
+            A._softmax_backward_data(g, F.softmax(x, 0), 0, torch.float32),
+        ),
+        (lambda: randn(4, 6, seed=3), x46),
+    ),
     "sdpa_variants": Case(
         lambda q, k, v: (
             F.scaled_dot_product_attention(q, k, v),
