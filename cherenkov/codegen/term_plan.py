@@ -685,6 +685,9 @@ def mma_problems(plan_kernel: FusedKernel, tensors: Mapping[str, TensorInfo], ou
         reasons.append(f"operands read {', '.join(bad)} tensors (mma operands are bf16/fp16)")
     if layout.batch_size > MAX_GRID_YZ:
         reasons.append(f"batch {layout.batch_size} exceeds the grid's z limit {MAX_GRID_YZ}")
+    if layout.m == 1 and layout.n == 1:
+        reasons.append("no row or column axis (every free axis is a batch axis: a dot product per output element, "
+                       "one element of a GEMM tile)")  # fmt: skip
     index_heads = ("Ax", "IxLit", "IxAdd", "IxDiv", "IxMod", "IxLin", "ICons", "INil")
     for op in (layout.a, layout.b):
         if any(s[0] not in ELEMENTWISE and s[0] not in index_heads for s in t.subterms(op)):

@@ -88,6 +88,15 @@ def reductions_graph() -> ck.Graph:
     return g
 
 
+def batched_dots_graph() -> ck.Graph:
+    """Dot products of two tensors' rows (what a norm's backward sums): a contraction whose every
+    free axis is a batch axis."""
+    g = ck.Graph("batched_dots")
+    x, y = g.input("x", (4, 17, 128), "bf16"), g.input("y", (4, 17, 128), "bf16")
+    g.output((x * y).sum(axis=-1), "dots")
+    return g
+
+
 def matmul_graph(ta: bool, tb: bool, m: int, n: int, k: int, dtype="bf16") -> ck.Graph:
     g = ck.Graph("matmul")
     a = g.input("a", (k, m) if ta else (m, k), dtype)
@@ -170,6 +179,15 @@ def test_every_kind_gets_its_families() -> None:
     g.output(ck.nn.silu(g.input("x", (40, 32), "bf16")) * 2.0, "y")
     ((kernel, elementwise),) = plans_of(g)
     assert kernel.kind == "elementwise" and {p.schedule.vector for p in elementwise} == {1, 8}
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_90a"])
+def test_a_contraction_without_rows_or_columns_runs_pointwise_not_as_a_gemm(target: str) -> None:
+    """Every free axis a batch axis: a GEMM tile would hold one element (and its epilogue had no
+    row or column to read the accumulator at: it did not compile), so only pointwise plans."""
+    ((kernel, plans),) = plans_of(batched_dots_graph(), target)
+    assert kernel.kind == "contraction" and plans and {p.family for p in plans} == {"pointwise"}
+    assert _check_graph(batched_dots_graph()) == len(plans)
 
 
 def test_flash_attention_without_a_flash_plan_falls_back_to_pointwise() -> None:
@@ -262,7 +280,7 @@ def _one_per_schedule(graphs, target: str) -> list[TermKernelPlan]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sources_compile_without_spills(arch, compiler, kernel_cache) -> None:
     graphs = [softmax_graph(), layer_norm_graph(), reductions_graph(), transformer_graph(), hostile_names_graph(),
-              matmul_graph(True, False, 48, 40, 64, "fp16"), odd_ops_graph()]  # fmt: skip
+              matmul_graph(True, False, 48, 40, 64, "fp16"), odd_ops_graph(), batched_dots_graph()]  # fmt: skip
     plans = _one_per_schedule(graphs, arch)
     assert {p.family for p in plans} == {"pointwise", "rows", "mma"} and len(plans) >= 15
     results = compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)
