@@ -740,12 +740,38 @@ def _linear(c: _Capture, a: dict[str, Any]) -> Any:
 def _matmul(c: _Capture, a: dict[str, Any]) -> Any:
     other = a.get("other", a.get("mat2"))
     probabilities = c.t(a["self"])
-    out = matmul(probabilities, c.t(other))
+    out = _unmerged_batch_matmul(probabilities, c.t(other))
     while probabilities.node.op == "cast":
         probabilities = Tensor(c.g, probabilities.node.inputs[0])
     if probabilities.id in c.softmax_scores:  # softmax(scores) @ v, spelled out: an attention
         c.g.note_attention(out, c.softmax_scores[probabilities.id])
     return out
+
+
+def _unmerged_batch_matmul(x: Tensor, y: Tensor) -> Tensor:
+    """``x @ y``; where both are reshapes merging the same leading axes of their sources into one
+    batch axis (what an ATen-level trace makes of a 4-D matmul: ``bmm`` over batch·heads; either
+    transposed after), the product of the sources reshaped the same way — a batched product
+    commutes with merging its batch axes, and a reader that views the result back (the scores, per
+    head) then reads the product itself."""
+    a, b = _merged_batch_source(x), _merged_batch_source(y)
+    if a is not None and b is not None and a.shape[:-2] == b.shape[:-2]:
+        product = matmul(a, b)
+        return product.reshape(x.shape[0], *product.shape[-2:])
+    return matmul(x, y)
+
+
+def _merged_batch_source(x: Tensor) -> Tensor | None:
+    """The tensor whose leading axes ``x`` (3-D) merges into its first, the last two kept (with
+    ``x``'s last two axes swapped after the merge, the source's swapped too); None for another ``x``."""
+    swapped = x.node.op == "permute" and x.node.attrs[0] == (0, 2, 1)
+    merged = Tensor(x.graph, x.node.inputs[0]) if swapped else x
+    if x.ndim != 3 or merged.node.op != "reshape":
+        return None
+    source = Tensor(x.graph, merged.node.inputs[0])
+    if source.ndim <= 3 or source.shape[-2:] != merged.shape[-2:]:
+        return None
+    return source.mT if swapped else source
 
 
 @_op("addmm", "baddbmm")
@@ -790,7 +816,9 @@ def _noted_softmax(c: _Capture, scores: Tensor, probabilities: Tensor, dim: int)
 @_op("_softmax_backward_data")
 def _softmax_backward_data(c: _Capture, a: dict[str, Any]) -> Any:
     """A softmax's vector-Jacobian product ``P∘(g − rowsum(g∘P))`` from its output ``P`` (what a
-    training graph's backward, AOTAutograd's, calls for a written-out softmax)."""
+    training graph's backward, AOTAutograd's, calls for a written-out softmax). The graph is marked a
+    gradient graph: the derivation then looks through its intermediates (``P`` recomputed there)."""
+    c.g.is_gradient = True
     grad, probabilities, dim = c.t(a["grad_output"]), c.t(a["output"]), a["dim"]
     result = probabilities * (grad - (grad * probabilities).sum(axis=dim, keepdim=True))
     return _cast_to(c, result, a.get("input_dtype"))
@@ -1154,6 +1182,20 @@ def _slice(c: _Capture, a: dict[str, Any]) -> Any:
     if stop <= start:
         raise GraphError(f"slice [{start}:{stop}] of axis {dim} (size {size}) is empty")
     return _sliced(c, x, dim, start, stop)
+
+
+@_op("slice_backward")
+def _slice_backward(c: _Capture, a: dict[str, Any]) -> Any:
+    """A slice's gradient (a training graph's backward): its output's gradient placed at the slice
+    in zeros of the sliced tensor's shape."""
+    grad, sizes, dim = c.t(a["grad_output"]), list(a["input_sizes"]), a["dim"]
+    dim = dim % len(sizes)
+    start, stop, step = slice(a.get("start"), a.get("end"), a.get("step") or 1).indices(sizes[dim])
+    if step != 1:
+        raise GraphError(f"slice_backward with step {step} is not supported; only unit steps")
+    pairs = [(0, 0)] * len(sizes)
+    pairs[dim] = (start, sizes[dim] - stop)
+    return grad.pad(pairs)
 
 
 @_op("narrow")

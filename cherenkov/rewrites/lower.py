@@ -458,9 +458,10 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
     probabilities), the exponentials it sums, or one that exponentiates scores less their row
     maximum; a GELU's or SiLU's exponentials are none of these. Then, to a fixed point: an
     elementwise function of the inputs (``q·c``), one that reads recomputed intermediates and
-    nothing else, one that reads a recomputed one element by element at its own indices (a score
-    gradient from stored probabilities), and one that a recomputed one reads so (the scores under
-    the exponential). Last, a gradient per query head whose one reader only sums it over the GQA
+    nothing else (no input either: in a backward graph of its own, AOTAutograd's, q is an input,
+    and the product of the score gradient with it is dk), one that reads a recomputed one element
+    by element at its own indices (a score gradient from stored probabilities), and one that a
+    recomputed one reads so (the scores under the exponential). Last, a gradient per query head whose one reader only sums it over the GQA
     group (the grouped form is derived where the sum reads it). One that reduces a recomputed
     intermediate together with another tensor (attention's output, read by the output
     projection's gradient; q's gradient, read by the concatenation into the projection's) is what
@@ -509,7 +510,7 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
             recomputed.add(name)
     while True:
         grown = {name for name in order if name not in recomputed and (
-            (reads[name] and {s[1] for s in reads[name]} <= recomputed)
+            (reads[name] and {s[1] for s in subterms[name] if s[0] == "Tensor"} <= recomputed)
             or any(s[1] in recomputed and at_own_indices(name, s) for s in reads[name])
             or any(s[1] == name and at_own_indices(other, s) for other in recomputed for s in reads[other]))}  # fmt: skip
         if not grown:

@@ -315,7 +315,8 @@ def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "ind
 
 def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **options: Any) -> Callable[..., Any]:
     """``gm`` through AOTAutograd, its forward and backward graphs each split and compiled by
-    :func:`compile_regions` (they hold no autograd of their own)."""
+    :func:`compile_regions` (they hold no autograd of their own); a written-out attention's scores
+    and probabilities are recomputed by the backward (:func:`partition_recomputing_attention`)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
@@ -328,5 +329,81 @@ def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **opti
             real = [example_tensor(x.shape, x.dtype, x.device, x.stride()) if is_fake(x) else x for x in inputs]
             return make_boxed_func(compile_regions(graph, real, fallback, **options))
 
-    return aot_autograd(fw_compiler=compile_one, bw_compiler=compile_one)(gm, example_inputs)
+    return aot_autograd(fw_compiler=compile_one, bw_compiler=compile_one,
+                        partition_fn=partition_recomputing_attention)(gm, example_inputs)  # fmt: skip
+
+
+SCORE_PRODUCTS = frozenset({"bmm", "matmul"})
+"""ATen ops (by name) that form a written-out attention's scores from q and k."""
+DATA_MOVES = frozenset({"view", "_unsafe_view", "reshape", "expand", "clone", "contiguous", "transpose", "t", "permute",
+                        "unsqueeze", "squeeze", "alias", "detach", "_to_copy", "slice", "select"})  # fmt: skip
+"""ATen ops (by name) that only move, view or recast their operand."""
+
+
+def partition_recomputing_attention(joint: Any, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """AOTAutograd's default partition of a training graph, except that a written-out attention's
+    scores and probabilities are recomputed by the backward instead of saved: they are B·H·T·T
+    tensors, and saving the softmax's output (which ``_softmax_backward_data`` reads) would make the
+    forward write them, so that its attention could not be a flash kernel. Recomputed, they leave
+    the backward the whole attention gradient from q, k and v, which derives a flash backward."""
+    from torch._functorch.partitioners import default_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in written_out_attention_scores(joint.graph):
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return default_partition(joint, joint_inputs, **kwargs)
+
+
+def written_out_attention_scores(graph: Any) -> list[Any]:
+    """Per softmax along the last axis of a training graph's forward (AOTAutograd's joint graph, whose
+    backward reads the outputs' gradients, ``tangents_*``): the nodes from the product of q and k that
+    makes its scores (with the pointwise work between, a scale or a mask) to its probabilities and
+    their views, up to the product with v, and the data moves that lay q, k and v out for the two
+    products (an ATen trace's copies of them with batch and heads merged)."""
+    import torch
+
+    def name(node: Any) -> str:
+        return getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
+
+    backward: set[Any] = set()  # what reads an output's gradient: the walks stay in the forward
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or backward & set(node.all_input_nodes):
+            backward.add(node)
+
+    def computed(node: Any) -> bool:
+        return isinstance(node, torch.fx.Node) and node.op == "call_function" and node not in backward
+
+    found: dict[Any, None] = {}
+    for softmax in graph.nodes:
+        if not computed(softmax) or name(softmax) not in ("_softmax", "_safe_softmax"):
+            continue
+        if softmax.args[1] not in (-1, softmax.args[0].meta["val"].dim() - 1):
+            continue
+        found[softmax] = None
+        scores, operands = [softmax.args[0]], []
+        while scores:  # back from the softmax through pointwise work to the product of q and k
+            node = scores.pop()
+            if not computed(node) or node in found:
+                continue
+            if name(node) in SCORE_PRODUCTS:
+                operands.extend(node.args[:2])
+            elif not (torch.Tag.pointwise in node.target.tags or name(node) in DATA_MOVES):
+                continue
+            else:
+                scores.extend(node.all_input_nodes)
+            found[node] = None
+        readers = list(softmax.users)
+        while readers:  # the probabilities' views and casts, up to the product with v
+            node = readers.pop()
+            if computed(node) and name(node) in SCORE_PRODUCTS:
+                operands.extend(node.args[:2])
+            elif computed(node) and name(node) in DATA_MOVES and node not in found:
+                found[node] = None
+                readers.extend(node.users)
+        while operands:  # q, k and v laid out for the products
+            node = operands.pop()
+            if computed(node) and name(node) in DATA_MOVES and node not in found:
+                found[node] = None
+                operands.extend(node.all_input_nodes)
+    return list(found)
 

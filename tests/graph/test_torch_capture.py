@@ -474,6 +474,15 @@ CASES: dict[str, Case] = {
         ),
         (x46,),
     ),
+    # a slice's gradient, as a training graph's backward calls it (rotate_half in RoPE)
+    "slice_backward": Case(
+        lambda g: (
+            A.slice_backward(g, [4, 9], 1, 2, 8, 1),
+            A.slice_backward(g[:2], [5, 6], 0, 3, 9223372036854775807, 1),
+            A.slice_backward(g, [4, 10], -1, -8, -2, 1),
+        ),
+        (lambda: randn(4, 6, seed=4),),
+    ),
     # a written-out softmax's gradient, as a training graph's backward (AOTAutograd) calls it
     "softmax_backward": Case(
         lambda g, x: (

@@ -261,11 +261,11 @@ def _derived_regions(model: Any, monkeypatch, *args: Any, **kwargs: Any) -> list
     return derived
 
 
-def _small_gpt2() -> Any:
+def _small_gpt2(implementation: str = "sdpa") -> Any:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, attn_implementation="sdpa")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, attn_implementation=implementation)
     return transformers.GPT2LMHeadModel(config).eval().to(torch.bfloat16)  # head dim 32: a planned flash dim
 
 
@@ -278,6 +278,55 @@ def test_gpt2_layers_derive_causal_flash_attention_from_the_mask_transformers_bu
     flash = [p.problem for d in derived for p in d.plans("sm_90") if p.kind == "flash_attention"]
     assert [k.kind for d in derived for k in d.kernels].count("flash_attention") == 2
     assert {(p.causal, p.bias) for p in flash} == {(True, None)}
+
+
+def test_gpt2_on_its_eager_path_derives_causal_flash_attention_from_batched_products(monkeypatch):
+    """transformers' GPT-2 on its eager path writes softmax(q kᵀ)·v out; an ATen trace makes each
+    product a ``bmm`` over batch·heads (q, k and v copied with the two axes merged). The capture
+    takes the products of the unmerged tensors, so each layer still derives causal flash attention."""
+    derived = _derived_regions(_small_gpt2("eager"), monkeypatch, torch.randint(0, 128, (2, 16)), use_cache=False)
+    flash = [p.problem for d in derived for p in d.plans("sm_90") if p.kind == "flash_attention"]
+    assert [k.kind for d in derived for k in d.kernels].count("flash_attention") == 2
+    assert {(p.causal, p.bias) for p in flash} == {(True, None)}
+
+
+def test_training_an_eager_attention_through_the_backend_derives_flash_forward_and_backward():
+    """GPT-2 on its eager path trained through the backend: AOTAutograd's partition recomputes each
+    attention's scores and probabilities in the backward instead of saving them (what
+    ``_softmax_backward_data`` reads), so the forward region derives flash attention per layer, and
+    the backward region holding the attention's gradient (the softmax's, lowered) a flash backward;
+    the loss and gradients (the regions' float64 references on the CPU) are eager's within bf16's
+    rounding."""
+    import copy
+
+    from cherenkov.search import dynamo
+    from cherenkov.search.dynamo import compile_regions
+
+    model = _small_gpt2("eager")
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    splits = []
+
+    def recording(*args, **kwargs):
+        splits.append(split_supported(*args, **kwargs))
+        return splits[-1]
+
+    torch._dynamo.reset()
+    original, dynamo.split_supported = dynamo.split_supported, recording
+    try:
+        compiled = torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
+        losses = [fn(ids, labels=ids, use_cache=False).loss for fn in (compiled, eager)]
+        for loss in losses:
+            loss.backward()
+    finally:
+        dynamo.split_supported = original
+    assert math.isclose(losses[0].item(), losses[1].item(), rel_tol=1e-2), losses
+    gradients = [torch.cat([p.grad.float().flatten() for p in m.parameters()]) for m in (model, eager)]
+    assert float((gradients[0] - gradients[1]).norm() / gradients[1].norm()) <= 2e-2
+    kinds = [k.kind for split in splits for f in split.compiled for call in f.prepared.values()
+             for k in ck.derive(call.graph).kernels]  # fmt: skip
+    assert kinds.count("flash_attention") == kinds.count("flash_attention_backward") == 2, kinds
+    assert "softmax_rows" not in kinds, kinds
 
 
 def test_llama_layers_derive_causal_bf16_flash_attention(monkeypatch):
