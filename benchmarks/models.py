@@ -33,11 +33,19 @@ own), whether its tokens equal eager's (else the first that differs and eager's 
 its two best logits there), and the row's wall time (searches and compiles included); and
 prints a table.
 
-    python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,gpt2_small,...]
-                                 [--budget 120] [--samples 30] [--out DIR]
+    python3 benchmarks/models.py [--rows llama_attention_sdpa_s2048,vit_block,gpt2_small,train:vit_block,...]
+                                 [--budget 120] [--samples 30] [--saved-statistics] [--out DIR]
 
 A Llama row names its sequence length (``_s2048``); the JSON is rewritten after every row,
 so a run cut short keeps the rows it finished.
+
+A row prefixed ``train:`` (``train:vit_block``, ``train:llama_decoder_layer_s2048``) times one
+training step of the module instead — the forward and ``backward()`` of a fixed output gradient,
+the parameters' gradients cleared first — eager, under ``torch.compile`` (inductor) and under
+``ck.compile`` (its forward and ``ck.grad`` of it searched, ``--budget`` each; ``--saved-statistics``:
+the forward saves each attention's output and log-sum-exp for the backward), end to end (host work
+included, no spin). Such a row has ``ms``, ``speedup`` and ``grad_rel_error``: the largest relative
+L2 error of a parameter's gradient against eager's, and which parameter it was.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -82,8 +91,16 @@ WHOLE_MODELS = ("gpt2_small", "llama_prefill_s2048", "llama_decode")
 """Whole-model rows: through the ``torch.compile`` backend (:func:`benchmark_whole_model`)."""
 
 
+TRAINING = "train:"
+"""The prefix of a training-step row (:func:`benchmark_training`)."""
+
+
 def row_spec(label: str) -> tuple[str, dict[str, Any]]:
-    """``llama_decoder_layer_s8192`` -> its builder and options (the sequence length set)."""
+    """``llama_decoder_layer_s8192`` -> its builder and options (the sequence length set);
+    ``train:<row>`` -> those of ``<row>`` (a module's: whole models have no training row)."""
+    training, label = label.startswith(TRAINING), label.removeprefix(TRAINING)
+    if training and label in WHOLE_MODELS:
+        raise SystemExit(f"no training row for the whole model {label!r}: train: takes a module's row")
     name, _, seq = label.rpartition("_s")
     if name in SEQUENCED and seq.isdigit():
         builder, options = ROWS[name]
@@ -137,6 +154,55 @@ def benchmark(label: str, builder: str, options: dict[str, Any], args: argparse.
         "partial": result.summary.partial,
         "measured": result.summary.measured,
         "candidates": len(result.candidates),
+    }
+    log.warning("%s", json.dumps(row))
+    return row
+
+
+def benchmark_training(label: str, builder: str, options: dict[str, Any], args: argparse.Namespace,
+                       db: TuningDatabase, torch: Any, flush: Any) -> dict[str, Any]:  # fmt: skip
+    """One training-step row: forward and backward of the module eager, under inductor and under
+    ``ck.compile``, the parameters' gradients checked against eager's."""
+    torch.manual_seed(0)
+    real = real_modules.BUILDERS[builder](dtype=torch.bfloat16, device="cuda", **options)
+    module, inputs = real.module, real.inputs
+    parameters = dict(module.named_parameters())
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        ours = ck.compile(module, *inputs, budget_s=args.budget, database=db, out=Path(out),
+                          saved_statistics=args.saved_statistics)  # fmt: skip
+        grad_output = torch.randn_like(module(*inputs))
+        inductor = torch.compile(module)
+
+        def step(fn: Any) -> Any:
+            def run() -> None:
+                for p in parameters.values():
+                    p.grad = None
+                fn(*inputs).backward(grad_output)
+
+            return run
+
+        gradients = {}
+        for name, fn in (("eager", module), ("cherenkov", ours)):
+            step(fn)()
+            gradients[name] = {n: p.grad.float().clone() for n, p in parameters.items()}
+        errors = {n: float((gradients["cherenkov"][n] - g).norm() / g.norm().clamp_min(1e-30))
+                  for n, g in gradients["eager"].items()}  # fmt: skip
+        search_s = time.perf_counter() - start
+        launches = {"eager": step(module), "inductor": step(inductor), "cherenkov": step(ours)}
+        ms = time_interleaved(torch, launches, flush, args.samples, spin=False)
+    worst = max(errors, key=errors.get)
+    row = {
+        "name": label,
+        "module": real.name,
+        "options": options,
+        "saved_statistics": args.saved_statistics,
+        "ms": {name: round(value, 4) for name, value in ms.items()},
+        "speedup": {"vs_eager": round(ms["eager"] / ms["cherenkov"], 3),
+                    "vs_inductor": round(ms["inductor"] / ms["cherenkov"], 3)},  # fmt: skip
+        "grad_rel_error": {"max": errors[worst], "parameter": worst},
+        "searches": ours.searches,
+        "search_s": round(search_s, 1),
     }
     log.warning("%s", json.dumps(row))
     return row
@@ -306,6 +372,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=120.0, help="search budget per module, seconds")
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--database", type=Path, help="a tuning database to reuse (default: a private one)")
+    parser.add_argument("--saved-statistics", action="store_true",
+                        help="train: rows: the forward saves each attention's output and log-sum-exp")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -338,6 +406,8 @@ def main() -> None:
                 try:
                     if label in WHOLE_MODELS:
                         rows.append(benchmark_whole_model(label, args, db, torch, flush))
+                    elif label.startswith(TRAINING):
+                        rows.append(benchmark_training(label, builder, options, args, db, torch, flush))
                     else:
                         rows.append(benchmark(label, builder, options, args, db, torch, flush))
                 except Exception as error:  # noqa: BLE001 - a failing row is reported, the rest still run
@@ -352,7 +422,7 @@ def main() -> None:
             print(f"{row['name']:32} failed: {row['error'][:120]}")
             continue
         figures, speedup = row.get("ms") or row["tokens_per_s"], row["speedup"]
-        error = row.get("rel_error", row.get("rel_error_vs_eager", float("nan")))
+        error = row.get("rel_error", row.get("rel_error_vs_eager", row.get("grad_rel_error", {}).get("max", math.nan)))
         unit = "" if "ms" in row else " tok/s"
         print(f"{row['name']:32} {figures['cherenkov']:10.3f} {figures['eager']:8.3f} {figures['inductor']:9.3f} "
               f"{speedup['vs_eager']:8.2f} {speedup['vs_inductor']:7.2f} {error:8.2e}{unit}")  # fmt: skip
