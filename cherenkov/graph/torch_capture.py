@@ -653,6 +653,44 @@ def _gelu(c: _Capture, a: dict[str, Any]) -> Any:
     return cknn.gelu(c.t(a["self"]), approximate=a["approximate"])
 
 
+# ------------------------------------------------------------------ activations' gradients (a training backward)
+
+
+@_op("tanh_backward")
+def _tanh_backward(c: _Capture, a: dict[str, Any]) -> Any:
+    """``g·(1 − y²)`` from tanh's output ``y``."""
+    y = c.t(a["output"])
+    return c.t(a["grad_output"]) * (1.0 - y * y)
+
+
+@_op("sigmoid_backward")
+def _sigmoid_backward(c: _Capture, a: dict[str, Any]) -> Any:
+    """``g·y·(1 − y)`` from the sigmoid's output ``y``."""
+    y = c.t(a["output"])
+    return c.t(a["grad_output"]) * (y * (1.0 - y))
+
+
+@_op("threshold_backward")
+def _threshold_backward(c: _Capture, a: dict[str, Any]) -> Any:
+    """``g`` where the input is above the threshold, else 0 (ReLU's gradient)."""
+    return where(c.t(a["self"]) <= c.operand(a["threshold"]), 0.0, c.t(a["grad_output"]))
+
+
+@_op("gelu_backward")
+def _gelu_backward(c: _Capture, a: dict[str, Any]) -> Any:
+    """GELU's vector-Jacobian product (``ck.grad``'s, of the same approximation) at its input."""
+    approximate = a.get("approximate", "none")
+    (gradient,) = vjp(lambda x: cknn.gelu(x, approximate=approximate), (c.t(a["self"]),), c.t(a["grad_output"]))
+    return gradient
+
+
+@_op("silu_backward")
+def _silu_backward(c: _Capture, a: dict[str, Any]) -> Any:
+    """SiLU's vector-Jacobian product (``ck.grad``'s) at its input."""
+    (gradient,) = vjp(cknn.silu, (c.t(a["self"]),), c.t(a["grad_output"]))
+    return gradient
+
+
 @_op("dropout", "native_dropout")
 def _dropout(c: _Capture, a: dict[str, Any]) -> Any:
     if a.get("train") and a.get("p"):
@@ -976,6 +1014,26 @@ def _native_layer_norm(c: _Capture, a: dict[str, Any]) -> Any:
     weight, bias = (None if a[n] is None else c.t(a[n]) for n in ("weight", "bias"))
     out, mean, rstd = _layer_norm_parts(c.t(a["input"]), a["normalized_shape"], weight, bias, a["eps"])
     return (out, mean, rstd)
+
+
+@_op("native_layer_norm_backward")
+def _native_layer_norm_backward(c: _Capture, a: dict[str, Any]) -> Any:
+    """A layer norm's gradients from the forward's saved row mean and reciprocal deviation: the
+    input's ``r·(ĝ − mean(ĝ) − x̂·mean(ĝ∘x̂))`` (``x̂ = (x − μ)·r``, ``ĝ = g∘w``), the weight's
+    ``Σ g∘x̂`` and the bias's ``Σ g`` over the rows; an output ``output_mask`` leaves out is None."""
+    grad, x = c.t(a["grad_out"]), c.t(a["input"])
+    mean, rstd = c.t(a["mean"]), c.t(a["rstd"])
+    weight = None if a.get("weight") is None else c.t(a["weight"])
+    axes = _norm_axes(x, a["normalized_shape"])
+    rows = tuple(range(x.ndim - len(axes)))
+    normalised = (x - mean) * rstd
+    scaled = grad if weight is None else grad * weight
+    wanted = list(a.get("output_mask") or (True, True, True))
+    grad_input = rstd * (scaled - scaled.mean(axis=axes, keepdim=True)
+                         - normalised * (scaled * normalised).mean(axis=axes, keepdim=True))  # fmt: skip
+    grad_weight = None if weight is None else (grad * normalised).sum(axis=rows) if rows else grad * normalised
+    grad_bias = None if a.get("bias") is None else grad.sum(axis=rows) if rows else grad
+    return (grad_input if wanted[0] else None, grad_weight if wanted[1] else None, grad_bias if wanted[2] else None)
 
 
 @_op("rms_norm")

@@ -483,6 +483,28 @@ CASES: dict[str, Case] = {
         ),
         (lambda: randn(4, 6, seed=4),),
     ),
+    # activations' and a layer norm's gradients, as a training graph's backward calls them
+    "activation_backward": Case(
+        lambda g, x: (
+            A.tanh_backward(g, torch.tanh(x)),
+            A.sigmoid_backward(g, torch.sigmoid(x)),
+            A.threshold_backward(g, x, 0.0),
+            A.gelu_backward(g, x),
+            A.gelu_backward(g, x, approximate="tanh"),
+            A.silu_backward(g, x),
+        ),
+        (lambda: randn(4, 6, seed=3), x46),
+    ),
+    "layer_norm_backward": Case(
+        lambda g, x, w, b: (
+            *A.native_layer_norm_backward(g, x, [6], *A.native_layer_norm(x, [6], w, b, 1e-5)[1:], w, b,
+                                          [True, True, True]),  # fmt: skip
+            A.native_layer_norm_backward(g, x, [4, 6], *A.native_layer_norm(x, [4, 6], None, None, 1e-5)[1:],
+                                         None, None, [True, False, False])[0],  # fmt: skip
+        ),
+        (lambda: randn(3, 4, 6, seed=3), lambda: randn(3, 4, 6, seed=4), lambda: randn(6, seed=5),
+         lambda: randn(6, seed=6)),  # fmt: skip
+    ),
     # a written-out softmax's gradient, as a training graph's backward (AOTAutograd) calls it
     "softmax_backward": Case(
         lambda g, x: (
