@@ -6,11 +6,13 @@ without a GPU the backend runs the graph through its fallback and says so once."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import logging
 import operator
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -246,6 +248,25 @@ def test_gpu_gpt2_small_forward_through_the_backend_matches_eager(tmp_path, monk
     assert len(flash) == 12, f"{len(flash)} of the 12 layers' attention ran on flash kernels"
 
 
+@contextlib.contextmanager
+def recorded_splits() -> Iterator[list[Any]]:
+    """The backend's :class:`SplitGraph`\ s made inside the block, in order (Dynamo reset first)."""
+    from cherenkov.search import dynamo
+
+    splits: list[Any] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        splits.append(split_supported(*args, **kwargs))
+        return splits[-1]
+
+    torch._dynamo.reset()
+    original, dynamo.split_supported = dynamo.split_supported, recording
+    try:
+        yield splits
+    finally:
+        dynamo.split_supported = original
+
+
 def _derived_regions(model: Any, monkeypatch, *args: Any, **kwargs: Any) -> list[Any]:
     """The derivations of ``model``'s regions under the backend's split (derived, not searched)."""
     derived = []
@@ -300,28 +321,17 @@ def test_training_an_eager_attention_through_the_backend_derives_flash_forward_a
     within bf16's rounding."""
     import copy
 
-    from cherenkov.search import dynamo
     from cherenkov.search.dynamo import compile_regions
 
     torch.manual_seed(0)
     real = real_modules.gpt2_blocks(layers=2, implementation="eager", dtype=torch.bfloat16)
     model, (x,) = real.module, real.inputs
     eager = copy.deepcopy(model)
-    splits = []
-
-    def recording(*args, **kwargs):
-        splits.append(split_supported(*args, **kwargs))
-        return splits[-1]
-
-    torch._dynamo.reset()
-    original, dynamo.split_supported = dynamo.split_supported, recording
-    try:
+    with recorded_splits() as splits:
         compiled = torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
         losses = [fn(x).float().square().mean() for fn in (compiled, eager)]
         for loss in losses:
             loss.backward()
-    finally:
-        dynamo.split_supported = original
     assert math.isclose(losses[0].item(), losses[1].item(), rel_tol=1e-2), losses
     gradients = [torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
                  for m in (model, eager)]  # fmt: skip
@@ -527,22 +537,13 @@ def test_training_through_the_backend_runs_forward_and_backward_regions_like_eag
     regions' float64 references)."""
     import copy
 
-    from cherenkov.search import dynamo
     from cherenkov.search.dynamo import compile_regions
 
     torch.manual_seed(0)
     model = real_modules.nanogpt_attention(dims=(32, 2, 16)).module if which == "nanogpt" else _SdpaBlock()
     eager = copy.deepcopy(model)
     x, target = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
-    splits = []
-
-    def recording(*args, **kwargs):
-        splits.append(split_supported(*args, **kwargs))
-        return splits[-1]
-
-    torch._dynamo.reset()
-    original, dynamo.split_supported = dynamo.split_supported, recording
-    try:
+    with recorded_splits() as splits:
         compiled = torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
         losses: dict[str, list[float]] = {"compiled": [], "eager": []}
         for fn, parameters, key in ((compiled, model.parameters(), "compiled"), (eager, eager.parameters(), "eager")):
@@ -553,8 +554,6 @@ def test_training_through_the_backend_runs_forward_and_backward_regions_like_eag
                 loss.backward()
                 optimiser.step()
                 losses[key].append(loss.item())
-    finally:
-        dynamo.split_supported = original
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses["compiled"], losses["eager"])), losses
     assert losses["eager"][-1] < losses["eager"][0]
     for p, q in zip(model.parameters(), eager.parameters()):
