@@ -11,7 +11,8 @@ times ``e``), through ``exp2(x·log2 e)`` (times ``ln 2·log2 e``), and through 
 3. the shift by the row maximum carries no gradient: ``Σ_j P∘(g − Σ_j P∘g) = 0``;
 4. ``rowsum(P∘dP) = rowsum(dO∘O)``: with ``dP = Σ_e dO·v``, the sums over keys and over the
    value dim swap and ``Σ_j P·v`` is the attention output ``O`` itself;
-5. ``P = e^{s − LSE(s)}``: the probabilities recomputed from the row's log-sum-exp;
+5. ``P = e^{s − LSE(s)}``: the probabilities recomputed from the row's log-sum-exp (a causal
+   mask added as a large finite negative, as transformers builds it, is the −∞ one there);
 6. ``dS = P∘(dP − D)`` over scores ``c·Σ_d q·k`` (causally masked, or plus a bias tensor) is
    ``AttentionDs``, and the three contractions of the backward stream over it:
    ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``;
@@ -43,6 +44,8 @@ shifted = ("Exp", ("Add", s, ("Neg", ("Max", "j:7", 7, s))))
 normaliser = ("Recip", ("Sum", "j:7", 7, shifted))
 probability = ("SoftmaxRow", "j:7", 7, s)
 scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", SCALE))
+# the additive causal mask transformers and PyTorch's cuDNN path build: a finite minimum, not −∞
+finite_causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -65536.0), ("Num", 0.0))
 
 # The scores of the three mask kinds: (suffix, score pattern, mask term, score example, mask example)
 MASKS = (
@@ -156,6 +159,15 @@ RULES = (
         example=Example(("Mul", ("Exp", s), ("Recip", ("Mul", ("Exp", ("Max", "j:7", 7, s)),
                                                          ("SoftmaxFoldL", "j:7", 7, s))))),
     ),  # fmt: skip
+    Rule(
+        "softmax-row-finite-causal-mask",
+        "softmax_j(s + where(i < j, m, 0)) = softmax_j(where(i < j, −∞, s)) for m ≤ −2¹⁵: each row keeps j = 0, "
+        "and e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
+        lhs="(SoftmaxRow j n (Add s (Where (Lt (Iota iq) (Iota (Ax j))) (Num m) (Num 0.0))))",
+        rhs="(SoftmaxRow j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) s))",
+        where=("(<= m -32768.0)",),
+        example=Example(("SoftmaxRow", "j:7", 7, ("Add", s, finite_causal))),
+    ),
     Rule(
         "masked-softmax-gradient",
         "where(m, 0, softmax_j(where(m, −∞, s))·y) = softmax_j(where(m, −∞, s))·y: a masked score's probability is 0",

@@ -345,13 +345,36 @@ def partition_recomputing_attention(joint: Any, joint_inputs: Sequence[Any], **k
     scores and probabilities are recomputed by the backward instead of saved: they are B·H·T·T
     tensors, and saving the softmax's output (which ``_softmax_backward_data`` reads) would make the
     forward write them, so that its attention could not be a flash kernel. Recomputed, they leave
-    the backward the whole attention gradient from q, k and v, which derives a flash backward."""
+    the backward the whole attention gradient from q, k and v, which derives a flash backward. What
+    they read that no input reaches (a causal mask built from position aranges) is recomputed too:
+    the backward folds it to a band as the forward does, where saved it would be a tensor of
+    unknown values there, a bias no flash backward reads."""
     from torch._functorch.partitioners import default_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
-    for node in written_out_attention_scores(joint.graph):
+    scores = written_out_attention_scores(joint.graph)
+    for node in [*scores, *_computed_from_constants(joint.graph, scores)]:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return default_partition(joint, joint_inputs, **kwargs)
+
+
+def _computed_from_constants(graph: Any, nodes: Sequence[Any]) -> list[Any]:
+    """The nodes of ``graph`` that ``nodes`` read (directly or through others), that no graph input
+    reaches and that compute the same value each call (:func:`_foldable`): a causal mask built from
+    position aranges."""
+    constant: set[Any] = set()
+    for node in graph.nodes:  # in order: a node's inputs first
+        if node.op == "get_attr" or (node.op == "call_function" and _foldable(node)
+                                     and all(n in constant for n in node.all_input_nodes)):  # fmt: skip
+            constant.add(node)
+    found: dict[Any, None] = {}
+    stack = [n for node in nodes for n in node.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node not in found and node.op == "call_function" and node in constant:
+            found[node] = None
+            stack.extend(node.all_input_nodes)
+    return list(found)
 
 
 def written_out_attention_scores(graph: Any) -> list[Any]:

@@ -311,36 +311,39 @@ def test_gpt2_on_its_eager_path_derives_causal_flash_attention_from_batched_prod
     assert {(p.causal, p.bias) for p in flash} == {(True, None)}
 
 
-def test_training_an_eager_attention_through_the_backend_derives_flash_forward_and_backward():
-    """Two transformers GPT-2 blocks on their eager attention path trained through the backend:
-    AOTAutograd's partition recomputes each attention's scores and probabilities in the backward
-    instead of saving them (what ``_softmax_backward_data`` reads), so the forward region plans a
-    flash attention per layer and the backward region, which holds the attention's gradient (the
-    softmax's, the layer norms' and the GELU's lowered), a flash backward per layer: one region
-    each way. The loss and gradients (the regions' float64 references on the CPU) are eager's
-    within bf16's rounding."""
+def test_training_a_gpt2_lm_through_the_backend_derives_flash_forward_and_backward():
+    """transformers' GPT-2 LM (eager attention, its causal mask built from position aranges, the
+    loss from labels) trained a step through the backend. AOTAutograd's partition recomputes each
+    attention's scores and probabilities in the backward instead of saving them (what
+    ``_softmax_backward_data`` reads), and the causal mask with them (it reads no input): the
+    backward folds it to a band as the forward does, its finite minimum is the causal mask there, and
+    each attention's gradient (the softmax's, the layer norms' and the GELU's lowered) derives a flash
+    backward. The forward's attentions are in one region, the backward's in one. Loss and gradients
+    (the regions' float64 references on the CPU) are eager's within bf16's rounding."""
     import copy
+
+    import transformers
 
     from cherenkov.search.dynamo import compile_regions
 
     torch.manual_seed(0)
-    real = real_modules.gpt2_blocks(layers=2, implementation="eager", dtype=torch.bfloat16)
-    model, (x,) = real.module, real.inputs
-    eager = copy.deepcopy(model)
+    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=128, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).eval().to(torch.bfloat16)  # eval: no dropout
+    eager, ids = copy.deepcopy(model), torch.randint(0, 128, (2, 64))
     with recorded_splits() as splits:
         compiled = torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
-        losses = [fn(x).float().square().mean() for fn in (compiled, eager)]
+        losses = [fn(ids, labels=ids, use_cache=False).loss for fn in (compiled, eager)]
         for loss in losses:
             loss.backward()
     assert math.isclose(losses[0].item(), losses[1].item(), rel_tol=1e-2), losses
     gradients = [torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
                  for m in (model, eager)]  # fmt: skip
     assert float((gradients[0] - gradients[1]).norm() / gradients[1].norm()) <= 2e-2
-    assert [len(split.compiled) for split in splits] == [1, 1], "one region forward, one backward"
-    forward, backward = (ck.derive(next(iter(split.compiled[0].prepared.values())).graph) for split in splits)
-    assert [k.kind for k in forward.kernels_for("sm_90a")].count("flash_attention") == 2
-    kinds = [k.kind for k in backward.kernels_for("sm_90a")]
-    assert kinds.count("flash_attention_backward") == 2 and "softmax_rows" not in kinds, kinds
+    regions = [[k.kind for k in ck.derive(prepared.graph).kernels_for("sm_90a")]
+               for split in splits for function in split.compiled for prepared in function.prepared.values()]  # fmt: skip
+    for form in ("flash_attention", "flash_attention_backward"):  # both layers' in one region
+        assert [kinds.count(form) for kinds in regions if form in kinds] == [2], regions
+    assert not any("softmax_rows" in kinds for kinds in regions), regions
 
 
 def test_llama_layers_derive_causal_bf16_flash_attention(monkeypatch):
