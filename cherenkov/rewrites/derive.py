@@ -156,6 +156,20 @@ def _size(egraph: egg.EGraph) -> tuple[int, int]:
     return len(classes), len(nodes)
 
 
+def _enode_count(egraph: egg.EGraph) -> int:
+    """E-nodes of the expression sorts, from the function tables' sizes (cheap: no serialisation)."""
+    sizes = egraph.parse_and_run_program("(print-size)")[-1].sizes
+    return sum(count for name, count in sizes if name in _EXPR_NAMES)
+
+
+_EXPR_NAMES = frozenset(c.name for c in EXPR_CONSTRUCTORS)
+
+
+def _holds(egraph: egg.EGraph, constructor: str) -> bool:
+    """Whether the e-graph holds an e-node of ``constructor``."""
+    return egraph.parse_and_run_program(f"(print-size {constructor})")[-1].size > 0
+
+
 @dataclass
 class Saturation:
     """An e-graph saturated from lowered terms: the program that built it, each root's
@@ -175,9 +189,10 @@ class Saturation:
 
 
 def saturate(lowered: Lowered, rulesets: tuple[Ruleset, ...], max_passes: int, max_enodes: int,
-             name: str) -> Saturation:  # fmt: skip
+             name: str, until: str | None = None) -> Saturation:  # fmt: skip
     """Run ``rulesets`` pass by pass on ``lowered``'s terms until a pass changes nothing,
-    ``max_passes`` ran or the e-graph holds over ``max_enodes`` e-nodes."""
+    ``max_passes`` ran, the e-graph holds over ``max_enodes`` e-nodes or (given ``until``) an
+    e-node of that constructor."""
     start = time.perf_counter()
     lets, roots = program_for(lowered)
     rules = "\n".join(r.egglog() for r in (*rulesets, SCHEDULE))
@@ -198,7 +213,9 @@ def saturate(lowered: Lowered, rulesets: tuple[Ruleset, ...], max_passes: int, m
         if not report.updated:
             saturated = True
             break
-        if _size(egraph)[1] > max_enodes:
+        if until is not None and _holds(egraph, until):
+            break
+        if _enode_count(egraph) > max_enodes:
             log.warning("derivation of %s stopped after %d passes: over %d e-nodes", name, passes, max_enodes)
             break
     program += "\n" + "\n".join([schedule] * passes)
@@ -451,17 +468,20 @@ class Derivation:
 
         Each trial saturates only the root whose extraction holds the form (its term reads
         the other roots as stored tensors): a whole model's layers are one graph, and
-        re-deriving all of them per trial made the ablation the bulk of a search."""
-        order = [r.name for ruleset in self.rulesets for r in ruleset.rules]
-        needed = sorted(self.first_pass, key=lambda r: (self.first_pass[r], order.index(r)))
+        re-deriving all of them per trial made the ablation the bulk of a search. A trial
+        stops once the form arises, and the ablation starts from the rules that fired before
+        it arose in a trial with them all: without the others those passes run the same."""
         if constructor not in TRACED_FORMS:
             return ()
         lowered = self._root_holding(constructor)
-        if not self._derives(lowered, constructor, needed):
+        with_all = self._trial(lowered, constructor, set(self.first_pass))
+        if not _holds(with_all.egraph, constructor):
             return ()
+        order = [r.name for ruleset in self.rulesets for r in ruleset.rules]
+        needed = sorted(with_all.first_pass, key=lambda r: (self.first_pass[r], order.index(r)))
         for rule in list(needed):
             trial = [r for r in needed if r != rule]
-            if self._derives(lowered, constructor, trial):
+            if _holds(self._trial(lowered, constructor, set(trial)).egraph, constructor):
                 needed = trial
         return tuple(needed)
 
@@ -477,12 +497,12 @@ class Derivation:
                                                outputs=(name,), inlined=inlined)  # fmt: skip
         return self.lowered
 
-    def _derives(self, lowered: Lowered, constructor: str, rules: list[str]) -> bool:
+    def _trial(self, lowered: Lowered, constructor: str, rules: set[str]) -> Saturation:
+        """``lowered`` saturated with ``rules`` alone, stopped once a ``constructor`` form arises."""
         subset = tuple(
             dataclasses.replace(r, rules=tuple(x for x in r.rules if x.name in rules)) for r in self.rulesets
         )
-        trial = saturate(lowered, subset, self.stats.iterations, MAX_ENODES, self.graph.name)
-        return bool(trial.forms_of(constructor))
+        return saturate(lowered, subset, self.stats.iterations, MAX_ENODES, self.graph.name, until=constructor)
 
     def evaluate(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run the fused kernels' float64 references in order: the derived program's value."""

@@ -269,13 +269,24 @@ def test_the_trace_ablation_saturates_only_the_root_holding_the_form(monkeypatch
     derivation = ck.derive(g)
     trials = []
     saturate = derive_module.saturate
-    def recording(lowered, *args):
+    def recording(lowered, *args, **kwargs):
         trials.append(set(lowered.roots))
-        return saturate(lowered, *args)
+        return saturate(lowered, *args, **kwargs)
 
     monkeypatch.setattr(derive_module, "saturate", recording)
     assert derivation.trace == ck.derive(attention_graph(textbook)).trace
     assert trials and all(len(roots) == 1 for roots in trials), trials
+
+
+def test_a_saturation_until_a_form_stops_in_the_pass_the_form_arises() -> None:
+    """The ablation's trials stop once the form arises: in that pass, not before, not after."""
+    from cherenkov.rewrites.derive import MAX_ENODES, saturate
+
+    d = ck.derive(attention_graph(textbook))
+    stopped = saturate(d.lowered, d.rulesets, d.stats.iterations, MAX_ENODES, "t", until="FlashAttention")
+    assert stopped.forms_of("FlashAttention") and stopped.stats.iterations < d.stats.iterations
+    earlier = saturate(d.lowered, d.rulesets, stopped.stats.iterations - 1, MAX_ENODES, "t")
+    assert not earlier.forms_of("FlashAttention")
 
 
 def test_softmax_rows_are_one_fused_kernel() -> None:
