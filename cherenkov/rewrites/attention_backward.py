@@ -90,32 +90,37 @@ def _attention_key(form: GradientForm) -> tuple:
 
 
 def joined_backward(kernels: list[FusedKernel]) -> list[FusedKernel]:
-    """The backward kernels of one attention as one kernel, in the place of the last of them,
-    the others its side outputs (in ``GRADIENT_ROLES`` order) — where no kernel between them
-    reads one of their outputs; every other kernel as it is."""
-    groups: dict[tuple, list[int]] = {}
-    for position, kernel in enumerate(kernels):
+    """The backward kernels of one attention as one kernel, in the place of the last of them, the
+    others its side outputs (in ``GRADIENT_ROLES`` order). The kernels between them that read one
+    of their outputs, directly or through one another (RoPE's backward of dk, before dq's forms),
+    move after the joined kernel — unless one of the forms reads them, which leaves the forms
+    apart; every other kernel stays as it is."""
+    groups: dict[tuple, list[FusedKernel]] = {}
+    for kernel in kernels:
         if kernel.kind == "flash_attention_backward" and kernel.term == kernel.core:
-            groups.setdefault(_attention_key(gradient_form(kernel.core)), []).append(position)
-    result: list[FusedKernel | None] = list(kernels)
-    for positions in groups.values():
-        if len(positions) < 2:
+            groups.setdefault(_attention_key(gradient_form(kernel.core)), []).append(kernel)
+    result = list(kernels)
+    for members in groups.values():
+        if len(members) < 2:
             continue
-        members = [kernels[p] for p in positions]
-        names = {m.output for m in members}
-        between = kernels[positions[0] + 1 : positions[-1]]
-        if any(names & set(k.reads) for k in between if k not in members):
+        positions = [next(p for p, k in enumerate(result) if k is m) for m in members]
+        written, moved, moved_outputs = {m.output for m in members}, [], set()
+        for kernel in result[positions[0] + 1 : positions[-1]]:
+            if all(kernel is not m for m in members) and (written | moved_outputs) & set(kernel.reads):
+                moved.append(kernel)
+                moved_outputs |= {kernel.output, *(side.output for side in kernel.side_outputs)}
+        if any(moved_outputs & set(m.reads) for m in members):
             continue
-        members.sort(key=lambda m: GRADIENT_ROLES.index(gradient_form(m.core).role))
-        first, rest = members[0], members[1:]
+        ordered = sorted(members, key=lambda m: GRADIENT_ROLES.index(gradient_form(m.core).role))
+        first, rest = ordered[0], ordered[1:]
         reads = tuple(sorted({name for m in members for name in m.reads}))
         sides = tuple(SideOutput(m.output, m.term, m.axes) for m in rest)
-        trace = tuple(dict.fromkeys(rule for m in members for rule in m.trace))
+        trace = tuple(dict.fromkeys(rule for m in ordered for rule in m.trace))
         joined = replace(first, reads=reads, side_outputs=sides, trace=trace)
-        for p in positions:
-            result[p] = None
-        result[positions[-1]] = joined
-    return [k for k in result if k is not None]
+        between = [k for k in result[positions[0] : positions[-1]]
+                   if all(k is not x for x in (*members, *moved))]  # fmt: skip
+        result = [*result[: positions[0]], *between, joined, *moved, *result[positions[-1] + 1 :]]
+    return result
 
 
 def gradient_head_dim(form: Term) -> str | None:

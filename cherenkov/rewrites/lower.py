@@ -461,8 +461,8 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
     nothing else (no input either: in a backward graph of its own, AOTAutograd's, q is an input,
     and the product of the score gradient with it is dk), one that reads a recomputed one element
     by element at its own indices (a score gradient from stored probabilities), and one that a
-    recomputed one reads so (the scores under the exponential). Last, a gradient per query head whose one reader only sums it over the GQA
-    group (the grouped form is derived where the sum reads it). One that reduces a recomputed
+    recomputed one reads so (the scores under the exponential). Last, a gradient per query head that its readers only sum over the GQA group
+    (the grouped form is derived where each sum reads it). One that reduces a recomputed
     intermediate together with another tensor (attention's output, read by the output
     projection's gradient; q's gradient, read by the concatenation into the projection's) is what
     a streaming form computes: it stays a read, as does every other intermediate."""
@@ -476,12 +476,18 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
             if s[0] == "Tensor" and s[1] in reads:
                 readers.setdefault(s[1], set()).add(reader)
 
-    def summed_by_its_reader(name: str) -> bool:
-        """Whether one root reads ``name``, and that root is a plain sum of it over one axis."""
-        if len(readers.get(name, ())) != 1:
-            return False
-        term = roots[next(iter(readers[name]))]
-        return term[0] == "Sum" and term[3][0] == "Tensor" and term[3][1] == name
+    def summed_by_its_readers(name: str) -> bool:
+        """Whether the roots that read ``name`` read it only as the body of a sum over one axis (a
+        GQA group's): the one root that sums it, or those that sum it again where they read it
+        twice (RoPE's backward, a product with the cosines and one with the sines)."""
+        for reader in readers.get(name) or ():
+            term = roots[reader]
+            sums = [s for s in subterms[reader] if s[0] == "Sum" and s[3][0] == "Tensor" and s[3][1] == name]
+            for summed in sums:
+                term = t.replace(term, summed, ("Num", 0.0))
+            if not sums or any(s[0] == "Tensor" and s[1] == name for s in t.subterms(term)):
+                return False
+        return bool(readers.get(name))
 
     def at_own_indices(reader: str, read: Term) -> bool:
         return t.free_axes(read) <= set(axes[reader])
@@ -516,7 +522,7 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
         if not grown:
             break
         recomputed |= grown
-    grouped = {name for name in order if name not in recomputed and summed_by_its_reader(name)
+    grouped = {name for name in order if name not in recomputed and summed_by_its_readers(name)
                and any(s[1] in recomputed for s in reads[name])}  # fmt: skip
     chosen = [name for name in order if name in recomputed | grouped]
     tensors = {name: {s[1] for s in parts if s[0] == "Tensor"} for name, parts in subterms.items()}

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import cherenkov as ck
@@ -311,25 +312,40 @@ def test_gpt2_on_its_eager_path_derives_causal_flash_attention_from_batched_prod
     assert {(p.causal, p.bias) for p in flash} == {(True, None)}
 
 
-def test_training_a_gpt2_lm_through_the_backend_derives_flash_forward_and_backward():
-    """transformers' GPT-2 LM (eager attention, its causal mask built from position aranges, the
-    loss from labels) trained a step through the backend. AOTAutograd's partition recomputes each
-    attention's scores and probabilities in the backward instead of saving them (what
-    ``_softmax_backward_data`` reads), and the causal mask with them (it reads no input): the
-    backward folds it to a band as the forward does, its finite minimum is the causal mask there, and
-    each attention's gradient (the softmax's, the layer norms' and the GELU's lowered) derives a flash
-    backward. The forward's attentions are in one region, the backward's in one. Loss and gradients
-    (the regions' float64 references on the CPU) are eager's within bf16's rounding."""
-    import copy
-
+def _eager_lm(name: str) -> tuple[Any, Any]:
+    """A small transformers LM on its eager attention path (bf16, eval: no dropout) and token ids:
+    GPT-2 (2 heads of 64) or Llama (GQA: 4 query heads, 2 K/V heads of 32; RoPE)."""
     import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=128, attn_implementation="eager")
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=128,
+                                          attn_implementation="eager")  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    return model.eval().to(torch.bfloat16), torch.randint(0, 128, (2, 64))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_training_an_eager_lm_through_the_backend_derives_flash_forward_and_backward(name: str):
+    """transformers' GPT-2 and Llama LMs (eager attention, the causal mask built from position
+    aranges, the loss from labels) trained a step through the backend. AOTAutograd's partition
+    recomputes each attention's scores and probabilities in the backward instead of saving them
+    (what ``_softmax_backward_data`` reads), and the causal mask with them (it reads no input): the
+    backward folds it to a band as the forward does, its finite minimum is the causal mask there, and
+    each attention's gradient derives a flash backward — Llama's with dk and dv summed over the GQA
+    group, read twice by RoPE's backward. The forward's attentions are in one region, the backward's
+    in one. Loss and gradients (the regions' float64 references on the CPU) are eager's within
+    bf16's rounding."""
+    import copy
 
     from cherenkov.search.dynamo import compile_regions
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=128, attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(config).eval().to(torch.bfloat16)  # eval: no dropout
-    eager, ids = copy.deepcopy(model), torch.randint(0, 128, (2, 64))
+    model, ids = _eager_lm(name)
+    eager = copy.deepcopy(model)
     with recorded_splits() as splits:
         compiled = torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
         losses = [fn(ids, labels=ids, use_cache=False).loss for fn in (compiled, eager)]
@@ -339,11 +355,20 @@ def test_training_a_gpt2_lm_through_the_backend_derives_flash_forward_and_backwa
     gradients = [torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
                  for m in (model, eager)]  # fmt: skip
     assert float((gradients[0] - gradients[1]).norm() / gradients[1].norm()) <= 2e-2
-    regions = [[k.kind for k in ck.derive(prepared.graph).kernels_for("sm_90a")]
-               for split in splits for function in split.compiled for prepared in function.prepared.values()]  # fmt: skip
+    graphs = [prepared.graph for split in splits for function in split.compiled
+              for prepared in function.prepared.values()]  # fmt: skip
+    derived = [ck.derive(graph) for graph in graphs]
+    regions = [[k.kind for k in d.kernels_for("sm_90a")] for d in derived]
     for form in ("flash_attention", "flash_attention_backward"):  # both layers' in one region
         assert [kinds.count(form) for kinds in regions if form in kinds] == [2], regions
     assert not any("softmax_rows" in kinds for kinds in regions), regions
+    # the backward's derived program (its fused forms keep in fp32 what the graph rounds to bf16)
+    graph, d = next((g, d) for g, d, kinds in zip(graphs, derived, regions) if "flash_attention_backward" in kinds)
+    rng = np.random.default_rng(0)
+    inputs = {name: rng.standard_normal(x.shape) for name, x in graph.inputs.items()}
+    expected, got = ck.evaluate(graph, inputs), ck.evaluate(d, inputs)
+    for output in expected:
+        assert np.linalg.norm(got[output] - expected[output]) <= 2e-2 * np.linalg.norm(expected[output]), output
 
 
 def test_llama_layers_derive_causal_bf16_flash_attention(monkeypatch):
