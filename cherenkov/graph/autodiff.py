@@ -70,22 +70,26 @@ def grad(graph: Graph, wrt: Iterable[str], saved: Iterable[str] = (), outputs: I
     return _Backward(graph).run(names, differentiated, kept)
 
 
-def vjp(fn: Callable[..., Tensor], primals: Sequence[Tensor], cotangent: Tensor) -> list[Tensor]:
+def vjp(fn: Callable[..., Tensor], primals: Sequence[Tensor], cotangent: Tensor,
+        constants: Sequence[Tensor] = ()) -> list[Tensor]:  # fmt: skip
     """The vector-Jacobian product of ``fn`` at ``primals`` with ``cotangent`` (tensors of one
     graph), as primitives added to that graph: ``fn`` is applied to the inputs of a scratch
     graph, differentiated by :func:`grad`, and the gradient graph copied in with its inputs
-    bound to the primals and the cotangent. One gradient a primal, of its shape and dtype."""
+    bound to the primals and the cotangent. One gradient a primal, of its shape and dtype.
+    ``constants`` (tensors of the same graph) are ``fn``'s further arguments, not differentiated."""
     graph = cotangent.graph
-    if any(p.graph is not graph for p in primals):
-        raise GraphError("vjp: the primals and the cotangent must be tensors of one graph")
+    if any(p.graph is not graph for p in (*primals, *constants)):
+        raise GraphError("vjp: the primals, constants and the cotangent must be tensors of one graph")
     scratch = Graph("vjp")
     names = [f"x{i}" for i in range(len(primals))]
-    output = fn(*(scratch.input(n, p.shape, p.dtype) for n, p in zip(names, primals)))
+    fixed = [f"c{i}" for i in range(len(constants))]
+    arguments = [scratch.input(n, p.shape, p.dtype) for n, p in zip([*names, *fixed], [*primals, *constants])]
+    output = fn(*arguments)
     if output.shape != cotangent.shape:
         raise GraphError(f"vjp: the cotangent's shape {cotangent.shape} is not the output's {output.shape}")
     scratch.output(output, "y")
     gradient = grad(scratch, wrt=names)
-    bound = {**dict(zip(names, primals)), "d_y": cotangent.cast(output.dtype)}
+    bound = {**dict(zip(names, primals)), **dict(zip(fixed, constants)), "d_y": cotangent.cast(output.dtype)}
     copied: dict[int, Tensor] = {}
     for index, node in enumerate(gradient.nodes):
         if node.op == "input":

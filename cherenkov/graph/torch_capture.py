@@ -227,25 +227,37 @@ def lowers(target: Any) -> bool:
 
 def lowers_node(node: Any) -> bool:
     """Whether ``from_torch`` lowers this node of an ATen-level FX graph: a call of an op it
-    :func:`lowers`, where a ``getitem`` of an SDPA kernel takes its attention output (the
-    only one lowered) and the kernel has no other output read (a training graph's forward
-    keeps its log-sum-exp for the backward: that kernel stays an ATen op)."""
+    :func:`lowers`, where a ``getitem`` of an SDPA kernel takes its attention output or its
+    log-sum-exp (a training graph's forward keeps it for the backward) where that has the rows'
+    shape, and the kernel has no other output read."""
     if node.op != "call_function" or not lowers(node.target):
         return False
     if node.target is operator.getitem:
-        return not _is_sdpa_kernel(node.args[0]) or node.args[1] == 0
-    if _is_sdpa_kernel(node):  # its other outputs (the log-sum-exp a backward reads) are not lowered
-        return all(user.target is operator.getitem and (user.args[1] == 0 or not user.users) for user in node.users)
+        return not is_sdpa_kernel(node.args[0]) or node.args[1] == 0 or (
+            node.args[1] == 1 and _lowered_statistics(node.args[0]))
+    if is_sdpa_kernel(node):  # its attention and log-sum-exp (a backward reads it), without dropout
+        lowered = (0, 1) if _lowered_statistics(node) else (0,)
+        return not _schema_arguments(node).get("dropout_p") and all(
+            user.target is operator.getitem and (user.args[1] in lowered or not user.users) for user in node.users)
     if node.target._schema.name.removeprefix("aten::") in SDPA_BACKWARD_KERNELS:
         return _plain_sdpa_backward(node)
     return True
 
 
-def _plain_sdpa_backward(node: Any) -> bool:
-    """Whether an SDPA backward kernel's call has no mask, no dropout and no packed sequences."""
+def sdpa_backward_mask(node: Any) -> Any:
+    """The mask argument (``attn_mask`` or ``attn_bias``) of an SDPA backward kernel's call, or None
+    (also for any other node)."""
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    if schema is None or schema.name.removeprefix("aten::") not in SDPA_BACKWARD_KERNELS:
+        return None
     arguments = _schema_arguments(node)
-    masked = arguments.get("attn_mask") is not None or arguments.get("attn_bias") is not None
-    return not masked and not arguments.get("dropout_p") and not _packed(arguments.get("cum_seq_q"))
+    return arguments.get("attn_mask") if arguments.get("attn_mask") is not None else arguments.get("attn_bias")
+
+
+def _plain_sdpa_backward(node: Any) -> bool:
+    """Whether an SDPA backward kernel's call has no dropout and no packed sequences."""
+    arguments = _schema_arguments(node)
+    return not arguments.get("dropout_p") and not _packed(arguments.get("cum_seq_q"))
 
 
 def _packed(cumulative: Any) -> bool:
@@ -266,7 +278,8 @@ def _schema_arguments(node: Any) -> dict[str, Any]:
     return arguments
 
 
-def _is_sdpa_kernel(node: Any) -> bool:
+def is_sdpa_kernel(node: Any) -> bool:
+    """Whether an FX node calls one of the kernels SDPA dispatches to (:data:`SDPA_KERNELS`)."""
     schema = getattr(getattr(node, "target", None), "_schema", None)
     return schema is not None and schema.name.removeprefix("aten::") in SDPA_KERNELS
 
@@ -881,22 +894,36 @@ def _sdpa(c: _Capture, a: dict[str, Any]) -> Any:
             "even in eval mode); pass dropout_p=0.0 when not training"
         )
     q, k, v = c.t(a["query"]), c.t(a["key"]), c.t(a["value"])
-    causal, scale, raw_mask = bool(a.get("is_causal")), a.get("scale"), a.get("attn_mask")
+    return _sdpa_of(c, q, k, v, a.get("attn_mask"), bool(a.get("is_causal")), a.get("scale"))
+
+
+def _sdpa_of(c: _Capture, q: Tensor, k: Tensor, v: Tensor, raw_mask: Any, causal: bool, scale: float | None,
+             return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """SDPA's attention of ``q``, ``k``, ``v`` under ``raw_mask`` (None, a band, a bool or an additive
+    tensor) or ``causal``; ``return_lse``: with its rows' log-sum-exp of the scaled, masked scores
+    (fp32, ``(..., heads, seq_q)``), the statistic SDPA's kernels save for their backward."""
     if raw_mask is None:
-        return cknn.attention(q, k, v, causal=causal, scale=scale)
+        return cknn.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
     if causal:
         raise GraphError("scaled_dot_product_attention: attn_mask and is_causal=True together are invalid in torch too")
+    every_row = isinstance(raw_mask, _Band) and _attends_in_every_row(raw_mask)
+    return _masked_attention(q, k, v, c.t(raw_mask), scale, every_row, return_lse)
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None, every_row: bool,
+                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """SDPA's attention under a bool or additive ``mask`` tensor (see :func:`_sdpa_of`); a row the
+    mask hides entirely gives zeros, as torch's safe softmax does, unless ``every_row`` attends."""
     if q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3]:
         groups = q.shape[-3] // k.shape[-3]
         k, v = cknn.repeat_kv_heads(k, groups), cknn.repeat_kv_heads(v, groups)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    mask = c.t(raw_mask)
     scores = where(mask, scores, -math.inf) if mask.dtype == "bool" else scores + mask
     attended = cknn.softmax(scores, axis=-1)
-    if not (isinstance(raw_mask, _Band) and _attends_in_every_row(raw_mask)):
-        # torch gives a row the mask hides entirely zeros (its softmax is "safe"), not NaN
+    if not every_row:
         attended = where(scores.max(axis=-1, keepdim=True) > -math.inf, attended, 0.0)
-    return attended @ v
+    out = attended @ v
+    return (out, cknn.logsumexp(scores, axis=-1).cast("fp32")) if return_lse else out
 
 
 SDPA_KERNELS = frozenset({
@@ -904,19 +931,40 @@ SDPA_KERNELS = frozenset({
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
 })  # fmt: skip
 """The kernels SDPA dispatches to, which an ATen-level trace (``make_fx``) records instead of
-``scaled_dot_product_attention``: only their first output (the attention) is lowered."""
+``scaled_dot_product_attention``: their attention output is lowered, and their log-sum-exp where
+it has the rows' shape (a training graph's forward saves it for the backward)."""
 
 
 @_op(*SDPA_KERNELS)
 def _sdpa_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     """An SDPA backend kernel: its attention output, lowered as ``scaled_dot_product_attention``
-    with the kernel's mask (``attn_mask`` or ``attn_bias``); its other outputs (log-sum-exp,
-    RNG state, debug mask) are ``None``, and :func:`lowers_node` keeps them out of captures."""
+    with the kernel's mask (``attn_mask`` or ``attn_bias``), and its log-sum-exp where it is read;
+    its other outputs (RNG state, debug mask) are ``None``, and :func:`lowers_node` keeps them out
+    of captures."""
+    if a.get("dropout_p"):
+        raise GraphError(f"{c.base}: dropout_p={a['dropout_p']} is random; cherenkov lowers SDPA without dropout")
     mask = a.get("attn_mask") if a.get("attn_mask") is not None else a.get("attn_bias")
-    attention = _sdpa(c, {"query": a["query"], "key": a["key"], "value": a["value"], "attn_mask": mask,
-                          "dropout_p": a.get("dropout_p"), "is_causal": a.get("is_causal"),
-                          "scale": a.get("scale")})  # fmt: skip
-    return (attention,) + (None,) * (len(c.node.meta["val"]) - 1)
+    q, k, v = c.t(a["query"]), c.t(a["key"]), c.t(a["value"])
+    outputs = len(c.node.meta["val"])
+    if not _reads_sdpa_statistics(c.node):
+        return (_sdpa_of(c, q, k, v, mask, bool(a.get("is_causal")), a.get("scale")),) + (None,) * (outputs - 1)
+    attention, lse = _sdpa_of(c, q, k, v, mask, bool(a.get("is_causal")), a.get("scale"), return_lse=True)
+    return (attention, lse) + (None,) * (outputs - 2)
+
+
+def _reads_sdpa_statistics(node: Any) -> bool:
+    """Whether a graph reads an SDPA kernel's second output, its log-sum-exp."""
+    return any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in node.users)
+
+
+def _lowered_statistics(node: Any) -> bool:
+    """Whether an SDPA kernel's log-sum-exp is what :func:`_sdpa_of` computes: fp32 rows of the
+    attention's shape less its head dim (FlashAttention-2's and the CPU kernel's; the efficient
+    kernel pads its rows, cuDNN's has an axis more)."""
+    import torch
+
+    out, lse = node.meta["val"][:2]
+    return lse is not None and tuple(lse.shape) == tuple(out.shape[:-1]) and lse.dtype == torch.float32
 
 
 SDPA_BACKWARD_KERNELS = frozenset({
@@ -924,31 +972,37 @@ SDPA_BACKWARD_KERNELS = frozenset({
     "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
 })  # fmt: skip
 """The backward kernels of :data:`SDPA_KERNELS`, which a training graph's backward (AOTAutograd)
-records: lowered without a mask or dropout (:func:`lowers_node`)."""
+records: lowered without dropout or packed sequences (:func:`lowers_node`)."""
 
 
 @_op(*SDPA_BACKWARD_KERNELS)
 def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     """An SDPA backend kernel's backward: the gradients of q, k and v as ``ck.grad`` writes them
-    (the attention's vector-Jacobian product, recomputed from q, k and v), so the derivation fuses
-    them into a flash backward. The forward's output and log-sum-exp, where the graph reads them
-    as inputs of the attention's own shapes (fp32 rows, as FlashAttention-2's and the CPU kernel's),
-    are declared saved inputs holding those values: the backward may read them instead of running
-    the forward again. The graph is marked a gradient graph (the derivation then looks through its
-    intermediates)."""
+    (the attention's vector-Jacobian product, recomputed from q, k and v, under the kernel's mask),
+    so the derivation fuses them into a flash backward. The forward's output and log-sum-exp, where
+    the graph reads them as inputs of the attention's own shapes (fp32 rows, as FlashAttention-2's
+    and the CPU kernel's), are declared saved inputs holding those values: the backward may read
+    them instead of running the forward again. The graph is marked a gradient graph (the derivation
+    then looks through its intermediates)."""
     if not _plain_sdpa_backward(c.node):
-        raise GraphError("an SDPA backward is lowered without a mask, dropout or packed sequences only")
+        raise GraphError("an SDPA backward is lowered without dropout or packed sequences only")
     grad_out = c.t(a["grad_out"] if "grad_out" in a else a["grad_out_"])
     q, k, v = (c.t(a[name]) for name in ("query", "key", "value"))
+    mask = a.get("attn_mask") if a.get("attn_mask") is not None else a.get("attn_bias")
     causal, scale = bool(a.get("is_causal")), a.get("scale")
-    gradients = vjp(lambda q, k, v: cknn.attention(q, k, v, causal=causal, scale=scale), (q, k, v), grad_out)
+    if mask is None:
+        gradients = vjp(lambda q, k, v: cknn.attention(q, k, v, causal=causal, scale=scale), (q, k, v), grad_out)
+    else:  # the mask read as it is, not differentiated
+        every_row = isinstance(mask, _Band) and _attends_in_every_row(mask)
+        gradients = vjp(lambda q, k, v, m: _masked_attention(q, k, v, m, scale, every_row), (q, k, v), grad_out,
+                        constants=(c.t(mask),))  # fmt: skip
     c.g.is_gradient = True
-    _declare_saved_statistics(c, a, q, k, v, causal, scale)
+    _declare_saved_statistics(c, a, q, k, v, mask, causal, scale)
     return (*gradients, *(None,) * (len(c.node.meta["val"]) - 3))
 
 
-def _declare_saved_statistics(c: _Capture, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                              scale: float | None) -> None:  # fmt: skip
+def _declare_saved_statistics(c: _Capture, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, mask: Any,
+                              causal: bool, scale: float | None) -> None:  # fmt: skip
     """Mark an SDPA backward's ``out`` and ``logsumexp`` arguments saved inputs holding the attention's
     output and log-sum-exp, where both are graph inputs of exactly those shapes and dtypes."""
     out, lse = a.get("out"), a.get("logsumexp")
@@ -956,7 +1010,7 @@ def _declare_saved_statistics(c: _Capture, a: dict[str, Any], q: Tensor, k: Tens
         return
     if any(x.node.attrs[0] in c.g.saved for x in (out, lse)):
         return
-    o_value, lse_value = cknn.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    o_value, lse_value = _sdpa_of(c, q, k, v, mask, causal, scale, return_lse=True)
     if (out.shape, out.dtype, lse.shape, lse.dtype) == (o_value.shape, o_value.dtype, lse_value.shape, lse_value.dtype):
         c.g.mark_saved(out, o_value)
         c.g.mark_saved(lse, lse_value)

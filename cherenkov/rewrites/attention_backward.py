@@ -31,6 +31,7 @@ from cherenkov.rewrites.kernels import (
     lse_as_flash,
     lse_output,
     query_axis_roles,
+    scale_key,
 )
 from cherenkov.rewrites.plan import AttentionProblem, OperandLayout
 from cherenkov.rewrites.plan_backward import GRADIENT_ROLES, AttentionBackwardProblem, GradientOutput, SavedStatistics
@@ -86,7 +87,7 @@ def _tensor_name(term: Term | None) -> str | None:
 def _attention_key(form: GradientForm) -> tuple:
     """What the forms of one attention share: the tensors q, k and dO are read from, the scale
     and the kind of mask."""
-    return _tensor_name(form.q), _tensor_name(form.k), _tensor_name(form.grad_output), form.scale, form.mask[0]
+    return _tensor_name(form.q), _tensor_name(form.k), _tensor_name(form.grad_output), scale_key(form.scale), form.mask[0]
 
 
 def joined_backward(kernels: list[FusedKernel]) -> list[FusedKernel]:
@@ -263,7 +264,7 @@ class SavedAttention:
 def _without_output(a: AttentionProblem, values: bool = True) -> tuple:
     """What an attention computes apart from where its output goes (``values=False``: its scores alone)."""
     reads = tuple(a.layout(role) for role in (("q", "k", "v") if values else ("q", "k")))
-    kept = replace(a, out="", layouts=(), out_dtype="")
+    kept = replace(a, out="", layouts=(), out_dtype="", scale=scale_key(a.scale))
     return replace(kept, v="", value_dim=0) if not values else kept, reads
 
 

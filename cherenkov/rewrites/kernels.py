@@ -522,6 +522,12 @@ def partition(extracted: Mapping[str, Term], lowered: Lowered) -> list[FusedKern
 # ------------------------------------------------------------------ a flash kernel's log-sum-exp
 
 
+def scale_key(scale: float) -> float:
+    """An attention's scale as its kernels compare it: to 13 significant digits (its spellings differ
+    in the last bits where a rule folded log2 e into it and out again)."""
+    return float(f"{scale:.13g}")
+
+
 def _scores_key(form: Term) -> tuple:
     """What a ``FlashAttention`` or ``AttentionLse`` form's scores are, whatever its binders call the
     key and head axes: the q and k reads (either order), the scale and the mask."""
@@ -532,7 +538,7 @@ def _scores_key(form: Term) -> tuple:
     def renamed(term: Term) -> Term:
         return t.replace(t.replace(term, t.ax(key), t.ax("#key")), t.ax(dim), t.ax("#dim"))
 
-    return frozenset((renamed(q), renamed(k))), scale, renamed(mask)
+    return frozenset((renamed(q), renamed(k))), scale_key(scale), renamed(mask)
 
 
 def joined_statistics(kernels: list[FusedKernel]) -> list[FusedKernel]:

@@ -109,6 +109,15 @@ RULES = (
         example=Example(("OnlineSoftmaxContract", "j:7", 7, ("Add", scores, finite_causal), v)),
     ),
     Rule(
+        "logsumexp-finite-causal-mask",
+        "LSE_j(s + where(i < j, m, 0)) = LSE_j(where(i < j, −∞, s)) for m ≤ −2¹⁵: each row keeps j = 0, and "
+        "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
+        lhs="(LogSumExp j n (Add s (Where (Lt (Iota iq) (Iota (Ax j))) (Num m) (Num 0.0))))",
+        rhs="(LogSumExp j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) s))",
+        where=("(<= m -32768.0)",),
+        example=Example(("LogSumExp", "j:7", 7, ("Add", scores, finite_causal))),
+    ),
+    Rule(
         "flash-attention-bias",
         "Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for a stored tensor b",
         lhs="(OnlineSoftmaxContract j n (Add (Mul (Contract d nd q k) (Num c)) (Tensor b bix)) v)",

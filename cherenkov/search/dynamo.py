@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cherenkov.graph.errors import GraphError
-from cherenkov.graph.torch_capture import is_band, lowers_node, takes_as_input
+from cherenkov.graph.torch_capture import is_band, is_sdpa_kernel, lowers_node, sdpa_backward_mask, takes_as_input
 from cherenkov.search.compiled import CompiledFunction, example_tensor
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,11 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
 
     class Lowerable(OperatorSupport):
         def is_node_supported(self, submodules: Any, node: Any) -> bool:
-            return lowers_node(node) and _graph_holds(node)
+            # an SDPA backward under a mask other than a folded band (a padding mask: a bias) stays
+            # torch's fused kernel: no flash backward reads a bias, and unfused it writes the scores
+            mask = sdpa_backward_mask(node)
+            banded = mask is None or getattr(mask, "target", None) in bands
+            return lowers_node(node) and _graph_holds(node) and banded
 
     aten = _drop_empty_concatenations(_aten_graph(gm, example_inputs))
     bands = _folded_bands(aten)
@@ -345,15 +349,18 @@ def partition_recomputing_attention(joint: Any, joint_inputs: Sequence[Any], **k
     scores and probabilities are recomputed by the backward instead of saved: they are B·H·T·T
     tensors, and saving the softmax's output (which ``_softmax_backward_data`` reads) would make the
     forward write them, so that its attention could not be a flash kernel. Recomputed, they leave
-    the backward the whole attention gradient from q, k and v, which derives a flash backward. What
-    they read that no input reaches (a causal mask built from position aranges) is recomputed too:
-    the backward folds it to a band as the forward does, where saved it would be a tensor of
-    unknown values there, a bias no flash backward reads."""
+    the backward the whole attention gradient from q, k and v, which derives a flash backward. An
+    SDPA kernel's q, k and v layouts are recomputed as well (saved, GQA's K/V heads repeated per query
+    head would reach the backward as K/V of as many heads as q). What they, or an SDPA kernel, read
+    that no input reaches (a causal mask built from position aranges) is recomputed too: the backward
+    folds it to a band as the forward does, where saved it would be a tensor of unknown values
+    there, a bias no flash backward reads."""
     from torch._functorch.partitioners import default_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
-    scores = written_out_attention_scores(joint.graph)
-    for node in [*scores, *_computed_from_constants(joint.graph, scores)]:
+    recomputed = recomputed_attention_nodes(joint.graph)
+    kernels = [node for node in joint.graph.nodes if is_sdpa_kernel(node)]
+    for node in [*recomputed, *_computed_from_constants(joint.graph, [*recomputed, *kernels])]:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return default_partition(joint, joint_inputs, **kwargs)
 
@@ -377,12 +384,13 @@ def _computed_from_constants(graph: Any, nodes: Sequence[Any]) -> list[Any]:
     return list(found)
 
 
-def written_out_attention_scores(graph: Any) -> list[Any]:
+def recomputed_attention_nodes(graph: Any) -> list[Any]:
     """Per softmax along the last axis of a training graph's forward (AOTAutograd's joint graph, whose
     backward reads the outputs' gradients, ``tangents_*``): the nodes from the product of q and k that
     makes its scores (with the pointwise work between, a scale or a mask) to its probabilities and
     their views, up to the product with v, and the data moves that lay q, k and v out for the two
-    products (an ATen trace's copies of them with batch and heads merged)."""
+    products (an ATen trace's copies of them with batch and heads merged); per SDPA kernel, the data
+    moves that lay its q, k and v out (GQA's K/V heads repeated for each query head)."""
     import torch
 
     def name(node: Any) -> str:
@@ -397,6 +405,14 @@ def written_out_attention_scores(graph: Any) -> list[Any]:
         return isinstance(node, torch.fx.Node) and node.op == "call_function" and node not in backward
 
     found: dict[Any, None] = {}
+
+    def laid_out(operands: list[Any]) -> None:  # q, k and v laid out for the products
+        while operands:
+            node = operands.pop()
+            if computed(node) and name(node) in DATA_MOVES and node not in found:
+                found[node] = None
+                operands.extend(node.all_input_nodes)
+
     for softmax in graph.nodes:
         if not computed(softmax) or name(softmax) not in ("_softmax", "_safe_softmax"):
             continue
@@ -423,10 +439,9 @@ def written_out_attention_scores(graph: Any) -> list[Any]:
             elif computed(node) and name(node) in DATA_MOVES and node not in found:
                 found[node] = None
                 readers.extend(node.users)
-        while operands:  # q, k and v laid out for the products
-            node = operands.pop()
-            if computed(node) and name(node) in DATA_MOVES and node not in found:
-                found[node] = None
-                operands.extend(node.all_input_nodes)
+        laid_out(operands)
+    for kernel in graph.nodes:
+        if computed(kernel) and is_sdpa_kernel(kernel):
+            laid_out(list(kernel.args[:3]))
     return list(found)
 

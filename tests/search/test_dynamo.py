@@ -112,30 +112,63 @@ def test_gpu_backend_runs_the_lowered_regions_with_searched_kernels(tmp_path):
     assert float((got - expected).norm() / expected.norm()) <= 2e-2
 
 
-def test_an_aten_sdpa_kernel_lowers_with_its_attention_output_only():
+def test_an_aten_sdpa_kernel_lowers_with_its_attention_and_log_sum_exp():
+    """An SDPA kernel of an ATen trace lowers with its attention and its rows' log-sum-exp (what a
+    training graph's forward saves for the backward), each like torch's; one with dropout stays ATen."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from cherenkov.graph.torch_capture import lowers_node
 
+    kernel_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
     def attend(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) * 2.0
+        out, lse = kernel_op(q, k, v, is_causal=True)
+        return out * 2.0, lse
 
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
-    aten = make_fx(attend)(q, k, v)
-    (kernel,) = [n for n in aten.graph.nodes if "scaled_dot_product" in str(n.target)]
-    with aten.graph.inserting_after(kernel):
-        lse = aten.graph.call_function(operator.getitem, (kernel, 1))
-    assert not lowers_node(lse), "the log-sum-exp output is not lowered"
-    with aten.graph.inserting_after(lse):
-        reader = aten.graph.call_function(torch.ops.aten.neg.default, (lse,))
-    assert not lowers_node(kernel), "a kernel whose log-sum-exp is read (a backward) stays an ATen op"
-    aten.graph.erase_node(reader)
-    aten.graph.erase_node(lse)
-    first = next(n for n in kernel.users if n.target is operator.getitem)
-    assert lowers_node(kernel) and lowers_node(first)
+    (kernel,) = [n for n in make_fx(attend)(q, k, v).graph.nodes if n.target is kernel_op]
+    assert lowers_node(kernel) and all(lowers_node(user) for user in kernel.users)
+    graph = torch.fx.Graph()  # dropout (the CPU kernel has none to trace)
+    random = graph.call_function(kernel_op, tuple(graph.placeholder(x) for x in "qkv"), {"dropout_p": 0.1})
+    random.meta["val"] = kernel.meta["val"]
+    assert not lowers_node(random)
     split = split_supported(torch.fx.symbolic_trace(attend), [q, k, v])
-    assert len(split.compiled) == 1, "the kernel, its getitem and the scaling are one region"
-    assert torch.allclose(split.module(q, k, v), attend(q, k, v), rtol=1e-5, atol=1e-5)
+    assert len(split.compiled) == 1, "the kernel, its outputs and the scaling are one region"
+    for got, expected in zip(split.module(q, k, v), attend(q, k, v)):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_sdpa_backward_lowers_under_a_folded_causal_mask_and_stays_aten_under_a_bias():
+    """The split lowers an SDPA backward whose mask is built from aranges (folded to a band: its
+    gradient derives a causal flash backward) and leaves one under a mask the caller passes (a bias
+    no flash backward reads) to torch's fused kernel."""
+    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def under(mask):
+        def backward(do, q, k, v):
+            out, lse = forward_op(q, k, v, attn_mask=mask if mask is not None else causal_mask(q))
+            return backward_op(do, q, k, v, out, lse, 0.0, False, attn_mask=mask if mask is not None else causal_mask(q))
+        return backward
+
+    def causal_mask(q):
+        rows = torch.arange(q.shape[-2])
+        return torch.where(rows[:, None] >= rows[None, :], 0.0, float("-inf"))
+
+    do, q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(4))
+    folded = split_supported(torch.fx.symbolic_trace(under(None)), [do, q, k, v])
+    assert len(folded.compiled) == 1
+    for got, expected in zip(folded.module(do, q, k, v), under(None)(do, q, k, v)):
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    bias = torch.randn(8, 8)
+
+    def with_bias(do, q, k, v, bias):
+        out, lse = forward_op(q, k, v, attn_mask=bias)
+        return backward_op(do, q, k, v, out, lse, 0.0, False, attn_mask=bias)
+
+    split = split_supported(torch.fx.symbolic_trace(with_bias), [do, q, k, v, bias])
+    kept = [n for n in split.module.graph.nodes if n.target is backward_op]
+    assert len(kept) == 1, "the backward under a bias stays torch's kernel"
 
 
 def test_the_split_graph_calls_each_region_as_a_custom_op_and_inductor_compiles_the_rest():
@@ -251,7 +284,7 @@ def test_gpu_gpt2_small_forward_through_the_backend_matches_eager(tmp_path, monk
 
 @contextlib.contextmanager
 def recorded_splits() -> Iterator[list[Any]]:
-    """The backend's :class:`SplitGraph`\ s made inside the block, in order (Dynamo reset first)."""
+    """The backend's split graphs (:class:`SplitGraph`) made inside the block, in order (Dynamo reset first)."""
     from cherenkov.search import dynamo
 
     splits: list[Any] = []
@@ -312,39 +345,42 @@ def test_gpt2_on_its_eager_path_derives_causal_flash_attention_from_batched_prod
     assert {(p.causal, p.bias) for p in flash} == {(True, None)}
 
 
-def _eager_lm(name: str) -> tuple[Any, Any]:
-    """A small transformers LM on its eager attention path (bf16, eval: no dropout) and token ids:
-    GPT-2 (2 heads of 64) or Llama (GQA: 4 query heads, 2 K/V heads of 32; RoPE)."""
+def _small_lm(name: str, implementation: str) -> tuple[Any, Any]:
+    """A small transformers LM (bf16, eval: no dropout) on the ``implementation`` attention path and
+    token ids: GPT-2 (2 heads of 64) or Llama (GQA: 4 query heads, 2 K/V heads of 32; RoPE)."""
     import transformers
 
     torch.manual_seed(0)
     if name == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=128, attn_implementation="eager")
+        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=128,
+                                         attn_implementation=implementation)  # fmt: skip
         model = transformers.GPT2LMHeadModel(config)
     else:
         config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                           num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=128,
-                                          attn_implementation="eager")  # fmt: skip
+                                          attn_implementation=implementation)  # fmt: skip
         model = transformers.LlamaForCausalLM(config)
     return model.eval().to(torch.bfloat16), torch.randint(0, 128, (2, 64))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_training_an_eager_lm_through_the_backend_derives_flash_forward_and_backward(name: str):
-    """transformers' GPT-2 and Llama LMs (eager attention, the causal mask built from position
-    aranges, the loss from labels) trained a step through the backend. AOTAutograd's partition
-    recomputes each attention's scores and probabilities in the backward instead of saving them
-    (what ``_softmax_backward_data`` reads), and the causal mask with them (it reads no input): the
-    backward folds it to a band as the forward does, its finite minimum is the causal mask there, and
-    each attention's gradient derives a flash backward — Llama's with dk and dv summed over the GQA
-    group, read twice by RoPE's backward. The forward's attentions are in one region, the backward's
-    in one. Loss and gradients (the regions' float64 references on the CPU) are eager's within
-    bf16's rounding."""
+@pytest.mark.parametrize("name, implementation", [("gpt2", "eager"), ("llama", "eager"), ("llama", "sdpa")])
+def test_training_an_lm_through_the_backend_derives_flash_forward_and_backward(name: str, implementation: str):
+    """transformers' GPT-2 and Llama LMs (the causal mask built from position aranges, the loss from
+    labels) trained a step through the backend. AOTAutograd's partition recomputes in the backward
+    each written-out attention's scores and probabilities (what ``_softmax_backward_data`` reads)
+    instead of saving them, an SDPA kernel's q, k and v layouts (Llama's K/V heads repeated per query
+    head), and the causal mask (it reads no input): the backward folds the mask to a band as the
+    forward does, and its finite minimum is the causal mask there. Each attention's gradient derives
+    a flash backward — Llama's with dk and dv summed over the GQA group, read twice by RoPE's
+    backward; under SDPA the forward's flash kernel writes the log-sum-exp SDPA saves, and the
+    backward reads it and the output. The forward's attentions are in one region, the backward's in
+    one. Loss and gradients (the regions' float64 references on the CPU) are eager's within bf16's
+    rounding, and so is the backward's derived program."""
     import copy
 
     from cherenkov.search.dynamo import compile_regions
 
-    model, ids = _eager_lm(name)
+    model, ids = _small_lm(name, implementation)
     eager = copy.deepcopy(model)
     with recorded_splits() as splits:
         compiled = torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
@@ -364,6 +400,8 @@ def test_training_an_eager_lm_through_the_backend_derives_flash_forward_and_back
     assert not any("softmax_rows" in kinds for kinds in regions), regions
     # the backward's derived program (its fused forms keep in fp32 what the graph rounds to bf16)
     graph, d = next((g, d) for g, d, kinds in zip(graphs, derived, regions) if "flash_attention_backward" in kinds)
+    saved = {p.problem.saved is not None for p in d.plans("sm_90a") if p.kind == "flash_attention_backward"}
+    assert saved == {implementation == "sdpa"}, saved
     rng = np.random.default_rng(0)
     inputs = {name: rng.standard_normal(x.shape) for name, x in graph.inputs.items()}
     expected, got = ck.evaluate(graph, inputs), ck.evaluate(d, inputs)
