@@ -949,7 +949,7 @@ def _sdpa_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     if not _reads_sdpa_statistics(c.node):
         return (_sdpa_of(c, q, k, v, mask, bool(a.get("is_causal")), a.get("scale")),) + (None,) * (outputs - 1)
     attention, lse = _sdpa_of(c, q, k, v, mask, bool(a.get("is_causal")), a.get("scale"), return_lse=True)
-    return (attention, lse) + (None,) * (outputs - 2)
+    return (attention, lse.reshape(*c.node.meta["val"][1].shape)) + (None,) * (outputs - 2)
 
 
 def _reads_sdpa_statistics(node: Any) -> bool:
@@ -958,13 +958,18 @@ def _reads_sdpa_statistics(node: Any) -> bool:
 
 
 def _lowered_statistics(node: Any) -> bool:
-    """Whether an SDPA kernel's log-sum-exp is what :func:`_sdpa_of` computes: fp32 rows of the
-    attention's shape less its head dim (FlashAttention-2's and the CPU kernel's; the efficient
-    kernel pads its rows, cuDNN's has an axis more)."""
+    """Whether an SDPA kernel's log-sum-exp is what :func:`_sdpa_of` computes: fp32, one a row of
+    the attention (FlashAttention-2's and the CPU kernel's ``(B, H, S)``, cuDNN's ``(B, H, S, 1)``;
+    the efficient kernel pads its rows to a multiple of 32)."""
     import torch
 
     out, lse = node.meta["val"][:2]
-    return lse is not None and tuple(lse.shape) == tuple(out.shape[:-1]) and lse.dtype == torch.float32
+    return lse is not None and lse.dtype == torch.float32 and _statistics_shape(tuple(lse.shape), tuple(out.shape[:-1]))
+
+
+def _statistics_shape(shape: tuple[int, ...], rows: tuple[int, ...]) -> bool:
+    """Whether a log-sum-exp of ``shape`` holds one value a row of an attention with ``rows``."""
+    return shape in (rows, (*rows, 1))
 
 
 SDPA_BACKWARD_KERNELS = frozenset({
@@ -981,9 +986,9 @@ def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     (the attention's vector-Jacobian product, recomputed from q, k and v, under the kernel's mask),
     so the derivation fuses them into a flash backward. The forward's output and log-sum-exp, where
     the graph reads them as inputs of the attention's own shapes (fp32 rows, as FlashAttention-2's
-    and the CPU kernel's), are declared saved inputs holding those values: the backward may read
-    them instead of running the forward again. The graph is marked a gradient graph (the derivation
-    then looks through its intermediates)."""
+    and the CPU kernel's, or cuDNN's with a unit axis more), are declared saved inputs holding those
+    values: the backward may read them instead of running the forward again. The graph is marked a
+    gradient graph (the derivation then looks through its intermediates)."""
     if not _plain_sdpa_backward(c.node):
         raise GraphError("an SDPA backward is lowered without dropout or packed sequences only")
     grad_out = c.t(a["grad_out"] if "grad_out" in a else a["grad_out_"])
@@ -1011,9 +1016,10 @@ def _declare_saved_statistics(c: _Capture, a: dict[str, Any], q: Tensor, k: Tens
     if any(x.node.attrs[0] in c.g.saved for x in (out, lse)):
         return
     o_value, lse_value = _sdpa_of(c, q, k, v, mask, causal, scale, return_lse=True)
-    if (out.shape, out.dtype, lse.shape, lse.dtype) == (o_value.shape, o_value.dtype, lse_value.shape, lse_value.dtype):
+    if (out.shape, out.dtype, lse.dtype) == (o_value.shape, o_value.dtype, lse_value.dtype) \
+            and _statistics_shape(lse.shape, lse_value.shape):  # fmt: skip
         c.g.mark_saved(out, o_value)
-        c.g.mark_saved(lse, lse_value)
+        c.g.mark_saved(lse, lse_value.reshape(*lse.shape))
 
 
 def _attends_in_every_row(mask: _Band) -> bool:

@@ -104,3 +104,28 @@ def test_a_gradient_graph_keeps_its_mark_through_json() -> None:
     from cherenkov.graph.serialize import canonical_structure
 
     assert canonical_structure(back) != canonical_structure(unmarked)
+
+
+@pytest.mark.parametrize("lse_shape", ["rows", "cudnn"])
+def test_a_saved_log_sum_exp_pairs_with_its_attention_in_either_sdpa_layout(lse_shape: str) -> None:
+    """A gradient graph whose saved inputs hold an attention's output and its log-sum-exp, laid out
+    as FlashAttention-2 saves it, ``(B, H, S)``, or as cuDNN does, ``(B, H, S, 1)``: the backward is
+    planned reading them (saved statistics) either way."""
+    from cherenkov.graph.autodiff import vjp
+
+    b, h, s, d = 1, 2, 128, 64
+    g = ck.Graph("saved_backward")
+    q, k, v, do = (g.input(name, (b, h, s, d), "bf16") for name in ("q", "k", "v", "do"))
+    out = g.input("o", (b, h, s, d), "bf16")
+    lse = g.input("lse", (b, h, s) if lse_shape == "rows" else (b, h, s, 1), "fp32")
+    gradients = vjp(lambda q, k, v: ck.nn.attention(q, k, v, causal=True), (q, k, v), do)
+    g.is_gradient = True
+    value, statistics = ck.nn.attention(q, k, v, causal=True, return_lse=True)
+    g.mark_saved(out, value)
+    g.mark_saved(lse, statistics.reshape(*lse.shape))
+    for name, gradient in zip(("dq", "dk", "dv"), gradients):
+        g.output(gradient, name)
+    d = ck.derive(g)
+    plans = [p for p in d.plans("sm_90a") if p.kind == "flash_attention_backward"]
+    assert [k.kind for k in d.kernels] == ["flash_attention_backward"]
+    assert plans and all(p.problem.saved is not None and p.problem.saved.lse == "lse" for p in plans)
