@@ -39,7 +39,14 @@ prints a table.
 A Llama row names its sequence length (``_s2048``); the JSON is rewritten after every row,
 so a run cut short keeps the rows it finished.
 
-A row prefixed ``train:`` (``train:vit_block``, ``train:llama_decoder_layer_s2048``) times one
+A whole model's row prefixed ``train:`` (``train:gpt2_small``, ``train:llama_prefill_s2048``) times
+one training step through the backend instead: the model (eval mode: no dropout, which the
+backend does not lower) called with ``labels`` and its loss's ``backward()``, the parameters'
+gradients cleared first, eager, under inductor and under the cherenkov backend (AOTAutograd's
+forward and backward graphs split and searched, ``--budget`` per region), end to end; its
+``grad_rel_error`` is the largest relative L2 error of a parameter's gradient against eager's.
+
+A module's row prefixed ``train:`` (``train:vit_block``, ``train:llama_decoder_layer_s2048``) times one
 training step of the module instead — the forward and ``backward()`` of a fixed output gradient,
 the parameters' gradients cleared first — eager, under ``torch.compile`` (inductor) and under
 ``ck.compile`` (its forward and ``ck.grad`` of it searched, ``--budget`` each; ``--saved-statistics``:
@@ -91,6 +98,8 @@ DEFAULT_ROWS = ",".join([f"{name}_s{seq}" for name in SEQUENCED for seq in (2048
 
 WHOLE_MODELS = ("gpt2_small", "llama_prefill_s2048", "llama_decode")
 """Whole-model rows: through the ``torch.compile`` backend (:func:`benchmark_whole_model`)."""
+TRAINED_WHOLE_MODELS = ("gpt2_small", "llama_prefill_s2048")
+"""Whole models with a ``train:`` row (a training step through the backend)."""
 
 
 TRAINING = "train:"
@@ -99,10 +108,11 @@ TRAINING = "train:"
 
 def row_spec(label: str) -> tuple[str, dict[str, Any]]:
     """``llama_decoder_layer_s8192`` -> its builder and options (the sequence length set);
-    ``train:<row>`` -> those of ``<row>`` (a module's: whole models have no training row)."""
+    ``train:<row>`` -> those of ``<row>`` (a module's, or a whole model's but decoding)."""
     training, label = label.startswith(TRAINING), label.removeprefix(TRAINING)
-    if training and label in WHOLE_MODELS:
-        raise SystemExit(f"no training row for the whole model {label!r}: train: takes a module's row")
+    if training and label in WHOLE_MODELS and label not in TRAINED_WHOLE_MODELS:
+        raise SystemExit(f"no training row for {label!r}: train: takes a module's row or one of "
+                         f"{', '.join(TRAINED_WHOLE_MODELS)}")  # fmt: skip
     name, _, seq = label.rpartition("_s")
     if name in SEQUENCED and seq.isdigit():
         builder, options = ROWS[name]
@@ -214,7 +224,8 @@ def benchmark_training(label: str, builder: str, options: dict[str, Any], args: 
 
 def benchmark_whole_model(label: str, args: argparse.Namespace, db: TuningDatabase, torch: Any,
                           flush: Any) -> dict[str, Any]:  # fmt: skip
-    """One whole-model row: the model eager, under inductor and under the cherenkov backend."""
+    """One whole-model row: the model eager, under inductor and under the cherenkov backend (a
+    ``train:`` row: a training step of each)."""
     import functools
 
     from cherenkov.search import dynamo
@@ -229,17 +240,18 @@ def benchmark_whole_model(label: str, args: argparse.Namespace, db: TuningDataba
     dynamo.split_supported = recording
     backend = functools.partial(dynamo.cherenkov_backend, options={"budget_s": args.budget, "database": db})
     start = time.perf_counter()
+    training, model_label = label.startswith(TRAINING), label.removeprefix(TRAINING)
     try:
-        if label == "llama_decode":
+        if model_label == "llama_decode":
             row = _decode_row(real_modules.llama_lm(small=False, dtype=torch.bfloat16, device="cuda"), backend, torch)
         else:
-            if label == "gpt2_small":
+            if model_label == "gpt2_small":
                 model = real_modules.gpt2_lm(small=False, dtype=torch.bfloat16, device="cuda")
                 ids = torch.randint(0, 50257, (8, 1024), device="cuda")
             else:
                 model = real_modules.llama_lm(small=False, dtype=torch.bfloat16, device="cuda")
-                ids = torch.randint(0, 32000, (1, int(label.rpartition("_s")[2])), device="cuda")
-            row = _forward_row(model, ids, backend, args, torch, flush)
+                ids = torch.randint(0, 32000, (1, int(model_label.rpartition("_s")[2])), device="cuda")
+            row = (_training_row if training else _forward_row)(model, ids, backend, args, torch, flush)
     finally:
         dynamo.split_supported = original
     regions = [f for split in splits for f in split.compiled]
@@ -274,6 +286,41 @@ def _forward_row(model: Any, ids: Any, backend: Any, args: argparse.Namespace, t
         "speedup": {"vs_eager": round(ms["eager"] / ms["cherenkov"], 3),
                     "vs_inductor": round(ms["inductor"] / ms["cherenkov"], 3)},  # fmt: skip
         "rel_error_vs_eager": float((got - expected).norm() / expected.norm()),
+    }
+
+
+def _training_row(model: Any, ids: Any, backend: Any, args: argparse.Namespace, torch: Any,
+                  flush: Any) -> dict[str, Any]:  # fmt: skip
+    """A training step (loss from ``labels``, ``backward()``) eager, under inductor and under
+    ``backend``, the parameters' gradients checked against eager's."""
+    torch._dynamo.reset()
+    parameters = dict(model.named_parameters())
+
+    def step(fn: Any) -> Any:
+        def run() -> None:
+            for p in parameters.values():
+                p.grad = None
+            fn(ids, labels=ids, use_cache=False).loss.backward()
+
+        return run
+
+    ours = torch.compile(model, backend=backend, dynamic=False)
+    inductor = torch.compile(model, dynamic=False)
+    gradients = {}
+    for name, fn in (("eager", model), ("cherenkov", ours), ("inductor", inductor)):
+        step(fn)()  # the backends compile (and search) their forward and backward here
+        gradients[name] = {n: p.grad.float().clone() for n, p in parameters.items() if p.grad is not None}
+    errors = {n: float((gradients["cherenkov"][n] - g).norm() / g.norm().clamp_min(1e-30))
+              for n, g in gradients["eager"].items()}  # fmt: skip
+    launches = {"eager": step(model), "inductor": step(inductor), "cherenkov": step(ours)}
+    ms = time_interleaved(torch, launches, flush, args.samples, spin=False)
+    worst = max(errors, key=errors.get)
+    return {
+        "shape": list(ids.shape),
+        "ms": {name: round(value, 4) for name, value in ms.items()},
+        "speedup": {"vs_eager": round(ms["eager"] / ms["cherenkov"], 3),
+                    "vs_inductor": round(ms["inductor"] / ms["cherenkov"], 3)},  # fmt: skip
+        "grad_rel_error": {"max": errors[worst], "parameter": worst},
     }
 
 
@@ -408,7 +455,7 @@ def main() -> None:
         with TuningDatabase(db_path) as db:
             for label, (builder, options) in specs.items():
                 try:
-                    if label in WHOLE_MODELS:
+                    if label.removeprefix(TRAINING) in WHOLE_MODELS:
                         rows.append(benchmark_whole_model(label, args, db, torch, flush))
                     elif label.startswith(TRAINING):
                         rows.append(benchmark_training(label, builder, options, args, db, torch, flush))
