@@ -156,13 +156,13 @@ def _size(egraph: egg.EGraph) -> tuple[int, int]:
     return len(classes), len(nodes)
 
 
+_EXPR_NAMES = frozenset(c.name for c in EXPR_CONSTRUCTORS)
+
+
 def _enode_count(egraph: egg.EGraph) -> int:
     """E-nodes of the expression sorts, from the function tables' sizes (cheap: no serialisation)."""
     sizes = egraph.parse_and_run_program("(print-size)")[-1].sizes
     return sum(count for name, count in sizes if name in _EXPR_NAMES)
-
-
-_EXPR_NAMES = frozenset(c.name for c in EXPR_CONSTRUCTORS)
 
 
 def _holds(egraph: egg.EGraph, constructor: str) -> bool:
