@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -66,6 +67,13 @@ log = logging.getLogger(__name__)
 RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, STREAMING, SCALES, FUSION, GRADIENTS)
 MAX_PASSES = 24
 MAX_ENODES = 200_000
+MAX_ABLATIONS = 512
+
+ABLATIONS: dict[str, tuple[str, ...]] = {}
+"""The trace ablations of this process (:meth:`Derivation._needed_rules`), by a digest of all they
+depend on: the root's egglog program, the rules, the pass each fired rule first fired in, the pass
+limit and the form. A graph derived again (a session derives a module's gradient for its search,
+its plans and its report) is not ablated again; the oldest go first past ``MAX_ABLATIONS``."""
 
 # The one-pass streaming forms of attention: left out of the extraction where they cannot be planned.
 STREAMING_FORMS = (
@@ -464,16 +472,28 @@ class Derivation:
     @functools.cache
     def _needed_rules(self, constructor: str) -> tuple[str, ...]:
         """A minimal set of the rules that fired without which no ``constructor`` form
-        arises, ordered by the pass in which each first fired (greedy ablation).
-
-        Each trial saturates only the root whose extraction holds the form (its term reads
-        the other roots as stored tensors): a whole model's layers are one graph, and
-        re-deriving all of them per trial made the ablation the bulk of a search. A trial
-        stops once the form arises, and the ablation starts from the rules that fired before
-        it arose in a trial with them all: without the others those passes run the same."""
+        arises, ordered by the pass in which each first fired (greedy ablation: :meth:`_ablate`),
+        ablated once in a process for one root, rules and fired passes (:data:`ABLATIONS`)."""
         if constructor not in TRACED_FORMS:
             return ()
         lowered = self._root_holding(constructor)
+        rules = "\n".join(r.egglog() for r in self.rulesets)
+        fired = repr(sorted(self.first_pass.items()))
+        text = "\n".join([program_for(lowered)[0], rules, fired, str(self.stats.iterations), constructor])
+        key = hashlib.sha256(text.encode()).hexdigest()
+        if key not in ABLATIONS:
+            while len(ABLATIONS) >= MAX_ABLATIONS:
+                ABLATIONS.pop(next(iter(ABLATIONS)))
+            ABLATIONS[key] = self._ablate(lowered, constructor)
+        return ABLATIONS[key]
+
+    def _ablate(self, lowered: Lowered, constructor: str) -> tuple[str, ...]:
+        """The greedy ablation behind :meth:`_needed_rules`, over ``lowered`` (the root whose
+        extraction holds the form: its term reads the other roots as stored tensors — a whole
+        model's layers are one graph, and re-deriving all of them per trial made the ablation the
+        bulk of a search). A trial stops once the form arises, and the ablation starts from the
+        rules that fired before it arose in a trial with them all: without the others those
+        passes run the same."""
         with_all = self._trial(lowered, constructor, set(self.first_pass))
         if not _holds(with_all.egraph, constructor):
             return ()

@@ -267,8 +267,10 @@ def test_the_trace_ablation_saturates_only_the_root_holding_the_form(monkeypatch
         q, k, v = (g.input(f"{x}_{layer}", (B, H, SQ if x == "q" else SKV, D), "bf16") for x in "qkv")
         g.output(textbook(q, k, v), f"o_{layer}")
     derivation = ck.derive(g)
+    monkeypatch.setattr(derive_module, "ABLATIONS", {})  # ablated here, not read from an earlier test's
     trials = []
     saturate = derive_module.saturate
+
     def recording(lowered, *args, **kwargs):
         trials.append(set(lowered.roots))
         return saturate(lowered, *args, **kwargs)
@@ -276,6 +278,25 @@ def test_the_trace_ablation_saturates_only_the_root_holding_the_form(monkeypatch
     monkeypatch.setattr(derive_module, "saturate", recording)
     assert derivation.trace == ck.derive(attention_graph(textbook)).trace
     assert trials and all(len(roots) == 1 for roots in trials), trials
+
+
+def test_a_graph_derived_again_is_not_ablated_again(monkeypatch) -> None:
+    """The trace ablation runs once a process for one root, rules and fired passes: a second
+    derivation of the same graph saturates once (its own e-graph) and reads the first one's trace."""
+    from cherenkov.rewrites import derive as derive_module
+
+    monkeypatch.setattr(derive_module, "ABLATIONS", {})
+    first = ck.derive(attention_graph(textbook)).trace
+    saturations = []
+    saturate = derive_module.saturate
+
+    def recording(*args, **kwargs):
+        saturations.append(kwargs.get("until"))
+        return saturate(*args, **kwargs)
+
+    monkeypatch.setattr(derive_module, "saturate", recording)
+    assert ck.derive(attention_graph(textbook)).trace == first and first
+    assert saturations == [None], "no trial: the derivation's own saturation only"
 
 
 def test_a_saturation_until_a_form_stops_in_the_pass_the_form_arises() -> None:
