@@ -24,7 +24,7 @@ demo: $(VENV)/.installed-base
 
 # pytest exits with 5 when it collects no test: that is a failure, not a pass.
 test: $(VENV)/.installed-dev
-	@$(PY) -m pytest -q -m "not gpu"; status=$$?; \
+	@$(PY) -m pytest -q -m "not gpu" -n auto --dist loadfile; status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; \
 	  exit $$status
 

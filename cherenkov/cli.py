@@ -180,7 +180,7 @@ def command_optimize(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     for name, tflops in result.summary.references.items():
         console.print(f"  reference {name}: {tflops:.1f} TFLOP/s (same run)")
-    console.print(f"report: {result.report_html}")
+    console.print(f"report: {result.report_html}", soft_wrap=True)
     return 0
 
 
@@ -203,7 +203,7 @@ def command_dump(args: argparse.Namespace, console: Console) -> int:
         sys.stdout.write(sources[kernel])
     else:
         args.out.write_text(sources[kernel])
-        console.print(f"wrote {args.out}")
+        console.print(f"wrote {args.out}", soft_wrap=True)  # a path whole, never wrapped
     return 0
 
 
@@ -214,8 +214,8 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
     if args.csv is not None:
         path = args.directory / "candidates.csv" if args.csv == "" else Path(args.csv)
         write_csv(report, path)
-        console.print(f"wrote {path}")
-    console.print(str((args.directory / "report.html").resolve()))
+        console.print(f"wrote {path}", soft_wrap=True)
+    console.print(str((args.directory / "report.html").resolve()), soft_wrap=True)
     return 0
 
 
