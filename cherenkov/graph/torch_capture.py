@@ -250,7 +250,12 @@ def sdpa_backward_mask(node: Any) -> Any:
     schema = getattr(getattr(node, "target", None), "_schema", None)
     if schema is None or schema.name.removeprefix("aten::") not in SDPA_BACKWARD_KERNELS:
         return None
-    arguments = _schema_arguments(node)
+    return _sdpa_mask(_schema_arguments(node))
+
+
+def _sdpa_mask(arguments: dict[str, Any]) -> Any:
+    """An SDPA kernel's mask among its ``arguments``: ``attn_mask``, or ``attn_bias`` (the efficient
+    kernel's name for it), or None."""
     return arguments.get("attn_mask") if arguments.get("attn_mask") is not None else arguments.get("attn_bias")
 
 
@@ -943,7 +948,7 @@ def _sdpa_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     of captures."""
     if a.get("dropout_p"):
         raise GraphError(f"{c.base}: dropout_p={a['dropout_p']} is random; cherenkov lowers SDPA without dropout")
-    mask = a.get("attn_mask") if a.get("attn_mask") is not None else a.get("attn_bias")
+    mask = _sdpa_mask(a)
     q, k, v = c.t(a["query"]), c.t(a["key"]), c.t(a["value"])
     outputs = len(c.node.meta["val"])
     if not _reads_sdpa_statistics(c.node):
@@ -993,7 +998,7 @@ def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
         raise GraphError("an SDPA backward is lowered without dropout or packed sequences only")
     grad_out = c.t(a["grad_out"] if "grad_out" in a else a["grad_out_"])
     q, k, v = (c.t(a[name]) for name in ("query", "key", "value"))
-    mask = a.get("attn_mask") if a.get("attn_mask") is not None else a.get("attn_bias")
+    mask = _sdpa_mask(a)
     causal, scale = bool(a.get("is_causal")), a.get("scale")
     if mask is None:
         gradients = vjp(lambda q, k, v: cknn.attention(q, k, v, causal=causal, scale=scale), (q, k, v), grad_out)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from cherenkov.rewrites.masks import finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import ax, tensor
 
@@ -44,8 +45,6 @@ shifted = ("Exp", ("Add", s, ("Neg", ("Max", "j:7", 7, s))))
 normaliser = ("Recip", ("Sum", "j:7", 7, shifted))
 probability = ("SoftmaxRow", "j:7", 7, s)
 scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", SCALE))
-# the additive causal mask transformers and PyTorch's cuDNN path build: a finite minimum, not −∞
-finite_causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -65536.0), ("Num", 0.0))
 
 # The scores of the three mask kinds: (suffix, score pattern, mask term, score example, mask example)
 MASKS = (
@@ -159,15 +158,7 @@ RULES = (
         example=Example(("Mul", ("Exp", s), ("Recip", ("Mul", ("Exp", ("Max", "j:7", 7, s)),
                                                          ("SoftmaxFoldL", "j:7", 7, s))))),
     ),  # fmt: skip
-    Rule(
-        "softmax-row-finite-causal-mask",
-        "softmax_j(s + where(i < j, m, 0)) = softmax_j(where(i < j, −∞, s)) for m ≤ −2¹⁵: each row keeps j = 0, "
-        "and e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
-        lhs="(SoftmaxRow j n (Add s (Where (Lt (Iota iq) (Iota (Ax j))) (Num m) (Num 0.0))))",
-        rhs="(SoftmaxRow j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) s))",
-        where=("(<= m -32768.0)",),
-        example=Example(("SoftmaxRow", "j:7", 7, ("Add", s, finite_causal))),
-    ),
+    finite_causal_mask_rule("softmax-row-finite-causal-mask", "softmax_j({})", "SoftmaxRow", s),
     Rule(
         "masked-softmax-gradient",
         "where(m, 0, softmax_j(where(m, −∞, s))·y) = softmax_j(where(m, −∞, s))·y: a masked score's probability is 0",

@@ -14,12 +14,35 @@ from __future__ import annotations
 import math
 
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
-from cherenkov.rewrites.terms import ax, tensor
+from cherenkov.rewrites.terms import Term, ax, tensor
 
 s = tensor("s", "i:3", "j:4")
 t = tensor("t", "i:3", "j:4")
 condition = ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:4")))
 row_condition = ("Lt", ("Iota", ax("i:3")), ("Num", 1.0))  # false for row 0 only
+
+FINITE_CAUSAL = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -65536.0), ("Num", 0.0))
+"""An example of the additive causal mask transformers and PyTorch's cuDNN path build: a finite
+minimum, not −∞."""
+
+
+def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, after: str = "",
+                            example_after: tuple[Term, ...] = ()) -> Rule:  # fmt: skip
+    """``head_j(s + where(i < j, m, 0), …) = head_j(where(i < j, −∞, s), …)`` for ``m ≤ −2¹⁵``, where
+    ``head`` (spelled ``spelled``, ``{}`` its scores) folds the row's exponentials: the masked
+    ones underflow to 0. ``after``: the arguments after the scores (``example_after`` in the
+    example, whose unmasked scores are ``scores``)."""
+    causal = "(Lt (Iota iq) (Iota (Ax j)))"
+    return Rule(
+        name,
+        f"{spelled.format('s + where(i < j, m, 0)')} = {spelled.format('where(i < j, −∞, s)')} for m ≤ −2¹⁵: each "
+        "row keeps j = 0, and e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
+        lhs=f"({head} j n (Add s (Where {causal} (Num m) (Num 0.0))){after})",
+        rhs=f"({head} j n (Where {causal} (Num -inf) s){after})",
+        where=("(<= m -32768.0)",),
+        example=Example((head, "j:7", 7, ("Add", scores, FINITE_CAUSAL), *example_after)),
+    )
+
 
 RULES = (
     Rule(

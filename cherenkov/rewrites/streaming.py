@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from cherenkov.rewrites.masks import finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import ax, tensor
 
@@ -30,8 +31,6 @@ shifted = ("Add", s, ("Neg", ("Max", "j:7", 7, s)))
 scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.5))
 causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores)
 bias = tensor("b", "i:3", "j:7")
-# the additive mask PyTorch's cuDNN attention path builds from a bool one: a finite −2¹⁶, not −∞
-finite_causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -65536.0), ("Num", 0.0))
 # row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
 dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.inf), s)
 
@@ -99,24 +98,9 @@ RULES = (
         rhs="(FlashAttention j n d nd q k v c (CausalMask iq))",
         example=Example(("OnlineSoftmaxContract", "j:7", 7, causal, v)),
     ),
-    Rule(
-        "softmax-finite-causal-mask",
-        "Σ_j softmax_j(s + where(i < j, m, 0))·v_j = Σ_j softmax_j(where(i < j, −∞, s))·v_j for m ≤ −2¹⁵: each "
-        "row keeps j = 0, and e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
-        lhs="(OnlineSoftmaxContract j n (Add s (Where (Lt (Iota iq) (Iota (Ax j))) (Num m) (Num 0.0))) v)",
-        rhs="(OnlineSoftmaxContract j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) s) v)",
-        where=("(<= m -32768.0)",),
-        example=Example(("OnlineSoftmaxContract", "j:7", 7, ("Add", scores, finite_causal), v)),
-    ),
-    Rule(
-        "logsumexp-finite-causal-mask",
-        "LSE_j(s + where(i < j, m, 0)) = LSE_j(where(i < j, −∞, s)) for m ≤ −2¹⁵: each row keeps j = 0, and "
-        "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
-        lhs="(LogSumExp j n (Add s (Where (Lt (Iota iq) (Iota (Ax j))) (Num m) (Num 0.0))))",
-        rhs="(LogSumExp j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) s))",
-        where=("(<= m -32768.0)",),
-        example=Example(("LogSumExp", "j:7", 7, ("Add", scores, finite_causal))),
-    ),
+    finite_causal_mask_rule("softmax-finite-causal-mask", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract", scores,
+                            " v", (v,)),
+    finite_causal_mask_rule("logsumexp-finite-causal-mask", "LSE_j({})", "LogSumExp", scores),
     Rule(
         "flash-attention-bias",
         "Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for a stored tensor b",

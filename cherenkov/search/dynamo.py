@@ -130,10 +130,10 @@ def _folded_bands(aten: Any) -> set[str]:
     import torch
 
     values: dict[Any, Any] = {}
-    for node in aten.graph.nodes:
+    for node in _constant_nodes(aten.graph):
         if node.op == "get_attr":
             values[node] = _attribute(aten, node.target)
-        elif node.op == "call_function" and _foldable(node) and all(n in values for n in node.all_input_nodes):
+        else:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
             values[node] = node.target(*args, **kwargs)
     folded = set()
@@ -154,6 +154,17 @@ def _folded_bands(aten: Any) -> set[str]:
         aten.graph.eliminate_dead_code()
         aten.recompile()
     return folded
+
+
+def _constant_nodes(graph: Any) -> list[Any]:
+    """The nodes of ``graph`` no input reaches, in order: its attributes, and the calls of
+    :func:`_foldable` ops that read only such nodes (the same value each call)."""
+    constant: dict[Any, None] = {}
+    for node in graph.nodes:  # in order: a node's inputs first
+        if node.op == "get_attr" or (node.op == "call_function" and _foldable(node)
+                                     and all(n in constant for n in node.all_input_nodes)):  # fmt: skip
+            constant[node] = None
+    return list(constant)
 
 
 def _foldable(node: Any) -> bool:
@@ -366,14 +377,9 @@ def partition_recomputing_attention(joint: Any, joint_inputs: Sequence[Any], **k
 
 
 def _computed_from_constants(graph: Any, nodes: Sequence[Any]) -> list[Any]:
-    """The nodes of ``graph`` that ``nodes`` read (directly or through others), that no graph input
-    reaches and that compute the same value each call (:func:`_foldable`): a causal mask built from
-    position aranges."""
-    constant: set[Any] = set()
-    for node in graph.nodes:  # in order: a node's inputs first
-        if node.op == "get_attr" or (node.op == "call_function" and _foldable(node)
-                                     and all(n in constant for n in node.all_input_nodes)):  # fmt: skip
-            constant.add(node)
+    """The nodes of ``graph`` that ``nodes`` read (directly or through others) and no graph input
+    reaches (:func:`_constant_nodes`): a causal mask built from position aranges."""
+    constant = set(_constant_nodes(graph))
     found: dict[Any, None] = {}
     stack = [n for node in nodes for n in node.all_input_nodes]
     while stack:
