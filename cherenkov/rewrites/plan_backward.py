@@ -169,7 +169,10 @@ class BackwardSchedule:
     stages): the main pass launches one block an SM, each walking work items of key tiles (causal:
     key tiles ``p`` and ``n − 1 − p`` together, so every item is as long) and loading the next
     key tile's K and V into a second buffer while the current one's last step runs, so a key tile's
-    prologue and its dk, dv stores no longer stand alone on the SM."""
+    prologue and its dk, dv stores no longer stand alone on the SM; ``warp_pairs`` (``mma.sync``,
+    ``WARP_PAIR_TILES``): two warps a 32-key group, the score products split between them by queries and
+    dk, dv by head-dim halves, Pᵀ and dSᵀ exchanged through shared memory, so every warp's mma tiles
+    have 32 rows (:mod:`cherenkov.codegen.cuda.flash_attention_backward_pairs`)."""
 
     block_kv: int = 64
     block_q: int = 64
@@ -177,6 +180,7 @@ class BackwardSchedule:
     wgmma: bool = False
     saved_statistics: bool = False
     persistent: bool = False
+    warp_pairs: bool = False
 
     @property
     def warps(self) -> int:
@@ -188,9 +192,14 @@ class BackwardSchedule:
 
     def key(self) -> str:
         return (f"kv{self.block_kv}_q{self.block_q}_s{self.stages}{'_wg' if self.wgmma else ''}"
-                f"{'_ps' if self.persistent else ''}{'_saved' if self.saved_statistics else ''}")  # fmt: skip
+                f"{'_ps' if self.persistent else ''}{'_wp' if self.warp_pairs else ''}"
+                f"{'_saved' if self.saved_statistics else ''}")  # fmt: skip
 
 
+WARP_PAIR_TILES = (128, 64)
+"""(keys, queries) of a warp-pair main pass: four pairs of 32 keys, the queries in two halves of 32."""
+WARP_PAIR_HEAD_DIMS = (64, 128)
+"""Head dims of the warp-pair main pass: dk, dv in head-dim halves and dq in quarters of whole ldmatrix pairs."""
 WGMMA_BLOCK_KV = 128
 """Keys of a ``wgmma`` main-pass block: two warpgroups of one m64 tile each."""
 WGMMA_BLOCK_Q = 64
@@ -207,6 +216,7 @@ BACKWARD_SCHEDULES = tuple(
         *(BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, stages, wgmma=True, saved_statistics=saved)
           for stages in (2, 3)),
         BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, 2, wgmma=True, saved_statistics=saved, persistent=True),
+        *(BackwardSchedule(*WARP_PAIR_TILES, stages, saved_statistics=saved, warp_pairs=True) for stages in (1, 2)),
     )
 )  # fmt: skip
 """Every schedule; those reading saved statistics fit only problems whose forward saved them."""
@@ -220,7 +230,7 @@ def row_elements(head_dim: int) -> int:
 def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
     """Dynamic shared memory of the main pass: K and V (the block's keys; persistent: two of each),
     ``stages`` q and dO tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's
-    product (``wgmma``: unpadded swizzled tiles, plus slack to align them; a one-tile block keeps two
+    product (warp pairs: and Pᵀ; ``wgmma``: unpadded swizzled tiles, plus slack to align them; a one-tile block keeps two
     dSᵀ tiles, by step parity, and an mbarrier a stage that its copies arrive on)."""
     d = problem.attention.head_dim
     element = 2
@@ -233,7 +243,7 @@ def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardPr
     kv = 2 * schedule.block_kv * row_elements(d) * element
     streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + 2 * 4 * schedule.block_q)
     ds = schedule.block_kv * (schedule.block_q + PAD) * element
-    return kv + streamed + ds
+    return kv + streamed + (2 if schedule.warp_pairs else 1) * ds
 
 
 WGMMA_STATISTICS_ROWS = 128
@@ -272,10 +282,13 @@ def backward_register_estimate(schedule: BackwardSchedule, problem: AttentionBac
     """Registers a thread of the main pass holds: dk and dv (16 keys × D each, over 32 lanes),
     Sᵀ and dPᵀ (16 keys × block_q), and ~64 for addresses and fragments (D 128 with 64-query
     tiles spills: 256). ``wgmma``: the same per 64 keys over a warpgroup's 128 threads, and ~48
-    more (D 128: 240, no spills)."""
+    more (D 128: 240, no spills). Warp pairs: dk and dv of 32 keys × D/2, Sᵀ and dPᵀ of 32 keys × 32
+    queries, and ~48 more."""
     d = problem.attention.head_dim
     if schedule.wgmma:
         return 2 * 64 * d // 128 + 2 * 64 * schedule.block_q // 128 + 48
+    if schedule.warp_pairs:
+        return 2 * 32 * (d // 2) // 32 + 2 * 32 * (schedule.block_q // 2) // 32 + 48
     return 2 * 16 * d // 32 + 2 * 16 * schedule.block_q // 32 + 64
 
 
@@ -296,6 +309,8 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons += _wgmma_problems(schedule, problem, target)
     elif schedule.persistent:
         reasons.append("a persistent main pass: the wgmma family only")
+    if schedule.warp_pairs:
+        reasons += _warp_pair_problems(schedule, problem)
     row_tiles = schedule.block_q // 16
     if not schedule.wgmma and schedule.warps % row_tiles or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16:
         reasons.append(f"{schedule.warps} warps do not split a {schedule.block_q} x {a.head_dim} dq tile into 16-column parts")
@@ -309,6 +324,18 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
     if not schedule.saved_statistics and \
             statistics_smem_bytes(problem, schedule) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
         reasons.append(f"the statistics pass's shared memory over {target.name}'s {target.smem_per_block}")
+    return reasons
+
+
+def _warp_pair_problems(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> list[str]:
+    """Why the warp-pair ``mma.sync`` main pass cannot take ``schedule`` and ``problem``."""
+    reasons = []
+    if schedule.wgmma:
+        reasons.append("warp pairs are a layout of the mma.sync main pass, not the wgmma one")
+    if (schedule.block_kv, schedule.block_q) != WARP_PAIR_TILES:
+        reasons.append(f"the warp-pair main pass takes {WARP_PAIR_TILES[0]} keys and {WARP_PAIR_TILES[1]} queries")
+    if problem.attention.head_dim not in WARP_PAIR_HEAD_DIMS:
+        reasons.append(f"head dim {problem.attention.head_dim}: the warp-pair main pass plans {WARP_PAIR_HEAD_DIMS}")
     return reasons
 
 

@@ -183,7 +183,9 @@ def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.nd
     ((1, 2, 2, 40, 70, 32), False, ("q", "k", "v"), ("kv64_q32_s1", "kv128_q64_s2")),
     ((2, 4, 2, 37, 70, 32), True, ("q", "k", "v"), ("kv64_q32_s2",)),  # GQA, Sq < Skv, batch strides
     ((1, 2, 2, 100, 77, 64), True, ("k", "v"), ("kv64_q64_s2",)),  # Sq > Skv, no dq
-], ids=["tails", "causal_gqa", "dk_dv_only"])  # fmt: skip
+    ((2, 4, 2, 37, 150, 64), True, ("q", "k", "v"), ("kv128_q64_s2_wp",)),  # warp pairs: GQA, ragged
+    ((1, 2, 2, 70, 150, 128), False, ("q", "v"), ("kv128_q64_s1_wp",)),  # warp pairs: D 128, no dk
+], ids=["tails", "causal_gqa", "dk_dv_only", "warp_pairs_causal_gqa", "warp_pairs_d128"])  # fmt: skip
 def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules) -> None:
     """Causal plans also run as launched on a device of 5 multiprocessors: chunks of 2 or 3 slabs, the
     last one short (its blocks past the last slab return at once)."""
@@ -198,6 +200,24 @@ def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedu
             reference = expected[f"d_{role[1]}"]
             error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
             assert error <= 1e-2, f"{key} ({sms} SMs): {role} differs by {error:.3g}"
+
+
+def test_warp_pair_main_pass_is_offered_where_its_tiles_fit() -> None:
+    """Warp pairs take head dims 64 and 128 on every target whose shared memory holds 128 keys, two 64-query
+    stages (sm_80 at D 128: one) and the Pᵀ and dSᵀ tiles; sm_120's 99 KB holds none."""
+
+    def offered(dim: int, target: str) -> set[str]:
+        gg = gradient_graph(1, 2, 2, 100, 77, dim, causal=True)
+        return {p.schedule.key() for p in backward_plans(gg, target) if p.schedule.warp_pairs}
+
+    assert offered(128, "sm_90") == offered(128, "sm_90a") == {"kv128_q64_s1_wp", "kv128_q64_s2_wp"}
+    assert offered(64, "sm_80") == {"kv128_q64_s1_wp", "kv128_q64_s2_wp"}
+    assert offered(128, "sm_80") == {"kv128_q64_s1_wp"}
+    assert offered(64, "sm_120") == {"kv128_q64_s1_wp"} and not offered(128, "sm_120")
+    assert not offered(32, "sm_90") and not offered(96, "sm_90")
+    source = cuda_source(next(p for p in backward_plans(gradient_graph(1, 2, 2, 100, 77, 128, causal=True))
+                              if p.schedule.warp_pairs))  # fmt: skip
+    assert "pair_rows_times_rows<HALF_Q>(s, sK, kr0, tq, qc0, lane)" in source and "sP = sDs + BLOCK_KV * DS_ROW" in source
 
 
 def test_causal_one_tile_grid_takes_slabs_in_chunks() -> None:

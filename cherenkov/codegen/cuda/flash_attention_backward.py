@@ -44,6 +44,7 @@ workspace)``), the workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq acc
 from __future__ import annotations
 
 from cherenkov.codegen.cuda import cp_async, flash_attention_backward_sm90a, ldmatrix, mma, softmax
+from cherenkov.codegen.cuda import flash_attention_backward_pairs as warp_pairs
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import OperandLayout
@@ -146,13 +147,14 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
         section("problem and tile constants", _types(), _constants(plan), *([hopper.constants(plan)] if hopper else [])),
         section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
                 ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), softmax.emit_math_helpers(),
-                _helpers(), *([hopper.helpers(plan)] if hopper else
+                _helpers(), *([warp_pairs.helpers()] if plan.schedule.warp_pairs else []),
+                *([hopper.helpers(plan)] if hopper else
                               [flash_attention_backward_sm90a.emit_reduce_add_v4_f32()] if vector_reductions else [])),
         section("statistics: each query row's log-sum-exp and D = rowsum(dO o)",
                 _saved_statistics_kernel(name) if plan.schedule.saved_statistics else
                 hopper.statistics_kernel(plan, name) if hopper else _statistics_kernel(name)),
         section("main pass: dk and dv held per key tile, dq accumulated",
-                hopper.main_kernel(plan, name) if hopper else _main_kernel(name, vector_reductions)),
+                hopper.main_kernel(plan, name) if hopper else _main_kernel(name, vector_reductions, plan.schedule.warp_pairs)),
         section("dq: the accumulator scaled and rounded", hopper.dq_kernel(name) if hopper else _dq_kernel(name)),
     ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
@@ -370,7 +372,7 @@ def _constants(plan: BackwardPlan) -> str:
         f"constexpr int BLOCK_KV = {s.block_kv}, BLOCK_Q = {s.block_q}, STAGES = {s.stages};",
         "constexpr int KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;  // key tiles of a slab",
         "constexpr int WARPS = BLOCK_KV / 16, THREADS = 32 * WARPS;",
-        *([] if s.wgmma else mma_sync_main),
+        *([] if s.wgmma else [warp_pairs.PAIR_CONSTANTS] if s.warp_pairs else mma_sync_main),
         "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;  // workspace: LSE2, D, then dq (B, H, Sq, D)",
         "constexpr size_t DQ_ACCUMULATOR = (2 * ROWS_TOTAL + 3) / 4 * 4;  // the dq accumulator, 16-byte aligned",
         *(_saved_constants(plan) if s.saved_statistics else []),
@@ -580,11 +582,119 @@ _DQ_VECTOR_REDUCTIONS = block(
 )
 
 
-def _main_kernel(name: str, vector_reductions: bool) -> str:
-    """The main pass; ``vector_reductions`` (sm_90 and later): dq is added four floats a
-    ``red.global.add.v4.f32`` instead of one float an atomic add."""
-    return block(
-        """
+_KEY_WARP_ACCUMULATORS = """float dk[D / 8][4], dv[D / 8][4];  // keys 16 warp + g (+ 8) of this block, fp32
+#pragma unroll
+for (int n = 0; n < D / 8; ++n) {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+}
+const int key[2] = {k0 + 16 * warp + g, k0 + 16 * warp + g + 8};"""
+"""A 16-key warp's dk and dv (all D columns) and its two keys."""
+
+_KEY_WARP_STEP = """// S^T = K Q^T: 16 keys x BLOCK_Q queries
+float s[BLOCK_Q / 8][4];
+rows_times_rows<BLOCK_Q>(s, sK, 16 * warp, tq, lane);
+// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked
+#pragma unroll
+for (int n = 0; n < BLOCK_Q / 8; ++n) {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int column = 8 * n + 2 * t + (e & 1), query = q0 + column;
+        const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || (CAUSAL && key[e >> 1] > query);
+        s[n][e] = masked ? 0.0f : fast_exp2(s[n][e] * SCALE_LOG2 - tlse[column]);
+    }
+}
+if (WANT_DV) {  // dv += P^T dO
+    #pragma unroll
+    for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
+        u32 a[4];
+        accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
+        #pragma unroll
+        for (int c = 0; c < D / 16; ++c) {
+            u32 b[4];
+            load_b_cols(b, tdo, ROW, kk, 16 * c, lane);
+            mma_16816(dv[2 * c], a, b[0], b[1]);
+            mma_16816(dv[2 * c + 1], a, b[2], b[3]);
+        }
+    }
+}
+if (WANT_DQ || WANT_DK) {
+    // dP^T = V dO^T, then dS^T = P^T (dP^T - D) (in s)
+    float dp[BLOCK_Q / 8][4];
+    rows_times_rows<BLOCK_Q>(dp, sV, 16 * warp, tdo, lane);
+    #pragma unroll
+    for (int n = 0; n < BLOCK_Q / 8; ++n) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - tdelta[8 * n + 2 * t + (e & 1)];
+    }
+    #pragma unroll
+    for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
+        u32 a[4];
+        accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
+        if (WANT_DK) {  // dk += dS^T Q
+            #pragma unroll
+            for (int c = 0; c < D / 16; ++c) {
+                u32 b[4];
+                load_b_cols(b, tq, ROW, kk, 16 * c, lane);
+                mma_16816(dk[2 * c], a, b[0], b[1]);
+                mma_16816(dk[2 * c + 1], a, b[2], b[3]);
+            }
+        }
+        if (WANT_DQ) {  // dS^T to shared memory, rows = this warp's keys
+            u32* upper = reinterpret_cast<u32*>(sDs + (16 * warp + g) * DS_ROW + 16 * kk + 2 * t);
+            u32* lower = reinterpret_cast<u32*>(sDs + (16 * warp + g + 8) * DS_ROW + 16 * kk + 2 * t);
+            upper[0] = a[0];
+            lower[0] = a[1];
+            upper[4] = a[2];
+            lower[4] = a[3];
+        }
+    }
+}
+if (WANT_DQ) {  // dq (BLOCK_Q x D) += dS K, warps over (row tile, column group), atomics
+    __syncthreads();
+    const int r0 = 16 * (warp % DQ_ROW_TILES), c0 = (warp / DQ_ROW_TILES) * DQ_COLUMNS;
+    if (warp < DQ_ROW_TILES * (D / DQ_COLUMNS)) {
+        float acc[DQ_COLUMNS / 8][4];
+        #pragma unroll
+        for (int n = 0; n < DQ_COLUMNS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        #pragma unroll
+        for (int kk = 0; kk < BLOCK_KV / 16; ++kk) {
+            u32 a[4];
+            load_a_transposed(a, sDs, DS_ROW, r0, kk, lane);
+            #pragma unroll
+            for (int c = 0; c < DQ_COLUMNS / 16; ++c) {
+                u32 b[4];
+                load_b_cols(b, sK, ROW, kk, c0 + 16 * c, lane);
+                mma_16816(acc[2 * c], a, b[0], b[1]);
+                mma_16816(acc[2 * c + 1], a, b[2], b[3]);
+            }
+        }
+        float* rows = dq_accumulator + ((size_t(batch) * HEADS + head) * SEQ_Q + q0) * D;
+        @DQ_ADD@
+    }
+}"""
+"""One step of the one-warp-per-16-keys main pass (the loop body after the step's tiles are found)."""
+
+_KEY_WARP_EPILOGUE = """// dk * SCALE and dv, rounded, at their strides
+#pragma unroll
+for (int n = 0; n < D / 8; ++n) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (key[h] >= SEQ_KV) continue;
+        const int d = 8 * n + 2 * t;
+        if (WANT_DK) {
+            *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
+                = pack2(dk[n][2 * h] * SCALE, dk[n][2 * h + 1] * SCALE);
+        }
+        if (WANT_DV) {
+            *reinterpret_cast<u32*>(dv_out + DV_OFFSET + batch * DV_BATCH + kv_head * DV_HEAD + key[h] * DV_SEQ + d)
+                = pack2(dv[n][2 * h], dv[n][2 * h + 1]);
+        }
+    }
+}"""
+
+
+_MAIN_KERNEL = """
         extern "C" __global__ void __launch_bounds__(THREADS) @NAME@(
             @PARAMETERS@) {
             extern __shared__ __align__(16) unsigned char smem[];
@@ -595,7 +705,9 @@ def _main_kernel(name: str, vector_reductions: bool) -> str:
             float* sLse = reinterpret_cast<float*>(sDO + STAGES * BLOCK_Q * ROW);  // STAGES x BLOCK_Q
             float* sDelta = sLse + STAGES * BLOCK_Q;
             elem_t* sDs = reinterpret_cast<elem_t*>(sDelta + STAGES * BLOCK_Q);  // BLOCK_KV x DS_ROW: dS^T
+            @P_TILE@
             const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+            @ROLES@
             const BlockKeyTile mine = block_key_tile();
             if (!mine.valid) return;  // past the last slab
             const int k0 = mine.k0, kv_head = mine.kv_head, batch = mine.batch;
@@ -628,13 +740,7 @@ def _main_kernel(name: str, vector_reductions: bool) -> str:
             };
             if (steps > 0) load_step(0);
             cp_async_commit();
-            float dk[D / 8][4], dv[D / 8][4];  // keys 16 warp + g (+ 8) of this block, fp32
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
-            }
-            const int key[2] = {k0 + 16 * warp + g, k0 + 16 * warp + g + 8};
+            @ACCUMULATORS@
             for (int step = 0; step < steps; ++step) {
                 const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
                 const int q0 = (first + step % tiles) * BLOCK_Q;
@@ -652,111 +758,39 @@ def _main_kernel(name: str, vector_reductions: bool) -> str:
                 const elem_t* tdo = sDO + stage * BLOCK_Q * ROW;
                 const float* tlse = sLse + stage * BLOCK_Q;
                 const float* tdelta = sDelta + stage * BLOCK_Q;
-                // S^T = K Q^T: 16 keys x BLOCK_Q queries
-                float s[BLOCK_Q / 8][4];
-                rows_times_rows<BLOCK_Q>(s, sK, 16 * warp, tq, lane);
-                // P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked
-                #pragma unroll
-                for (int n = 0; n < BLOCK_Q / 8; ++n) {
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int column = 8 * n + 2 * t + (e & 1), query = q0 + column;
-                        const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || (CAUSAL && key[e >> 1] > query);
-                        s[n][e] = masked ? 0.0f : fast_exp2(s[n][e] * SCALE_LOG2 - tlse[column]);
-                    }
-                }
-                if (WANT_DV) {  // dv += P^T dO
-                    #pragma unroll
-                    for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
-                        u32 a[4];
-                        accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
-                        #pragma unroll
-                        for (int c = 0; c < D / 16; ++c) {
-                            u32 b[4];
-                            load_b_cols(b, tdo, ROW, kk, 16 * c, lane);
-                            mma_16816(dv[2 * c], a, b[0], b[1]);
-                            mma_16816(dv[2 * c + 1], a, b[2], b[3]);
-                        }
-                    }
-                }
-                if (WANT_DQ || WANT_DK) {
-                    // dP^T = V dO^T, then dS^T = P^T (dP^T - D) (in s)
-                    float dp[BLOCK_Q / 8][4];
-                    rows_times_rows<BLOCK_Q>(dp, sV, 16 * warp, tdo, lane);
-                    #pragma unroll
-                    for (int n = 0; n < BLOCK_Q / 8; ++n) {
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - tdelta[8 * n + 2 * t + (e & 1)];
-                    }
-                    #pragma unroll
-                    for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
-                        u32 a[4];
-                        accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
-                        if (WANT_DK) {  // dk += dS^T Q
-                            #pragma unroll
-                            for (int c = 0; c < D / 16; ++c) {
-                                u32 b[4];
-                                load_b_cols(b, tq, ROW, kk, 16 * c, lane);
-                                mma_16816(dk[2 * c], a, b[0], b[1]);
-                                mma_16816(dk[2 * c + 1], a, b[2], b[3]);
-                            }
-                        }
-                        if (WANT_DQ) {  // dS^T to shared memory, rows = this warp's keys
-                            u32* upper = reinterpret_cast<u32*>(sDs + (16 * warp + g) * DS_ROW + 16 * kk + 2 * t);
-                            u32* lower = reinterpret_cast<u32*>(sDs + (16 * warp + g + 8) * DS_ROW + 16 * kk + 2 * t);
-                            upper[0] = a[0];
-                            lower[0] = a[1];
-                            upper[4] = a[2];
-                            lower[4] = a[3];
-                        }
-                    }
-                }
-                if (WANT_DQ) {  // dq (BLOCK_Q x D) += dS K, warps over (row tile, column group), atomics
-                    __syncthreads();
-                    const int r0 = 16 * (warp % DQ_ROW_TILES), c0 = (warp / DQ_ROW_TILES) * DQ_COLUMNS;
-                    if (warp < DQ_ROW_TILES * (D / DQ_COLUMNS)) {
-                        float acc[DQ_COLUMNS / 8][4];
-                        #pragma unroll
-                        for (int n = 0; n < DQ_COLUMNS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-                        #pragma unroll
-                        for (int kk = 0; kk < BLOCK_KV / 16; ++kk) {
-                            u32 a[4];
-                            load_a_transposed(a, sDs, DS_ROW, r0, kk, lane);
-                            #pragma unroll
-                            for (int c = 0; c < DQ_COLUMNS / 16; ++c) {
-                                u32 b[4];
-                                load_b_cols(b, sK, ROW, kk, c0 + 16 * c, lane);
-                                mma_16816(acc[2 * c], a, b[0], b[1]);
-                                mma_16816(acc[2 * c + 1], a, b[2], b[3]);
-                            }
-                        }
-                        float* rows = dq_accumulator + ((size_t(batch) * HEADS + head) * SEQ_Q + q0) * D;
-                        @DQ_ADD@
-                    }
-                }
+                @STEP@
             }
-            // dk * SCALE and dv, rounded, at their strides
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (key[h] >= SEQ_KV) continue;
-                    const int d = 8 * n + 2 * t;
-                    if (WANT_DK) {
-                        *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
-                            = pack2(dk[n][2 * h] * SCALE, dk[n][2 * h + 1] * SCALE);
-                    }
-                    if (WANT_DV) {
-                        *reinterpret_cast<u32*>(dv_out + DV_OFFSET + batch * DV_BATCH + kv_head * DV_HEAD + key[h] * DV_SEQ + d)
-                            = pack2(dv[n][2 * h], dv[n][2 * h + 1]);
-                    }
-                }
-            }
+            @EPILOGUE@
         }
-        """
-    ).replace("@NAME@", name).replace("@PARAMETERS@", flash_attention_backward_sm90a.MAIN_PASS_PARAMETERS).replace(
-        "@DQ_ADD@", indent(_DQ_VECTOR_REDUCTIONS if vector_reductions else _DQ_ATOMICS, 4).lstrip()
-    )
+"""
+"""The main pass's opening and step loop; a family fills its roles, accumulators, step and epilogue."""
+
+def _main_kernel(name: str, vector_reductions: bool, pairs: bool) -> str:
+    """The main pass: a warp per 16 keys, or with ``pairs`` two warps per 32 keys
+    (:mod:`.flash_attention_backward_pairs`); ``vector_reductions`` (sm_90 and later): dq is added
+    four floats a ``red.global.add.v4.f32`` instead of one float an atomic add."""
+    dq_add = _DQ_VECTOR_REDUCTIONS if vector_reductions else _DQ_ATOMICS
+    if pairs:
+        parts = {"ROLES": warp_pairs.PAIR_ROLES, "P_TILE": warp_pairs.PAIR_P_TILE,
+                 "ACCUMULATORS": warp_pairs.PAIR_ACCUMULATORS, "STEP": warp_pairs.pair_step(dq_add),
+                 "EPILOGUE": warp_pairs.PAIR_EPILOGUE}
+    else:
+        parts = {"ROLES": "", "P_TILE": "", "ACCUMULATORS": _KEY_WARP_ACCUMULATORS,
+                 "STEP": _KEY_WARP_STEP.replace("@DQ_ADD@", indent(dq_add, 2).lstrip()), "EPILOGUE": _KEY_WARP_EPILOGUE}
+    text = block(_MAIN_KERNEL).replace("@NAME@", name)
+    text = text.replace("@PARAMETERS@", flash_attention_backward_sm90a.MAIN_PASS_PARAMETERS)
+    for key, value in parts.items():
+        text = _fill_line(text, key, value)
+    return text
+
+
+def _fill_line(text: str, key: str, value: str) -> str:
+    """``text`` with the line holding only ``@key@`` replaced by ``value`` at that line's indentation
+    (removed where ``value`` is empty)."""
+    line = next(line for line in text.split("\n") if line.strip() == f"@{key}@")
+    margin = line[: len(line) - len(line.lstrip())]
+    replacement = "\n".join(margin + row if row else row for row in value.split("\n")) if value else None
+    return text.replace(line + "\n", "" if replacement is None else replacement + "\n")
 
 
 def _dq_kernel(name: str) -> str:
