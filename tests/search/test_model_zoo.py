@@ -1,0 +1,104 @@
+"""Model families nobody here wrote, through the ``torch.compile`` backend on the CPU: tiny
+transformers configs of the LMs, encoders and vision towers users bring (Qwen2, Qwen3, Mistral,
+Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3, BERT with a padding mask,
+CLIP's vision tower, T5's encoder with its relative position bias, Whisper's encoder). Each
+runs like eager in bf16, and each of its attention layers derives one flash-attention kernel
+on sm_90a; Gemma 2's soft-capped scores (``c·tanh(s/c)``) have no fused form yet and run on
+the unfused kernels, still like eager."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import cherenkov as ck
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("real_modules")
+
+from cherenkov.search.dynamo import compile_regions  # noqa: E402
+from test_dynamo import recorded_splits  # noqa: E402
+
+TOKENS = (2, 64)
+DECODER = dict(num_hidden_layers=1, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=256)  # fmt: skip
+
+
+def _token_ids() -> dict[str, Any]:
+    return {"input_ids": torch.randint(0, 256, TOKENS)}
+
+
+def _decoder(model: str, config: str, **overrides: Any) -> Callable[[], tuple[Any, dict[str, Any]]]:
+    def build() -> tuple[Any, dict[str, Any]]:
+        return getattr(transformers, model)(getattr(transformers, config)(**{**DECODER, **overrides})), _token_ids()
+
+    return build
+
+
+def _bert_padded() -> tuple[Any, dict[str, Any]]:
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=256)  # fmt: skip
+    mask = torch.cat([torch.ones(2, 48, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long)], 1)
+    return transformers.BertModel(config), {**_token_ids(), "attention_mask": mask}
+
+
+def _clip_vision() -> tuple[Any, dict[str, Any]]:
+    config = transformers.CLIPVisionConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4,
+                                           intermediate_size=128, image_size=64, patch_size=8)  # fmt: skip
+    return transformers.CLIPVisionModel(config), {"pixel_values": torch.randn(2, 3, 64, 64)}
+
+
+def _t5_encoder() -> tuple[Any, dict[str, Any]]:
+    config = transformers.T5Config(num_layers=1, d_model=128, num_heads=4, d_kv=32, d_ff=128, vocab_size=256)
+    return transformers.T5EncoderModel(config), _token_ids()
+
+
+def _whisper_encoder() -> tuple[Any, dict[str, Any]]:
+    config = transformers.WhisperConfig(encoder_layers=1, decoder_layers=1, d_model=128, encoder_attention_heads=4,
+                                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                        num_mel_bins=16, max_source_positions=32, vocab_size=256, pad_token_id=0,
+                                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)  # fmt: skip
+    return transformers.WhisperModel(config).encoder, {"input_features": torch.randn(2, 16, 64)}
+
+
+FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
+    # name: (model and inputs, flash-attention kernels its regions derive)
+    "qwen2": (_decoder("Qwen2ForCausalLM", "Qwen2Config"), 1),
+    "qwen3": (_decoder("Qwen3ForCausalLM", "Qwen3Config", head_dim=32), 1),
+    "mistral": (_decoder("MistralForCausalLM", "MistralConfig", sliding_window=None), 1),
+    "gemma_d256": (_decoder("GemmaForCausalLM", "GemmaConfig", head_dim=256), 1),
+    "gemma3_sliding_and_full": (_decoder("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=64, num_hidden_layers=2,
+                                         sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 2),
+    "gemma2_softcap": (_decoder("Gemma2ForCausalLM", "Gemma2Config", head_dim=64), 0),
+    "phi3": (_decoder("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2), 1),
+    "bert_padded": (_bert_padded, 1),
+    "clip_vision": (_clip_vision, 1),
+    "t5_encoder": (_t5_encoder, 1),
+    "whisper_encoder": (_whisper_encoder, 1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_fused(family: str) -> None:
+    build, flash_kernels = FAMILIES[family]
+    torch.manual_seed(0)
+    model, inputs = build()
+    model = model.to(torch.bfloat16).eval()
+    inputs = {n: x.to(torch.bfloat16) if x.is_floating_point() else x for n, x in inputs.items()}
+    with torch.no_grad():
+        expected = model(**inputs)[0].float()
+        with recorded_splits() as splits:
+            compiled = torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))
+            got = compiled(**inputs)[0].float()
+    error = float((got - expected).norm() / expected.norm())
+    assert error < 2e-2, f"{family}: {error:.3g} from eager"
+    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
+                                for prepared in region.prepared.values()
+                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    assert kinds["flash_attention"] == flash_kernels, f"{family}: {dict(kinds)}"
+    if not flash_kernels:  # soft-capped scores: the softmax runs as a row kernel of its own
+        assert kinds["softmax_rows"] or kinds["reduction"], dict(kinds)
