@@ -65,6 +65,22 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+GROWING_SHAPE_CALLS = 4
+"""Signatures of one compiled function after which a new one is taken for a shape that changes every call."""
+GROWING_SHAPE_HINT = (" (a shape that changes every call, a growing KV cache for one, is captured and searched anew each "
+                      "time: a static cache, generate(..., cache_implementation='static') in transformers, or the shapes "
+                      "prepared ahead with ck.compile's dynamic=, avoids that)")
+
+
+def signature_change(before: Signature, after: Signature) -> str:
+    """What differs between two signatures, input by input (``input 5 (1, 2, 22, 32) bfloat16, was (1, 2, 21, 32)
+    bfloat16``), or their input counts."""
+    if len(before) != len(after):
+        return f"{len(after)} inputs, was {len(before)}"
+    return ", ".join(f"input {i} {new[0]} {new[1]}, was {old[0]} {old[1]}"
+                     for i, (old, new) in enumerate(zip(before, after)) if old != new)  # fmt: skip
+
+
 MAX_RECORDINGS = 3
 """CUDA graphs one signature records at most: a caller whose parameters or caches keep moving
 gains nothing from recording again, and each recording costs tens of milliseconds."""
@@ -226,8 +242,9 @@ class CompiledFunction:
         if key not in self.prepared:
             _check_tensors(tensors)
             if self.prepared:
-                log.warning("ck.compile: %s called on a new signature %s (prepared: %s); capturing and searching it",
-                            self.name, key, list(self.prepared))  # fmt: skip
+                log.warning("ck.compile: %s called on a new signature (%s; %d prepared); capturing and searching it%s",
+                            self.name, signature_change(next(reversed(self.prepared)), key), len(self.prepared),
+                            GROWING_SHAPE_HINT if len(self.prepared) + 1 == GROWING_SHAPE_CALLS else "")  # fmt: skip
             graph = from_torch(self.fn, *tensors)
             result = None
             if all(t.device.type == "cuda" for t in tensors):

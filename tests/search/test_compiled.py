@@ -78,6 +78,17 @@ def test_one_capture_per_new_signature_and_none_for_one_seen_before(block):
     assert compiled.searches == 3, "a new dtype is a new signature"
 
 
+def test_a_new_signature_is_logged_by_what_changed_and_a_growing_shape_gets_a_hint(block, caplog):
+    compiled = ck.compile(block, torch.randn(4, 16))
+    with caplog.at_level(logging.WARNING, logger="cherenkov.search.compiled"):
+        for rows in (5, 6, 7):
+            compiled(torch.randn(rows, 16))
+    said = [r.getMessage() for r in caplog.records if "new signature" in r.getMessage()]
+    assert len(said) == 3 and "input 0 (5, 16) float32, was (4, 16) float32; 1 prepared" in said[0], said
+    assert "input 0 (7, 16) float32, was (6, 16) float32; 3 prepared" in said[2]
+    assert ["growing KV cache" in s for s in said] == [False, False, True], "the hint once, at the fourth signature"
+
+
 def test_dynamic_buckets_are_prepared_ahead(block):
     compiled = ck.compile(block, torch.randn(4, 16), dynamic=[((2, 16),), ((3, 5, 16),)])
     assert compiled.searches == 3

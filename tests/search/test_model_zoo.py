@@ -5,7 +5,8 @@ CLIP's vision tower, T5's encoder with its relative position bias, Whisper's enc
 runs like eager in bf16, and each of its attention layers derives one flash-attention kernel
 on sm_90a; Gemma 2's soft-capped scores (``c·tanh(s/c)``) have no fused form yet and run on
 the unfused kernels, still like eager. Five of them also train a step like eager, a flash
-backward an attention layer (but at head dim 256, which the backward does not plan)."""
+backward an attention layer (but at head dim 256, which the backward does not plan), and two
+decode greedily with eager's tokens."""
 
 from __future__ import annotations
 
@@ -136,3 +137,20 @@ def test_a_model_family_trains_through_the_backend_like_eager_with_a_flash_backw
                                 for prepared in region.prepared.values()
                                 for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
     assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == (flash_kernels, TRAINED[family]), dict(kinds)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_sliding_and_full"])
+def test_a_model_family_generates_eager_tokens_through_the_backend(family: str) -> None:
+    """Greedy decoding with transformers' default (growing) cache: every step a new signature of the regions,
+    the same 8 tokens as eager."""
+    build, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model, inputs = build()
+    model = model.to(torch.bfloat16).eval()
+    prompt = inputs["input_ids"][:1, :16]
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))
+        got = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected), (expected[0, 16:].tolist(), got[0, 16:].tolist())
