@@ -23,8 +23,10 @@ and ``dq = c·dS k``, ``dk = c·dSᵀ q``, ``dv = Pᵀ dO``
    Pᵀ from the saved ``LSE₂``, dv += Pᵀ dO (Pᵀ repacked from the accumulators as A operands,
    as the forward does with P), dPᵀ = V dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dk += dSᵀ Q; dSᵀ goes to
    shared memory, and the warps together compute the tile's dq = dS K, added to the fp32
-   accumulator with atomic adds. Causal blocks start at the first query tile that sees
-   their keys. Finally dk·c and dv are written. The blocks take ``chunk`` slabs (batch × K/V
+   accumulator with atomic adds (with ``warp_pairs``, two warps share 32 keys instead and exchange
+   Pᵀ and dSᵀ through shared memory: :mod:`.flash_attention_backward_pairs`). Causal blocks start
+   at the first query tile that sees their keys. Finally dk·c and dv are written. The blocks take
+   ``chunk`` slabs (batch × K/V
    head) at a time, key tile by key tile (:func:`chunk_slabs`): with a causal mask the longest
    blocks then start first and the last to start are short.
 3. ``<name>_dq`` — dq = c·accumulator, rounded, written at dq's strides.
@@ -692,7 +694,7 @@ for (int n = 0; n < D / 8; ++n) {
         }
     }
 }"""
-
+"""A 16-key warp's dk (scaled) and dv, rounded, written at their strides."""
 
 _MAIN_KERNEL = """
         extern "C" __global__ void __launch_bounds__(THREADS) @NAME@(
@@ -763,7 +765,8 @@ _MAIN_KERNEL = """
             @EPILOGUE@
         }
 """
-"""The main pass's opening and step loop; a family fills its roles, accumulators, step and epilogue."""
+"""The main pass's opening and step loop; a warp layout fills its roles, accumulators, step and epilogue."""
+
 
 def _main_kernel(name: str, vector_reductions: bool, pairs: bool) -> str:
     """The main pass: a warp per 16 keys, or with ``pairs`` two warps per 32 keys
