@@ -20,7 +20,17 @@ import numpy as np
 from cherenkov.codegen import cuda_source
 from cherenkov.codegen.cuda.flash_attention_backward import grids, kernel_name, workspace_floats
 
-from .emulator import PRELUDE, READ_FILE, _strip_functions, emulator_root, from_bits, host_binary, launch_blocks, to_bits
+from .emulator import (
+    NP_TYPES,
+    PRELUDE,
+    READ_FILE,
+    _strip_functions,
+    emulator_root,
+    from_bits,
+    host_binary,
+    launch_blocks,
+    to_bits,
+)
 
 REPLACED = ("mma_16816", "mma_16816_zero", "pack2", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
             "ldmatrix_x2_trans", "cp_async_16", "cp_async_commit", "cp_async_wait", "smem_address", "to_float",
@@ -152,5 +162,5 @@ def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.n
         run = subprocess.run([str(binary), *paths, *outputs], capture_output=True, text=True, timeout=900)
         if run.returncode:
             raise RuntimeError(f"emulated {plan.name} failed (exit {run.returncode}): {run.stderr[:2000]}")
-        return {role: from_bits(np.fromfile(out, dtype=np.uint16), dtype).reshape(shapes[role])
+        return {role: from_bits(np.fromfile(out, dtype=NP_TYPES[dtype]), dtype).reshape(shapes[role])
                 for role, out in zip(("dq", "dk", "dv"), outputs) if role in shapes}  # fmt: skip

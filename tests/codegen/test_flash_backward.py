@@ -179,18 +179,19 @@ def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.nd
 
 
 @needs_gxx
-@pytest.mark.parametrize(("sizes", "causal", "wrt", "schedules"), [
-    ((1, 2, 2, 40, 70, 32), False, ("q", "k", "v"), ("kv64_q32_s1", "kv128_q64_s2")),
-    ((2, 4, 2, 37, 70, 32), True, ("q", "k", "v"), ("kv64_q32_s2",)),  # GQA, Sq < Skv, batch strides
-    ((1, 2, 2, 100, 77, 64), True, ("k", "v"), ("kv64_q64_s2",)),  # Sq > Skv, no dq
-    ((2, 4, 2, 37, 150, 64), True, ("q", "k", "v"), ("kv128_q64_s2_wp",)),  # warp pairs: GQA, ragged
-    ((1, 2, 2, 70, 150, 128), False, ("q", "v"), ("kv128_q64_s1_wp",)),  # warp pairs: D 128, no dk
-], ids=["tails", "causal_gqa", "dk_dv_only", "warp_pairs_causal_gqa", "warp_pairs_d128"])  # fmt: skip
-def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules) -> None:
-    """Causal plans also run as launched on a device of 5 multiprocessors: chunks of 2 or 3 slabs, the
-    last one short (its blocks past the last slab return at once)."""
-    gg = gradient_graph(*sizes, causal=causal, wrt=wrt)
-    inputs = _inputs(gg)
+@pytest.mark.parametrize(("sizes", "causal", "wrt", "schedules", "dtype"), [
+    ((1, 2, 2, 40, 70, 32), False, ("q", "k", "v"), ("kv64_q32_s1", "kv128_q64_s2"), "bf16"),
+    ((2, 4, 2, 37, 70, 32), True, ("q", "k", "v"), ("kv64_q32_s2",), "bf16"),  # GQA, Sq < Skv, batch strides
+    ((1, 2, 2, 100, 77, 64), True, ("k", "v"), ("kv64_q64_s2",), "bf16"),  # Sq > Skv, no dq
+    ((2, 4, 2, 37, 150, 64), True, ("q", "k", "v"), ("kv128_q64_s2_wp",), "bf16"),  # warp pairs: GQA, ragged
+    ((1, 2, 2, 70, 150, 128), False, ("q", "v"), ("kv128_q64_s1_wp",), "bf16"),  # warp pairs: D 128, no dk
+    ((1, 2, 2, 90, 64, 64), True, ("q", "k", "v"), ("kv128_q64_s1_wp", "kv64_q32_s2"), "fp16"),
+], ids=["tails", "causal_gqa", "dk_dv_only", "warp_pairs_causal_gqa", "warp_pairs_d128", "fp16"])  # fmt: skip
+def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules, dtype) -> None:
+    """bf16 and fp16; causal plans also run as launched on a device of 5 multiprocessors: chunks of 2 or 3
+    slabs, the last one short (its blocks past the last slab return at once)."""
+    gg = gradient_graph(*sizes, causal=causal, wrt=wrt, dtype=dtype)
+    inputs = _inputs(gg, dtype)
     expected = ck.evaluate(gg, inputs)
     plans = {p.schedule.key(): p for p in backward_plans(gg)}
     for key, sms in [(key, sms) for key in schedules for sms in ((None, 5) if causal else (None,))]:
@@ -204,7 +205,7 @@ def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedu
 
 def test_warp_pair_main_pass_is_offered_where_its_tiles_fit() -> None:
     """Warp pairs take head dims 64 and 128 on every target whose shared memory holds 128 keys, two 64-query
-    stages (sm_80 at D 128: one) and the Pᵀ and dSᵀ tiles; sm_120's 99 KB holds none."""
+    stages (sm_80 at D 128: one) and the Pᵀ and dSᵀ tiles; sm_120's 99 KB only D 64's one-stage schedule."""
 
     def offered(dim: int, target: str) -> set[str]:
         gg = gradient_graph(1, 2, 2, 100, 77, dim, causal=True)
@@ -273,11 +274,13 @@ GPU_CASES = [
     ((2, 4, 4, 77, 129, 32), False, "fp16"),
     ((1, 4, 4, 300, 200, 96), True, "bf16"),  # Sq > Skv, D 96
     ((1, 3, 3, 77, 129, 64), True, "bf16"),  # B·H·Sq odd: the dq accumulator still 16-byte aligned
+    ((2, 4, 2, 90, 150, 64), True, "fp16"),  # fp16 warp pairs
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96", "odd_rows"])
+@pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96", "odd_rows",
+                                                                      "fp16_d64_gqa"])
 def test_gpu_backward_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
     """Every ``mma.sync`` schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32
     autograd through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched
