@@ -311,8 +311,9 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons.append("a persistent main pass: the wgmma family only")
     if schedule.warp_pairs:
         reasons += _warp_pair_problems(schedule, problem)
-    row_tiles = schedule.block_q // 16
-    if not schedule.wgmma and schedule.warps % row_tiles or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16:
+    row_tiles = schedule.block_q // 16  # the 16-key main pass's dq grid (warp pairs check their own above)
+    if not schedule.warp_pairs and (not schedule.wgmma and schedule.warps % row_tiles
+                                    or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16):  # fmt: skip
         reasons.append(f"{schedule.warps} warps do not split a {schedule.block_q} x {a.head_dim} dq tile into 16-column parts")
     reasons += problem.layout_problems()
     smem = backward_smem_bytes(schedule, problem)

@@ -140,7 +140,6 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
     problems = backward_schedule_problems(plan.schedule, plan.problem, plan.target)
     if problems:
         raise CodegenError(f"{plan.name} does not fit: {'; '.join(problems)}")
-    dq_warp_grid(plan)
     name = kernel_name(plan)
     hopper = flash_attention_backward_sm90a if plan.schedule.wgmma else None
     vector_reductions = plan.target.compute_capability >= 90  # red.global.add.v4.f32
@@ -344,12 +343,6 @@ def _constants(plan: BackwardPlan) -> str:
     p, s = plan.problem, plan.schedule
     a = p.attention
     scale = a.scale or a.head_dim**-0.5
-    row_tiles, column_groups = dq_warp_grid(plan)
-    mma_sync_main = [  # what only the mma.sync main pass reads
-        "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",
-        f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D / {column_groups};  // a warp's part of a dq tile",
-        "static_assert(DQ_COLUMNS % 16 == 0, \"dq columns in whole ldmatrix pairs\");",
-    ]
     unused = OperandLayout(p.grad_output_layout.shape, 0, 0, 0)
     gradient = {role: p.gradient(role) for role in ("dq", "dk", "dv")}
     return "\n".join([
@@ -374,13 +367,23 @@ def _constants(plan: BackwardPlan) -> str:
         f"constexpr int BLOCK_KV = {s.block_kv}, BLOCK_Q = {s.block_q}, STAGES = {s.stages};",
         "constexpr int KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;  // key tiles of a slab",
         "constexpr int WARPS = BLOCK_KV / 16, THREADS = 32 * WARPS;",
-        *([] if s.wgmma else [warp_pairs.PAIR_CONSTANTS] if s.warp_pairs else mma_sync_main),
+        *([] if s.wgmma else [warp_pairs.PAIR_CONSTANTS] if s.warp_pairs else _key_warp_constants(plan)),
         "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;  // workspace: LSE2, D, then dq (B, H, Sq, D)",
         "constexpr size_t DQ_ACCUMULATOR = (2 * ROWS_TOTAL + 3) / 4 * 4;  // the dq accumulator, 16-byte aligned",
         *(_saved_constants(plan) if s.saved_statistics else []),
         f"constexpr int DQ_THREADS = {DQ_THREADS}, DQ_BLOCKS = {grids(plan)['dq'][0][0]};  // the dq launch",
         "static_assert(D % 16 == 0, \"head dims in whole k16 steps\");",
     ])  # fmt: skip
+
+
+def _key_warp_constants(plan: BackwardPlan) -> list[str]:
+    """What only the one-warp-per-16-keys main pass reads: the dS^T row and its dq warp grid."""
+    row_tiles, column_groups = dq_warp_grid(plan)
+    return [
+        "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",
+        f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D / {column_groups};  // a warp's part of a dq tile",
+        "static_assert(DQ_COLUMNS % 16 == 0, \"dq columns in whole ldmatrix pairs\");",
+    ]
 
 
 def _saved_constants(plan: BackwardPlan) -> list[str]:
