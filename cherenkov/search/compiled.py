@@ -60,6 +60,17 @@ def signature_of(tensors: Sequence[Any]) -> Signature:
     return tuple((tuple(t.shape), _dtype_name(t.dtype), "cuda" if t.is_cuda else t.device.type) for t in tensors)
 
 
+def _specialised(size: Any) -> Any:
+    """A tensor size as an int: a symbolic size with a value (a backed ``SymInt``) specialised to it
+    (a guard of the trace it belongs to), one without a value (data-dependent) left symbolic."""
+    if isinstance(size, int):
+        return size
+    try:
+        return int(size)
+    except Exception:  # noqa: BLE001 - torch raises its own (version-specific) error for data-dependent sizes
+        return size
+
+
 @functools.cache
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
@@ -219,14 +230,16 @@ class CompiledFunction:
         """The op's fake implementation: (shape, torch dtype) of each output for tensors of
         these shapes, dtypes and device (real or fake), from the signature's prepared graph.
         A trace (``torch.compile``) cannot capture and search a new signature inside itself:
-        it must be prepared first (a call, or ``dynamic``)."""
+        it must be prepared first (a call, or ``dynamic``). A symbolic size the trace knows
+        the value of is specialised to it (the trace then guards on it: the kernels serve one
+        shape), as a trace that marked a size dynamic (a recompilation, a joint graph) hands it."""
         import torch
 
-        shapes = [tuple(t.shape) for t in tensors]
+        shapes = [tuple(_specialised(d) for d in t.shape) for t in tensors]
         if not all(isinstance(d, int) for shape in shapes for d in shape):
-            raise GraphError(f"ck.compile: {self.name} is traced with symbolic shapes {shapes}; its kernels are "
-                             "specialised to static shapes: use torch.compile(..., dynamic=False)")  # fmt: skip
-        key = signature_of(tensors)
+            raise GraphError(f"ck.compile: {self.name} is traced with sizes that have no value {shapes}; its "
+                             "kernels are specialised to static shapes: use torch.compile(..., dynamic=False)")  # fmt: skip
+        key = tuple((shape, *rest) for shape, (_, *rest) in zip(shapes, signature_of(tensors)))
         if key not in self.prepared:
             prepared = [[s for s, _, _ in k] for k in self.prepared]
             raise GraphError(f"ck.compile: {self.name} is traced for inputs {shapes} it has not prepared (prepared: "

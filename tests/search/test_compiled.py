@@ -151,6 +151,10 @@ def test_fullgraph_compilation_traces_through_a_compiled_function(block):
     x = torch.randn(4, 16)
     with torch.no_grad():
         assert close(doubled(x), block(x) * 2.0)
+    # traced with symbolic sizes (dynamic=True): each is specialised to its value, so the prepared signature serves
+    dynamic = torch.compile(lambda x: compiled(x) * 2.0, fullgraph=True, backend="eager", dynamic=True)
+    with torch.no_grad():
+        assert close(dynamic(x), block(x) * 2.0)
     # the fake implementation refuses a signature it has not prepared (asked directly: a failed Dynamo
     # compile leaves CPython's frame-evaluation hook behind, which lowers the process's recursion depth)
     with pytest.raises(ck.GraphError, match="has not prepared"):
