@@ -155,8 +155,11 @@ def _dequantized_operands(operands: tuple[Tensor, Tensor, Tensor],
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
               descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None,
-              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+              return_lse: bool = False, softcap: float | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """``softmax(q kᵀ · scale [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
+
+    ``softcap = c`` caps the scaled scores before the mask, ``c·tanh(s / c)`` (Gemma 2's
+    attention logit soft cap).
 
     8-bit ``q``, ``k``, ``v`` (``fp8_e4m3``, ``fp8_e5m2``) need ``descale = (s_q, s_k, s_v)``,
     their :func:`quantize` scales: the attention of their dequantised values (float32).
@@ -183,9 +186,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
                 "the query head count must be a multiple of the K/V head count"
             )
         k, v = repeat_kv_heads(k, heads // kv_heads), repeat_kv_heads(v, heads // kv_heads)
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise GraphError(f"attention: softcap {softcap}; valid: a finite positive cap (or None for none)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = (q @ k.transpose(-2, -1)) * scale
+    if softcap is not None:
+        scores = tanh(scores * (1.0 / softcap)) * softcap
     if causal:
         seq_q, seq_kv = q.shape[-2], k.shape[-2]
         query_index = arange(seq_q, graph=q.graph).unsqueeze(-1)

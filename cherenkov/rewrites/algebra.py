@@ -21,6 +21,8 @@ LN2 = literal(math.log(2.0))
 x = tensor("x", "i:3", "j:4")
 y = tensor("y", "i:3", "j:4")
 
+HALF_LN2 = literal(math.log(2.0) / 2.0)
+
 RULES = (
     Rule(
         "exp2-log2e-is-exp",
@@ -49,6 +51,13 @@ RULES = (
         lhs="(Mul x (Num 1.0))",
         rhs="x",
         example=Example(("Mul", x, ("Num", 1.0))),
+    ),
+    Rule(
+        "tanh-from-exp2",
+        "1 − 2·(exp2(x·a) + 1)⁻¹ = tanh(x·a·ln 2 / 2): tanh in the exponential spelling ck.nn.tanh lowers to",
+        lhs="(Add (Num 1.0) (Neg (Mul (Num 2.0) (Recip (Add (Exp2 (Mul x (Num a))) (Num 1.0))))))",
+        rhs=f"(Tanh (Mul x (Num (* a {HALF_LN2}))))",
+        example=Example(("Add", ("Num", 1.0), ("Neg", ("Mul", ("Num", 2.0), ("Recip", ("Add", ("Exp2", ("Mul", x, ("Num", 1.7))), ("Num", 1.0))))))),
     ),
     Rule(
         "fold-contraction-scale",

@@ -337,7 +337,7 @@ class _Partition:
             6: (leading + (key, dim), k),
             7: (leading + (key,) + order(frozenset(values)), v),
         }
-        mask = core[9]
+        cap, mask = t.soft_capped(core[9])
         if mask[0] == "BiasMask" and not self.readable_in_place(mask[1]):
             axes = t.free_axes(mask[1])
             layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), mask[1])
@@ -347,7 +347,7 @@ class _Partition:
             if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
                 continue
             if position == 9:  # a bias read through a computed index: stored over its axes, key last
-                result[position] = (mask[0], self.materialise(operand, layout))
+                result[position] = t.with_soft_cap(cap, (mask[0], self.materialise(operand, layout)))
                 continue
             split = _kv_head_split(operand, batch) if position > 5 else None
             if split is None:
@@ -974,7 +974,8 @@ def attention_problem(
     """
     if form[0] == "Scheduled":
         form = form[1]
-    key, n_keys, dim, n_dim, q, k, v, scale, mask, *factors = canonical_flash(form)[1:]
+    key, n_keys, dim, n_dim, q, k, v, scale, capped_mask, *factors = canonical_flash(form)[1:]
+    softcap, mask = t.soft_capped(capped_mask)
     (q, q_scales), (k, k_scales) = _split_block_scales(q, dtypes), _split_block_scales(k, dtypes)
     q_read, k_read, v_read = (_flash_read(term, role, shapes) for role, term in (("q", q), ("k", k), ("v", v)))
     if any(atom[0] != "Ax" for atom in q_read.strides):
@@ -1064,6 +1065,7 @@ def attention_problem(
         dtype=operand_dtypes.pop(),
         causal=mask[0] == "CausalMask",
         scale=scale,
+        softcap=softcap,
         q=q[1],
         k=k[1],
         v=v[1],

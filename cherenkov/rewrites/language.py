@@ -43,6 +43,9 @@ EXPR_CONSTRUCTORS: tuple[Constructor, ...] = (
     *(Constructor(op, ("Expr",), 2) for op in ("Exp2", "Exp", "Log2", "Sin", "Sqrt", "Recip", "Neg")),
     *(Constructor(op, ("Expr", "Expr"), 2) for op in ("Add", "Mul", "Mod", "Lt", "Maximum")),
     Constructor("Where", ("Expr", "Expr", "Expr"), 2),
+    # tanh(x), recognised in its exponential spelling for the soft-capped attention rules; no kernel
+    # computes it as an element (its cost keeps it out of extraction: the spelling it came from stays)
+    Constructor("Tanh", ("Expr",), 1000),
     Constructor("PadAxis", ("Ix", "i64", "i64", "f64", "Expr"), 2),
     Constructor("Sum", ("String", "i64", "Expr"), 20, binds=((0, (2,)),)),
     Constructor("Max", ("String", "i64", "Expr"), 20, binds=((0, (2,)),)),
@@ -149,8 +152,10 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
     "Ix": IX_CONSTRUCTORS,
     "IxList": (Constructor("INil", (), 0), Constructor("ICons", ("Ix", "IxList"), 0)),
     "Expr": EXPR_CONSTRUCTORS,
-    # a flash-attention mask: none, causal on a query axis, scores plus a bias tensor
-    "Mask": (Constructor("NoMask", (), 0), Constructor("CausalMask", ("Ix",), 0), Constructor("BiasMask", ("Expr",), 0)),
+    # a flash-attention mask: none, causal on a query axis, scores plus a bias tensor; or the scores
+    # soft-capped at c (c·tanh(s/c), Gemma 2's logit cap) before an inner mask
+    "Mask": (Constructor("NoMask", (), 0), Constructor("CausalMask", ("Ix",), 0), Constructor("BiasMask", ("Expr",), 0),
+             Constructor("SoftcapMask", ("f64", "Mask"), 0)),
     "Schedule": (
         Constructor(
             "FlashSchedule",

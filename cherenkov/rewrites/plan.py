@@ -209,7 +209,9 @@ class AttentionProblem:
     scores and ``out_factors`` the output (:class:`ScaleFactor`: 8-bit operands' descales, moved
     out of the contractions by the ``scales`` rules); ``out_dtype`` is o's dtype when it is not
     the operands' (8-bit operands write a 16- or 32-bit output); ``lse``, where the graph wants
-    it, the rows' log-sum-exp the kernel also writes (:class:`LseOutput`).
+    it, the rows' log-sum-exp the kernel also writes (:class:`LseOutput`). ``softcap`` > 0 caps
+    the scaled scores before the mask or bias: ``softcap·tanh(scale·q kᵀ / softcap)`` (Gemma 2's
+    logit soft cap); 0: none.
     """
 
     batch: int
@@ -234,6 +236,7 @@ class AttentionProblem:
     q_block_scales: BlockScales | None = None
     k_block_scales: BlockScales | None = None
     lse: LseOutput | None = None
+    softcap: float = 0.0
 
     @property
     def output_dtype(self) -> str:
@@ -308,6 +311,12 @@ class AttentionProblem:
                 reasons.append(f"{role}'s strides {layout.strides()} and offset {layout.offset} are not multiples of "
                                f"{LAYOUT_ALIGN} elements (16-byte copies)")
         return tuple(reasons)
+
+    def softcap_problems(self) -> list[str]:
+        """Why the soft cap is not one a kernel applies; empty when it is (or there is none)."""
+        if math.isfinite(self.softcap) and self.softcap >= 0:
+            return []
+        return [f"soft cap {self.softcap} (valid: a finite positive cap, or 0 for none)"]
 
     @classmethod
     def from_json(cls, data: dict) -> AttentionProblem:
@@ -613,7 +622,7 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
       exponentials burst on the SFU while the empty barrier keeps the warps in step), while
       the two together gain 3 %.
     """
-    reasons = problem.layout_problems()
+    reasons = problem.layout_problems() + problem.softcap_problems()
     if problem.dtype not in ATTENTION_DTYPES:
         reasons.append(f"dtype {problem.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
     if problem.head_dim not in ATTENTION_HEAD_DIMS or problem.v_dim not in ATTENTION_HEAD_DIMS:
@@ -659,6 +668,8 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
         reasons.append("row sums on the tensor cores need the TMA ring")
     if schedule.q_prescaled and not (schedule.row_sums_mma and not schedule.late_copy):
         reasons.append("a pre-scaled Q needs row sums on the tensor cores and early copies")
+    if schedule.q_prescaled and problem.softcap:
+        reasons.append("a pre-scaled Q starts the scores from the row max, which a soft cap (tanh) cannot follow")
     if schedule.last_warp_refill and not schedule.q_prescaled:
         reasons.append("the last warp's refill needs a pre-scaled Q")
     if schedule.min_blocks > 1 and schedule.warps != 4:

@@ -303,6 +303,8 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons.append(f"dtype {a.dtype}: the backward plans {BACKWARD_DTYPES}")
     if a.bias is not None:
         reasons.append("a bias tensor: the backward plans no mask or the causal one")
+    if a.softcap:
+        reasons.append("a soft cap of the scores: the backward plans none")
     if schedule.saved_statistics and problem.saved is None:
         reasons.append("saved statistics: the graph holds no saved output and log-sum-exp of this attention")
     if schedule.wgmma:

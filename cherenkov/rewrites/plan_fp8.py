@@ -87,6 +87,8 @@ def fp8_schedule_problems(schedule: Fp8FlashSchedule, problem: AttentionProblem,
         reasons.append("an additive bias (the 8-bit family runs no mask or the causal one)")
     if problem.lse is not None:
         reasons.append("the rows' log-sum-exp output (the 8-bit family writes o only)")
+    if problem.softcap:
+        reasons.append("a soft cap of the scores (the 8-bit family runs none)")
     blocks = (problem.q_block_scales, problem.k_block_scales)
     if any(blocks) and not target.block_scale:
         reasons.append(f"MX block scales of q and k need the block-scaled mma.sync (sm_120a; {target.name} has none)")

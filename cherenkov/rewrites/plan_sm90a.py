@@ -267,7 +267,7 @@ HOPPER_EIGHT_BIT_DTYPES = ("fp8_e4m3",)
 def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
     """Why the 8-bit variant cannot run a schedule and problem: rows of 128 bytes (head dim 128
     or 256), 128-key tiles (the transposed V tile's 128-byte rows), one Q buffer and register
-    stores of a 16-bit output, no bias, 16-byte aligned strides."""
+    stores of a 16-bit output, no bias or soft cap, 16-byte aligned strides."""
     reasons = []
     if p.head_dim not in (128, 256) or p.v_dim != p.head_dim:
         reasons.append(f"8-bit head dims {p.head_dim} and {p.v_dim} (valid: one of 128, 256: whole 128-byte rows)")
@@ -279,6 +279,8 @@ def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str
         reasons.append(f"8-bit output dtype {p.output_dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
     if p.bias is not None:
         reasons.append("an additive bias with 8-bit operands")
+    if p.softcap:
+        reasons.append("a soft cap of the scores with 8-bit operands")
     if p.q_block_scales or p.k_block_scales:
         reasons.append("MX block scales (the block-scaled mma.sync of sm_120a runs them)")
     for role in ("q", "k", "v"):
@@ -314,7 +316,7 @@ def hopper_schedule_problems(
     Sequence lengths need not be multiples of the tiles: the kernel masks key tails and
     skips the stores of query rows past the end."""
     s, p = schedule, problem
-    reasons = p.layout_problems()
+    reasons = p.layout_problems() + p.softcap_problems()
     if target.family != "wgmma":
         reasons.append(f"{target.name} has no wgmma (the sm_90a family needs sm_90a)")
     if p.dtype not in (*ATTENTION_DTYPES, *HOPPER_EIGHT_BIT_DTYPES):

@@ -284,6 +284,8 @@ class TermEvaluator:
                 return xp.sqrt(v(args[0], env))
             case "Recip":
                 return 1.0 / v(args[0], env)
+            case "Tanh":
+                return xp.tanh(v(args[0], env))
             case "Neg":
                 return -v(args[0], env)
             case "Add":
@@ -382,10 +384,14 @@ class TermEvaluator:
 
     def _scores(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: Any, mask: Term,
                 env: Mapping[str, int]) -> Any:  # fmt: skip
-        """Attention's masked scores ``c·Σ_d q·k`` (+ mask) along ``key`` (``env`` holds it)."""
+        """Attention's masked scores ``c·Σ_d q·k`` (soft-capped, ``cap·tanh(s/cap)``, then + mask)
+        along ``key`` (``env`` holds it)."""
         over_both = {**env, dim: n_dim}
         product = contract(self.arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
         scores = self.along(scale * product, key, n_keys)
+        cap, mask = t.soft_capped(mask)
+        if cap:
+            scores = cap * self.xp.tanh(scores / cap)
         if mask[0] == "CausalMask":
             query_index = self.index(mask[1], env)
             key_index = self.index(t.ax(key), env)

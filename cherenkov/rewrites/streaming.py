@@ -31,6 +31,8 @@ shifted = ("Add", s, ("Neg", ("Max", "j:7", 7, s)))
 scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.5))
 causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores)
 bias = tensor("b", "i:3", "j:7")
+# scores soft-capped at 1.5 (tanh's argument spans its curved part)
+capped_scores = ("Mul", ("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.4))), ("Num", 1.5))
 # row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
 dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.inf), s)
 
@@ -54,6 +56,31 @@ def _attention_lse_rules() -> tuple[Rule, ...]:
             lhs=f"(LogSumExp j n {score})",
             rhs=f"(AttentionLse j n d nd q k c {mask})",
             example=Example(("LogSumExp", "j:7", 7, example)),
+        )
+        for suffix, score, mask, example in forms
+    )
+
+
+def _softcap_rules() -> tuple[Rule, ...]:
+    """``Σ_j softmax_j(m·tanh(a·Σ_d q·k) [mask])·v_j = FlashAttention(q, k, v, a·m, soft cap m [mask])``
+    for each mask flash attention takes: scores soft-capped at ``m`` (Gemma 2's logit cap), the
+    mask applied after the cap."""
+    capped = "(Mul (Tanh (Mul (Contract d nd q k) (Num a))) (Num cap))"
+    forms = (
+        ("", capped, "(NoMask)", capped_scores),
+        ("-causal", f"(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) {capped})", "(CausalMask iq)",
+         ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), capped_scores)),
+        ("-bias", f"(Add {capped} (Tensor b bix))", "(BiasMask (Tensor b bix))", ("Add", capped_scores, bias)),
+    )  # fmt: skip
+    return tuple(
+        Rule(
+            f"flash-attention-softcap{suffix}",
+            f"Σ_j softmax_j(m·tanh(a·Σ_d q·k){suffix and ', ' + suffix[1:] + ' masked'})·v_j = FlashAttention(q, k, "
+            "v, a·m, soft cap m) for a, m > 0",
+            lhs=f"(OnlineSoftmaxContract j n {score} v)",
+            rhs=f"(FlashAttention j n d nd q k v (* a cap) (SoftcapMask cap {mask}))",
+            where=("(> a 0.0)", "(> cap 0.0)"),
+            example=Example(("OnlineSoftmaxContract", "j:7", 7, example, v)),
         )
         for suffix, score, mask, example in forms
     )
@@ -108,6 +135,7 @@ RULES = (
         rhs="(FlashAttention j n d nd q k v c (BiasMask (Tensor b bix)))",
         example=Example(("OnlineSoftmaxContract", "j:7", 7, ("Add", scores, bias), v)),
     ),
+    *_softcap_rules(),
     Rule(
         "online-softmax-safe-rows",
         "where(max_j s > −∞, Σ_j softmax_j(s)·v_j, 0) = Σ_j softmax_j(s)·v_j: the fold gives 0 for a row "

@@ -113,6 +113,18 @@ def extent(axis: str) -> int:
     return int(axis.rsplit(":", 1)[1])
 
 
+def soft_capped(mask: Term) -> tuple[float, Term]:
+    """A flash-attention form's soft cap (0.0: none) and the mask applied after the cap."""
+    if mask[0] == "SoftcapMask":
+        return float(mask[1]), mask[2]
+    return 0.0, mask
+
+
+def with_soft_cap(cap: float, mask: Term) -> Term:
+    """``mask`` applied after a soft cap ``cap`` (none when 0): :func:`soft_capped`'s inverse."""
+    return ("SoftcapMask", cap, mask) if cap else mask
+
+
 # ----------------------------------------------------------------------- traversal
 
 

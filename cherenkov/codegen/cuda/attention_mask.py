@@ -1,4 +1,5 @@
-"""A flash-attention problem's bias tensor in both flash families: constants and the reader.
+"""A flash-attention problem's score modifiers in both flash families: the bias tensor's
+constants and reader, and the soft cap.
 
 An :class:`~cherenkov.rewrites.plan.AttentionBias` (an additive mask, as transformers
 hands SDPA) is read in place, one element per score, where the kernel masks its scores
@@ -12,9 +13,15 @@ below half its ulp), and the floor times any scale is exact, so the softmax's
 row averages its keys, as PyTorch's math does with transformers' lowest-value mask (at
 ``−FLT_MAX`` the fma's rounding error alone would be ~2^100). ``−∞`` masks the score, and
 a row without a live score gives 0.
+
+A soft cap ``c`` (Gemma 2's) replaces each score ``x`` by ``c·tanh(x / c)`` before the mask: the
+kernels apply it to the raw scores where the QKᵀ product leaves them, in the same raw units
+(``soft_cap``), so the softmax, the bias and the row statistics are unchanged.
 """
 
 from __future__ import annotations
+
+import math
 
 from cherenkov.codegen.cuda.text import block, float_literal, identifier
 from cherenkov.rewrites.plan import AttentionProblem
@@ -25,6 +32,33 @@ _ELEMENT = {
     "fp16": ("unsigned short", "half_bits_to_float(raw)"),
     "fp32": ("float", "raw"),
 }
+
+
+def score_formula(problem: AttentionProblem) -> str:
+    """The scores in a kernel header's formula: ``scale * q k^T``, soft-capped where the problem is."""
+    scores = f"scale * {identifier(problem.q)} {identifier(problem.k)}^T"
+    if problem.softcap:
+        return f"{problem.softcap:.9g} * tanh({scores} / {problem.softcap:.9g})"
+    return scores
+
+
+def emit_soft_cap(problem: AttentionProblem, scale: float) -> str:
+    """``soft_cap(s)``: a raw score ``s`` (``q·k``, unscaled) soft-capped, ``c·tanh(scale·s / c) /
+    scale``, raw again (empty without a soft cap); ``scale`` the problem's softmax scale. ``tanh(y) = 1 − 2 / (2^(2y·log2 e) + 1)``: an
+    FMUL, an ex2 and a fast division a score, with an absolute error of a few fp32 ulp of 1 (the
+    exact expression underflows and saturates cleanly to ±c)."""
+    if not problem.softcap:
+        return ""
+    return block(
+        f"""
+        // The soft cap {problem.softcap:.9g}: a raw score s becomes (cap / scale) * tanh(s * scale / cap), raw again.
+        constexpr float SOFTCAP_RAW = {float_literal(problem.softcap / scale)};  // cap / scale: the raw scores' bound
+        constexpr float SOFTCAP_EXP2 = {float_literal(2.0 * math.log2(math.e) * scale / problem.softcap)};  // 2 log2(e) scale / cap
+        __device__ __forceinline__ float soft_cap(float s) {{
+            return SOFTCAP_RAW - __fdividef(2.0f * SOFTCAP_RAW, fast_exp2(s * SOFTCAP_EXP2) + 1.0f);
+        }}
+        """
+    )
 
 
 def mask_clause(problem: AttentionProblem) -> str:

@@ -624,8 +624,8 @@ class TermEmitter:
         return self._define(term, env, self.row_element(term, env, stats))
 
     def _flash(self, term: Term, env: Env) -> str:
-        """Flash attention, serially: for each key, the score ``scale · Σ_d q·k`` (masked
-        causally, or plus a bias), folded into an online softmax of ``v``; a row without a
+        """Flash attention, serially: for each key, the score ``scale · Σ_d q·k`` (soft-capped,
+        then masked causally, or plus a bias), folded into an online softmax of ``v``; a row without a
         live score gives 0."""
         key, n_keys, dim, n_dim, q, k, v, scale, mask = term[1:]
         depth = self.depth_of(term, env)
@@ -639,15 +639,17 @@ class TermEmitter:
         self.line(self.depth, f"{dot} += {self.value(q, over_both)} * {self.value(k, over_both)};")
         self.close_loop(key_depth, dim_var, n_dim, f"q . k over {_safe_axis(dim)}")
         score = self.fresh()
+        cap, mask = t.soft_capped(mask)
+        scaled = f"{float_constant(scale)} * {dot}"
+        if cap:
+            scaled = f"{float_constant(cap)} * tanhf({scaled} * {float_constant(1.0 / cap)})"
         if mask[0] == "CausalMask":
             query = self.index(mask[1], over_keys)
-            self.line(
-                key_depth, f"const float {score} = ({query} < {key_var}) ? -CK_INF : {float_constant(scale)} * {dot};"
-            )
+            self.line(key_depth, f"const float {score} = ({query} < {key_var}) ? -CK_INF : {scaled};")
         elif mask[0] == "BiasMask":
-            self.line(key_depth, f"const float {score} = {float_constant(scale)} * {dot} + {self.value(mask[1], over_keys)};")
+            self.line(key_depth, f"const float {score} = {scaled} + {self.value(mask[1], over_keys)};")
         else:
-            self.line(key_depth, f"const float {score} = {float_constant(scale)} * {dot};")
+            self.line(key_depth, f"const float {score} = {scaled};")
         self.line(key_depth, f"ck_softmax_acc_add({m}, {l}, {acc}, {score}, {self.value(v, over_keys)});")
         self.close_loop(depth, key_var, n_keys, f"keys {_safe_axis(key)}, online softmax")
         result = self.fresh()
