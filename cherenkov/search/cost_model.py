@@ -470,6 +470,10 @@ BACKWARD_EFFICIENCY = 0.35
 measurement of it exists; FlashAttention-2's backward reaches ~0.46 on the H200)."""
 BACKWARD_BLOCK_FACTOR = {(64, 32): 0.85, (64, 64): 1.0, (128, 32): 0.9, (128, 64): 1.05}
 """Relative speed of the (BLOCK_KV, BLOCK_Q) tiles: larger tiles reuse each load for more mmas."""
+WARP_PAIR_FACTOR = {64: 0.98, 128: 1.0}
+"""The warp-pair main pass over the 16-key one of the same (BLOCK_KV, BLOCK_Q) tiles, by head dim (H100,
+2026-12-05, ``results/backward-h100-2026-12-05-warp-pairs.json``: D 64 0.98x the 16-key q64 schedule; at D 128,
+where the 16-key q64 tiles are not offered, 1.14-1.19x the q32 ones, as the tile factors above already say)."""
 WGMMA_BACKWARD_FACTOR = 2.3
 """Speed of the ``wgmma`` backward (statistics and main pass) relative to the best ``mma.sync`` one
 (H200, 2026-12-03, ``results/backward-h200-2026-12-03-wgmma-pipelined.json``: 2.6x seed, 2.4x
@@ -498,6 +502,7 @@ def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
     waves = blocks / (rounds * gpu.sms)
     knobs = BACKWARD_BLOCK_FACTOR.get((schedule.block_kv, schedule.block_q), 1.0) * (1.0 if schedule.stages > 1 else 0.9)
     knobs *= WGMMA_BACKWARD_FACTOR if schedule.wgmma else 1.0
+    knobs *= WARP_PAIR_FACTOR.get(a.head_dim, 1.0) if schedule.warp_pairs else 1.0
     if schedule.persistent:  # equal work items (causal: paired key tiles)
         knobs *= WGMMA_PERSISTENT_FACTOR.get(a.head_dim, 1.0) * (WGMMA_PERSISTENT_CAUSAL_FACTOR if a.causal else 1.0)
     efficiency = BACKWARD_EFFICIENCY * knobs * max(waves, 0.25)
