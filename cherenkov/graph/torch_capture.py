@@ -1295,16 +1295,54 @@ def _sliced(c: _Capture, x: Any, dim: int, start: int, stop: int) -> Any:
     return x.slice(starts, stops)
 
 
+def _strided(x: Tensor, dim: int, start: int, step: int, count: int) -> Tensor:
+    """``x[start::step]`` along ``dim``, ``count`` long: the unit slice of ``step * count`` elements
+    from ``start`` (zero-padded past the end), viewed as ``(count, step)``, first column kept."""
+    shape, end = list(x.shape), start + step * count
+    if end > shape[dim]:
+        pairs = [(0, 0)] * x.ndim
+        pairs[dim] = (0, end - shape[dim])
+        x = x.pad(pairs)
+    starts, stops = [0] * x.ndim, list(x.shape)
+    starts[dim], stops[dim] = start, end
+    rows = [*shape[:dim], count, step, *shape[dim + 1 :]]
+    x = x.slice(starts, stops).reshape(rows)
+    stops = list(rows)
+    stops[dim + 1] = 1
+    return x.slice([0] * len(rows), stops).reshape([*shape[:dim], count, *shape[dim + 1 :]])
+
+
 @_op("slice")
 def _slice(c: _Capture, a: dict[str, Any]) -> Any:
+    """``x[start:end:step]`` along ``dim``; a stepped slice of a band materialises it."""
     x, dim = a["self"], a["dim"]
     size = _shape(x)[dim]
     start, stop, step = slice(a.get("start"), a.get("end"), a.get("step") or 1).indices(size)
-    if step != 1:
-        raise GraphError(f"slice with step {step} is not supported; only unit steps (a strided view)")
     if stop <= start:
         raise GraphError(f"slice [{start}:{stop}] of axis {dim} (size {size}) is empty")
+    if step != 1:
+        return _strided(c.t(x), dim % len(_shape(x)), start, step, len(range(start, stop, step)))
     return _sliced(c, x, dim, start, stop)
+
+
+def _spread(grad: Tensor, dim: int, start: int, step: int, size: int) -> Tensor:
+    """Zeros ``size`` long on ``dim`` holding ``grad``'s ``i``-th element at ``start + step * i``:
+    ``grad`` viewed as ``(count, 1)``, zero-padded to ``(count, step)``, flattened, then shifted
+    by ``start`` zeros and cut or padded to ``size``."""
+    shape = list(grad.shape)
+    count = shape[dim]
+    if step != 1:
+        columns = [(0, 0)] * (grad.ndim + 1)
+        columns[dim + 1] = (0, step - 1)
+        grad = grad.reshape([*shape[:dim], count, 1, *shape[dim + 1 :]]).pad(columns)
+        grad = grad.reshape([*shape[:dim], count * step, *shape[dim + 1 :]])
+    end = start + count * step
+    pairs = [(0, 0)] * grad.ndim
+    pairs[dim] = (start, max(size - end, 0))
+    grad = grad.pad(pairs)
+    stops = list(grad.shape)
+    stops[dim] = size
+    return grad.slice([0] * grad.ndim, stops)
 
 
 @_op("slice_backward")
@@ -1313,12 +1351,8 @@ def _slice_backward(c: _Capture, a: dict[str, Any]) -> Any:
     in zeros of the sliced tensor's shape."""
     grad, sizes, dim = c.t(a["grad_output"]), list(a["input_sizes"]), a["dim"]
     dim = dim % len(sizes)
-    start, stop, step = slice(a.get("start"), a.get("end"), a.get("step") or 1).indices(sizes[dim])
-    if step != 1:
-        raise GraphError(f"slice_backward with step {step} is not supported; only unit steps")
-    pairs = [(0, 0)] * len(sizes)
-    pairs[dim] = (start, sizes[dim] - stop)
-    return grad.pad(pairs)
+    start, _, step = slice(a.get("start"), a.get("end"), a.get("step") or 1).indices(sizes[dim])
+    return _spread(grad, dim, start, step, sizes[dim])
 
 
 @_op("narrow")

@@ -341,6 +341,7 @@ BAND_USES = {
     "numeric": lambda m, x: x * m.bias[..., :4, :4] + m.bias[..., 4:, 4:],
     "view_select": lambda m, x: x - m.bias.view(8, 8)[:4, :4] - m.bias.squeeze(0)[0, 2:6, 2:6],
     "whole": lambda m, x: (x.sum() * m.bias).unsqueeze(-1),
+    "stepped": lambda m, x: x.masked_fill(m.bias[:, :, ::2, 1::2] == 0, 0.0) + m.bias[0, 0, 1:6:3, :4].sum(0),
     "as_sdpa_mask": lambda m, x: F.scaled_dot_product_attention(x, x * 0.5, x, attn_mask=m.bias[:, :, :4, :4].bool()),
 }
 
@@ -480,6 +481,10 @@ CASES: dict[str, Case] = {
             A.slice_backward(g, [4, 9], 1, 2, 8, 1),
             A.slice_backward(g[:2], [5, 6], 0, 3, 9223372036854775807, 1),
             A.slice_backward(g, [4, 10], -1, -8, -2, 1),
+            # stepped: positions 1, 3, ..., 11 of 12; 0, 3, ..., 15 of 17; rows 2 and 6 of 7
+            A.slice_backward(g, [4, 12], 1, 1, 9223372036854775807, 2),
+            A.slice_backward(g, [4, 17], -1, 0, 9223372036854775807, 3),
+            A.slice_backward(g[:2], [7, 6], 0, 2, 7, 4),
         ),
         (lambda: randn(4, 6, seed=4),),
     ),
@@ -611,6 +616,11 @@ CASES: dict[str, Case] = {
             x.narrow(1, 1, 2),
             x.select(0, -2),
             x[:, 2:100],
+            x[:, ::2],
+            x[:, 1::4],
+            x[1:, -5:100:3],
+            x[::3, 1:],
+            x[::2, ::2][:, 1:],
         ),
         (x46,),
     ),
@@ -742,6 +752,66 @@ def test_every_supported_op_is_exercised_by_a_test() -> None:
     assert not missing, f"supported ops without a test: {sorted(missing)}"
 
 
+# ----------------------------------------------------------------------------- stepped slices
+
+
+def rotate_interleaved(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """The interleaved rotary embedding of Cohere, GPT-J and CodeGen: each pair ``(x[2i], x[2i+1])``
+    rotated by ``sin`` and ``cos``."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2) * sin + x * cos
+
+
+def assert_float64_like_torch(fn: Callable, *examples: torch.Tensor) -> ck.Graph:
+    """Capture ``fn`` (primitives only) and check that the graph's float64 values are ``fn``'s on
+    the examples in float64, to 1e-12."""
+    g = ck.from_torch(fn, *examples)
+    assert set(g.ops()) <= ck.PRIMITIVES
+    with torch.no_grad():
+        refs = leaves(fn(*(x.double() for x in examples)))
+    got = ck.evaluate(g, g.example_inputs())
+    names = ["out"] if len(refs) == 1 else [f"out{i}" for i in range(len(refs))]
+    for name, ref in zip(names, refs):
+        assert_matches(got[name], ref, tol=1e-12)
+    return g
+
+
+def test_stepped_slices_and_an_interleaved_rotary_embedding_evaluate_like_torch() -> None:
+    """``x[..., ::2]``, ``x[..., 1::2]`` and ``x[:, 1:7:3]`` on axes no multiple of the step (9 and
+    5: the unit slice under the step is padded past the end), and the interleaved rotary embedding
+    built from them, lower to views (and the rotary's arithmetic) and match torch in float64."""
+
+    def stepped(x: torch.Tensor, y: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> tuple:
+        return x[..., ::2], x[..., 1::2], x[:, 1:7:3], x[-1, :, -7::4], rotate_interleaved(y, sin, cos)
+
+    g = assert_float64_like_torch(stepped, randn(2, 5, 9), randn(2, 5, 8, seed=1), randn(5, 8, seed=2),
+                                  randn(5, 8, seed=3))  # fmt: skip
+    assert set(g.ops()) <= {"input", "reshape", "slice", "pad", "expand", "cat", "neg", "mul", "add"}
+
+
+def test_a_stepped_slice_gradient_evaluates_like_torch_autograd() -> None:
+    """The backward graph of an interleaved rotary embedding and a stepped slice (``make_fx`` of
+    ``torch.func.vjp``: ``slice_backward`` with steps 2 and 3, one cut past the axis end) matches
+    ``torch.autograd.grad`` in float64."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def outputs(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate_interleaved(x, sin, cos), x[:, 1:7:3]
+
+    def gradient(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor):
+        return torch.func.vjp(lambda x: outputs(x, sin, cos), x)[1]((g0, g1))[0]
+
+    examples = [randn(2, 5, 8), randn(5, 8, seed=1), randn(5, 8, seed=2), randn(2, 5, 8, seed=3),
+                randn(2, 2, 8, seed=4)]  # fmt: skip
+    traced = make_fx(gradient)(*examples)
+    steps = [n.args[5] for n in traced.graph.nodes if n.target is A.slice_backward.default]
+    assert sorted(steps) == [2, 2, 3]
+    g = ck.from_torch(traced, *examples)
+    assert set(g.ops()) <= ck.PRIMITIVES
+    x, sin, cos, g0, g1 = (e.double().requires_grad_(e is examples[0]) for e in examples)
+    (expected,) = torch.autograd.grad(outputs(x, sin, cos), x, (g0, g1))
+    assert_matches(ck.evaluate(g, g.example_inputs())["out"], expected, tol=1e-12)
+
+
 # ----------------------------------------------------------------------------- names
 
 
@@ -841,7 +911,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
             ("dropout_p", "eval mode"),
         ),
         (lambda x: x.max(dim=-1).indices + 1, (torch.ones(2, 3),), ("indices", "argmax")),
-        (lambda x: x[:, ::2], (torch.ones(2, 4),), ("step 2",)),
+        (lambda x: x[:, 3:1] + 1, (torch.ones(2, 4),), ("slice [3:1]", "empty")),
         (lambda x: torch.div(x, 2, rounding_mode="floor"), (torch.ones(2),), ("rounding_mode",)),
         (lambda x: torch.cos(x) if x.sum() > 0 else x, (torch.ones(2),), ("torch.export",)),
     ],
@@ -853,7 +923,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         "train_dropout",
         "sdpa_dropout",
         "argmax",
-        "step",
+        "empty_slice",
         "floor_div",
         "data_dependent",
     ],
