@@ -24,6 +24,7 @@ from typing import Any
 from cherenkov.graph.errors import GraphError
 from cherenkov.graph.torch_capture import is_band, is_sdpa_kernel, lowers_node, sdpa_backward_mask, takes_as_input
 from cherenkov.search.compiled import CompiledFunction, example_tensor
+from cherenkov.search.internal_writes import functionalise_internal_writes, unordered_writes
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,12 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
             return lowers_node(node) and _graph_holds(node) and banded
 
     aten = _drop_empty_concatenations(_aten_graph(gm, example_inputs))
+    functionalise_internal_writes(aten)
+    unordered = unordered_writes(aten.graph)
+    if unordered:
+        log.warning("cherenkov backend: %s write(s) the graph's own tensors in place through views it cannot make "
+                    "functional (%s); the graph runs as ATen ops", len(unordered), unordered[0].format_node())  # fmt: skip
+        return SplitGraph(aten, ())
     bands = _folded_bands(aten)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())

@@ -1,9 +1,11 @@
 """Model families nobody here wrote, through the ``torch.compile`` backend on the CPU: tiny
 transformers configs of the LMs, encoders and vision towers users bring (Qwen2, Qwen3, Mistral,
-Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3, BERT with a padding mask,
-CLIP's vision tower, T5's encoder with its relative position bias, Whisper's encoder). Each
-runs like eager in bf16, and each of its attention layers derives one flash-attention kernel
-on sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``) included. Six of them also train a step
+Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3, Cohere's interleaved rotary
+embedding, Falcon, Mixtral's experts, DeepSeek-V3's latent attention (its query and key heads
+assembled in place, head dims 48 and 32), BERT with a padding mask, CLIP's vision tower, T5's
+encoder with its relative position bias, Whisper's encoder). Each runs like eager in bf16, and
+each of its attention layers derives one flash-attention kernel on sm_90a, Gemma 2's
+soft-capped scores (``c·tanh(s/c)``) included. Six of them also train a step
 like eager, a flash backward an attention layer (but at head dim 256, which the backward does not
 plan, and under Gemma 2's soft cap, which it does not either), and two decode greedily with eager's
 tokens."""
@@ -77,6 +79,13 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
                                          sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 2),
     "gemma2_softcap": (_decoder("Gemma2ForCausalLM", "Gemma2Config", head_dim=64), 1),
     "phi3": (_decoder("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2), 1),
+    "cohere_interleaved_rotary": (_decoder("CohereForCausalLM", "CohereConfig"), 1),
+    "falcon": (_decoder("FalconForCausalLM", "FalconConfig", new_decoder_architecture=True, num_kv_heads=2), 1),
+    "mixtral_moe": (_decoder("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2), 1),
+    "deepseek_v3_mla": (_decoder("DeepseekV3ForCausalLM", "DeepseekV3Config", num_key_value_heads=4, kv_lora_rank=32,
+                                 q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 first_k_dense_replace=1, n_group=1, topk_group=1), 1),
     "bert_padded": (_bert_padded, 1),
     "clip_vision": (_clip_vision, 1),
     "t5_encoder": (_t5_encoder, 1),
