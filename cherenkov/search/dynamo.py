@@ -246,8 +246,9 @@ def _mutated_placeholders(gm: Any) -> set[Any]:
 
 def _drop_empty_concatenations(aten: Any) -> Any:
     """``aten`` with the empty operands of every ``cat`` removed (a ``cat`` left with one operand
-    is that operand): an empty key/value cache's first concatenation is then no op, and the
-    attention it fed joins a region."""
+    is that operand, or its contiguous clone where the operand is laid out otherwise: a ``view``
+    after the ``cat`` was traced on the ``cat``'s contiguous result): an empty key/value cache's
+    first concatenation is then no op, and the attention it fed joins a region."""
     import torch
 
     for node in list(aten.graph.nodes):
@@ -256,8 +257,14 @@ def _drop_empty_concatenations(aten: Any) -> Any:
         pieces = [p for p in node.args[0] if not _is_empty(p)]
         if not pieces or len(pieces) == len(node.args[0]):
             continue
-        if len(pieces) == 1 and tuple(pieces[0].meta["val"].shape) == tuple(node.meta["val"].shape):
-            node.replace_all_uses_with(pieces[0])
+        piece, value = pieces[0], node.meta["val"]
+        if len(pieces) == 1 and tuple(piece.meta["val"].shape) == tuple(value.shape):
+            if piece.meta["val"].stride() != value.stride():
+                with aten.graph.inserting_before(node):
+                    piece = aten.graph.call_function(torch.ops.aten.clone.default, (piece,),
+                                                     {"memory_format": torch.contiguous_format})  # fmt: skip
+                piece.meta["val"] = value
+            node.replace_all_uses_with(piece)
         else:
             node.args = (pieces, *node.args[1:])
     aten.graph.eliminate_dead_code()

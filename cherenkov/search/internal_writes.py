@@ -9,13 +9,16 @@ the slice to write into: a region's outputs are new tensors) computes from the u
 views of a tensor the graph creates by the scatter that computes the written tensor
 (``slice_scatter(q, src, ...)``), and every later read of the tensor by a read of that result, so
 data edges carry the order. A write into a graph input (a static KV cache's ``index_copy_``) is
-left alone: its readers read the input itself. :func:`unordered_writes` names what is left of the
-first kind, which the backend then does not partition.
+left alone: its readers read the input itself, as is a write into a tensor no region can hold
+(integer token ids being shifted). :func:`unordered_writes` names what is left of the first kind,
+which the backend then does not partition.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from cherenkov.graph.torch_capture import takes_as_input
 
 
 def _ops() -> tuple[Any, dict[Any, Any]]:
@@ -135,8 +138,9 @@ def unordered_writes(graph: Any) -> list[Any]:
     position = {node: i for i, node in enumerate(graph.nodes)}
 
     def unordered(write: Any, written: Any) -> bool:
-        if not _internal(_base(written)):
-            return False
+        value = written.meta.get("val")
+        if not _internal(_base(written)) or value is None or not takes_as_input(value):
+            return False  # an input's write, or a tensor no region holds (token ids, masks being built)
         return is_view(written) or any(position[user] > position[write] for user in written.users)
 
     return [node for node in graph.nodes if any(unordered(node, value) for value in written_arguments(node))]

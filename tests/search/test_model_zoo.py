@@ -1,11 +1,12 @@
 """Model families nobody here wrote, through the ``torch.compile`` backend on the CPU: tiny
 transformers configs of the LMs, encoders and vision towers users bring (Qwen2, Qwen3, Mistral,
 Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3, Cohere's interleaved rotary
-embedding, Falcon, Mixtral's experts, DeepSeek-V3's latent attention (its query and key heads
-assembled in place, head dims 48 and 32), BERT with a padding mask, CLIP's vision tower, T5's
-encoder with its relative position bias, Whisper's encoder). Each runs like eager in bf16, and
-each of its attention layers derives one flash-attention kernel on sm_90a, Gemma 2's
-soft-capped scores (``c·tanh(s/c)``) included. Six of them also train a step
+embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent attention (its query and
+key heads assembled in place, head dims 48 and 32), Bloom's ALiBi, BERT with a padding mask, BART,
+ModernBERT's local and global layers, CLIP's vision tower, Swin's windows, T5's encoder with its
+relative position bias, Whisper's encoder). Each runs like eager in bf16, and each of its
+attention layers derives one flash-attention kernel on sm_90a, Gemma 2's soft-capped scores
+(``c·tanh(s/c)``) included, but Bloom's (its computed ALiBi bias has no flash form yet). Six of them also train a step
 like eager, a flash backward an attention layer (but at head dim 256, which the backward does not
 plan, and under Gemma 2's soft cap, which it does not either), and two decode greedily with eager's
 tokens."""
@@ -69,6 +70,25 @@ def _whisper_encoder() -> tuple[Any, dict[str, Any]]:
     return transformers.WhisperModel(config).encoder, {"input_features": torch.randn(2, 16, 64)}
 
 
+def _bart() -> tuple[Any, dict[str, Any]]:
+    config = transformers.BartConfig(encoder_layers=1, decoder_layers=1, d_model=128, encoder_attention_heads=4,
+                                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256)  # fmt: skip
+    return transformers.BartModel(config), _token_ids()
+
+
+def _swin() -> tuple[Any, dict[str, Any]]:
+    config = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[1, 1], num_heads=[2, 4],
+                                     window_size=4)  # fmt: skip
+    return transformers.SwinModel(config), {"pixel_values": torch.randn(2, 3, 64, 64)}
+
+
+def _modernbert() -> tuple[Any, dict[str, Any]]:
+    config = transformers.ModernBertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                                           intermediate_size=128, vocab_size=256, pad_token_id=0,
+                                           global_attn_every_n_layers=2, local_attention=16)  # fmt: skip
+    return transformers.ModernBertModel(config), _token_ids()
+
+
 FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     # name: (model and inputs, flash-attention kernels its regions derive)
     "qwen2": (_decoder("Qwen2ForCausalLM", "Qwen2Config"), 1),
@@ -86,7 +106,14 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
                                  q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                  first_k_dense_replace=1, n_group=1, topk_group=1), 1),
+    "gptj": (_decoder("GPTJForCausalLM", "GPTJConfig", n_layer=1, n_embd=128, n_head=4, rotary_dim=16,
+                      n_positions=128), 1),
+    # ALiBi's bias is computed (slopes times key positions), not a stored tensor: no flash form reads it yet
+    "bloom_alibi": (_decoder("BloomForCausalLM", "BloomConfig", n_layer=1, n_head=4), 0),
     "bert_padded": (_bert_padded, 1),
+    "bart": (_bart, 3),  # encoder, causal decoder and cross attention
+    "modernbert_local_and_global": (_modernbert, 2),
+    "swin_windows": (_swin, 2),
     "clip_vision": (_clip_vision, 1),
     "t5_encoder": (_t5_encoder, 1),
     "whisper_encoder": (_whisper_encoder, 1),
