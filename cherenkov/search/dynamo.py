@@ -326,8 +326,8 @@ def cherenkov_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> 
 def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "inductor",
                     **options: Any) -> Callable[..., Any]:  # fmt: skip
     """The backend's work on inputs of any device: ``gm`` split (:func:`split_supported`) and
-    the split graph compiled by ``fallback``; a graph with no lowered region is compiled by
-    ``fallback`` as it is. Where gradients are wanted (grad mode on and an input, or a
+    the split graph compiled by ``fallback``; a graph with no lowered region, or one whose
+    tracing fails (the log says why), is compiled by ``fallback`` as it is. Where gradients are wanted (grad mode on and an input, or a
     parameter Dynamo lifted, requiring them), AOTAutograd first splits ``gm`` into its forward
     and backward ATen graphs, and each is compiled this way: a training step's backward runs
     on cherenkov's kernels too."""
@@ -335,7 +335,12 @@ def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "ind
 
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         return _compile_joint(gm, example_inputs, fallback, **options)
-    split = split_supported(gm, example_inputs, **options)
+    try:
+        split = split_supported(gm, example_inputs, **options)
+    except Exception as error:  # noqa: BLE001 - tracing a graph the backend cannot split leaves it to the fallback
+        log.warning("cherenkov backend: the graph could not be traced and split (%s: %s); it runs through %s",
+                    type(error).__name__, str(error).splitlines()[0] if str(error) else "", fallback)  # fmt: skip
+        return _fallback(gm, example_inputs, fallback)
     if not split.compiled:
         _say_once(f"cherenkov backend: no op of this graph lowers to cherenkov; it runs through {fallback}")
         return _fallback(gm, example_inputs, fallback)

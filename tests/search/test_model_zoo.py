@@ -176,10 +176,11 @@ def test_a_model_family_trains_through_the_backend_like_eager_with_a_flash_backw
     assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == TRAINED[family], dict(kinds)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3_sliding_and_full"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_sliding_and_full", "falcon", "deepseek_v3_mla"])
 def test_a_model_family_generates_eager_tokens_through_the_backend(family: str) -> None:
     """Greedy decoding with transformers' default (growing) cache: every step a new signature of the regions,
-    the same 8 tokens as eager."""
+    the same 8 tokens as eager. (Falcon's and DeepSeek's decoding graphs, traced with symbolic sizes, fail the
+    backend's own trace; such a graph runs through the fallback, as the log says: they raised before.)"""
     build, _ = FAMILIES[family]
     torch.manual_seed(0)
     model, inputs = build()
