@@ -131,16 +131,23 @@ def _call(graph: Any, target: Any, args: tuple, value: Any, kwargs: dict | None 
 
 
 def unordered_writes(graph: Any) -> list[Any]:
-    """The in-place calls of ``graph`` whose write no data edge orders before the later reads of a
-    tensor the graph creates: a write through a view of it, or a write whose written node is read
-    again after it (a direct write whose later readers read its result, as a trace records them,
-    is ordered)."""
+    """The in-place calls of ``graph`` whose write no data edge orders before a later read: a write
+    into a tensor the graph creates (through views or not) whose base, or a view of it, is read
+    after the write other than through the write's own result (which a trace records the later
+    reads of the written tensor as)."""
     position = {node: i for i, node in enumerate(graph.nodes)}
 
     def unordered(write: Any, written: Any) -> bool:
-        value = written.meta.get("val")
-        if not _internal(_base(written)) or value is None or not takes_as_input(value):
+        value, base = written.meta.get("val"), _base(written)
+        if not _internal(base) or value is None or not takes_as_input(value):
             return False  # an input's write, or a tensor no region holds (token ids, masks being built)
-        return is_view(written) or any(position[user] > position[write] for user in written.users)
+        aliases, pending = set(), [base]
+        while pending:
+            node = pending.pop()
+            if node not in aliases:
+                aliases.add(node)
+                pending += [user for user in node.users if is_view(user)]
+        readers = {user for node in aliases for user in node.users if user is not write and not is_view(user)}
+        return any(position[reader] > position[write] for reader in readers)
 
     return [node for node in graph.nodes if any(unordered(node, value) for value in written_arguments(node))]

@@ -6,7 +6,8 @@ key heads assembled in place, head dims 48 and 32), Bloom's ALiBi, BERT with a p
 ModernBERT's local and global layers, CLIP's vision tower, Swin's windows, T5's encoder with its
 relative position bias, Whisper's encoder). Each runs like eager in bf16, and each of its
 attention layers derives one flash-attention kernel on sm_90a, Gemma 2's soft-capped scores
-(``c·tanh(s/c)``) included, but Bloom's (its computed ALiBi bias has no flash form yet). Six of them also train a step
+(``c·tanh(s/c)``) included, but Bloom's (its computed ALiBi bias has no flash form yet). timm's
+EVA-02, Swin and Swin V2 classifiers run like eager too. Six of them also train a step
 like eager, a flash backward an attention layer (but at head dim 256, which the backward does not
 plan, and under Gemma 2's soft cap, which it does not either), and two decode greedily with eager's
 tokens."""
@@ -192,3 +193,35 @@ def test_a_model_family_generates_eager_tokens_through_the_backend(family: str) 
         model.forward = torch.compile(model.forward, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))
         got = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, expected), (expected[0, 16:].tolist(), got[0, 16:].tolist())
+
+
+TIMM = {
+    # name: (timm model and its overrides, flash-attention kernels its regions derive)
+    "eva02_rope": (("eva02_tiny_patch14_224", dict(img_size=56, depth=2)), 2),
+    "swin_windows": (("swin_tiny_patch4_window7_224", dict(img_size=56, depths=(1, 1, 1, 1))), 4),
+    # cosine attention (normalised q and k, a learned logit scale) has no flash form yet; its MLP's relu_ writes a view
+    "swinv2_cosine": (("swinv2_tiny_window8_256", dict(img_size=64, depths=(1, 1, 1, 1))), 0),
+}
+
+
+@pytest.mark.parametrize("family", list(TIMM))
+def test_a_timm_model_runs_through_the_backend_like_eager(family: str) -> None:
+    """timm's EVA-02 (2-D rotary embedding), Swin and Swin V2 classifiers, bf16, like eager."""
+    timm = pytest.importorskip("timm")
+    (name, overrides), flash_kernels = TIMM[family]
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10, **overrides).to(torch.bfloat16).eval()
+    size = overrides["img_size"]
+    x = torch.randn(2, 3, size, size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x).float()
+        with recorded_splits() as splits:
+            got = torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))(x).float()
+    error = float((got - expected).norm() / expected.norm())
+    assert error < 2e-2, f"{family}: {error:.3g} from eager"
+    assert splits and any(split.compiled for split in splits), f"{family}: nothing lowered"
+    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
+                                for prepared in region.prepared.values()
+                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    assert kinds["flash_attention"] == flash_kernels, f"{family}: {dict(kinds)}"
+
