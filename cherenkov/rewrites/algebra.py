@@ -57,7 +57,8 @@ RULES = (
         "1 − 2·(exp2(x·a) + 1)⁻¹ = tanh(x·a·ln 2 / 2): tanh in the exponential spelling ck.nn.tanh lowers to",
         lhs="(Add (Num 1.0) (Neg (Mul (Num 2.0) (Recip (Add (Exp2 (Mul x (Num a))) (Num 1.0))))))",
         rhs=f"(Tanh (Mul x (Num (* a {HALF_LN2}))))",
-        example=Example(("Add", ("Num", 1.0), ("Neg", ("Mul", ("Num", 2.0), ("Recip", ("Add", ("Exp2", ("Mul", x, ("Num", 1.7))), ("Num", 1.0))))))),
+        example=Example(("Add", ("Num", 1.0),
+                         ("Neg", ("Mul", ("Num", 2.0), ("Recip", ("Add", ("Exp2", ("Mul", x, ("Num", 1.7))), ("Num", 1.0))))))),
     ),
     Rule(
         "fold-contraction-scale",

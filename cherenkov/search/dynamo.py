@@ -69,8 +69,9 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     functionalise_internal_writes(aten)
     unordered = unordered_writes(aten.graph)
     if unordered:
-        log.warning("cherenkov backend: %s write(s) the graph's own tensors in place through views it cannot make "
-                    "functional (%s); the graph runs as ATen ops", len(unordered), unordered[0].format_node())  # fmt: skip
+        log.warning("cherenkov backend: %d in-place write(s) into the graph's own tensors that no data edge orders "
+                    "before their later reads (first: %s); the graph runs as ATen ops", len(unordered),
+                    unordered[0].format_node())  # fmt: skip
         return SplitGraph(aten, ())
     bands = _folded_bands(aten)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
@@ -327,10 +328,10 @@ def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "ind
                     **options: Any) -> Callable[..., Any]:  # fmt: skip
     """The backend's work on inputs of any device: ``gm`` split (:func:`split_supported`) and
     the split graph compiled by ``fallback``; a graph with no lowered region, or one whose
-    tracing fails (the log says why), is compiled by ``fallback`` as it is. Where gradients are wanted (grad mode on and an input, or a
-    parameter Dynamo lifted, requiring them), AOTAutograd first splits ``gm`` into its forward
-    and backward ATen graphs, and each is compiled this way: a training step's backward runs
-    on cherenkov's kernels too."""
+    tracing fails (the log says why), is compiled by ``fallback`` as it is. Where gradients are
+    wanted (grad mode on and an input, or a parameter Dynamo lifted, requiring them),
+    AOTAutograd first splits ``gm`` into its forward and backward ATen graphs, and each is
+    compiled this way: a training step's backward runs on cherenkov's kernels too."""
     import torch
 
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):

@@ -46,7 +46,8 @@ def written_arguments(node: Any) -> list[Any]:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return []
     return [value for argument, value in zip(node.target._schema.arguments, node.args)
-            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.fx.Node)]  # fmt: skip
+            if argument.alias_info is not None and argument.alias_info.is_write
+            and isinstance(value, torch.fx.Node)]  # fmt: skip
 
 
 def _base(node: Any) -> Any:

@@ -44,16 +44,18 @@ def score_formula(problem: AttentionProblem) -> str:
 
 def emit_soft_cap(problem: AttentionProblem, scale: float) -> str:
     """``soft_cap(s)``: a raw score ``s`` (``q·k``, unscaled) soft-capped, ``c·tanh(scale·s / c) /
-    scale``, raw again (empty without a soft cap); ``scale`` the problem's softmax scale. ``tanh(y) = 1 − 2 / (2^(2y·log2 e) + 1)``: an
-    FMUL, an ex2 and a fast division a score, with an absolute error of a few fp32 ulp of 1 (the
-    exact expression underflows and saturates cleanly to ±c)."""
+    scale``, raw again (empty without a soft cap); ``scale`` the problem's softmax scale.
+    ``tanh(y) = 1 − 2 / (2^(2y·log2 e) + 1)``: an FMUL, an ex2 and a fast division a score, with
+    an absolute error of a few fp32 ulp of 1 (the expression underflows and saturates cleanly
+    to ±c)."""
     if not problem.softcap:
         return ""
+    exponent = 2.0 * math.log2(math.e) * scale / problem.softcap
     return block(
         f"""
         // The soft cap {problem.softcap:.9g}: a raw score s becomes (cap / scale) * tanh(s * scale / cap), raw again.
         constexpr float SOFTCAP_RAW = {float_literal(problem.softcap / scale)};  // cap / scale: the raw scores' bound
-        constexpr float SOFTCAP_EXP2 = {float_literal(2.0 * math.log2(math.e) * scale / problem.softcap)};  // 2 log2(e) scale / cap
+        constexpr float SOFTCAP_EXP2 = {float_literal(exponent)};  // 2 log2(e) scale / cap
         __device__ __forceinline__ float soft_cap(float s) {{
             return SOFTCAP_RAW - __fdividef(2.0f * SOFTCAP_RAW, fast_exp2(s * SOFTCAP_EXP2) + 1.0f);
         }}

@@ -123,7 +123,7 @@ def flash_attention_source(plan: KernelPlan) -> str:
         section(pipeline_title, pipeline.emit()),
         section("one key tile", _q_fragments(tiling), *([_scale_q_rows()] if schedule.q_prescaled else []),
                 _row_state(schedule.row_sums_mma, bias),
-                *([attention_mask.emit_soft_cap(plan.problem, softmax_scale(plan.problem))] if plan.problem.softcap else []),
+                attention_mask.emit_soft_cap(plan.problem, softmax_scale(plan.problem)),
                 _compute_scores(schedule.q_prescaled, bool(plan.problem.softcap)), *_mask_readers(plan.problem),
                 _pack_probabilities(), _accumulate_values(schedule.row_sums_mma), *step_parts),
         section("epilogue", _store_output(schedule.pack_group, lse),

@@ -129,7 +129,7 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
                 *([wgmma.emit_wgmma(ONES_ROWS, dtype, True, False)] if s.row_sums_mma else []),
                 mma.emit_pack(problem.output_dtype)),
         section("online softmax", softmax.emit_math_helpers(), attention_mask.emit_bias_score(problem),
-                *([attention_mask.emit_soft_cap(problem, softmax_scale(problem)), _CAP_SCORES] if problem.softcap else []),
+                attention_mask.emit_soft_cap(problem, softmax_scale(problem)), _CAP_SCORES if problem.softcap else "",
                 _softmax(problem.bias is not None, eight_bit, s.lazy_rescale, s.row_sums_mma)),
         section("work tiles", _work_tiles()),
         section("producer warpgroup", _producer(eight_bit)),
