@@ -574,11 +574,16 @@ def _mul(c: _Capture, a: dict[str, Any]) -> Any:
     return x * y
 
 
-@_op("div")
+@_op("div", "floor_divide")
 def _div(c: _Capture, a: dict[str, Any]) -> Any:
-    if a.get("rounding_mode") is not None:
-        raise GraphError(f"div with rounding_mode={a['rounding_mode']!r} is not supported; only true division")
+    """True division; ``rounding_mode="floor"`` (``floor_divide``, ``//``): ``(x − x mod y) / y``, the
+    remainder taking the divisor's sign (an integral quotient, cast back where torch's is an integer)."""
+    mode = "floor" if c.base == "floor_divide" else a.get("rounding_mode")
+    if mode not in (None, "floor"):
+        raise GraphError(f"div with rounding_mode={mode!r} is not supported; valid: None (true division), 'floor'")
     x, y = _binary_operands(c, a)
+    if mode == "floor":
+        return (x - x % y) / y
     if isinstance(x, Tensor) and x.dtype in ("int32", "bool") and not isinstance(y, Tensor):
         x = x.cast("fp32")
     return x / y

@@ -397,6 +397,10 @@ CASES: dict[str, Case] = {
     "pow": Case(lambda x, p: (x**2, x**3, p**0.5, p**-1, p**2.5, p**-0.5, 2**x), (x46, p46)),
     "trig_abs_erf": Case(lambda x: (x.sin(), x.cos(), x.abs(), torch.erf(x)), (x46,)),
     "remainder": Case(lambda x, y: (torch.remainder(x, 0.7), torch.remainder(x, y.abs() + 0.5)), (x46, y46)),
+    "floor_divide": Case(lambda x, y: (torch.div(x, 0.7, rounding_mode="floor"), x // (y.abs() + 0.5),
+                                       torch.div(x * 8, -3, rounding_mode="floor"),
+                                       torch.div(torch.arange(24).view(4, 6), 5, rounding_mode="floor") + x),
+                         (x46, y46)),
     "max_min_elementwise": Case(
         lambda x, y: (torch.maximum(x, y), torch.minimum(x, y), torch.max(x, y), torch.min(x, y)), (x46, y46)
     ),
@@ -912,7 +916,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         ),
         (lambda x: x.max(dim=-1).indices + 1, (torch.ones(2, 3),), ("indices", "argmax")),
         (lambda x: x[:, 3:1] + 1, (torch.ones(2, 4),), ("slice [3:1]", "empty")),
-        (lambda x: torch.div(x, 2, rounding_mode="floor"), (torch.ones(2),), ("rounding_mode",)),
+        (lambda x: torch.div(x, 2, rounding_mode="trunc"), (torch.ones(2),), ("rounding_mode",)),
         (lambda x: torch.cos(x) if x.sum() > 0 else x, (torch.ones(2),), ("torch.export",)),
     ],
     ids=[
@@ -924,7 +928,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         "sdpa_dropout",
         "argmax",
         "empty_slice",
-        "floor_div",
+        "trunc_div",
         "data_dependent",
     ],
 )
