@@ -7,7 +7,7 @@ ModernBERT's local and global layers, CLIP's vision tower, Swin's windows, T5's 
 relative position bias, Whisper's encoder). Each runs like eager in bf16, and each of its
 attention layers derives one flash-attention kernel on sm_90a, Gemma 2's soft-capped scores
 (``c·tanh(s/c)``) included, but Bloom's (its computed ALiBi bias has no flash form yet). timm's
-EVA-02, Swin and Swin V2 classifiers run like eager too. Six of them also train a step
+EVA-02, Swin and Swin V2 classifiers run like eager too. Seven of them also train a step
 like eager, a flash backward an attention layer (but at head dim 256, which the backward does not
 plan, and under Gemma 2's soft cap, which it does not either), and two decode greedily with eager's
 tokens."""
@@ -73,8 +73,9 @@ def _whisper_encoder() -> tuple[Any, dict[str, Any]]:
 
 def _bart() -> tuple[Any, dict[str, Any]]:
     config = transformers.BartConfig(encoder_layers=1, decoder_layers=1, d_model=128, encoder_attention_heads=4,
-                                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256)  # fmt: skip
-    return transformers.BartModel(config), _token_ids()
+                                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # fmt: skip
+    return transformers.BartModel(config), _token_ids()  # no dropout: a training step's gradients are then eager's
 
 
 def _swin() -> tuple[Any, dict[str, Any]]:
@@ -142,7 +143,7 @@ def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_f
 
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 0),
-           "gemma2_softcap": (0, 0)}  # fmt: skip
+           "gemma2_softcap": (0, 0), "bart": (3, 3)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256 has no
 backward plan; no backward plans a soft cap, so Gemma 2's unfused backward reads the forward's probabilities,
 which its forward then writes: no flash kernel either)."""
