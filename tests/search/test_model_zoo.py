@@ -9,7 +9,7 @@ attention layers derives one flash-attention kernel on sm_90a, Gemma 2's soft-ca
 (``c·tanh(s/c)``) included, but Bloom's (its computed ALiBi bias has no flash form yet). timm's
 EVA-02, Swin and Swin V2 classifiers run like eager too. Seven of them also train a step
 like eager, a flash backward an attention layer (but at head dim 256, which the backward does not
-plan, and under Gemma 2's soft cap, which it does not either), and two decode greedily with eager's
+plan, and under Gemma 2's soft cap, which it does not either), and four decode greedily with eager's
 tokens."""
 
 from __future__ import annotations
