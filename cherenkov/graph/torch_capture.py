@@ -1143,6 +1143,21 @@ _op("amax", "max.default")(_reduction("max"))
 _op("amin", "min.default")(_reduction("min"))
 
 
+@_op("cumsum")
+def _cumsum(c: _Capture, a: dict[str, Any]) -> Any:
+    """Running sums along ``dim``: ``y_j = Σ_k where(k ≤ j, x_k, 0)``, a sum over a new key axis (n² terms:
+    a mask's or an index's running count, as transformers numbers packed sequences)."""
+    x = _cast_to(c, c.t(a["self"]), a.get("dtype"))
+    if x.dtype == "bool":
+        x = x.cast("int32")
+    dim = a["dim"] % x.ndim
+    size = x.shape[dim]
+    moved = x.transpose(dim, -1) if dim != x.ndim - 1 else x
+    earlier = c.g.arange(size).unsqueeze(-1) >= c.g.arange(size)  # (j, k): k <= j
+    sums = where(earlier, moved.unsqueeze(-2), 0).sum(axis=-1)
+    return sums.transpose(dim, -1) if dim != x.ndim - 1 else sums
+
+
 @_op("max.dim", "min.dim")
 def _max_dim(c: _Capture, a: dict[str, Any]) -> Any:
     x = c.t(a["self"])
@@ -1358,6 +1373,22 @@ def _slice_backward(c: _Capture, a: dict[str, Any]) -> Any:
     dim = dim % len(sizes)
     start, _, step = slice(a.get("start"), a.get("end"), a.get("step") or 1).indices(sizes[dim])
     return _spread(grad, dim, start, step, sizes[dim])
+
+
+@_op("diff")
+def _diff(c: _Capture, a: dict[str, Any]) -> Any:
+    """``x[1:] − x[:-1]`` along ``dim`` (first differences, ``n = 1``), of ``x`` between ``prepend``
+    and ``append`` where given (transformers finds packed sequences in position ids so)."""
+    if a.get("n", 1) != 1:
+        raise GraphError(f"diff with n={a['n']} is not supported; valid: n=1 (apply it again for more)")
+    x = c.t(a["self"])
+    dim = a.get("dim", -1) % x.ndim
+    pieces = [c.t(p).cast(x.dtype) for p in (a.get("prepend"), x, a.get("append")) if p is not None]
+    x = cat(pieces, axis=dim) if len(pieces) > 1 else x
+    size = x.shape[dim]
+    if size < 2:
+        raise GraphError(f"diff along axis {dim} of size {size}: valid for 2 or more elements")
+    return _sliced(c, x, dim, 1, size) - _sliced(c, x, dim, 0, size - 1)
 
 
 @_op("narrow")

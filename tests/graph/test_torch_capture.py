@@ -397,6 +397,11 @@ CASES: dict[str, Case] = {
     "pow": Case(lambda x, p: (x**2, x**3, p**0.5, p**-1, p**2.5, p**-0.5, 2**x), (x46, p46)),
     "trig_abs_erf": Case(lambda x: (x.sin(), x.cos(), x.abs(), torch.erf(x)), (x46,)),
     "remainder": Case(lambda x, y: (torch.remainder(x, 0.7), torch.remainder(x, y.abs() + 0.5)), (x46, y46)),
+    "diff_cumsum": Case(lambda x: (torch.diff(x, dim=-1), torch.diff(x, dim=0, prepend=x[:1] - 1),
+                                   torch.cumsum(x, -1), torch.cumsum(x, 0),
+                                   (torch.diff(torch.arange(6).view(1, 6) % 4, prepend=torch.full((1, 1), -1)) != 1)
+                                   .cumsum(-1) + x),  # transformers' packed-sequence numbering
+                        (x46,)),
     "floor_divide": Case(lambda x, y: (torch.div(x, 0.7, rounding_mode="floor"), x // (y.abs() + 0.5),
                                        torch.div(x * 8, -3, rounding_mode="floor"),
                                        torch.div(torch.arange(24).view(4, 6), 5, rounding_mode="floor") + x),
@@ -917,6 +922,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         (lambda x: x.max(dim=-1).indices + 1, (torch.ones(2, 3),), ("indices", "argmax")),
         (lambda x: x[:, 3:1] + 1, (torch.ones(2, 4),), ("slice [3:1]", "empty")),
         (lambda x: torch.div(x, 2, rounding_mode="trunc"), (torch.ones(2),), ("rounding_mode",)),
+        (lambda x: torch.diff(x, n=2), (torch.ones(4),), ("diff with n=2", "valid: n=1")),
         (lambda x: torch.cos(x) if x.sum() > 0 else x, (torch.ones(2),), ("torch.export",)),
     ],
     ids=[
@@ -929,6 +935,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         "argmax",
         "empty_slice",
         "trunc_div",
+        "second_diff",
         "data_dependent",
     ],
 )
