@@ -889,20 +889,20 @@ def test_several_outputs_and_fp16_inputs() -> None:
 
 class Cumulative(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.cumsum(0)
+        return x.cumprod(0)
 
 
 def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
     def running_total(x):
-        return torch.cumsum(x, 0) * 2
+        return torch.cumprod(x, 0) * 2
 
     with pytest.raises(ck.GraphError) as error:
         ck.from_torch(running_total, randn(4))
     message = str(error.value)
-    assert "aten.cumsum" in message and "test_torch_capture.py" in message and "running_total" in message
+    assert "aten.cumprod" in message and "test_torch_capture.py" in message and "running_total" in message
     assert "aten.softmax" in message and "aten.scaled_dot_product_attention" in message
     # in a module, the exact line of forward
-    with pytest.raises(ck.GraphError, match=r"aten\.cumsum\.default at .*test_torch_capture.py:\d+ in forward"):
+    with pytest.raises(ck.GraphError, match=r"aten\.cumprod\.default at .*test_torch_capture.py:\d+ in forward"):
         ck.from_torch(Cumulative(), randn(4))
 
 
