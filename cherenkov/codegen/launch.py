@@ -467,7 +467,9 @@ class FlashBackwardKernel(_StreamCache):
     (each query row's log-sum-exp and D, the dq accumulator), so launches of one kernel object
     must not run concurrently on two streams. A plan whose statistics the forward saved
     (``saved_statistics``) also reads the saved ``o`` and ``lse`` (keywords; in ``launch``, by
-    their names in the problem's :class:`~cherenkov.rewrites.plan_backward.SavedStatistics`)."""
+    their names in the problem's :class:`~cherenkov.rewrites.plan_backward.SavedStatistics`); a
+    problem with a bias tensor reads it (``bias``, at the strides its
+    :class:`~cherenkov.rewrites.plan.AttentionBias` gives; in ``launch``, by its name)."""
 
     def __init__(self, compiled: CompiledKernel, device: int = 0):
         import cupy
@@ -490,7 +492,7 @@ class FlashBackwardKernel(_StreamCache):
         self._workspace = torch.empty(workspace_floats(compiled.plan), dtype=torch.float32, device=f"cuda:{device}")
 
     def __call__(self, q, k, v, grad_output, out=None, steps: tuple[str, ...] = ("statistics", "main", "dq"),
-                 o=None, lse=None) -> dict:  # fmt: skip
+                 o=None, lse=None, bias=None) -> dict:  # fmt: skip
         """The gradients; ``steps`` runs only some of the launches (``statistics``, ``main``, ``dq``: for
         timing them apart; the gradients are then those of the last full call)."""
         import torch
@@ -510,10 +512,16 @@ class FlashBackwardKernel(_StreamCache):
             if o is None or lse is None:
                 raise CodegenError(f"{name}: reads the forward's saved o and lse; pass both (o=..., lse=...)")
             checks += [("o", o, p.saved.o_layout.shape, a.dtype), ("lse", lse, p.saved.lse_layout.shape, "fp32")]
+        if a.bias is None and bias is not None:
+            raise CodegenError(f"{name} reads no bias tensor; got one")
+        if a.bias is not None:
+            if bias is None:
+                raise CodegenError(f"{name}: reads the bias tensor {a.bias.tensor}; pass it (bias=...)")
+            checks.append(("bias", bias, a.bias.shape, a.bias.dtype))
         for role, tensor, shape, expected in checks:
             check_tensor(name, role, tensor, shape, expected, self.device)
         self._launch((q, k, v, grad_output), (o, lse) if saved else None, out,
-                     torch.cuda.current_stream(q.device).cuda_stream, steps)  # fmt: skip
+                     torch.cuda.current_stream(q.device).cuda_stream, steps, bias if a.bias is not None else None)  # fmt: skip
         return {g.role: out[g.role] for g in p.gradients}
 
     def launch(self, buffers: Mapping[str, object]) -> dict:
@@ -522,11 +530,14 @@ class FlashBackwardKernel(_StreamCache):
         q, k, v, grad_output = (buffers[n] for n in (a.q, a.k, a.v, p.grad_output))
         saved = {"o": buffers[p.saved.o], "lse": buffers[p.saved.lse]} \
             if self.compiled.plan.schedule.saved_statistics else {}
-        values = self(q, k, v, grad_output, **saved)
+        bias = {"bias": buffers[a.bias.tensor]} if a.bias is not None else {}
+        values = self(q, k, v, grad_output, **saved, **bias)
         return {p.gradient(role).tensor: tensor for role, tensor in values.items()}
 
-    def _launch(self, operands, saved, out: Mapping[str, object], stream: int, steps: tuple[str, ...]) -> None:
-        """The launches of ``steps``: ``operands`` (q, k, v, dO), ``saved`` (o, lse, or None when recomputed)."""
+    def _launch(self, operands, saved, out: Mapping[str, object], stream: int, steps: tuple[str, ...],
+                bias=None) -> None:  # fmt: skip
+        """The launches of ``steps``: ``operands`` (q, k, v, dO), ``saved`` (o, lse, or None when recomputed),
+        ``bias`` (the problem's bias tensor, or None without one)."""
         import cupy
 
         def pointer(tensor) -> np.uint64:
@@ -535,9 +546,10 @@ class FlashBackwardKernel(_StreamCache):
         operands = tuple(pointer(t) for t in operands)
         workspace = pointer(self._workspace)
         statistics = (*operands, workspace) if saved is None else (*(pointer(t) for t in saved), operands[3], workspace)
+        tail = () if bias is None else (pointer(bias),)
         arguments = {
-            "statistics": statistics,
-            "main": (*operands, pointer(out.get("dk")), pointer(out.get("dv")), workspace),
+            "statistics": (*statistics, *tail),
+            "main": (*operands, pointer(out.get("dk")), pointer(out.get("dv")), workspace, *tail),
             "dq": (workspace, pointer(out.get("dq"))),
         }
         with cupy.cuda.Device(self.device):

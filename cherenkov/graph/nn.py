@@ -155,11 +155,14 @@ def _dequantized_operands(operands: tuple[Tensor, Tensor, Tensor],
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
               descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None,
-              return_lse: bool = False, softcap: float | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """``softmax(q kᵀ · scale [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
+              return_lse: bool = False, softcap: float | None = None,
+              bias: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """``softmax(q kᵀ · scale [+ bias] [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
 
     ``softcap = c`` caps the scaled scores before the mask, ``c·tanh(s / c)`` (Gemma 2's
-    attention logit soft cap).
+    attention logit soft cap). ``bias`` is added to the (capped) scores, broadcast over them
+    (``(..., heads or 1, seq_q, seq_kv)``), as SDPA's float ``attn_mask``: ``−∞`` masks a score,
+    and a padding mask of a batch is one.
 
     8-bit ``q``, ``k``, ``v`` (``fp8_e4m3``, ``fp8_e5m2``) need ``descale = (s_q, s_k, s_v)``,
     their :func:`quantize` scales: the attention of their dequantised values (float32).
@@ -193,6 +196,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     scores = (q @ k.transpose(-2, -1)) * scale
     if softcap is not None:
         scores = tanh(scores * (1.0 / softcap)) * softcap
+    if bias is not None:
+        scores = scores + bias
     if causal:
         seq_q, seq_kv = q.shape[-2], k.shape[-2]
         query_index = arange(seq_q, graph=q.graph).unsqueeze(-1)

@@ -17,7 +17,11 @@ times ``e``), through ``exp2(x·log2 e)`` (times ``ln 2·log2 e``), and through 
    ``AttentionDs``, and the three contractions of the backward stream over it:
    ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``;
 7. with GQA, a K/V head's dk and dv sum those of its group's query heads (``Σ_g``): one form
-   streams over the group's queries.
+   streams over the group's queries;
+8. SDPA under a float mask, as a captured module spells it, wraps its softmax in
+   ``where(max_j s > −∞, P, 0)`` (a row without a live score gives 0): its gradient passes the
+   where to ``g`` and to ``P`` before ``dv``, and the flash backward's ``P``, 0 in such a row,
+   stands for both.
 
 Every rule is an identity with a small random example (``tests/rewrites/test_rules.py``).
 """
@@ -93,7 +97,7 @@ def _score_gradient_rules() -> tuple[Rule, ...]:
 
 
 def _value_gradient_rules() -> tuple[Rule, ...]:
-    return tuple(
+    plain = tuple(
         Rule(
             f"flash-grad-v{suffix}",
             f"Σ_i P·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{suffix and ' ' + suffix[1:] + ' masked'} "
@@ -104,6 +108,27 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
         )
         for suffix, score, mask, score_example, _ in MASKS
     )
+    _, score, mask, score_example, _ = MASKS[2]  # a bias tensor: SDPA's safe softmax keeps its where
+    live = f"(Lt (Num -inf) (Max j nj {score}))"
+    safe = Rule(
+        "flash-grad-v-bias-safe",
+        "Σ_i where(max_j s > −∞, P, 0)·dO with P = e^{s − LSE(s)}, s = c·Σ_d q·k + b = FlashAttentionGradV: dv "
+        "through the safe softmax's where (the flash backward's P is 0 in a row without a live score)",
+        lhs=f"(Contract i ni (Where {live} {_recomputed(score)} (Num 0.0)) do2)",
+        rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {mask} do2)",
+        example=Example(("Contract", "i:3", 3, ("Where", ("Lt", ("Num", -math.inf), ("Max", "j:7", 7, score_example)),
+                                                 _recomputed_example(score_example), ("Num", 0.0)), do2)),
+    )  # fmt: skip
+    return (*plain, safe)
+
+
+_LIVE_ROW = "(Lt (Num -inf) (Max j n s))"
+"""A row with a live score: the condition of the safe softmax's where (as SDPA under a mask spells it)."""
+
+
+def _live_only(x: tuple) -> tuple:
+    """``where(max_j s > −∞, x, 0)``, an example's cotangent through the safe softmax's where."""
+    return ("Where", ("Lt", ("Num", -math.inf), ("Max", "j:7", 7, s)), x, ("Num", 0.0))
 
 
 grouped_q, grouped_q2 = tensor("q", "g:2", "i:3", "d:4"), tensor("q", "g:2", "i:3", "f:4")
@@ -167,6 +192,16 @@ RULES = (
         example=Example(("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", 0.0),
                          ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))),
                                                            ("Num", -math.inf), s)), g))),
+    ),  # fmt: skip
+    Rule(
+        "safe-softmax-gradient",
+        "P∘(w − Σ_j P∘w) = P∘(g − Σ_j P∘g) for w = where(max_j s > −∞, g, 0), P = softmax_j(s): the gradient "
+        "through the safe softmax's where (a row without a live score has no probabilities either way)",
+        lhs=(f"(Mul (SoftmaxRow j n s) (Add (Where {_LIVE_ROW} g (Num 0.0)) "
+             f"(Neg (Sum j n (Mul (SoftmaxRow j n s) (Where {_LIVE_ROW} g (Num 0.0)))))))"),
+        rhs="(Mul (SoftmaxRow j n s) (Add g (Neg (Sum j n (Mul (SoftmaxRow j n s) g)))))",
+        example=Example(("Mul", probability, ("Add", _live_only(g), ("Neg", ("Sum", "j:7", 7,
+                                                                             ("Mul", probability, _live_only(g))))))),
     ),  # fmt: skip
     Rule(
         "sum-swap",

@@ -129,6 +129,8 @@ class AttentionBackwardProblem:
         if self.saved is not None:
             shapes[self.saved.o] = self.saved.o_layout.shape
             shapes[self.saved.lse] = self.saved.lse_layout.shape
+        if a.bias is not None:
+            shapes[a.bias.tensor] = a.bias.shape
         return shapes
 
     def layout_problems(self) -> list[str]:
@@ -241,7 +243,8 @@ def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardPr
         return tiles + ds_buffers * schedule.block_kv * schedule.block_q * element \
             + 2 * 4 * schedule.stages * schedule.block_q + barriers + SWIZZLE_ALIGN
     kv = 2 * schedule.block_kv * row_elements(d) * element
-    streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + 2 * 4 * schedule.block_q)
+    row_floats = 3 if problem.attention.bias is not None else 2  # log-sum-exp (bias: max and log2 sum), D
+    streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + row_floats * 4 * schedule.block_q)
     ds = schedule.block_kv * (schedule.block_q + PAD) * element
     return kv + streamed + (2 if schedule.warp_pairs else 1) * ds
 
@@ -301,8 +304,9 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons.append(f"head dims {a.head_dim}/{a.v_dim}: the backward plans one head dim of {BACKWARD_HEAD_DIMS}")
     if a.dtype not in BACKWARD_DTYPES:
         reasons.append(f"dtype {a.dtype}: the backward plans {BACKWARD_DTYPES}")
-    if a.bias is not None:
-        reasons.append("a bias tensor: the backward plans no mask or the causal one")
+    if a.bias is not None and (schedule.wgmma or schedule.warp_pairs or schedule.saved_statistics):
+        reasons.append("a bias tensor: only the 16-key mma.sync main pass reads one, after a statistics pass that "
+                       "runs the forward again (a saved log-sum-exp loses a row the bias masks wholly)")
     if a.softcap:
         reasons.append("a soft cap of the scores: the backward plans none")
     if schedule.saved_statistics and problem.saved is None:

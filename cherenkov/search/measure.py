@@ -289,16 +289,19 @@ def _strided(tensor: Any, layout: Any, shape: tuple[int, int, int, int]) -> Any:
 
 
 def backward_reference(problem: AttentionBackwardProblem, stored: Mapping[str, Any]) -> dict[str, Any]:
-    """The problem's gradients by float32 autograd through PyTorch's math attention, by role."""
+    """The problem's gradients by float32 autograd through PyTorch's math attention (plus its bias
+    tensor, a constant), by role."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     a = problem.attention
     leaves = {role: operand_view(a, role, stored[a.name(role)]).float().detach().requires_grad_(True) for role in "qkv"}
     grad_output = _strided(stored[problem.grad_output], problem.grad_output_layout, a.logical_shape("q")).float()
+    mask = _sdpa_mask(a, stored, torch.float32)
     with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
         o = torch.nn.functional.scaled_dot_product_attention(
-            leaves["q"], leaves["k"], leaves["v"], is_causal=a.causal, scale=a.scale, enable_gqa=a.group_size > 1)
+            leaves["q"], leaves["k"], leaves["v"], attn_mask=mask, is_causal=a.causal, scale=a.scale,
+            enable_gqa=a.group_size > 1)
         grads = torch.autograd.grad(o, [leaves[r] for r in "qkv"], grad_output)
     return dict(zip(("dq", "dk", "dv"), grads))
 
@@ -358,17 +361,20 @@ def _measure_backward(task: MeasureTask, device: int, flush: L2Flush) -> Measure
     kernel = load_kernel(task.compiled, device)
     generator = torch.Generator(device=f"cuda:{device}").manual_seed(task.seed)
     dtype = getattr(torch, TORCH_DTYPES[a.dtype])
-    stored = {name: torch.randn(shape, generator=generator, device=f"cuda:{device}").to(dtype)
+    dtypes = {a.bias.tensor: getattr(torch, TORCH_DTYPES[a.bias.dtype])} if a.bias is not None else {}
+    stored = {name: torch.randn(shape, generator=generator, device=f"cuda:{device}").to(dtypes.get(name, dtype))
               for name, shape in problem.stored_shapes().items()}  # fmt: skip
     out = {g.role: torch.full(g.layout.shape, float("nan"), dtype=dtype, device=f"cuda:{device}")
            for g in problem.gradients}  # fmt: skip
     q, k, v, grad_output = (stored[n] for n in (a.q, a.k, a.v, problem.grad_output))
-    saved = {}
+    keywords = {}  # the saved statistics, the bias tensor
     if task.compiled.plan.schedule.saved_statistics:
         stored[problem.saved.lse] = stored[problem.saved.lse].float()
         fill_saved_statistics(problem, stored)
-        saved = {"o": stored[problem.saved.o], "lse": stored[problem.saved.lse]}
-    kernel(q, k, v, grad_output, out, **saved)
+        keywords = {"o": stored[problem.saved.o], "lse": stored[problem.saved.lse]}
+    if a.bias is not None:
+        keywords["bias"] = stored[a.bias.tensor]
+    kernel(q, k, v, grad_output, out, **keywords)
     torch.cuda.synchronize()
     reference = backward_reference(problem, stored)
     errors = {}
@@ -381,7 +387,7 @@ def _measure_backward(task: MeasureTask, device: int, flush: L2Flush) -> Measure
     if not error <= TOLERANCE[a.dtype]:  # NaN fails too
         reason = "relative errors " + ", ".join(f"{role} {e:.3g}" for role, e in errors.items())
         return Measurement(task.candidate, "wrong", reason + f" (tolerance {TOLERANCE[a.dtype]})", error)
-    times, stopped = _time(lambda: kernel(q, k, v, grad_output, out, **saved), flush, task.samples, task.best_ms)
+    times, stopped = _time(lambda: kernel(q, k, v, grad_output, out, **keywords), flush, task.samples, task.best_ms)
     reason = f"slower than {EARLY_STOP_FACTOR}x the best after {len(times)} samples" if stopped else None
     return Measurement(task.candidate, "stopped_early" if stopped else "ok", reason, error, tuple(times))
 

@@ -34,7 +34,7 @@ from .emulator import (
 
 REPLACED = ("mma_16816", "mma_16816_zero", "pack2", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
             "ldmatrix_x2_trans", "cp_async_16", "cp_async_commit", "cp_async_wait", "smem_address", "to_float",
-            "fast_exp2", "reduce_add_v4_f32")  # fmt: skip
+            "fast_exp2", "reduce_add_v4_f32", "half_bits_to_float")  # fmt: skip
 
 HOST_HELPERS = r"""
 #include <atomic>
@@ -74,6 +74,7 @@ static inline void cp_async_16(std::uintptr_t smem, const void* gmem, bool in_ra
 static inline void cp_async_commit() {}
 template <int N> static inline void cp_async_wait() {}
 static inline float fast_exp2(float x) { return std::exp2(x); }
+static inline float half_bits_to_float(unsigned short x) { return ck_from_fp16(x); }
 """
 
 
@@ -92,8 +93,9 @@ def host_source(plan, sms: int | None = None) -> str:
     return f"#define CK_EMU_MMA_FP16 {1 - int(bf16)}\n#define CK_BF16 {bf16}\n" + PRELUDE + HOST_HELPERS + body
 
 
-FILES = ("q", "k", "v", "do", "dq", "dk", "dv", "ws", "o", "lse")
-"""The buffers the host program reads, in its arguments' order (o and lse: the saved statistics)."""
+FILES = ("q", "k", "v", "do", "dq", "dk", "dv", "ws", "o", "lse", "bias")
+"""The buffers the host program reads, in its arguments' order (o and lse: the saved statistics; bias: the
+problem's bias tensor)."""
 
 
 def _main(plan, sms: int | None = None) -> str:
@@ -103,9 +105,10 @@ def _main(plan, sms: int | None = None) -> str:
     e = "unsigned short*"
     pointers = {f: f"reinterpret_cast<{e}>(buf_{f}.data())" for f in ("q", "k", "v", "do", "dq", "dk", "dv", "o")}
     ws = "reinterpret_cast<float*>(buf_ws.data())"
-    main_args = ", ".join([*(pointers[f] for f in ("q", "k", "v", "do", "dk", "dv")), ws])
+    bias = [] if plan.problem.attention.bias is None else ["reinterpret_cast<const bias_t*>(buf_bias.data())"]
+    main_args = ", ".join([*(pointers[f] for f in ("q", "k", "v", "do", "dk", "dv")), ws, *bias])
     stat_args = (", ".join([pointers["o"], "reinterpret_cast<float*>(buf_lse.data())", pointers["do"], ws])
-                 if plan.schedule.saved_statistics else ", ".join([*(pointers[f] for f in ("q", "k", "v", "do")), ws]))
+                 if plan.schedule.saved_statistics else ", ".join([*(pointers[f] for f in ("q", "k", "v", "do")), ws, *bias]))
     writes = "\n".join(
         f'    {{ FILE* f = std::fopen(argv[{len(FILES) + 1 + i}], "wb"); std::fwrite(buf_{g}.data(), 1, buf_{g}.size() - 64, f); std::fclose(f); }}'
         for i, g in enumerate(("dq", "dk", "dv"))
@@ -125,10 +128,12 @@ int main(int argc, char** argv) {{
 
 
 def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, o: np.ndarray | None = None,
-                     lse: np.ndarray | None = None, sms: int | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+                     lse: np.ndarray | None = None, sms: int | None = None,
+                     bias: np.ndarray | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """The plan's gradients (float64; NaN where never written) for contiguous BHSD operands; the
     gradients' buffers are laid out as the plan's layouts say (contiguous ones here). A plan that
-    reads saved statistics takes the forward's ``o`` and ``lse`` (contiguous) too; ``sms``: the launches'
+    reads saved statistics takes the forward's ``o`` and ``lse`` (contiguous) too; a problem with a
+    bias tensor its values (stored as the problem's bias says); ``sms``: the launches'
     multiprocessor count (:func:`~cherenkov.codegen.cuda.flash_attention_backward.grids`)."""
     problem = plan.problem
     dtype = problem.attention.dtype
@@ -149,12 +154,14 @@ def emulate_backward(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.n
         workspace = Path(tmp) / "ws.bin"
         np.full(workspace_floats(plan), np.nan, dtype=np.float32).tofile(workspace)  # every pass writes its part
         paths.append(str(workspace))
-        for label, values in (("o", o), ("lse", lse)):
+        for label, values in (("o", o), ("lse", lse), ("bias", bias)):
             path = Path(tmp) / f"{label}.bin"
             if values is None:
                 np.zeros(16, dtype=np.uint8).tofile(path)
             elif label == "o":
                 to_bits(values, dtype).tofile(path)
+            elif label == "bias":
+                to_bits(values, problem.attention.bias.dtype).tofile(path)
             else:
                 np.asarray(values, dtype=np.float32).tofile(path)
             paths.append(str(path))

@@ -89,6 +89,22 @@ def test_nn_attention_explicit_scale(rng: np.random.Generator) -> None:
     assert_rel(out, _torch_sdpa(inputs, True, scale=0.3))
 
 
+@pytest.mark.parametrize("mask_heads", [1, 2], ids=["shared", "per_head"])
+def test_nn_attention_adds_a_bias_as_torch_sdpa_adds_a_float_mask(rng: np.random.Generator, mask_heads: int) -> None:
+    shape = (2, 2, 1, 5, 9, 4)
+    g, q, k, v = _attention_graph(shape)
+    mask = g.input("mask", (2, mask_heads, 5, 9))
+    g.output(ck.nn.attention(q, k, v, bias=mask), "o")
+    inputs = _attention_inputs(rng, shape)
+    inputs["mask"] = rng.standard_normal((2, mask_heads, 5, 9))
+    inputs["mask"][..., 7:] = -np.inf  # padding keys
+    q_, k_, v_, m_ = (torch.from_numpy(inputs[n]) for n in ("q", "k", "v", "mask"))
+    expected = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, enable_gqa=True).numpy()
+    assert_rel(ck.evaluate(g, inputs)["o"], expected)
+    with pytest.raises(ck.GraphError):
+        ck.nn.attention(q, k, v, bias=g.input("bad", (2, 1, 5, 8)))
+
+
 def test_nn_attention_on_unbatched_2d_operands(rng: np.random.Generator) -> None:
     g = ck.Graph("attention2d")
     q, k, v = g.input("q", (7, 5)), g.input("k", (13, 5)), g.input("v", (13, 3))

@@ -129,3 +129,38 @@ def test_a_saved_log_sum_exp_pairs_with_its_attention_in_either_sdpa_layout(lse_
     plans = [p for p in d.plans("sm_90a") if p.kind == "flash_attention_backward"]
     assert [k.kind for k in d.kernels] == ["flash_attention_backward"]
     assert plans and all(p.problem.saved is not None and p.problem.saved.lse == "lse" for p in plans)
+
+
+def test_a_bert_layer_under_a_padding_mask_derives_one_flash_backward_reading_the_mask() -> None:
+    """transformers' BERT layer captured with its additive 4-D mask (SDPA's safe softmax: a row without a
+    live score gives 0): its gradient graph is one flash forward and one flash backward reading the mask
+    as a bias tensor (rules ``safe-softmax-gradient`` and ``flash-grad-v-bias-safe`` see through the safe
+    softmax's where), the program equal to the gradient graph in float64 under padding keys at −∞ and at
+    transformers' min value, and a row wholly at it; in bf16 the backward is planned."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=128, num_attention_heads=4, intermediate_size=256,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     attn_implementation="sdpa")  # fmt: skip
+    layer = transformers.models.bert.modeling_bert.BertLayer(config).eval()
+    hidden, mask = torch.randn(2, 64, 128), torch.zeros(2, 1, 64, 64)
+    graph = ck.from_torch(layer, hidden, mask)
+    gg = ck.grad(graph, wrt=tuple(n for n in graph.inputs if n != "attention_mask"))
+    d = ck.derive(gg)
+    kinds = [k.kind for k in d.kernels]
+    assert kinds.count("flash_attention") == 1 and kinds.count("flash_attention_backward") == 1, kinds
+    assert "softmax_rows" not in kinds
+    assert {"safe-softmax-gradient", "flash-grad-v-bias-safe", "attention-ds-bias"} <= set(d.trace), d.trace
+    padded = np.where(np.arange(64) >= 48, -np.inf, 0.0) * np.ones((2, 1, 64, 64))
+    padded[1, ..., 40:] = -3.4e38
+    padded[0, :, 5, :] = -3.4e38
+    inputs = {**gg.example_inputs(), "attention_mask": padded}
+    expected, got = ck.evaluate(gg, inputs), ck.evaluate(d, inputs)
+    scale = np.linalg.norm(expected["d_hidden_states"])  # the key bias's gradient is 0: its error is against this
+    for output, value in expected.items():
+        assert np.linalg.norm(got[output] - value) <= 1e-9 * max(np.linalg.norm(value), scale), output
+    bf16 = ck.from_torch(layer.to(torch.bfloat16), hidden.bfloat16(), mask.bfloat16())
+    plans = ck.derive(ck.grad(bf16, wrt=tuple(n for n in bf16.inputs if n != "attention_mask"))).plans("sm_90a")
+    backward = [p for p in plans if p.kind == "flash_attention_backward"]
+    assert backward and all(p.problem.attention.bias is not None and not p.schedule.wgmma for p in backward)

@@ -47,7 +47,8 @@ def _decoder(model: str, config: str, **overrides: Any) -> Callable[[], tuple[An
 
 def _bert_padded() -> tuple[Any, dict[str, Any]]:
     config = transformers.BertConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=256)  # fmt: skip
+                                     intermediate_size=128, vocab_size=256, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)  # no dropout: a training step is eager's  # fmt: skip
     mask = torch.cat([torch.ones(2, 48, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long)], 1)
     return transformers.BertModel(config), {**_token_ids(), "attention_mask": mask}
 
@@ -143,10 +144,11 @@ def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_f
 
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 0),
-           "gemma2_softcap": (0, 0), "bart": (3, 3)}  # fmt: skip
+           "gemma2_softcap": (0, 0), "bart": (3, 3), "bert_padded": (1, 0)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256 has no
 backward plan; no backward plans a soft cap, so Gemma 2's unfused backward reads the forward's probabilities,
-which its forward then writes: no flash kernel either)."""
+which its forward then writes: no flash kernel either; BERT's SDPA backward under its padding mask stays
+torch's fused kernel in the backend)."""
 
 
 @pytest.mark.parametrize("family", list(TRAINED))

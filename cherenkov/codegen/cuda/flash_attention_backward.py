@@ -38,14 +38,17 @@ constant; q, k, v, dO and the gradients may lie at any strides with a contiguous
 Launch (:class:`cherenkov.codegen.launch.FlashBackwardKernel`): statistics on grid
 ``(ceil(Sq / 64), H, B)`` × 128 threads (saved statistics: ``(ceil(B·H·Sq / 8),)`` × 256), the
 main pass on ``(chunk · ceil(Skv / BLOCK_KV), ceil(H_kv·B / chunk))`` × ``32·BLOCK_KV/16`` threads, dq on
-``(ceil(B·H·Sq·D / 512),)`` × 256 threads; arguments ``(q, k, v, dO, dq, dk, dv, workspace)``
-(pointers; a gradient not wanted is null; the saved statistics pass takes ``(o, lse, dO,
-workspace)``), the workspace ``B·H·Sq·(2 + D)`` floats (LSE₂, D, the dq accumulator).
+``(ceil(B·H·Sq·D / 512),)`` × 256 threads; arguments ``(q, k, v, dO, workspace)`` for the
+statistics pass, ``(q, k, v, dO, dk, dv, workspace)`` for the main pass (pointers; a gradient not
+wanted is null; a problem's bias tensor follows in both; the saved statistics pass takes ``(o,
+lse, dO, workspace)``) and ``(workspace, dq)`` for dq; the workspace ``B·H·Sq·(2 + D)`` floats
+(LSE₂, D, the dq accumulator; with a bias ``B·H·Sq·(3 + D)``: each row's max and log2 sum apart,
+so a row the bias masks wholly at its floor keeps the ``1 / sum`` of its keys).
 """
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda import cp_async, flash_attention_backward_sm90a, ldmatrix, mma, softmax
+from cherenkov.codegen.cuda import attention_mask, cp_async, flash_attention_backward_sm90a, ldmatrix, mma, softmax
 from cherenkov.codegen.cuda import flash_attention_backward_pairs as warp_pairs
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
@@ -91,10 +94,17 @@ def workspace_floats(plan: BackwardPlan) -> int:
     return dq_accumulator_offset(plan) + rows * a.head_dim
 
 
+def row_slots(plan: BackwardPlan) -> int:
+    """fp32 words of each query row's statistics in the workspace: LSE₂ and D; with a bias tensor the
+    row's max and log2 of its sum in place of LSE₂ (a row the bias masks wholly, every score at its
+    −2^100 floor, keeps its sum that way: ``max + log2(sum)`` would round to the max)."""
+    return 3 if plan.problem.attention.bias is not None else 2
+
+
 def dq_accumulator_offset(plan: BackwardPlan) -> int:
-    """Where the dq accumulator starts in the workspace: after each row's LSE₂ and D, 16-byte aligned."""
+    """Where the dq accumulator starts in the workspace: after each row's statistics, 16-byte aligned."""
     a = plan.problem.attention
-    return -(-2 * a.batch * a.heads * a.seq_q // 4) * 4
+    return -(-row_slots(plan) * a.batch * a.heads * a.seq_q // 4) * 4
 
 
 def chunk_slabs(plan: BackwardPlan, sms: int | None) -> int:
@@ -142,20 +152,23 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
         raise CodegenError(f"{plan.name} does not fit: {'; '.join(problems)}")
     name = kernel_name(plan)
     hopper = flash_attention_backward_sm90a if plan.schedule.wgmma else None
+    bias = plan.problem.attention.bias is not None
     vector_reductions = plan.target.compute_capability >= 90  # red.global.add.v4.f32
     parts = [
         _header(plan, name),
         section("problem and tile constants", _types(), _constants(plan), *([hopper.constants(plan)] if hopper else [])),
         section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
                 ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), softmax.emit_math_helpers(),
-                _helpers(), *([warp_pairs.helpers()] if plan.schedule.warp_pairs else []),
+                attention_mask.emit_bias_score(plan.problem.attention), _helpers(),
+                *([warp_pairs.helpers()] if plan.schedule.warp_pairs else []),
                 *([hopper.helpers(plan)] if hopper else
                               [flash_attention_backward_sm90a.emit_reduce_add_v4_f32()] if vector_reductions else [])),
         section("statistics: each query row's log-sum-exp and D = rowsum(dO o)",
                 _saved_statistics_kernel(name) if plan.schedule.saved_statistics else
-                hopper.statistics_kernel(plan, name) if hopper else _statistics_kernel(name)),
+                hopper.statistics_kernel(plan, name) if hopper else _statistics_kernel(name, bias)),
         section("main pass: dk and dv held per key tile, dq accumulated",
-                hopper.main_kernel(plan, name) if hopper else _main_kernel(name, vector_reductions, plan.schedule.warp_pairs)),
+                hopper.main_kernel(plan, name) if hopper else
+                _main_kernel(name, vector_reductions, plan.schedule.warp_pairs, bias)),
         section("dq: the accumulator scaled and rounded", hopper.dq_kernel(name) if hopper else _dq_kernel(name)),
     ]  # fmt: skip
     return "\n\n".join(parts) + "\n"
@@ -168,8 +181,9 @@ def _header(plan: BackwardPlan, name: str) -> str:
                   " (one slab a chunk; causal launches size the chunks to the device)" if a.causal else "")
     lines = [
         f"Generated by cherenkov: flash-attention backward, plan {identifier(plan.name)} for {identifier(plan.target.name)}.",
-        f"Gradients {', '.join(plan.problem.roles)} of o = softmax(scale q k^T{' + causal mask' if a.causal else ''}) v "
-        f"given dO ({identifier(plan.problem.grad_output)}).",
+        f"Gradients {', '.join(plan.problem.roles)} of o = softmax(scale q k^T{' + causal mask' if a.causal else ''}"
+        f"{f' + {identifier(a.bias.tensor)}' if a.bias is not None else ''}) v given dO "
+        f"({identifier(plan.problem.grad_output)}).",
         f"B={a.batch} H={a.heads} H_kv={a.kv_heads} Sq={a.seq_q} Skv={a.seq_kv} D={a.head_dim} {a.dtype}; "
         f"BLOCK_KV={plan.schedule.block_kv} BLOCK_Q={plan.schedule.block_q} STAGES={plan.schedule.stages}; "
         f"main pass: {'wgmma (two warpgroups of 64 keys)' if plan.schedule.wgmma else 'mma.sync (a warp per 16 keys)'}; "
@@ -241,7 +255,8 @@ def _helpers() -> str:
         }
 
         // Rows row[0], row[1] of (batch, head): LSE2 = m + log2(l) (a row without a live key: +inf, so its
-        // probabilities are 0) and D (summed over the quad here) into the workspace, by lane t == 0.
+        // probabilities are 0; BIAS: m and log2(l) apart) and D (summed over the quad here) into the
+        // workspace, by lane t == 0.
         __device__ __forceinline__ void store_row_statistics(float* workspace, size_t base, const int (&row)[2],
                                                              const float (&m)[2], const float (&l)[2], float (&delta)[2],
                                                              int t) {
@@ -249,8 +264,10 @@ def _helpers() -> str:
             for (int h = 0; h < 2; ++h) {
                 delta[h] = quad_sum(delta[h]);
                 if (t == 0 && row[h] < SEQ_Q) {
-                    workspace[base + row[h]] = l[h] > 0.0f ? m[h] + log2f(l[h]) : INFINITY;
+                    const float log2_sum = l[h] > 0.0f ? log2f(l[h]) : 0.0f;
+                    workspace[base + row[h]] = l[h] > 0.0f ? (BIAS ? m[h] : m[h] + log2_sum) : INFINITY;
                     workspace[ROWS_TOTAL + base + row[h]] = delta[h];
+                    if (BIAS) workspace[2 * ROWS_TOTAL + base + row[h]] = log2_sum;
                 }
             }
         }
@@ -368,8 +385,11 @@ def _constants(plan: BackwardPlan) -> str:
         "constexpr int KV_TILES = (SEQ_KV + BLOCK_KV - 1) / BLOCK_KV;  // key tiles of a slab",
         "constexpr int WARPS = BLOCK_KV / 16, THREADS = 32 * WARPS;",
         *([] if s.wgmma else [warp_pairs.PAIR_CONSTANTS] if s.warp_pairs else _key_warp_constants(plan)),
-        "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;  // workspace: LSE2, D, then dq (B, H, Sq, D)",
-        "constexpr size_t DQ_ACCUMULATOR = (2 * ROWS_TOTAL + 3) / 4 * 4;  // the dq accumulator, 16-byte aligned",
+        "constexpr size_t ROWS_TOTAL = size_t(BATCH) * HEADS * SEQ_Q;",
+        "// workspace: each row's LSE2 (bias: its max), D (bias: then log2 of its sum), then dq (B, H, Sq, D)",
+        f"constexpr int ROW_SLOTS = {row_slots(plan)};",
+        "constexpr size_t DQ_ACCUMULATOR = (ROW_SLOTS * ROWS_TOTAL + 3) / 4 * 4;  // the dq accumulator, 16-byte aligned",
+        attention_mask.emit_mask_constants(a, LOG2E, "log2 e: the scores' log2 units"),
         *(_saved_constants(plan) if s.saved_statistics else []),
         f"constexpr int DQ_THREADS = {DQ_THREADS}, DQ_BLOCKS = {grids(plan)['dq'][0][0]};  // the dq launch",
         "static_assert(D % 16 == 0, \"head dims in whole k16 steps\");",
@@ -442,12 +462,27 @@ def _saved_statistics_kernel(name: str) -> str:
     ).replace("@NAME@", name)
 
 
-def _statistics_kernel(name: str) -> str:
+def _statistics_kernel(name: str, bias: bool = False) -> str:
+    """The statistics pass that runs the forward again; ``bias``: each score gains the bias tensor's element."""
+    rows = ("\n    // the bias tensor's rows of this thread's two queries (a row past SEQ_Q reads the last one, never stored)"
+            "\n    const bias_t* head_bias = bias + BIAS_OFFSET + batch * BIAS_BATCH_STRIDE + head * BIAS_HEAD_STRIDE;"
+            "\n    const bias_t* bias_rows[2] = {head_bias + min(row[0], SEQ_Q - 1) * BIAS_ROW_STRIDE,"
+            "\n                                  head_bias + min(row[1], SEQ_Q - 1) * BIAS_ROW_STRIDE};")
+    values = {"@BIAS_PARAMETER@": _BIAS_PARAMETER, "@BIAS_ROWS@": rows,
+              "@BIAS_TERM@": " + bias_score(bias_rows[e >> 1], key)"} if bias else dict.fromkeys(
+        ("@BIAS_PARAMETER@", "@BIAS_ROWS@", "@BIAS_TERM@"), "")
+    text = _statistics_source(name)
+    for placeholder, value in values.items():
+        text = text.replace(placeholder, value)
+    return text
+
+
+def _statistics_source(name: str) -> str:
     return block(
         """
         extern "C" __global__ void __launch_bounds__(STAT_THREADS) @NAME@_statistics(
             const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-            const elem_t* __restrict__ dout, float* __restrict__ workspace) {
+            const elem_t* __restrict__ dout, float* __restrict__ workspace@BIAS_PARAMETER@) {
             extern __shared__ __align__(16) unsigned char smem[];
             elem_t* sQ = reinterpret_cast<elem_t*>(smem);
             elem_t* sDO = sQ + STAT_ROWS * ROW;
@@ -470,7 +505,7 @@ def _statistics_kernel(name: str) -> str:
             float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[D / 8][4];
             #pragma unroll
             for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-            const int row[2] = {q0 + 16 * warp + g, q0 + 16 * warp + g + 8};
+            const int row[2] = {q0 + 16 * warp + g, q0 + 16 * warp + g + 8};@BIAS_ROWS@
             const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
             for (int k0 = 0; k0 < keys; k0 += STAT_KEYS) {
                 __syncthreads();  // every warp is done with the previous K and V tiles
@@ -479,7 +514,7 @@ def _statistics_kernel(name: str) -> str:
                 cp_async_commit();
                 cp_async_wait<0>();
                 __syncthreads();
-                // S = Q K^T for 16 rows x STAT_KEYS keys, in log2 units, masked
+                // S = Q K^T for 16 rows x STAT_KEYS keys, in log2 units, masked (BIAS: plus the bias)
                 float s[STAT_KEYS / 8][4];
                 #pragma unroll
                 for (int n = 0; n < STAT_KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -500,7 +535,7 @@ def _statistics_kernel(name: str) -> str:
                     for (int e = 0; e < 4; ++e) {
                         const int key = k0 + 8 * n + 2 * t + (e & 1);
                         const bool masked = key >= SEQ_KV || (CAUSAL && key > row[e >> 1]);
-                        s[n][e] = masked ? -INFINITY : s[n][e] * SCALE_LOG2;
+                        s[n][e] = masked ? -INFINITY : s[n][e] * SCALE_LOG2@BIAS_TERM@;
                         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
                     }
                 }
@@ -599,14 +634,14 @@ const int key[2] = {k0 + 16 * warp + g, k0 + 16 * warp + g + 8};"""
 _KEY_WARP_STEP = """// S^T = K Q^T: 16 keys x BLOCK_Q queries
 float s[BLOCK_Q / 8][4];
 rows_times_rows<BLOCK_Q>(s, sK, 16 * warp, tq, lane);
-// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked
+@P_FORMULA@
 #pragma unroll
 for (int n = 0; n < BLOCK_Q / 8; ++n) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int column = 8 * n + 2 * t + (e & 1), query = q0 + column;
         const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || (CAUSAL && key[e >> 1] > query);
-        s[n][e] = masked ? 0.0f : fast_exp2(s[n][e] * SCALE_LOG2 - tlse[column]);
+        s[n][e] = masked ? 0.0f : fast_exp2(@P_EXPONENT@);
     }
 }
 if (WANT_DV) {  // dv += P^T dO
@@ -711,6 +746,7 @@ _MAIN_KERNEL = """
             float* sDelta = sLse + STAGES * BLOCK_Q;
             elem_t* sDs = reinterpret_cast<elem_t*>(sDelta + STAGES * BLOCK_Q);  // BLOCK_KV x DS_ROW: dS^T
             @P_TILE@
+            @BIAS_SMEM@
             const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
             @ROLES@
             const BlockKeyTile mine = block_key_tile();
@@ -726,6 +762,7 @@ _MAIN_KERNEL = """
             const int steps = tiles > 0 ? GROUP * tiles : 0;
             const float* lse2 = workspace;
             const float* deltas = workspace + ROWS_TOTAL;
+            @BIAS_SUMS@
             float* dq_accumulator = workspace + DQ_ACCUMULATOR;
             auto load_step = [&](int step) {  // q, dO, LSE2 and D rows of step `step` into its stage
                 const int stage = step % STAGES, head = kv_head * GROUP + step / tiles;
@@ -741,6 +778,7 @@ _MAIN_KERNEL = """
                     const bool in_range = q0 + i < SEQ_Q;
                     sLse[stage * BLOCK_Q + i] = in_range ? lse2[rows + i] : INFINITY;
                     sDelta[stage * BLOCK_Q + i] = in_range ? deltas[rows + i] : 0.0f;
+                    @BIAS_LOAD@
                 }
             };
             if (steps > 0) load_step(0);
@@ -763,6 +801,7 @@ _MAIN_KERNEL = """
                 const elem_t* tdo = sDO + stage * BLOCK_Q * ROW;
                 const float* tlse = sLse + stage * BLOCK_Q;
                 const float* tdelta = sDelta + stage * BLOCK_Q;
+                @BIAS_TILE@
                 @STEP@
             }
             @EPILOGUE@
@@ -771,20 +810,46 @@ _MAIN_KERNEL = """
 """The main pass's opening and step loop; a warp layout fills its roles, accumulators, step and epilogue."""
 
 
-def _main_kernel(name: str, vector_reductions: bool, pairs: bool) -> str:
+_BIAS_PARAMETER = ", const bias_t* __restrict__ bias"
+"""The bias tensor, the last parameter of the statistics and main passes of a problem with one."""
+
+_P_UNBIASED = ("// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked", "s[n][e] * SCALE_LOG2 - tlse[column]")
+_P_BIASED = (
+    "// P^T = 2^((S^T SCALE_LOG2 + bias - max) - log2(sum)), 0 where masked (a row at the bias's floor: 1 / sum)\n"
+    "const bias_t* bias_rows = bias + BIAS_OFFSET + batch * BIAS_BATCH_STRIDE + head * BIAS_HEAD_STRIDE;\n"
+    "auto exponent = [&](float score, int query, int key, int column) {\n"
+    "    const float biased = score * SCALE_LOG2 + bias_score(bias_rows + size_t(query) * BIAS_ROW_STRIDE, key);\n"
+    "    return (biased - tlse[column]) - tlog2[column];\n"
+    "};",
+    "exponent(s[n][e], query, key[e >> 1], column)",
+)
+_BIAS_MAIN_PARTS = {
+    "BIAS_SUMS": "const float* log2_sums = workspace + 2 * ROWS_TOTAL;",
+    "BIAS_SMEM": "float* sLog2 = reinterpret_cast<float*>(sDs + BLOCK_KV * DS_ROW);  // STAGES x BLOCK_Q: log2 of row sums",
+    "BIAS_LOAD": "sLog2[stage * BLOCK_Q + i] = in_range ? log2_sums[rows + i] : 0.0f;",
+    "BIAS_TILE": "const float* tlog2 = sLog2 + stage * BLOCK_Q;",
+}
+"""The bias's lines of the one-warp-per-16-keys main pass: each row's log2 sum staged beside its max."""
+
+
+def _main_kernel(name: str, vector_reductions: bool, pairs: bool, bias: bool = False) -> str:
     """The main pass: a warp per 16 keys, or with ``pairs`` two warps per 32 keys
     (:mod:`.flash_attention_backward_pairs`); ``vector_reductions`` (sm_90 and later): dq is added
-    four floats a ``red.global.add.v4.f32`` instead of one float an atomic add."""
+    four floats a ``red.global.add.v4.f32`` instead of one float an atomic add; ``bias`` (16-key
+    warps only): each score gains the bias tensor's element before its probability is recomputed."""
     dq_add = _DQ_VECTOR_REDUCTIONS if vector_reductions else _DQ_ATOMICS
     if pairs:
         parts = {"ROLES": warp_pairs.PAIR_ROLES, "P_TILE": warp_pairs.PAIR_P_TILE,
                  "ACCUMULATORS": warp_pairs.PAIR_ACCUMULATORS, "STEP": warp_pairs.pair_step(dq_add),
                  "EPILOGUE": warp_pairs.PAIR_EPILOGUE}
     else:
+        formula, exponent = _P_BIASED if bias else _P_UNBIASED
+        step = _KEY_WARP_STEP.replace("@DQ_ADD@", indent(dq_add, 2).lstrip()).replace("@P_EXPONENT@", exponent)
         parts = {"ROLES": "", "P_TILE": "", "ACCUMULATORS": _KEY_WARP_ACCUMULATORS,
-                 "STEP": _KEY_WARP_STEP.replace("@DQ_ADD@", indent(dq_add, 2).lstrip()), "EPILOGUE": _KEY_WARP_EPILOGUE}
+                 "STEP": _fill_line(step, "P_FORMULA", formula), "EPILOGUE": _KEY_WARP_EPILOGUE}
+    parts.update({key: value if bias else "" for key, value in _BIAS_MAIN_PARTS.items()})
     text = block(_MAIN_KERNEL).replace("@NAME@", name)
-    text = text.replace("@PARAMETERS@", flash_attention_backward_sm90a.MAIN_PASS_PARAMETERS)
+    text = text.replace("@PARAMETERS@", flash_attention_backward_sm90a.MAIN_PASS_PARAMETERS + (_BIAS_PARAMETER if bias else ""))
     for key, value in parts.items():
         text = _fill_line(text, key, value)
     return text
