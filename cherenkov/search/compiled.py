@@ -367,16 +367,23 @@ class CompiledFunction:
 
 def example_tensor(shape: Sequence[int], dtype: Any, device: Any, strides: Sequence[int] | None = None) -> Any:
     """A tensor to prepare a signature on (a capture reads shapes, not values): Gaussian
-    floats, zeros of other dtypes; laid out at ``strides`` where given and not overlapping
-    (a traced ``view`` of a transposed tensor is valid only at its strides)."""
+    floats, zeros of other dtypes; laid out at ``strides`` where given (a traced ``view`` of a
+    transposed tensor is valid only at its strides; a broadcast one, a stride of 0, is a view of
+    a smaller storage, as the caller's expanded tensor is, and the graph compiled on it expects
+    that layout)."""
     import torch
 
-    if dtype.is_floating_point:  # 8-bit floats have no random generator of their own
-        value = torch.randn(shape, dtype=torch.float32 if dtype.itemsize == 1 else dtype, device=device).to(dtype)
-    else:
-        value = torch.zeros(shape, dtype=dtype, device=device)
-    if strides is None or tuple(strides) == value.stride() or 0 in strides:
+    def values(size: Sequence[int]) -> Any:
+        if dtype.is_floating_point:  # 8-bit floats have no random generator of their own
+            return torch.randn(size, dtype=torch.float32 if dtype.itemsize == 1 else dtype, device=device).to(dtype)
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    value = values(shape)
+    if strides is None or tuple(strides) == value.stride():
         return value
+    if 0 in strides and 0 not in shape:  # a broadcast view of the storage its strides reach
+        storage = values((1 + sum((n - 1) * s for n, s in zip(shape, strides)),))
+        return storage.as_strided(tuple(shape), tuple(strides))
     return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype, device=device).copy_(value)
 
 

@@ -74,10 +74,11 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                     unordered[0].format_node())  # fmt: skip
         return SplitGraph(aten, ())
     bands = _folded_bands(aten)
+    layouts = _output_layouts(aten.graph)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
     region_inputs = _region_inputs(fused)
-    compiled = []
+    compiled, region_values = [], set()
     for node in list(fused.graph.nodes):
         if not _is_region(node):
             continue
@@ -97,8 +98,9 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                         sum(n.op == "call_function" for n in region.graph.nodes), type(error).__name__, error)  # fmt: skip
             continue
         node.args = tuple(node.args[i] for i in kept)
-        _call_op(fused, node, function.op, returns_tuple=_returns_tuple(region))
+        region_values.update(_call_op(fused, node, function.op, returns_tuple=_returns_tuple(region)).values())
         compiled.append(function)
+    _keep_output_strides(fused, layouts, region_values)
     fused.graph.eliminate_dead_code()
     fused.delete_all_unused_submodules()
     fused.recompile()
@@ -203,9 +205,10 @@ def _returns_tuple(region: Any) -> bool:
     return isinstance(output.args[0], (tuple, list))
 
 
-def _call_op(fused: Any, node: Any, op: Any, returns_tuple: bool) -> None:
+def _call_op(fused: Any, node: Any, op: Any, returns_tuple: bool) -> dict[int, Any]:
     """Replace the region call ``node`` by a call of its custom op (which takes the region's
-    tensors as one list and returns its outputs as a list)."""
+    tensors as one list and returns its outputs as a list); returns the nodes that read its
+    outputs, by output index."""
     import operator
 
     with fused.graph.inserting_before(node):
@@ -213,6 +216,53 @@ def _call_op(fused: Any, node: Any, op: Any, returns_tuple: bool) -> None:
         value = call if returns_tuple else fused.graph.call_function(operator.getitem, (call, 0))
     node.replace_all_uses_with(value)
     fused.graph.erase_node(node)
+    if not returns_tuple:
+        return {0: value}
+    return {user.args[1]: user for user in call.users if user.target is operator.getitem}
+
+
+def _output_layouts(graph: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """The (shape, strides) the trace gave each output of ``graph`` (None for a non-tensor one)."""
+    import torch
+
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    layouts = []
+    for value in values:
+        traced = getattr(value, "meta", {}).get("val")
+        layouts.append((tuple(traced.shape), tuple(traced.stride())) if isinstance(traced, torch.Tensor) else None)
+    return layouts
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _keep_output_strides(fused: Any, layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None],
+                         region_values: set[Any]) -> None:  # fmt: skip
+    """The graph's outputs that a region computes copied to the strides the trace gave them where
+    those lay the tensor out densely but not contiguously (a transposed weight): a region returns
+    contiguous tensors, but the graph compiled apart from this one that reads them (AOTAutograd's
+    backward reads the forward's saved activations) was traced with the original strides, and
+    inductor checks its inputs' strides. (An output the trace broadcast, a stride of 0, is left.)"""
+    import torch
+
+    (output,) = [n for n in fused.graph.nodes if n.op == "output"]
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    for value, layout in zip(values, layouts):
+        if value not in region_values or layout is None:
+            continue
+        shape, stride = layout
+        sized = [(n, s) for n, s in zip(shape, stride) if n > 1]
+        if 0 in stride or [s for _, s in sized] == [s for n, s in zip(shape, _contiguous_strides(shape)) if n > 1]:
+            continue
+        with fused.graph.inserting_after(value):
+            copy = fused.graph.call_function(torch.ops.prims.copy_strided.default, (value, list(stride)))
+        output.replace_input_with(value, copy)
 
 
 def _aten_graph(gm: Any, example_inputs: Sequence[Any]) -> Any:

@@ -671,3 +671,35 @@ def test_training_through_the_backend_runs_forward_and_backward_regions_like_eag
     assert len(splits) == 2 and all(split.compiled for split in splits), "a forward and a backward region"
     left = [str(n.target) for n in splits[1].module.graph.nodes if "scaled_dot_product" in str(n.target)]
     assert not left, f"the backward kept SDPA's backward kernel as an ATen op: {left}"  # lowered to its gradient
+
+
+def test_training_with_the_inductor_fallback_hands_the_backward_its_inputs_at_their_traced_strides():
+    """A padded BERT masked LM trains a step through the backend with inductor compiling what is
+    left of each graph, like eager: the forward's regions return contiguous tensors, so a saved
+    activation the trace left transposed (a tied weight's ``t()``) is copied back to those strides
+    before the backward, which inductor compiled apart and whose input strides it checks; and a
+    graph input that is a broadcast view (BERT's expanded token types) is prepared as one."""
+    import transformers
+
+    from cherenkov.search.dynamo import compile_regions
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    model = transformers.BertForMaskedLM(config).to(torch.bfloat16)
+    ids, mask = torch.randint(0, 256, (2, 64)), torch.ones(2, 64, dtype=torch.long)
+    mask[0, 48:] = 0
+
+    def step(fn) -> tuple[float, torch.Tensor]:
+        model.zero_grad()
+        loss = fn(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+    expected_loss, expected = step(model)
+    with recorded_splits() as splits:
+        loss, got = step(torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="inductor"),
+                                       dynamic=False))  # fmt: skip
+    assert len(splits) == 2 and all(split.compiled for split in splits), "forward and backward regions"
+    assert abs(loss - expected_loss) <= 2e-2 * abs(expected_loss)
+    assert float((got - expected).norm() / expected.norm()) < 2e-2
