@@ -1,8 +1,9 @@
 """Flash-attention backward plans: the gradients of one attention, and the schedules computing them.
 
 An :class:`AttentionBackwardProblem` is one attention — its forward :class:`AttentionProblem`
-(q, k, v, the scale, the causal mask, their layouts) — with the gradient of its output, dO,
-and the gradients wanted: any of dq, dk and dv, each written to a buffer of its own layout.
+(q, k, v, the scale, the causal mask or a bias tensor, their layouts) — with the gradient of its
+output, dO, and the gradients wanted: any of dq, dk and dv, each written to a buffer of its own
+layout.
 The derivation reaches it from ``ck.grad`` of the forward (:mod:`cherenkov.rewrites.gradients`):
 ``dS = P∘(dP − D)`` with ``P = e^{s − LSE}`` recomputed and ``D = rowsum(dO∘O)``, and three
 streaming contractions ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``.
@@ -231,7 +232,8 @@ def row_elements(head_dim: int) -> int:
 
 def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
     """Dynamic shared memory of the main pass: K and V (the block's keys; persistent: two of each),
-    ``stages`` q and dO tiles, their rows' log-sum-exps and D, and dSᵀ (keys × queries) for dq's
+    ``stages`` q and dO tiles, their rows' log-sum-exps (with a bias: maxima and log2 sums) and D, and
+    dSᵀ (keys × queries) for dq's
     product (warp pairs: and Pᵀ; ``wgmma``: unpadded swizzled tiles, plus slack to align them; a one-tile block keeps two
     dSᵀ tiles, by step parity, and an mbarrier a stage that its copies arrive on)."""
     d = problem.attention.head_dim

@@ -703,3 +703,19 @@ def test_training_with_the_inductor_fallback_hands_the_backward_its_inputs_at_th
     assert len(splits) == 2 and all(split.compiled for split in splits), "forward and backward regions"
     assert abs(loss - expected_loss) <= 2e-2 * abs(expected_loss)
     assert float((got - expected).norm() / expected.norm()) < 2e-2
+
+
+def test_a_region_output_leaves_the_graph_at_the_strides_the_trace_gave_it():
+    """A graph whose result is a transpose of what a region computes returns it transposed, as eager
+    does: the region's contiguous output is copied to the traced strides where it leaves the graph."""
+    from cherenkov.search.dynamo import compile_regions
+
+    def transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w).t()
+
+    x, w = torch.randn(8, 16), torch.randn(16, 32)
+    compiled = torch.compile(transposed, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"),
+                             dynamic=False)  # fmt: skip
+    expected, got = transposed(x, w), compiled(x, w)
+    assert got.stride() == expected.stride() == (1, 32)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
