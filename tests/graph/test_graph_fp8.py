@@ -123,3 +123,23 @@ def test_mx_scales_are_e8m0_inputs_rounded_as_pytorch_casts_and_never_a_cast_tar
         x.cast("e8m0")
     with pytest.raises(ck.GraphError, match="storage only"):
         scales * 2.0
+
+
+def test_the_fp8_error_floor_script_splits_the_error_of_rounded_attention(tmp_path, monkeypatch) -> None:
+    """``benchmarks/fp8_error_floor.py`` on a small head: rounding the Gaussian inputs to e4m3 costs
+    a few percent against float32 attention by itself, and rounding P as well costs more."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_error_floor.py"
+    spec = importlib.util.spec_from_file_location("fp8_error_floor", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["fp8_error_floor.py", "--queries", "64", "--keys", "512", "--out", str(tmp_path)])
+    module.main()
+    (written,) = tmp_path.glob("fp8-error-floor-*.json")
+    errors = json.loads(written.read_text())["errors"]
+    assert 0.01 < errors["inputs_rounded"] < errors["all"] < 0.1
+    assert 0.01 < errors["p_rounded"] < 0.05 and 0.01 < errors["all_vs_attention_of_rounded_inputs"] < 0.05
