@@ -969,8 +969,11 @@ def attention_problem(
     ``v[b, h // G, j, e]`` (``e`` of any extent: D_v) at any strides — BSHD, slices of one fused projection, a K/V
     head repeated for ``G`` query heads (GQA) — where ``b`` and ``h`` are the axes q shares
     with k (absent when of extent 1; with two, ``h`` is the one k divides by the group, or
-    the one q strides least). The output is written over ``output_axes`` (the kernel's
-    axes; default ``b, h, i, e``), row-major or as ``buffer`` lays it out.
+    the one q strides least). One K/V head for all query heads (MQA: k and v vary along no
+    axis of q but ``b``) is a group of all of them; of q's two other axes the causal mask's
+    is the query row, else the one q strides least. The output is written over
+    ``output_axes`` (the kernel's axes; default ``b, h, i, e``), row-major or as ``buffer``
+    lays it out.
     """
     if form[0] == "Scheduled":
         form = form[1]
@@ -998,15 +1001,23 @@ def attention_problem(
     value_axis = values[0][1]
     value_dim = t.extent(value_axis)
     query = sorted(q_axes - {dim} - set(k_heads))
+    grouped = [name for name, atom in k_heads.items() if atom[0] == "IxDiv"]
+    shared_head = None  # MQA: a query axis of q that k and v do not vary along, its heads sharing one K/V head
+    if len(query) == 2 and not grouped and len(k_heads) <= 1:
+        causal = mask[1][1] if mask[0] == "CausalMask" and mask[1][0] == "Ax" else None
+        row = causal if causal in query else min(query, key=lambda a: q_read.strides[t.ax(a)])
+        shared_head, query = next(a for a in query if a != row), [row]
     if len(query) > 1 or len(k_heads) > 2:
         raise KernelError(f"flash attention: q {t.show(q)} has more than one query axis and two batch/head axes")
-    grouped = [name for name, atom in k_heads.items() if atom[0] == "IxDiv"]
     if len(grouped) > 1:
         raise KernelError("flash attention: k and v divide two axes by a group size")
     names = sorted(k_heads, key=lambda a: (a not in grouped, -q_read.strides[t.ax(a)]))
-    head = names[0] if grouped else (names[-1] if names else None)
-    batch = next((a for a in names if a != head), None)
-    group = k_heads[head][2] if grouped else 1
+    if shared_head is not None:  # every query head reads K/V head 0: one group of all of them
+        head, batch, group = shared_head, (names[0] if names else None), t.extent(shared_head)
+    else:
+        head = names[0] if grouped else (names[-1] if names else None)
+        batch = next((a for a in names if a != head), None)
+        group = k_heads[head][2] if grouped else 1
     heads = t.extent(head) if head else 1
     if heads % group:
         raise KernelError(f"flash attention: {heads} heads are not a multiple of the group size {group}")

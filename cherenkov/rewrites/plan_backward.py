@@ -42,8 +42,9 @@ from cherenkov.rewrites.plan import (
 from cherenkov.rewrites.plan_sm90a import SWIZZLE_ALIGN
 
 GRADIENT_ROLES = ("dq", "dk", "dv")
-BACKWARD_HEAD_DIMS = (32, 64, 96, 128)
-"""Head dims (one for q, k and v) the backward family plans."""
+BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128)
+"""Head dims (one for q, k and v) the backward family plans: whole k16 steps up to 128 (48, 80 and 112
+split a dq tile into 16-column parts only on the 4-warp, 64-query schedules)."""
 BACKWARD_DTYPES = ("bf16", "fp16")
 PAD = 8
 """Elements each shared-memory row is padded by: 16 bytes, so that the 8 rows an ldmatrix phase

@@ -2,7 +2,8 @@
 queries, head dims 32-256 and D_v != D derive flash-attention plans — never the unfused
 kernels, never a pointwise loop — on sm_80, sm_90, sm_90a and sm_120; decode gets split-KV
 plans through the rule ``flash-split-kv``; the plan the cost model ranks first compiles
-without spills, and each short-query kind compiles for every mma.sync architecture."""
+without spills, and each short-query kind compiles for every mma.sync architecture. Multi-query
+attention (one K/V head for every query head) gets the same kernels, emulated."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import cherenkov as ck
@@ -19,7 +21,10 @@ from cherenkov.rewrites.plan import TARGETS, AttentionProblem, KernelPlan, flash
 from cherenkov.rewrites.plan_sm90a import hopper_schedule_problems
 from cherenkov.rewrites.schedule import flash_schedules
 from cherenkov.search.cost_model import predict_flash
+from tests.codegen.emulator import rounded
+from tests.codegen.flash_emulator import emulate_flash, supported
 from tests.codegen.test_flash_gpu import case_id
+from tests.codegen.test_flash_backward import needs_gxx
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH_TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_120")
@@ -136,3 +141,23 @@ def test_short_query_kinds_compile_for_every_mma_sync_arch(arch, compiler, kerne
         assert "mma.sync.aligned.m16n8k16" in kernel.ptx_path.read_text()
         if plan.schedule.kv_splits > 1 or plan.schedule.pack_group:
             assert kernel.report.spill_bytes == 0, f"{case_id(plan)} spills {kernel.report.spill_bytes} B"
+
+
+@needs_gxx
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_emulated_multi_query_kernels_read_one_kv_head_for_every_query_head(causal: bool) -> None:
+    """MQA (one K/V head, four query heads), ragged lengths: the derived plans' ``mma.sync`` kernels,
+    a packed short-query one among them where offered, within bf16 rounding of float64."""
+    g = ck.Graph("mqa")
+    q = g.input("q", (2, 4, 40, 64), "bf16")
+    k, v = (g.input(n, (2, 1, 70, 64), "bf16") for n in "kv")
+    g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+    rng = np.random.default_rng(1)
+    inputs = {n: rounded(rng.standard_normal(x.shape), "bf16") for n, x in g.inputs.items()}
+    expected = ck.evaluate(g, inputs)["o"]
+    plans = [p for p in ck.derive(g).plans("sm_80") if supported(p)]
+    assert plans and all(p.problem.kv_heads == 1 and p.problem.heads == 4 for p in plans)
+    for plan in plans[:: max(1, len(plans) // 3)][:3]:
+        got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])["o"]
+        error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"

@@ -598,3 +598,19 @@ def test_a_value_one_kernel_reads_stays_inlined() -> None:
     g.output(ck.nn.gelu(x @ w + b), "out")
     d = ck.derive(g)
     assert not shared_values(d._extract(()))
+
+
+@pytest.mark.parametrize(("batch", "causal"), [(1, True), (2, False)], ids=["causal", "batched"])
+def test_multi_query_attention_is_one_flash_kernel_of_one_kv_head(batch: int, causal: bool) -> None:
+    """One K/V head for every query head (MQA: Falcon-7B, Gemma 2B): k and v vary along no axis of q
+    but the batch, so the query head is read as the group of one K/V head (the causal mask names the
+    query row; without one the axis q strides least), and the derived program equals the graph."""
+    g = ck.Graph("mqa")
+    q = g.input("q", (batch, 4, 48, 32), "bf16")
+    k, v = (g.input(n, (batch, 1, 80, 32), "bf16") for n in "kv")
+    g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["flash_attention"]
+    assert_derived_program_matches(g, d)
+    problem = d.plans("sm_90")[0].problem
+    assert (problem.batch, problem.heads, problem.kv_heads, problem.seq_q, problem.causal) == (batch, 4, 1, 48, causal)

@@ -101,6 +101,7 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     "gemma3_sliding_and_full": (_decoder("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=64, num_hidden_layers=2,
                                          sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 2),
     "gemma2_softcap": (_decoder("Gemma2ForCausalLM", "Gemma2Config", head_dim=64), 1),
+    "gemma_mqa": (_decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=1, head_dim=64), 1),  # Gemma 2B's MQA
     "phi3": (_decoder("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2), 1),
     "cohere_interleaved_rotary": (_decoder("CohereForCausalLM", "CohereConfig"), 1),
     "falcon": (_decoder("FalconForCausalLM", "FalconConfig", new_decoder_architecture=True, num_kv_heads=2), 1),
