@@ -164,13 +164,16 @@ def gradients_head_dim_last(kernels: list[FusedKernel], outputs: frozenset[str])
             if moved.keys() & set(k.reads) else k for k in result]  # fmt: skip
 
 
-def _kv_axis_roles(k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None]:
+def _kv_axis_roles(k_read: StridedRead, dim: str, key: str, batch: str | None) -> tuple[str | None, str | None]:
     """(batch, head) axis names of a k read: of its axes other than the key and head dim, the
-    head is the one it strides least (the K/V head)."""
+    head is the one it strides least (the K/V head); with one K/V head for every query head
+    (multi-query attention) its one such axis is ``batch``, q's batch axis."""
     axes = sorted((atom[1] for atom in k_read.strides if atom[0] == "Ax" and atom[1] not in (dim, key)),
                   key=lambda a: -k_read.strides[t.ax(a)])  # fmt: skip
     if len(axes) > 2 or any(atom[0] != "Ax" for atom in k_read.strides):
         raise KernelError(f"flash attention backward: k ({k_read.tensor}) is not read per K/V head")
+    if axes == [batch]:
+        return batch, None
     return (axes[0] if len(axes) == 2 else None), (axes[-1] if axes else None)
 
 
@@ -224,7 +227,7 @@ def attention_backward_problem(kernel: FusedKernel, shapes: Mapping[str, tuple[i
     flash = ("FlashAttention", lead.key, lead.n_keys, lead.dim, lead.n_dim, lead.q, lead.k, values, lead.scale, lead.mask)
     attention = attention_problem(flash, shapes, dtypes)
     q_read, k_read = _flash_read(lead.q, "q", shapes), _flash_read(lead.k, "k", shapes)
-    batch, head, query = query_axis_roles(q_read, k_read, lead.dim, lead.key)
+    batch, head, query = query_axis_roles(q_read, k_read, lead.dim, lead.key, t.soft_capped(lead.mask)[1])
     do_read = _flash_read(lead.grad_output, "dO", shapes)
     value_dim = next(iter(set(t.free_axes(lead.grad_output)) - {a for a in (batch, head, query) if a}), None)
     if value_dim is None:
@@ -242,7 +245,7 @@ def attention_backward_problem(kernel: FusedKernel, shapes: Mapping[str, tuple[i
         if role == "dq":
             layout = _output_layout(axes, batch, head, query, role)
         else:  # over the K/V heads (a grouped form has summed its query heads)
-            kv_batch, kv_head = _kv_axis_roles(_flash_read(form.k, "k", shapes), form.dim, form.key)
+            kv_batch, kv_head = _kv_axis_roles(_flash_read(form.k, "k", shapes), form.dim, form.key, batch)
             layout = _output_layout(axes, kv_batch, kv_head, form.key, role)
         gradients.append(GradientOutput(role, name, layout))
     return AttentionBackwardProblem(replace(attention, out=kernel.output), lead.grad_output[1], grad_output_layout,

@@ -24,7 +24,7 @@ a GEMM's epilogue finds it among its own accumulators.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -590,7 +590,7 @@ def lse_output(side: SideOutput, shapes: Mapping[str, tuple[int, ...]]) -> LseOu
     q_read, k_read = _flash_read(q, "q", shapes), _flash_read(k, "k", shapes)
     if t.ax(key) in q_read.strides and t.ax(key) not in k_read.strides:
         q_read, k_read = k_read, q_read
-    batch, head, query = query_axis_roles(q_read, k_read, dim, key)
+    batch, head, query = query_axis_roles(q_read, k_read, dim, key, t.soft_capped(form[8])[1])
     strides, stride = {}, 1
     for axis, size in reversed(list(zip(side.axes, side.shape))):
         strides[axis] = stride
@@ -604,19 +604,34 @@ def lse_output(side: SideOutput, shapes: Mapping[str, tuple[int, ...]]) -> LseOu
     return LseOutput(side.output, layout)
 
 
-def query_axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: str) -> tuple[str | None, str | None, str]:
+def query_axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: str,
+                     mask: Term = ("NoMask",)) -> tuple[str | None, str | None, str]:  # fmt: skip
     """(batch, head, query) axis names of an attention whose q and k read one head each: of the
-    axes q shares with k, the head is the one q strides least."""
+    axes q shares with k, the head is the one q strides least; where k shares no head with q
+    (one K/V head for every query head, :func:`shared_kv_head`), q's head is its other axis."""
     q_axes = {atom[1] for atom in q_read.strides if atom[0] == "Ax"}
     k_axes = {atom[1] if atom[0] == "Ax" else atom[1][1] for atom in k_read.strides}  # h // G: GQA's head
     shared = sorted(q_axes & k_axes - {dim, key}, key=lambda a: -q_read.strides[t.ax(a)])
     query = sorted(q_axes - set(shared) - {dim})
+    grouped = any(atom[0] == "IxDiv" for atom in k_read.strides)
+    if len(query) == 2 and len(shared) <= 1 and not grouped:
+        row, head = shared_kv_head(query, q_read, mask)
+        return (shared[0] if shared else None), head, row
     if len(shared) > 2 or len(query) != 1:
         raise KernelError(f"flash attention: q ({q_read.tensor}) is read along {sorted(q_axes)}; "
                           "expected q[b, h, i, d]")  # fmt: skip
     head = shared[-1] if shared else None
     batch = shared[0] if len(shared) == 2 else None
     return batch, head, query[0]
+
+
+def shared_kv_head(candidates: Sequence[str], q_read: StridedRead, mask: Term) -> tuple[str, str]:
+    """(query row, head) of q's two axes that k and v do not vary along (multi-query attention:
+    one K/V head for every query head): the causal mask's axis is the row, else the one q strides
+    least (without a causal mask either reading gives the same attention)."""
+    causal = mask[1][1] if mask[0] == "CausalMask" and mask[1][0] == "Ax" else None
+    row = causal if causal in candidates else min(candidates, key=lambda a: q_read.strides[t.ax(a)])
+    return row, next(a for a in candidates if a != row)
 
 
 # ------------------------------------------------------------------ output layouts
@@ -1004,9 +1019,8 @@ def attention_problem(
     grouped = [name for name, atom in k_heads.items() if atom[0] == "IxDiv"]
     shared_head = None  # MQA: a query axis of q that k and v do not vary along, its heads sharing one K/V head
     if len(query) == 2 and not grouped and len(k_heads) <= 1:
-        causal = mask[1][1] if mask[0] == "CausalMask" and mask[1][0] == "Ax" else None
-        row = causal if causal in query else min(query, key=lambda a: q_read.strides[t.ax(a)])
-        shared_head, query = next(a for a in query if a != row), [row]
+        row, shared_head = shared_kv_head(query, q_read, mask)
+        query = [row]
     if len(query) > 1 or len(k_heads) > 2:
         raise KernelError(f"flash attention: q {t.show(q)} has more than one query axis and two batch/head axes")
     if len(grouped) > 1:

@@ -257,8 +257,9 @@ def test_backward_with_a_bias_plans_the_16_key_main_pass_only() -> None:
     ((2, 4, 2, 37, 70, 80), True, ("q", "k", "v"), ("kv64_q64_s2",), "bf16"),  # D 80: 5 k16 steps, one dq column group
     ((1, 2, 2, 50, 90, 48), False, ("q", "k", "v"), ("kv64_q64_s1",), "fp16"),
     ((1, 4, 2, 40, 64, 112), True, ("q", "k", "v"), ("kv64_q64_s2",), "bf16"),
+    ((2, 4, 1, 37, 70, 64), True, ("q", "k", "v"), ("kv64_q32_s2", "kv128_q64_s2_wp"), "bf16"),  # MQA: one K/V head
 ], ids=["tails", "causal_gqa", "dk_dv_only", "warp_pairs_causal_gqa", "warp_pairs_d128", "fp16", "d80", "d48_fp16",
-        "d112"])  # fmt: skip
+        "d112", "mqa"])  # fmt: skip
 def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules, dtype) -> None:
     """bf16 and fp16; causal plans also run as launched on a device of 5 multiprocessors: chunks of 2 or 3
     slabs, the last one short (its blocks past the last slab return at once)."""
@@ -350,12 +351,14 @@ GPU_CASES = [
     ((2, 4, 2, 77, 129, 80), True, "bf16"),  # head dims 48, 80 and 112: the 4-warp, 64-query schedules
     ((1, 4, 4, 100, 200, 48), False, "fp16"),
     ((1, 2, 2, 130, 70, 112), True, "bf16"),
+    ((2, 8, 1, 200, 333, 128), True, "bf16"),  # MQA: one K/V head for all eight query heads
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96", "odd_rows",
-                                                                      "fp16_d64_gqa", "d80", "fp16_d48", "d112"])
+                                                                      "fp16_d64_gqa", "d80", "fp16_d48", "d112",
+                                                                      "mqa_causal_ragged"])
 def test_gpu_backward_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
     """Every ``mma.sync`` schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32
     autograd through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched

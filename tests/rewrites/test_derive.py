@@ -604,7 +604,8 @@ def test_a_value_one_kernel_reads_stays_inlined() -> None:
 def test_multi_query_attention_is_one_flash_kernel_of_one_kv_head(batch: int, causal: bool) -> None:
     """One K/V head for every query head (MQA: Falcon-7B, Gemma 2B): k and v vary along no axis of q
     but the batch, so the query head is read as the group of one K/V head (the causal mask names the
-    query row; without one the axis q strides least), and the derived program equals the graph."""
+    query row; without one the axis q strides least), forward and backward, and each derived program
+    equals its graph."""
     g = ck.Graph("mqa")
     q = g.input("q", (batch, 4, 48, 32), "bf16")
     k, v = (g.input(n, (batch, 1, 80, 32), "bf16") for n in "kv")
@@ -614,3 +615,10 @@ def test_multi_query_attention_is_one_flash_kernel_of_one_kv_head(batch: int, ca
     assert_derived_program_matches(g, d)
     problem = d.plans("sm_90")[0].problem
     assert (problem.batch, problem.heads, problem.kv_heads, problem.seq_q, problem.causal) == (batch, 4, 1, 48, causal)
+    # its gradients: one flash backward whose dk and dv sum every query head (the group of the one K/V head)
+    gg = ck.grad(g, wrt=("q", "k", "v"))
+    d = ck.derive(gg)
+    assert [k.kind for k in d.kernels] == ["flash_attention_backward"]
+    assert_derived_program_matches(gg, d)
+    backward = d.plans("sm_90")[0].problem
+    assert backward.attention.kv_heads == 1 and {g.role: g.layout.head for g in backward.gradients}["dk"] == 0
