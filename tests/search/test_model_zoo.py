@@ -102,6 +102,12 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
                                          sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 2),
     "gemma2_softcap": (_decoder("Gemma2ForCausalLM", "Gemma2Config", head_dim=64), 1),
     "gemma_mqa": (_decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=1, head_dim=64), 1),  # Gemma 2B's MQA
+    "falcon_mqa": (lambda: (transformers.FalconForCausalLM(transformers.FalconConfig(
+        num_hidden_layers=1, hidden_size=128, num_attention_heads=4, vocab_size=256, multi_query=True,
+        new_decoder_architecture=False)), _token_ids()), 1),  # Falcon-7B's one K/V head
+    "gpt_bigcode_mqa": (lambda: (transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
+        n_layer=1, n_embd=128, n_head=4, vocab_size=256, n_positions=128, multi_query=True, bos_token_id=0,
+        eos_token_id=0)), _token_ids()), 1),  # StarCoder's
     "phi3": (_decoder("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2), 1),
     "cohere_interleaved_rotary": (_decoder("CohereForCausalLM", "CohereConfig"), 1),
     "falcon": (_decoder("FalconForCausalLM", "FalconConfig", new_decoder_architecture=True, num_kv_heads=2), 1),
