@@ -201,6 +201,17 @@ def test_wgmma_passes_compile_to_hgmma_without_spills(dim: int, compiler, kernel
     assert code.count("STSM.16.M88.4") == 4  # dSᵀ: four stmatrix.x4 a warp and step
 
 
+def assert_gradients_match(got: dict[str, np.ndarray], expected: dict[str, np.ndarray], wrt: tuple[str, ...],
+                           label: str) -> None:  # fmt: skip
+    """An emulated plan's gradients (``dq``, ...) are exactly those of ``wrt``, each within 1e-2 (relative L2)
+    of the gradient graph's float64 ``d_q``, ..."""
+    assert set(got) == {f"d{n}" for n in wrt}
+    for role, values in got.items():
+        reference = expected[f"d_{role[1]}"]
+        error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
+        assert error <= 1e-2, f"{label}: {role} differs by {error:.3g}"
+
+
 def _inputs(gg: ck.Graph, dtype: str = "bf16", seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {n: rounded(rng.standard_normal(t.shape), dtype) for n, t in gg.inputs.items()}
@@ -227,11 +238,7 @@ def test_emulated_backward_adds_the_bias_tensor(sizes, mask_heads, wrt, schedule
     plans = {p.schedule.key(): p for p in backward_plans(gg)}
     for key in schedules:
         got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], bias=inputs["mask"])
-        assert set(got) == {f"d{n}" for n in wrt}
-        for role, values in got.items():
-            reference = expected[f"d_{role[1]}"]
-            error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
-            assert error <= 1e-2, f"{key}: {role} differs by {error:.3g}"
+        assert_gradients_match(got, expected, wrt, key)
 
 
 def test_backward_with_a_bias_plans_the_16_key_main_pass_only() -> None:
@@ -269,11 +276,7 @@ def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedu
     plans = {p.schedule.key(): p for p in backward_plans(gg)}
     for key, sms in [(key, sms) for key in schedules for sms in ((None, 5) if causal else (None,))]:
         got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], sms=sms)
-        assert set(got) == {f"d{n}" for n in wrt}
-        for role, values in got.items():
-            reference = expected[f"d_{role[1]}"]
-            error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
-            assert error <= 1e-2, f"{key} ({sms} SMs): {role} differs by {error:.3g}"
+        assert_gradients_match(got, expected, wrt, f"{key} ({sms} SMs)")
 
 
 def test_warp_pair_main_pass_is_offered_where_its_tiles_fit() -> None:
@@ -332,11 +335,7 @@ def test_emulated_backward_reads_the_saved_statistics(sizes, causal, wrt, schedu
     plans = {p.schedule.key(): p for p in backward_plans(gg)}
     assert {key for key in plans if key.endswith("_saved")} == {key + "_saved" for key in plans if "_saved" not in key}
     got = emulate_backward(plans[schedule], *(inputs[n] for n in ("q", "k", "v", "d_o", "o", "lse")))
-    assert set(got) == {f"d{n}" for n in wrt}
-    for role, values in got.items():
-        reference = expected[f"d_{role[1]}"]
-        error = np.linalg.norm(values - reference) / np.linalg.norm(reference)
-        assert error <= 1e-2, f"{schedule}: {role} differs by {error:.3g}"
+    assert_gradients_match(got, expected, wrt, schedule)
 
 
 # ------------------------------------------------------------------------------ GPU
