@@ -74,7 +74,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                     unordered[0].format_node())  # fmt: skip
         return SplitGraph(aten, ())
     bands = _folded_bands(aten)
-    layouts = _output_layouts(aten.graph)
+    restrided = _restrided_outputs(aten.graph)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
     region_inputs = _region_inputs(fused)
@@ -100,7 +100,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
         node.args = tuple(node.args[i] for i in kept)
         region_values.update(_call_op(fused, node, function.op, returns_tuple=_returns_tuple(region)).values())
         compiled.append(function)
-    _keep_output_strides(fused, layouts, region_values)
+    _keep_output_strides(fused, restrided, region_values)
     fused.graph.eliminate_dead_code()
     fused.delete_all_unused_submodules()
     fused.recompile()
@@ -221,44 +221,34 @@ def _call_op(fused: Any, node: Any, op: Any, returns_tuple: bool) -> dict[int, A
     return {user.args[1]: user for user in call.users if user.target is operator.getitem}
 
 
-def _output_layouts(graph: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
-    """The (shape, strides) the trace gave each output of ``graph`` (None for a non-tensor one)."""
+def _restrided_outputs(graph: Any) -> list[tuple[int, ...] | None]:
+    """For each output of ``graph``, the strides the trace gave it where they lay it out densely
+    but not contiguously (a transposed weight); None for any other (contiguous, broadcast: a
+    stride of 0, or not a tensor)."""
     import torch
 
     (output,) = [n for n in graph.nodes if n.op == "output"]
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    layouts = []
+    strides = []
     for value in values:
         traced = getattr(value, "meta", {}).get("val")
-        layouts.append((tuple(traced.shape), tuple(traced.stride())) if isinstance(traced, torch.Tensor) else None)
-    return layouts
+        dense = isinstance(traced, torch.Tensor) and not traced.is_contiguous() and 0 not in traced.stride()
+        strides.append(tuple(traced.stride()) if dense else None)
+    return strides
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _keep_output_strides(fused: Any, layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None],
-                         region_values: set[Any]) -> None:  # fmt: skip
+def _keep_output_strides(fused: Any, strides: list[tuple[int, ...] | None], region_values: set[Any]) -> None:
     """The graph's outputs that a region computes copied to the strides the trace gave them where
-    those lay the tensor out densely but not contiguously (a transposed weight): a region returns
-    contiguous tensors, but the graph compiled apart from this one that reads them (AOTAutograd's
-    backward reads the forward's saved activations) was traced with the original strides, and
-    inductor checks its inputs' strides. (An output the trace broadcast, a stride of 0, is left.)"""
+    those are dense but not contiguous (:func:`_restrided_outputs`): a region returns contiguous
+    tensors, but the graph compiled apart from this one that reads them (AOTAutograd's backward
+    reads the forward's saved activations) was traced with the original strides, and inductor
+    checks its inputs' strides."""
     import torch
 
     (output,) = [n for n in fused.graph.nodes if n.op == "output"]
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    for value, layout in zip(values, layouts):
-        if value not in region_values or layout is None:
-            continue
-        shape, stride = layout
-        sized = [(n, s) for n, s in zip(shape, stride) if n > 1]
-        if 0 in stride or [s for _, s in sized] == [s for n, s in zip(shape, _contiguous_strides(shape)) if n > 1]:
+    for value, stride in zip(values, strides):
+        if value not in region_values or stride is None:
             continue
         with fused.graph.inserting_after(value):
             copy = fused.graph.call_function(torch.ops.prims.copy_strided.default, (value, list(stride)))
