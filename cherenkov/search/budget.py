@@ -2,10 +2,12 @@
 
 A budget must never leave a graph that cannot run, so a search goes in two rounds:
 
-1. **First round** (:func:`first_round`): every kernel's cost-model favourite and its
+1. **First round** (:func:`first_round`): every kernel's cost-model favourite, the
+   favourite of the other family class where the target has two (Hopper's and the portable
+   ones: a model that misjudges one class must not starve it of measurements), and its
    safest plan (:func:`risk`: the portable ``mma.sync``/row/pointwise families before the
    Hopper ones, a family's default schedule before its knobs) are compiled and verified
-   before anything else, whatever the budget — and where both fail, the kernel's next
+   before anything else, whatever the budget — and where all fail, the kernel's next
    candidates until one passes. :func:`first_round_seconds` estimates what that costs
    here; a budget below it is refused before the search starts.
 2. **The rest** is shared out by :func:`shares`: each kernel gets the part of the time
@@ -38,22 +40,34 @@ WORKER_START_S = 10.0
 _HOPPER_SCHEDULES = (HopperFlashSchedule, WgmmaGemmSchedule, TmaGemmSchedule)
 
 
+def is_hopper(candidate: Candidate) -> bool:
+    """Whether a candidate is of the Hopper families (wgmma, TMA, warp specialisation)."""
+    return isinstance(candidate.plan.schedule, _HOPPER_SCHEDULES)
+
+
 def risk(candidate: Candidate) -> tuple[int, int]:
     """How far a candidate is from the most exercised code (lower is safer): the Hopper
-    families (wgmma, TMA, warp specialisation) and absorbed producers add one each, a
-    schedule other than its family's default one more."""
+    families and absorbed producers add one each, a schedule other than its family's
+    default one more."""
     schedule = candidate.plan.schedule
-    family = int(isinstance(schedule, _HOPPER_SCHEDULES)) + int(candidate.absorbs is not None)
+    family = int(is_hopper(candidate)) + int(candidate.absorbs is not None)
     return family, int(schedule != type(schedule)())
 
 
 def first_round(candidates: Sequence[Candidate], predicted_ms: Callable[[Candidate], float]) -> list[Candidate]:
-    """A kernel's cost-model favourite and its safest candidate (one if they coincide)."""
+    """A kernel's cost-model favourite, the favourite of the other family class (Hopper or
+    portable) where there is one, and its safest candidate, without repeats."""
     if not candidates:
         return []
     favourite = min(candidates, key=lambda c: (predicted_ms(c), c.id))
+    others = [c for c in candidates if is_hopper(c) != is_hopper(favourite)]
+    rival = [min(others, key=lambda c: (predicted_ms(c), c.id))] if others else []
     safest = min(candidates, key=lambda c: (risk(c), predicted_ms(c), c.id))
-    return [favourite] if safest is favourite else [favourite, safest]
+    picked: list[Candidate] = []
+    for candidate in (favourite, *rival, safest):
+        if all(candidate is not p for p in picked):
+            picked.append(candidate)
+    return picked
 
 
 def first_round_seconds(compiles: int, measures: int, cores: int) -> float:

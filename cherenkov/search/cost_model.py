@@ -103,6 +103,10 @@ SHORT_HEAD_DIM_FACTOR = 0.68
 """The ``mma.sync`` family at head dims of 32 or less, where the softmax's per-score work weighs
 twice what it does at 64: the best schedule of B2 H16 S2048 D32 measured 245 TFLOP/s on the H200
 against 360 predicted without it (results/h200-2026-12-03-d32.json)."""
+NARROW_HEAD_DIM_FACTOR = 0.83
+"""The ``mma.sync`` family at head dims above 32 up to 64: B2 H16 S2048 D64 fp16's eight fastest
+``mma.sync`` plans measured 0.79-0.86 of the prediction without it in three H200 runs
+(results/h200-2026-12-03-issue22-e/f/g.json), where at 128 they measure about 1.0."""
 
 # Fitted to the H200 sweeps (benchmarks/results/sweep-*-h200-2026-11-29.json): ratio of a
 # schedule with the knob to the same schedule (or the best plain one) without it.
@@ -213,22 +217,23 @@ def schedule_factor(plan: KernelPlan) -> float:
 # The sm_90a family (wgmma, TMA, warp roles), fitted to its H200 measurements (2026-11-29,
 # interleaved with cuDNN): the key-tile loop of the default schedule reaches 0.75 of the
 # wgmma peak (B16 H16 Sq 1024 with Skv 512..4096: time = loop + a work tile's overhead);
-# 2 stages with split K/V release run 0.99 of 3 (a joint 2-stage ring ran 0.77); head dim
-# 64 runs at 0.6 of head dim 128 (its exp2 work per FLOP doubles), key tiles of 192 gain
-# 6 % there. A work tile also exposes its prologue (Q, the scores-only first key tile) and
-# epilogue (the last P V, normalise, store O), in key tiles: 2.15 when every tile is its own
-# block (O by TMA stores), 1.8 for a persistent block with one Q buffer (the next Q loads
-# during the epilogue; O stored from registers), 1.0 with two Q buffers (Q in place ahead,
-# O by TMA stores). Causal work tiles differ in length, and the persistent grid's static
-# stride balances them worse (0.95).
+# 2 stages with split K/V release run 0.99 of 3 (a joint 2-stage ring ran 0.77). Head dim
+# 64 runs at 0.67 of head dim 128 (its exp2 work per FLOP doubles), refitted to B2 H16
+# S2048 D64 fp16: its eight fastest plans measured 1.05-1.15 of the first fit's 0.6 in three
+# H200 runs (results/h200-2026-12-03-issue22-e/f/g.json), key tiles of 192 running like 128
+# rather than the 6 % faster first fitted. A work tile also exposes its prologue (Q, the
+# scores-only first key tile) and epilogue (the last P V, normalise, store O), in key tiles:
+# 2.15 when every tile is its own block (O by TMA stores), 1.8 for a persistent block with
+# one Q buffer (the next Q loads during the epilogue; O stored from registers), 1.0 with two
+# Q buffers (Q in place ahead, O by TMA stores). Causal work tiles differ in length, and the
+# persistent grid's static stride balances them worse (0.95).
 HOPPER_BASE_EFFICIENCY = 0.75
 HOPPER_STAGE_FACTOR = {2: 0.99, 3: 1.0, 4: 1.0}
 HOPPER_CONSUMER_FACTOR = {1: 0.6, 2: 1.0, 3: 0.9}
 HOPPER_NO_PINGPONG_FACTOR = 0.95
 # by q's tile width (32: 64-byte-swizzled boxes; fitted on B2 H16 S2048 D32, 271 TFLOP/s measured);
 # 192, 256: not measured yet
-HOPPER_HEAD_DIM_FACTOR = {32: 0.5, 64: 0.6, 128: 1.0, 192: 1.0, 256: 1.0}
-HOPPER_BLOCK_KV_FACTOR = {192: 1.06}
+HOPPER_HEAD_DIM_FACTOR = {32: 0.5, 64: 0.67, 128: 1.0, 192: 1.0, 256: 1.0}
 HOPPER_TILE_OVERHEAD = {"one tile": 2.15, "persistent": 1.8, "two Q buffers": 1.0}  # key tiles a work tile
 HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
 # lazy_rescale and row_sums_mma (H200, 2026-12-04, same-run A/B of each schedule with and without):
@@ -269,7 +274,6 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
     pipeline = HOPPER_STAGE_FACTOR.get(schedule.stages, 1.0)
     pipeline *= key_tiles / (key_tiles + hopper_tile_overhead(schedule))
     knobs = HOPPER_CONSUMER_FACTOR.get(schedule.consumer_warpgroups, 0.5) * hopper_head_dim_factor(problem)
-    knobs *= HOPPER_BLOCK_KV_FACTOR.get(schedule.block_kv, 1.0)
     if not schedule.pingpong:
         knobs *= HOPPER_NO_PINGPONG_FACTOR
     if schedule.persistent and problem.causal and not schedule.balanced:
@@ -306,6 +310,13 @@ def predict_fp8_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predictio
     return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, 1.0, waves, 1.0)
 
 
+def head_dim_factor(mean_dim: float) -> float:
+    """The ``mma.sync`` family's efficiency at a mean head dim, relative to 128."""
+    if mean_dim <= 32:
+        return SHORT_HEAD_DIM_FACTOR
+    return NARROW_HEAD_DIM_FACTOR if mean_dim <= 64 else 1.0
+
+
 def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int | None = None) -> Prediction:
     """Predicted run time of a flash-attention plan (FLOPs as ``AttentionProblem.flops``)."""
     if isinstance(plan.schedule, HopperFlashSchedule):
@@ -334,7 +345,7 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     visited = kv_tiles if not problem.causal else min(kv_tiles, (kv_tiles + 1) / 2 + 0.5)
     mean_dim = (problem.head_dim + problem.v_dim) / 2
     padded_flops = 4.0 * blocks * schedule.block_q * visited * schedule.block_kv * mean_dim
-    knobs = schedule_factor(plan) * (SHORT_HEAD_DIM_FACTOR if mean_dim <= 32 else 1.0)
+    knobs = schedule_factor(plan) * head_dim_factor(mean_dim)
     partitions = min(SCHEDULER_PARTITIONS, schedule.warps) / SCHEDULER_PARTITIONS
     efficiency = min(BASE_EFFICIENCY, BASE_EFFICIENCY * occupancy * smem_bound * pipeline * waves * knobs * partitions)
     compute_ms = padded_flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3

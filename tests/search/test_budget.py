@@ -102,13 +102,18 @@ def test_shares_follow_each_kernels_time_and_apply_to_what_is_left() -> None:
     assert budget.shares({"a": 0.0, "b": 0.0}) == [("a", 0.5), ("b", 1.0)]
 
 
-def test_first_round_is_the_favourite_and_the_safest_plan() -> None:
+def test_first_round_is_the_favourite_of_each_family_class_and_the_safest_plan() -> None:
     space = search_space(ck.derive(attention(64)), "sm_90a")
     (group,) = space.candidates.values()
     first = budget.first_round(group, optimize_module._predicted)
     favourite = min(group, key=lambda c: (optimize_module._predicted(c), c.id))
-    assert first[0] is favourite and len(first) == 2
-    assert first[1].plan.schedule == FlashSchedule(), "the default mma.sync schedule is the safest"
+    assert first[0] is favourite and len(first) == 3
+    rival = min((c for c in group if budget.is_hopper(c) != budget.is_hopper(favourite)),
+                key=lambda c: (optimize_module._predicted(c), c.id))
+    assert first[1] is rival, "the other family class's favourite is measured in the first round too"
+    assert first[2].plan.schedule == FlashSchedule(), "the default mma.sync schedule is the safest"
+    portable = [c for c in group if not budget.is_hopper(c)]
+    assert all(not budget.is_hopper(c) for c in budget.first_round(portable, optimize_module._predicted))
     assert budget.first_round_seconds(4, 0, 2) == 2 * budget.COMPILE_ESTIMATE_S
     assert budget.first_round_seconds(4, 4, 2) > budget.WORKER_START_S
 
