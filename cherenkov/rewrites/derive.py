@@ -391,7 +391,7 @@ class Derivation:
             dtypes[name] = stored(name)
         for kernel in self.kernels if kernels is None else kernels:
             shapes[kernel.output] = kernel.stored_shape
-            dtypes[kernel.output] = stored(kernel.output)
+            dtypes[kernel.output] = kernel.dtype or stored(kernel.output)
             for side in kernel.side_outputs:
                 shapes[side.output] = side.shape
                 dtypes[side.output] = stored(side.output)

@@ -141,6 +141,9 @@ class FusedKernel:
     trace: tuple[str, ...] = field(default=(), compare=False)
     buffer: BufferLayout | None = None
     side_outputs: tuple[SideOutput, ...] = ()
+    dtype: str = ""
+    """The output's dtype where the partition fixes it (a flash kernel's computed bias: fp32, its
+    full precision); empty: the derivation's buffer dtype."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -240,6 +243,11 @@ def _up_to_axis_names(term: Term, axes: tuple[str, ...]) -> tuple[Term, tuple[st
     return t.substitute_axes(term, {a: t.ax(n) for a, n in names.items()}), tuple(names.get(a, a) for a in axes)
 
 
+COMPUTED_BIAS_DTYPE = "fp32"
+"""The dtype of a buffer an attention's computed bias is stored in: its full precision (ALiBi's slope
+times a key position of thousands would lose its last units in 16 bits)."""
+
+
 class _Partition:
     def __init__(self, lowered: Lowered) -> None:
         self.lowered = lowered
@@ -255,8 +263,9 @@ class _Partition:
         self.taken.add(f"t{n}")
         return f"t{n}"
 
-    def materialise(self, term: Term, axes: tuple[str, ...] | None = None) -> Term:
-        """Compute ``term`` in its own kernel; return the access that reads its buffer.
+    def materialise(self, term: Term, axes: tuple[str, ...] | None = None, dtype: str = "") -> Term:
+        """Compute ``term`` in its own kernel (its buffer in ``dtype``, empty: the buffer dtype);
+        return the access that reads its buffer.
 
         Axes of extent 1 (``PAD_AXIS``) pad the buffer's rank; reads index them with 0. A term
         materialised before under other names of its axes (a flash kernel and its log-sum-exp
@@ -266,10 +275,10 @@ class _Partition:
         key = _up_to_axis_names(term, axes)
         if key not in self.buffers:
             self.buffers[key] = self.fresh_buffer()
-            self.emit(term, self.buffers[key], tuple(f"u{i}:1" if a == PAD_AXIS else a for i, a in enumerate(axes)))
+            self.emit(term, self.buffers[key], tuple(f"u{i}:1" if a == PAD_AXIS else a for i, a in enumerate(axes)), dtype)
         return t.access(self.buffers[key], (t.ix_lit(0) if a == PAD_AXIS else t.ax(a) for a in axes))
 
-    def emit(self, term: Term, output: str, axes: tuple[str, ...]) -> None:
+    def emit(self, term: Term, output: str, axes: tuple[str, ...], dtype: str = "") -> None:
         """Add the kernel(s) computing ``term`` into ``output``: the most valuable core
         stays in this kernel, every other core is materialised by an earlier one. A backward
         form does not stay under elementwise work (a backward kernel writes gradients only): the
@@ -290,7 +299,7 @@ class _Partition:
         if primary is not None:
             term = t.replace(term, primary, self.prepare(primary))
         kind = KIND_OF_CORE[_core_head(primary)] if primary is not None else "elementwise"
-        self.kernels.append(FusedKernel(kind, term, output, axes, _reads(term), source))
+        self.kernels.append(FusedKernel(kind, term, output, axes, _reads(term), source, dtype=dtype))
 
     def prepare(self, core: Term) -> Term:
         """The core with each operand it cannot fuse replaced by a buffer access."""
@@ -338,16 +347,18 @@ class _Partition:
             7: (leading + (key,) + order(frozenset(values)), v),
         }
         cap, mask = t.soft_capped(core[9])
-        if mask[0] == "BiasMask" and not self.readable_in_place(mask[1]):
-            axes = t.free_axes(mask[1])
-            layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), mask[1])
+        bias = t.mask_bias(mask)
+        if bias is not None and not self.readable_in_place(bias):
+            axes = t.free_axes(bias)
+            layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), bias)
         result = list(core)
         for position, (layout, operand) in layouts.items():
             # an 8-bit q or k times its MX scales is read in place too (the block-scaled mma)
             if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
                 continue
-            if position == 9:  # a bias read through a computed index: stored over its axes, key last
-                result[position] = t.with_soft_cap(cap, (mask[0], self.materialise(operand, layout)))
+            if position == 9:  # a computed bias, or one read through a computed index: stored over its axes, key last
+                buffer = self.materialise(operand, layout, dtype=COMPUTED_BIAS_DTYPE)
+                result[position] = t.with_soft_cap(cap, t.with_mask_bias(mask, buffer))
                 continue
             split = _kv_head_split(operand, batch) if position > 5 else None
             if split is None:
@@ -369,9 +380,10 @@ class _Partition:
         result = list(core)
         for position in GRADIENT_OPERANDS[core[0]]:
             operand = core[position]
-            if operand[0] in ("BiasMask", "CausalMask", "NoMask"):
-                if operand[0] == "BiasMask" and not self.readable_in_place(operand[1]):
-                    result[position] = ("BiasMask", self.materialise(operand[1]))
+            if operand[0] in t.MASK_HEADS:
+                bias = t.mask_bias(operand)
+                if bias is not None and not self.readable_in_place(bias):
+                    result[position] = t.with_mask_bias(operand, self.materialise(bias, dtype=COMPUTED_BIAS_DTYPE))
             elif not self.readable_in_place(operand):
                 result[position] = self.materialise(operand)
         return tuple(result)
@@ -629,7 +641,8 @@ def shared_kv_head(candidates: Sequence[str], q_read: StridedRead, mask: Term) -
     """(query row, head) of q's two axes that k and v do not vary along (multi-query attention:
     one K/V head for every query head): the causal mask's axis is the row, else the one q strides
     least (without a causal mask either reading gives the same attention)."""
-    causal = mask[1][1] if mask[0] == "CausalMask" and mask[1][0] == "Ax" else None
+    axis = t.mask_causal_axis(mask)
+    causal = axis[1] if axis is not None and axis[0] == "Ax" else None
     row = causal if causal in candidates else min(candidates, key=lambda a: q_read.strides[t.ax(a)])
     return row, next(a for a in candidates if a != row)
 
@@ -755,7 +768,7 @@ def absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKernel | None
         return None
     term = t.replace(consumer.term, access, producer.term)
     return FusedKernel(consumer.kind, term, consumer.output, consumer.axes, _reads(term), consumer.source,
-                       consumer.trace)  # fmt: skip
+                       consumer.trace, dtype=consumer.dtype)  # fmt: skip
 
 
 def epilogue_absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKernel | None:
@@ -788,7 +801,8 @@ def epilogue_absorbed(consumer: FusedKernel, producer: FusedKernel) -> FusedKern
     for access, (_, step) in steps.items():
         term = t.replace(term, access, core if step is None else ("Shifted", step[0], step[1], core))
     trace = tuple(dict.fromkeys((*producer.trace, *consumer.trace)))
-    return FusedKernel("contraction", term, consumer.output, consumer.axes, _reads(term), producer.source, trace)
+    return FusedKernel("contraction", term, consumer.output, consumer.axes, _reads(term), producer.source, trace,
+                       dtype=consumer.dtype)  # fmt: skip
 
 
 def _step(access: Term) -> tuple[Term, tuple[str, int] | None] | None:
@@ -953,12 +967,11 @@ def _scale_factors(factor: Term, roles: Mapping[str, str | None], group: int, sh
     return constant, tuple(reads)
 
 
-def _attention_bias(mask: Term, roles: Mapping[str, str | None], shapes: Mapping[str, tuple[int, ...]],
+def _attention_bias(term: Term, roles: Mapping[str, str | None], shapes: Mapping[str, tuple[int, ...]],
                     dtypes: Mapping[str, str]) -> AttentionBias:  # fmt: skip
-    """The :class:`AttentionBias` of a ``BiasMask``: an affine read of a stored tensor of a
+    """The :class:`AttentionBias` of a mask's bias ``term``: an affine read of a stored tensor of a
     float dtype varying only along the batch, head, query and key axes (``roles``: role ->
     axis name, None where absent); or ``KernelError``."""
-    term = mask[1]
     read = _flash_read(term, "the bias", shapes)
     dtype = dtypes[term[1]]
     if dtype not in BIAS_DTYPES:
@@ -1036,10 +1049,12 @@ def attention_problem(
     if heads % group:
         raise KernelError(f"flash attention: {heads} heads are not a multiple of the group size {group}")
     query_axis = query[0] if query else None
-    if mask[0] == "CausalMask" and (query_axis is None or mask[1] != t.ax(query_axis)):
+    causal = t.mask_causal_axis(mask)
+    if causal is not None and (query_axis is None or causal != t.ax(query_axis)):
         raise KernelError("flash attention: the causal mask does not compare the query axis with the key axis")
     roles = {"batch": batch, "head": head, "row": query_axis, "key": key}
-    bias = _attention_bias(mask, roles, shapes, dtypes) if mask[0] == "BiasMask" else None
+    bias_term = t.mask_bias(mask)
+    bias = _attention_bias(bias_term, roles, shapes, dtypes) if bias_term is not None else None
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:
         raise KernelError(f"flash attention: q, k, v have different dtypes {sorted(operand_dtypes)}")
@@ -1088,7 +1103,7 @@ def attention_problem(
         seq_kv=n_keys,
         head_dim=n_dim,
         dtype=operand_dtypes.pop(),
-        causal=mask[0] == "CausalMask",
+        causal=causal is not None,
         scale=scale,
         softcap=softcap,
         q=q[1],

@@ -152,10 +152,10 @@ SORTS: dict[str, tuple[Constructor, ...]] = {
     "Ix": IX_CONSTRUCTORS,
     "IxList": (Constructor("INil", (), 0), Constructor("ICons", ("Ix", "IxList"), 0)),
     "Expr": EXPR_CONSTRUCTORS,
-    # a flash-attention mask: none, causal on a query axis, scores plus a bias tensor; or the scores
-    # soft-capped at c (c·tanh(s/c), Gemma 2's logit cap) before an inner mask
+    # a flash-attention mask: none, causal on a query axis, scores plus a bias, both (a bias, then
+    # causal); or the scores soft-capped at c (c·tanh(s/c), Gemma 2's logit cap) before an inner mask
     "Mask": (Constructor("NoMask", (), 0), Constructor("CausalMask", ("Ix",), 0), Constructor("BiasMask", ("Expr",), 0),
-             Constructor("SoftcapMask", ("f64", "Mask"), 0)),
+             Constructor("CausalBiasMask", ("Ix", "Expr"), 0), Constructor("SoftcapMask", ("f64", "Mask"), 0)),
     "Schedule": (
         Constructor(
             "FlashSchedule",

@@ -194,7 +194,7 @@ class BlockScales:
 
 @dataclass(frozen=True)
 class AttentionProblem:
-    """One flash-attention kernel: ``o = softmax(scale · q kᵀ [+ causal mask | + bias]) v``.
+    """One flash-attention kernel: ``o = softmax(scale · q kᵀ [+ bias] [+ causal mask]) v``.
 
     ``kv_heads`` divides ``heads``; query head ``h`` reads K/V head ``h // (heads //
     kv_heads)`` (GQA/MQA). Causal follows PyTorch's ``is_causal``: query ``i`` sees keys
@@ -205,7 +205,7 @@ class AttentionProblem:
     one tensor: slices of a fused projection). ``layouts`` places q, k, v and o in their
     stored tensors (:class:`OperandLayout`, in ``ATTENTION_ROLES`` order); empty: each is
     a contiguous BHSD tensor of its own. ``bias`` is a tensor added to the scores
-    (:class:`AttentionBias`; never together with ``causal``). ``score_factors`` multiply the
+    (:class:`AttentionBias`; with ``causal``, the causal mask applies after it: ALiBi). ``score_factors`` multiply the
     scores and ``out_factors`` the output (:class:`ScaleFactor`: 8-bit operands' descales, moved
     out of the contractions by the ``scales`` rules); ``out_dtype`` is o's dtype when it is not
     the operands' (8-bit operands write a 16- or 32-bit output); ``lse``, where the graph wants

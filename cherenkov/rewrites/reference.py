@@ -392,12 +392,13 @@ class TermEvaluator:
         cap, mask = t.soft_capped(mask)
         if cap:
             scores = cap * self.xp.tanh(scores / cap)
-        if mask[0] == "CausalMask":
-            query_index = self.index(mask[1], env)
+        bias, causal = t.mask_bias(mask), t.mask_causal_axis(mask)
+        if bias is not None:
+            scores = scores + self.value(bias, env)
+        if causal is not None:
+            query_index = self.index(causal, env)
             key_index = self.index(t.ax(key), env)
             scores = self.xp.where(query_index < key_index, self.scalar(-np.inf), scores)
-        elif mask[0] == "BiasMask":
-            scores = scores + self.value(mask[1], env)
         return scores
 
     def _probabilities(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: float,

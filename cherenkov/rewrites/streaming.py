@@ -4,8 +4,9 @@ With ``m = max_j s``, the pair ``(Σ_j e^{s_j−m}·v_j, Σ_j e^{s_j−m})`` is 
 fold over ``j`` of the state ``(m, l, acc)`` (combine: rescale both by ``e^{m_old−m_new}``
 and add), so one pass over the keys computes both sums and the normalised result. When
 the scores are themselves a scaled contraction ``c·Σ_d q·k`` (optionally causally
-masked, or plus a stored bias tensor) the streaming softmax-contraction is flash
-attention; a causal mask added as a large finite negative (PyTorch's cuDNN path) is the
+masked, plus a bias that does not depend on the head dim, or both: ALiBi under a causal
+mask) the streaming softmax-contraction is flash attention, the kernel reading a computed
+bias from a buffer an earlier kernel writes; a causal mask added as a large finite negative (PyTorch's cuDNN path) is the
 causal mask once the exponentials underflow. Both give 0 for a row without a live score (all −∞), so a safe softmax's
 ``where(max_j s > −∞, ·, 0)`` around them is the form itself.
 The fold's associativity
@@ -31,12 +32,53 @@ shifted = ("Add", s, ("Neg", ("Max", "j:7", 7, s)))
 scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.5))
 causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores)
 bias = tensor("b", "i:3", "j:7")
+# ALiBi: a slope (here per query row, as a head would be) times each key's position
+alibi = ("Mul", tensor("m", "i:3"), ("Iota", ax("j:7")))
+WITHOUT_HEAD_DIM = ("(= axes-b (axes b))", "(set-not-contains axes-b d)")
+causal_scores = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), ("Add", scores, alibi))
 # scores soft-capped at 1.5 (tanh's argument spans its curved part)
 capped_scores = ("Mul", ("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.4))), ("Num", 1.5))
 # row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
 dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.inf), s)
 
 LN2 = math.log(2.0)
+
+
+def _bias_rules() -> tuple[Rule, ...]:
+    """``Σ_j softmax_j(c·Σ_d q·k + b [causal])·v_j = FlashAttention(q, k, v, c, bias b [causal])`` for a
+    bias ``b`` without the head dim: a stored tensor read in place, or a product computed from stored
+    tensors and positions (ALiBi's slope times key position) that an earlier kernel stores for the
+    flash kernel to read. (A computed bias of any other form is not taken: a causal mask spelled as an
+    added ``where`` would be one, and it is the causal mask.)"""
+    forms = (
+        ("", "(Tensor b bix)", (), ("Add", scores, bias)),
+        ("-product", "(Mul b1 b2)", WITHOUT_HEAD_DIM, ("Add", scores, alibi)),
+    )  # fmt: skip
+    causal = "(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) {})"
+    rules = []
+    for suffix, term, where, example in forms:
+        scored = f"(Add (Mul (Contract d nd q k) (Num c)) {term.replace('(Mul b1 b2)', 'b')})"
+        facts = (f"(= b {term})", *where) if suffix else where
+        spelled = "a stored tensor b" if not suffix else "b = b₁·b₂ computed without d (ALiBi's slope times key position)"
+        rules.append(Rule(
+            f"flash-attention-bias{suffix}",
+            f"Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for {spelled}",
+            lhs=f"(OnlineSoftmaxContract j n {scored} v)",
+            rhs=f"(FlashAttention j n d nd q k v c (BiasMask {term.replace('(Mul b1 b2)', 'b')}))",
+            where=facts,
+            example=Example(("OnlineSoftmaxContract", "j:7", 7, example, v)),
+        ))
+        if suffix:
+            rules.append(Rule(
+                f"flash-attention-causal-bias{suffix}",
+                f"Σ_j softmax_j(where(i < j, −∞, c·Σ_d q·k + b))·v_j = FlashAttention(q, k, v, c, bias b, causal on i) "
+                f"for {spelled}: Bloom's and MPT's ALiBi under the causal mask",
+                lhs=f"(OnlineSoftmaxContract j n {causal.format(scored)} v)",
+                rhs="(FlashAttention j n d nd q k v c (CausalBiasMask iq b))",
+                where=facts,
+                example=Example(("OnlineSoftmaxContract", "j:7", 7, causal_scores, v)),
+            ))
+    return tuple(rules)
 
 
 def _attention_lse_rules() -> tuple[Rule, ...]:
@@ -128,13 +170,7 @@ RULES = (
     finite_causal_mask_rule("softmax-finite-causal-mask", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract", scores,
                             " v", (v,)),
     finite_causal_mask_rule("logsumexp-finite-causal-mask", "LSE_j({})", "LogSumExp", scores),
-    Rule(
-        "flash-attention-bias",
-        "Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for a stored tensor b",
-        lhs="(OnlineSoftmaxContract j n (Add (Mul (Contract d nd q k) (Num c)) (Tensor b bix)) v)",
-        rhs="(FlashAttention j n d nd q k v c (BiasMask (Tensor b bix)))",
-        example=Example(("OnlineSoftmaxContract", "j:7", 7, ("Add", scores, bias), v)),
-    ),
+    *_bias_rules(),
     *_softcap_rules(),
     Rule(
         "online-softmax-safe-rows",

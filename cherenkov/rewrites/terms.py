@@ -125,6 +125,25 @@ def with_soft_cap(cap: float, mask: Term) -> Term:
     return ("SoftcapMask", cap, mask) if cap else mask
 
 
+MASK_HEADS = frozenset({"NoMask", "CausalMask", "BiasMask", "CausalBiasMask"})
+"""The flash-attention masks applied after any soft cap."""
+
+
+def mask_causal_axis(mask: Term) -> Term | None:
+    """The query index a flash-attention mask (after any soft cap) compares with the key, or None."""
+    return mask[1] if mask[0] in ("CausalMask", "CausalBiasMask") else None
+
+
+def mask_bias(mask: Term) -> Term | None:
+    """The bias term a flash-attention mask (after any soft cap) adds to the scores, or None."""
+    return mask[1] if mask[0] == "BiasMask" else mask[2] if mask[0] == "CausalBiasMask" else None
+
+
+def with_mask_bias(mask: Term, bias: Term) -> Term:
+    """``mask`` (after any soft cap) with its bias term replaced by ``bias``."""
+    return ("BiasMask", bias) if mask[0] == "BiasMask" else ("CausalBiasMask", mask[1], bias)
+
+
 # ----------------------------------------------------------------------- traversal
 
 

@@ -1,6 +1,6 @@
 """Flash attention with a bias tensor (an additive mask), as models hand it to SDPA: shared
 by the heads or per head, bf16/fp16/fp32, GQA, ragged lengths and decoding (a packed group,
-key splits). On the CPU: the strides and the reader reach the source, and representative
+key splits), and under a causal mask (ALiBi's one row a head, broadcast over the queries). On the CPU: the strides and the reader reach the source, and representative
 plans of every ring compile without spills for sm_80, sm_90, sm_90a and sm_120. On the GPU:
 every such plan against SDPA with the same mask (float32), and rows the mask hides entirely
 (with -inf: 0, PyTorch's safe softmax; with bf16's lowest value, as transformers adds: the
@@ -35,6 +35,9 @@ PROBLEMS = {
     "per_head_fp32_gqa_ragged": masked(1, 8, 2, 200, 333, 128, per_head=True, bias_dtype="fp32"),
     "fp16_ragged": masked(2, 4, 4, 130, 190, 64, "fp16", bias_dtype="fp16"),
     "decode_gqa": masked(4, 8, 2, 1, 1000, 128),
+    # ALiBi under a causal mask: one fp32 row of biases a head (slope times key position), every query's
+    "causal_alibi_ragged": AttentionProblem(2, 4, 4, 200, 200, 64, causal=True,
+                                            bias=AttentionBias("mask", "fp32", (2, 4, 200), 4 * 200, 200, 0, 1)),
 }
 
 FEATURES = ("pack_group", "warp_keys", "tma_kv", "pingpong", "overlap", "q_prescaled", "mbarrier_ring", "kv_split")
@@ -108,14 +111,16 @@ def _run(kernel, problem: AttentionProblem, tensors: dict, torch):
     out = torch.full(problem.layout("o").shape, math.nan, device="cuda", dtype=tensors["q"].dtype)
     kernel(tensors["q"], tensors["k"], tensors["v"], out, tensors["mask"])
     torch.cuda.synchronize()
-    mask = mask_view(problem, tensors["mask"])
+    mask = mask_view(problem, tensors["mask"]).float()
+    if problem.causal:  # query i sees keys j <= i
+        mask = mask.masked_fill(torch.ones(mask.shape[-2:], device="cuda", dtype=torch.bool).triu(1), -math.inf)
     group = problem.group_size
     q, k, v = (tensors[role].float() for role in "qkv")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):  # its safe softmax: a row without a live score is 0
         reference = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask.float()
+            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask
         )
     return out, reference
 

@@ -180,6 +180,41 @@ def test_flash_attention_with_a_bias_tensor_reads_it_in_place(mask_heads: int, k
     assert any(isinstance(p.schedule, HopperFlashSchedule) for p in d.plans("sm_90a"))
 
 
+def alibi_graph(causal: bool) -> ck.Graph:
+    """ALiBi attention as MPT and Bloom spell it with 4-D tensors: each head's slope times each key's
+    position added to the scores (computed, not a stored tensor), then (``causal``) the causal mask
+    as a large finite negative."""
+    g = ck.Graph("alibi")
+    q, k, v = (g.input(n, (B, H, SQ if n == "q" else SKV, D), "bf16") for n in "qkv")
+    slopes, positions = g.input("slopes", (H,), "fp32"), g.input("positions", (B, SKV), "fp32")
+    alibi = slopes.reshape((1, H, 1, 1)) * positions.reshape((B, 1, 1, SKV))
+    s = (q @ k.transpose(-2, -1)) * SCALE + alibi.broadcast_to((B, H, SQ, SKV))
+    if causal:
+        rows = g.arange(SQ).reshape((SQ, 1)).broadcast_to((SQ, SKV))
+        keys = g.arange(SKV).reshape((1, SKV)).broadcast_to((SQ, SKV))
+        s = s + ck.where(rows < keys, -3.0e38, 0.0).broadcast_to((B, H, SQ, SKV))
+    g.output(ck.nn.softmax(s, axis=-1) @ v, "o")
+    return g
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_computed_bias_is_stored_by_an_elementwise_kernel_and_read_by_flash_attention(causal: bool) -> None:
+    g = alibi_graph(causal)
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["elementwise", "flash_attention"], [k.describe() for k in d.kernels]
+    assert_derived_program_matches(g, d)
+    assert ("flash-attention-causal-bias-product" if causal else "flash-attention-bias-product") in d.trace, d.trace
+    for target in ("sm_80", "sm_90a", "sm_120"):
+        plans = d.plans(target)
+        assert plans, target
+        problem = plans[0].problem
+        assert problem.causal is causal and problem.bias is not None
+        assert (problem.bias.dtype, problem.bias.shape) == ("fp32", (B, H, SKV)), problem.bias
+        assert (problem.bias.row, problem.bias.key) == (0, 1), "one bias row a head, broadcast over the queries"
+    shapes, dtypes = d.tensor_types()
+    assert dtypes[d.kernels[0].output] == "fp32", "the computed bias keeps its precision"
+
+
 def test_the_safe_softmax_alone_is_the_flash_form() -> None:
     """Without a mask tensor, ``where(max s > −∞, softmax(s), 0) @ v`` is plain flash attention."""
     g = ck.Graph("safe")

@@ -64,10 +64,9 @@ def emit_soft_cap(problem: AttentionProblem, scale: float) -> str:
 
 
 def mask_clause(problem: AttentionProblem) -> str:
-    """The mask in a kernel header's formula: `` + causal mask``, `` + <bias>`` or empty."""
-    if problem.bias is not None:
-        return f" + {identifier(problem.bias.tensor)}"
-    return " + causal mask" if problem.causal else ""
+    """The mask in a kernel header's formula: `` + <bias>``, `` + causal mask``, both or empty."""
+    bias = f" + {identifier(problem.bias.tensor)}" if problem.bias is not None else ""
+    return bias + (" + causal mask" if problem.causal else "")
 
 
 def emit_mask_constants(problem: AttentionProblem, factor: float, why: str) -> str:

@@ -643,11 +643,12 @@ class TermEmitter:
         scaled = f"{float_constant(scale)} * {dot}"
         if cap:
             scaled = f"{float_constant(cap)} * tanhf({scaled} * {float_constant(1.0 / cap)})"
-        if mask[0] == "CausalMask":
-            query = self.index(mask[1], over_keys)
+        bias, causal = t.mask_bias(mask), t.mask_causal_axis(mask)
+        if bias is not None:
+            scaled = f"{scaled} + {self.value(bias, over_keys)}"
+        if causal is not None:
+            query = self.index(causal, over_keys)
             self.line(key_depth, f"const float {score} = ({query} < {key_var}) ? -CK_INF : {scaled};")
-        elif mask[0] == "BiasMask":
-            self.line(key_depth, f"const float {score} = {scaled} + {self.value(mask[1], over_keys)};")
         else:
             self.line(key_depth, f"const float {score} = {scaled};")
         self.line(key_depth, f"ck_softmax_acc_add({m}, {l}, {acc}, {score}, {self.value(v, over_keys)});")
