@@ -35,7 +35,6 @@ bias = tensor("b", "i:3", "j:7")
 # ALiBi: a slope (here per query row, as a head would be) times each key's position
 alibi = ("Mul", tensor("m", "i:3"), ("Iota", ax("j:7")))
 WITHOUT_HEAD_DIM = ("(= axes-b (axes b))", "(set-not-contains axes-b d)")
-causal_scores = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), ("Add", scores, alibi))
 # scores soft-capped at 1.5 (tanh's argument spans its curved part)
 capped_scores = ("Mul", ("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.4))), ("Num", 1.5))
 # row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
@@ -50,34 +49,33 @@ def _bias_rules() -> tuple[Rule, ...]:
     tensors and positions (ALiBi's slope times key position) that an earlier kernel stores for the
     flash kernel to read. (A computed bias of any other form is not taken: a causal mask spelled as an
     added ``where`` would be one, and it is the causal mask.)"""
-    forms = (
-        ("", "(Tensor b bix)", (), ("Add", scores, bias)),
-        ("-product", "(Mul b1 b2)", WITHOUT_HEAD_DIM, ("Add", scores, alibi)),
+    forms = (  # (suffix, the bias in the patterns, facts, what it is, an example bias)
+        ("", "(Tensor b bix)", (), "a stored tensor b", bias),
+        ("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
+         "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
     )  # fmt: skip
-    causal = "(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) {})"
     rules = []
-    for suffix, term, where, example in forms:
-        scored = f"(Add (Mul (Contract d nd q k) (Num c)) {term.replace('(Mul b1 b2)', 'b')})"
-        facts = (f"(= b {term})", *where) if suffix else where
-        spelled = "a stored tensor b" if not suffix else "b = b₁·b₂ computed without d (ALiBi's slope times key position)"
+    for suffix, b, facts, what, example in forms:
+        biased, biased_example = f"(Add (Mul (Contract d nd q k) (Num c)) {b})", ("Add", scores, example)
         rules.append(Rule(
             f"flash-attention-bias{suffix}",
-            f"Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for {spelled}",
-            lhs=f"(OnlineSoftmaxContract j n {scored} v)",
-            rhs=f"(FlashAttention j n d nd q k v c (BiasMask {term.replace('(Mul b1 b2)', 'b')}))",
+            f"Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for {what}",
+            lhs=f"(OnlineSoftmaxContract j n {biased} v)",
+            rhs=f"(FlashAttention j n d nd q k v c (BiasMask {b}))",
             where=facts,
-            example=Example(("OnlineSoftmaxContract", "j:7", 7, example, v)),
+            example=Example(("OnlineSoftmaxContract", "j:7", 7, biased_example, v)),
         ))
-        if suffix:
-            rules.append(Rule(
-                f"flash-attention-causal-bias{suffix}",
-                f"Σ_j softmax_j(where(i < j, −∞, c·Σ_d q·k + b))·v_j = FlashAttention(q, k, v, c, bias b, causal on i) "
-                f"for {spelled}: Bloom's and MPT's ALiBi under the causal mask",
-                lhs=f"(OnlineSoftmaxContract j n {causal.format(scored)} v)",
-                rhs="(FlashAttention j n d nd q k v c (CausalBiasMask iq b))",
-                where=facts,
-                example=Example(("OnlineSoftmaxContract", "j:7", 7, causal_scores, v)),
-            ))
+        rules.append(Rule(
+            f"flash-attention-causal-bias{suffix}",
+            f"Σ_j softmax_j(where(i < j, −∞, c·Σ_d q·k + b))·v_j = FlashAttention(q, k, v, c, bias b, causal on i) "
+            f"for {what}",
+            lhs=f"(OnlineSoftmaxContract j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) {biased}) v)",
+            rhs=f"(FlashAttention j n d nd q k v c (CausalBiasMask iq {b}))",
+            where=facts,
+            example=Example(("OnlineSoftmaxContract", "j:7", 7,
+                             ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf),
+                              biased_example), v)),
+        ))
     return tuple(rules)
 
 
