@@ -241,8 +241,18 @@ class _Lowering:
 
 
 def _needs_own_tensor(uses: set[tuple[tuple[Term, ...], tuple[Term, ...]]]) -> bool:
-    """Whether a node read with these indexings must be stored: under several, or a reshaped one."""
-    return not _one_indexing(uses) or any(ix[0] not in ("Ax", "IxLit") for ixs, _ in uses for ix in ixs)
+    """Whether a node read with these indexings must be stored: under several, or a reshaped one
+    that does more than merge whole axes (a merge, ``(batch·head)`` read as ``batch, head``, is
+    split back by the reshapes below the node, as Bloom's batched matmuls are viewed back to heads)."""
+    return not _one_indexing(uses) or not all(_merged_axes(ix) for ixs, _ in uses for ix in ixs)
+
+
+def _merged_axes(ix: Term) -> bool:
+    """Whether an index term is an axis, a literal, or axes merged whole (``a·n + b`` with ``b`` an
+    axis of extent ``n``)."""
+    if ix[0] in ("Ax", "IxLit"):
+        return True
+    return ix[0] == "IxLin" and ix[3][0] == "Ax" and t.extent(ix[3][1]) == ix[2] and _merged_axes(ix[1])
 
 
 def _one_indexing(uses: set[tuple[tuple[Term, ...], tuple[Term, ...]]]) -> bool:
@@ -338,9 +348,11 @@ def lower(graph: Graph) -> Lowered:
     """Translate every output of ``graph`` into an index-notation term.
 
     A computed tensor used under two different indexings (the output of one attention
-    layer read as q, k and v of the next) or through a reshape that splits or merges its
-    axes becomes a root of its own, read by its consumers like an input: the e-graph
-    holds each such tensor once, and kernels store it once. An output naming the node
+    layer read as q, k and v of the next) or through a reshape that splits its axes becomes
+    a root of its own, read by its consumers like an input: the e-graph holds each such
+    tensor once, and kernels store it once. One read only through merges of whole axes
+    (Bloom's ``(batch·head)`` scores viewed as ``batch, head``) is computed where it is read:
+    the reshapes below it split the merge back. An output naming the node
     another output names is a root that copies the first one's tensor (each output its own
     buffer).
     """

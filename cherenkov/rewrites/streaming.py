@@ -46,13 +46,15 @@ LN2 = math.log(2.0)
 def _bias_rules() -> tuple[Rule, ...]:
     """``Σ_j softmax_j(c·Σ_d q·k + b [causal])·v_j = FlashAttention(q, k, v, c, bias b [causal])`` for a
     bias ``b`` without the head dim: a stored tensor read in place, or a product computed from stored
-    tensors and positions (ALiBi's slope times key position) that an earlier kernel stores for the
-    flash kernel to read. (A computed bias of any other form is not taken: a causal mask spelled as an
+    tensors and positions (ALiBi's slope times key position), or a rounding of one, that an earlier
+    kernel stores for the flash kernel to read. (A computed bias of any other form is not taken: a causal mask spelled as an
     added ``where`` would be one, and it is the causal mask.)"""
     forms = (  # (suffix, the bias in the patterns, facts, what it is, an example bias)
         ("", "(Tensor b bix)", (), "a stored tensor b", bias),
         ("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
          "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
+        ("-rounded", "b", ("(= b (Cast dt b1))", *WITHOUT_HEAD_DIM),
+         "b = round(b₁) to a dtype, computed without d (Bloom's ALiBi rounded to bf16)", ("Cast", "bf16", alibi)),
     )  # fmt: skip
     rules = []
     for suffix, b, facts, what, example in forms:

@@ -6,7 +6,7 @@ key heads assembled in place, head dims 48 and 32), Bloom's ALiBi, BERT with a p
 ModernBERT's local and global layers, CLIP's vision tower, Swin's windows, T5's encoder with its
 relative position bias, Whisper's encoder). Each runs like eager in bf16, and each of its
 attention layers derives one flash-attention kernel on sm_90a, Gemma 2's soft-capped scores
-(``c·tanh(s/c)``) included, but Bloom's (its computed ALiBi bias has no flash form yet). timm's
+(``c·tanh(s/c)``) and Bloom's ALiBi (a computed bias, under the causal mask) included. timm's
 EVA-02, Swin and Swin V2 classifiers run like eager too. Seven of them also train a step
 like eager, a flash backward an attention layer (but at head dim 256, which the backward does not
 plan, and under Gemma 2's soft cap, which it does not either), and four decode greedily with eager's
@@ -118,8 +118,8 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
                                  first_k_dense_replace=1, n_group=1, topk_group=1), 1),
     "gptj": (_decoder("GPTJForCausalLM", "GPTJConfig", n_layer=1, n_embd=128, n_head=4, rotary_dim=16,
                       n_positions=128), 1),
-    # ALiBi's bias is computed (slopes times key positions), not a stored tensor: no flash form reads it yet
-    "bloom_alibi": (_decoder("BloomForCausalLM", "BloomConfig", n_layer=1, n_head=4), 0),
+    # ALiBi's bias, rounded to bf16, stored in fp32 by an elementwise kernel; the causal tiles skipped
+    "bloom_alibi": (_decoder("BloomForCausalLM", "BloomConfig", n_layer=1, n_head=4), 1),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "modernbert_local_and_global": (_modernbert, 2),
