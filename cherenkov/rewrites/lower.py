@@ -242,9 +242,12 @@ class _Lowering:
 
 def _needs_own_tensor(uses: set[tuple[tuple[Term, ...], tuple[Term, ...]]]) -> bool:
     """Whether a node read with these indexings must be stored: under several, or a reshaped one
-    that does more than merge whole axes (a merge, ``(batch·head)`` read as ``batch, head``, is
-    split back by the reshapes below the node, as Bloom's batched matmuls are viewed back to heads)."""
-    return not _one_indexing(uses) or not all(_merged_axes(ix) for ixs, _ in uses for ix in ixs)
+    that does more than merge whole axes into one of its leading axes (Bloom's ``(batch·head)``
+    scores read as ``batch, head``, split back by the reshapes below them; an LM head's ``B·T``
+    rows). Its last axis must be read plain: a projection read as heads (``h·D + d``) is stored,
+    a plain matrix the attention reads through its strides."""
+    return not _one_indexing(uses) or not all(
+        ixs[-1][0] in ("Ax", "IxLit") and all(_merged_axes(ix) for ix in ixs[:-1]) for ixs, _ in uses if ixs)
 
 
 def _merged_axes(ix: Term) -> bool:
@@ -350,9 +353,9 @@ def lower(graph: Graph) -> Lowered:
     A computed tensor used under two different indexings (the output of one attention
     layer read as q, k and v of the next) or through a reshape that splits its axes becomes
     a root of its own, read by its consumers like an input: the e-graph holds each such
-    tensor once, and kernels store it once. One read only through merges of whole axes
-    (Bloom's ``(batch·head)`` scores viewed as ``batch, head``) is computed where it is read:
-    the reshapes below it split the merge back. An output naming the node
+    tensor once, and kernels store it once. One read only through merges of whole axes into
+    its leading axes (Bloom's ``(batch·head)`` scores viewed as ``batch, head``) is computed
+    where it is read: the reshapes below it split the merge back. An output naming the node
     another output names is a root that copies the first one's tensor (each output its own
     buffer).
     """
