@@ -44,6 +44,23 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
     )
 
 
+def finite_causal_where_rule(name: str, spelled: str, head: str, scores: Term, after: str = "",
+                             example_after: tuple[Term, ...] = ()) -> Rule:  # fmt: skip
+    """``head_j(where(i < j, m, s), …) = head_j(where(i < j, −∞, s), …)`` for ``m ≤ −2¹⁵``: the scores
+    a causal ``masked_fill`` with a finite minimum replaces (MPT's), under ``head`` as in
+    :func:`finite_causal_mask_rule`."""
+    causal = "(Lt (Iota iq) (Iota (Ax j)))"
+    return Rule(
+        name,
+        f"{spelled.format('where(i < j, m, s)')} = {spelled.format('where(i < j, −∞, s)')} for m ≤ −2¹⁵: each "
+        "row keeps j = 0, and e^(m − max) underflows to 0 wherever the scores lie above m + 104",
+        lhs=f"({head} j n (Where {causal} (Num m) s){after})",
+        rhs=f"({head} j n (Where {causal} (Num -inf) s){after})",
+        where=("(<= m -32768.0)",),
+        example=Example((head, "j:7", 7, ("Where", FINITE_CAUSAL[1], ("Num", -65536.0), scores), *example_after)),
+    )
+
+
 RULES = (
     Rule(
         "where-not",

@@ -63,7 +63,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
             # torch's fused kernel: no flash backward reads a bias, and unfused it writes the scores
             mask = sdpa_backward_mask(node)
             banded = mask is None or getattr(mask, "target", None) in bands
-            return lowers_node(node) and _graph_holds(node) and banded
+            return lowers_node(node) and _graph_holds(node, bands) and banded
 
     aten = _drop_empty_concatenations(_aten_graph(gm, example_inputs))
     functionalise_internal_writes(aten)
@@ -318,12 +318,15 @@ def _is_empty(node: Any) -> bool:
     return value is not None and value.numel() == 0
 
 
-def _graph_holds(node: Any) -> bool:
+def _graph_holds(node: Any, bands: set[str]) -> bool:
     """Whether every tensor ``node`` reads and writes is one a ``ck.Graph`` input can be
-    (integer index tensors, bool masks and empty constants stay outside the regions)."""
+    (integer index tensors, bool masks and empty constants stay outside the regions), or a
+    folded band (``bands``: a causal mask, bool ones included, that a region bakes in as a
+    constant: MPT's ``masked_fill`` of its scores)."""
     import torch
 
-    values = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
+    reads = [a for a in node.all_input_nodes if not (a.op == "get_attr" and a.target in bands)]
+    values = [node.meta.get("val")] + [a.meta.get("val") for a in reads]
     return all(takes_as_input(v) for v in values if isinstance(v, torch.Tensor))
 
 
