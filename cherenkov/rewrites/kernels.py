@@ -32,6 +32,7 @@ import numpy as np
 from cherenkov.rewrites import dag
 from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
+from cherenkov.rewrites.language import EXPR_CONSTRUCTORS
 from cherenkov.rewrites.lower import Lowered
 from cherenkov.graph.shape import SCALE_DTYPES
 from cherenkov.rewrites.plan import (
@@ -245,7 +246,19 @@ def _up_to_axis_names(term: Term, axes: tuple[str, ...]) -> tuple[Term, tuple[st
 
 COMPUTED_BIAS_DTYPE = "fp32"
 """The dtype of a buffer an attention's computed bias is stored in: its full precision (ALiBi's slope
-times a key position of thousands would lose its last units in 16 bits)."""
+times a key position of thousands would lose its last units in 16 bits). A bias that only reads
+stored values (a relative-position table gathered through a computed index, a rounding of one) is
+stored in the buffer dtype, which holds them exactly."""
+
+
+EXPR_HEADS = frozenset(c.name for c in EXPR_CONSTRUCTORS)
+
+
+def bias_buffer_dtype(bias: Term) -> str:
+    """The dtype a materialised bias is stored in (empty: the buffer dtype): ``COMPUTED_BIAS_DTYPE``
+    where it computes anything but reads and casts of stored tensors."""
+    computes = any(s[0] in EXPR_HEADS and s[0] not in ("Tensor", "Cast") for s in t.subterms(bias))
+    return COMPUTED_BIAS_DTYPE if computes else ""
 
 
 class _Partition:
@@ -357,7 +370,7 @@ class _Partition:
             if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
                 continue
             if position == 9:  # a computed bias, or one read through a computed index: stored over its axes, key last
-                buffer = self.materialise(operand, layout, dtype=COMPUTED_BIAS_DTYPE)
+                buffer = self.materialise(operand, layout, dtype=bias_buffer_dtype(operand))
                 result[position] = t.with_soft_cap(cap, t.with_mask_bias(mask, buffer))
                 continue
             split = _kv_head_split(operand, batch) if position > 5 else None
@@ -383,7 +396,7 @@ class _Partition:
             if operand[0] in t.MASK_HEADS:
                 bias = t.mask_bias(operand)
                 if bias is not None and not self.readable_in_place(bias):
-                    result[position] = t.with_mask_bias(operand, self.materialise(bias, dtype=COMPUTED_BIAS_DTYPE))
+                    result[position] = t.with_mask_bias(operand, self.materialise(bias, dtype=bias_buffer_dtype(bias)))
             elif not self.readable_in_place(operand):
                 result[position] = self.materialise(operand)
         return tuple(result)

@@ -11,7 +11,7 @@ import pytest
 
 import cherenkov as ck
 from cherenkov.rewrites.derive import Derivation
-from cherenkov.rewrites.kernels import absorbed, absorptions
+from cherenkov.rewrites.kernels import absorbed, absorptions, bias_buffer_dtype
 from cherenkov.rewrites.plan import TARGETS, flash_smem_bytes
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
 from cherenkov.rewrites import terms as t
@@ -213,6 +213,14 @@ def test_a_computed_bias_is_stored_by_an_elementwise_kernel_and_read_by_flash_at
         assert (problem.bias.row, problem.bias.key) == (0, 1), "one bias row a head, broadcast over the queries"
     shapes, dtypes = d.tensor_types()
     assert dtypes[d.kernels[0].output] == "fp32", "the computed bias keeps its precision"
+
+
+def test_only_a_bias_that_computes_is_stored_in_fp32() -> None:
+    """ALiBi's product needs fp32; a table gathered through a computed index, or a rounding of stored
+    values, is exact in the buffer dtype (a relative-position bias read per score: half the bytes)."""
+    table = t.access("table", (t.ix_mod(t.ax("j:8"), 4), t.ax("i:8")))
+    assert bias_buffer_dtype(("Mul", t.tensor("slope", "h:4"), ("Iota", t.ax("j:8")))) == "fp32"
+    assert bias_buffer_dtype(table) == "" and bias_buffer_dtype(("Cast", "bf16", table)) == ""
 
 
 def test_the_safe_softmax_alone_is_the_flash_form() -> None:
