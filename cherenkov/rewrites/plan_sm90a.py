@@ -18,7 +18,10 @@ no tile rows are wasted (chunked prefill: 64 queries of 4 heads a K/V head).
 over all heads, each round in the other direction, so the blocks' shares even out.
 ``lazy_rescale`` moves a row's running max (and rescales O and the row sums) only when a
 key tile raises it by more than ``LAZY_RESCALE_LOG2`` (a warp-uniform vote), so most key
-tiles skip the O rescale and the quad's max shuffles. ``row_sums_mma`` (8-bit operands) gives the
+tiles skip the O rescale and the quad's max shuffles. ``l2_prefetch`` has the producer ask L2 for
+the K and V tiles that many key tiles past each one it loads (``cp.async.bulk.prefetch.tensor``), so
+K/V streamed from DRAM (a chunked prefill's, read by few tiles each) is in L2 before its copy is
+issued, a deeper pipeline than the shared-memory ring holds. ``row_sums_mma`` (8-bit operands) gives the
 transposed V tile eight more rows of ones, so ``O += P V`` also accumulates each row's sum of the
 (rounded) probabilities and the softmax adds none. The code
 generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
@@ -81,6 +84,11 @@ def problem_tile_columns(problem: AttentionProblem) -> tuple[int, int]:
     qk_columns = tile_columns(problem.head_dim, problem.dtype, row_bytes)
     return qk_columns, tile_columns(problem.v_dim, problem.dtype, row_bytes)
 
+L2_PREFETCH_TILES = 4
+"""Key tiles ahead of each load that an ``l2_prefetch`` schedule's producer asks L2 for: with the
+3-stage ring's two tiles in flight, K/V reach L2 about six key tiles (~10 µs at head dim 128)
+before the consumers read them; 128 blocks × 4 tiles of 64 KB stay well inside the L2."""
+
 # setmaxnreg budgets (producer, consumer) by number of consumer warpgroups: the block's
 # register file is 64K, and each warpgroup's share must be a multiple of 8.
 REGISTER_SPLIT = {2: (40, 232), 3: (32, 160)}
@@ -104,7 +112,8 @@ class HopperFlashSchedule:
     short queries only); ``balanced`` (causal, persistent) orders the work tiles longest
     first over all heads and alternates each round's direction over the blocks, so every
     block's sum of key tiles is about the same (otherwise a block's share is whatever lengths
-    its stride meets).
+    its stride meets); ``l2_prefetch`` key tiles ahead of each load, the producer prefetches
+    K and V into L2 (0: none; 16-bit operands).
     """
 
     block_kv: int = 128
@@ -117,6 +126,7 @@ class HopperFlashSchedule:
     balanced: bool = False
     lazy_rescale: bool = False
     row_sums_mma: bool = False
+    l2_prefetch: int = 0
 
     @property
     def block_q(self) -> int:
@@ -183,12 +193,13 @@ class HopperFlashSchedule:
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent; ``_q2``: two
         Q buffers; ``_pk``: packed GQA group; ``_lpt``: balanced causal tiles; ``_lz``: lazy rescale;
-        ``_rs``: row sums on the tensor cores)."""
+        ``_rs``: row sums on the tensor cores; ``_pf4``: L2 prefetch 4 key tiles ahead)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_s{self.stages}_c{self.consumer_warpgroups}"
             f"{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
             f"{f'_q{self.q_buffers}' if self.q_buffers != 1 else ''}{'_pk' if self.pack_group else ''}"
             f"{'_lpt' if self.balanced else ''}{'_lz' if self.lazy_rescale else ''}{'_rs' if self.row_sums_mma else ''}"
+            f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}"
         )
 
     def tile_heads(self, problem: AttentionProblem) -> int:
@@ -250,6 +261,8 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 3, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True),
     HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True),
     HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True, lazy_rescale=True, row_sums_mma=True),
+    HopperFlashSchedule(128, 3, 2, True, lazy_rescale=True, l2_prefetch=L2_PREFETCH_TILES),
+    HopperFlashSchedule(128, 3, 2, True, pack_group=True, lazy_rescale=True, l2_prefetch=L2_PREFETCH_TILES),
 )
 """The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
@@ -352,6 +365,10 @@ def hopper_schedule_problems(
         reasons.append(f"kv_heads {p.kv_heads} does not divide heads {p.heads}")
     if s.pack_group:
         reasons += _packing_problems(s, p)
+    if s.l2_prefetch < 0:
+        reasons.append(f"l2_prefetch {s.l2_prefetch} (valid: key tiles ahead, 0 for none)")
+    if s.l2_prefetch and p.dtype in HOPPER_EIGHT_BIT_DTYPES:
+        reasons.append("L2 prefetch with 8-bit operands (V comes from its transposed copy)")
     if s.balanced and not (s.persistent and p.causal):
         reasons.append("balanced tile order is for causal problems on a persistent grid")
     if dims_valid and p.dtype in ELEMENT_BYTES:

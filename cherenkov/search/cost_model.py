@@ -76,6 +76,7 @@ class GpuSpec:
     max_blocks_per_sm: int = 32
     smem_bytes_per_clock: int = 128
     wgmma_tflops: float = 0.0  # dense wgmma bf16 peak (Hopper), 0 where there is no wgmma
+    l2_mb: float = 50.0  # the L2 cache
 
     @property
     def flop_per_smem_byte(self) -> float:
@@ -87,12 +88,12 @@ class GpuSpec:
 # The reference GPU of each target. H200: measured mma.sync peak (641 TFLOP/s,
 # ../shared/DESIGN.md); others: vendor dense figures with fp32 accumulation.
 GPUS: dict[str, GpuSpec] = {
-    "sm_80": GpuSpec("NVIDIA A100-SXM4-80GB", "sm_80", 108, 312.0, 2.04, 164 * 1024, 1.41),
-    "sm_86": GpuSpec("NVIDIA GeForce RTX 3090", "sm_86", 82, 71.0, 0.94, 100 * 1024, 1.70, 1536, 16),
-    "sm_89": GpuSpec("NVIDIA GeForce RTX 4090", "sm_89", 128, 165.2, 1.01, 100 * 1024, 2.52, 1536, 24),
+    "sm_80": GpuSpec("NVIDIA A100-SXM4-80GB", "sm_80", 108, 312.0, 2.04, 164 * 1024, 1.41, l2_mb=40.0),
+    "sm_86": GpuSpec("NVIDIA GeForce RTX 3090", "sm_86", 82, 71.0, 0.94, 100 * 1024, 1.70, 1536, 16, l2_mb=6.0),
+    "sm_89": GpuSpec("NVIDIA GeForce RTX 4090", "sm_89", 128, 165.2, 1.01, 100 * 1024, 2.52, 1536, 24, l2_mb=72.0),
     "sm_90": GpuSpec("NVIDIA H200", "sm_90", 132, 641.0, 4.8, 228 * 1024, 1.98),
     "sm_90a": GpuSpec("NVIDIA H200", "sm_90a", 132, 641.0, 4.8, 228 * 1024, 1.98, wgmma_tflops=989.0),
-    "sm_120": GpuSpec("NVIDIA GeForce RTX 5090", "sm_120", 170, 209.5, 1.79, 100 * 1024, 2.41, 1536, 24),
+    "sm_120": GpuSpec("NVIDIA GeForce RTX 5090", "sm_120", 170, 209.5, 1.79, 100 * 1024, 2.41, 1536, 24, l2_mb=96.0),
 }
 
 PIPELINE_EFFICIENCY = {1: 0.90, 2: 0.95, 3: 0.95}  # H200: s1 ran at 0.95-0.97 of s2 with 2 blocks/SM
@@ -242,6 +243,9 @@ HOPPER_PERSISTENT_CAUSAL_FACTOR = 0.95
 # on the tensor cores +1-2 % on top.
 HOPPER_LAZY_RESCALE_FACTOR = {"8-bit": 1.06, "wide": 1.03, "narrow": 0.96}
 HOPPER_ROW_SUMS_MMA_FACTOR = 1.015
+# l2_prefetch (not yet measured): worth a little where K and V outgrow the L2 (they stream from
+# DRAM, a chunked prefill's), a few wasted issue slots of the producer where they stay in it.
+HOPPER_L2_PREFETCH_FACTOR = {"streamed": 1.01, "resident": 0.99}
 
 
 def hopper_head_dim_factor(problem: AttentionProblem) -> float:
@@ -251,6 +255,12 @@ def hopper_head_dim_factor(problem: AttentionProblem) -> float:
     qk_columns, v_columns = problem_tile_columns(problem)
     useful = (problem.head_dim + problem.v_dim) / (problem.head_dim + v_columns)
     return HOPPER_HEAD_DIM_FACTOR.get(qk_columns, 1.0) * useful
+
+
+def key_value_bytes(problem: AttentionProblem) -> int:
+    """Bytes of a problem's K and V (every batch and K/V head)."""
+    rows = problem.batch * problem.kv_heads * problem.seq_kv
+    return rows * (problem.head_dim + problem.v_dim) * ELEMENT_BYTES[problem.dtype]
 
 
 def hopper_tile_overhead(schedule: HopperFlashSchedule) -> float:
@@ -284,6 +294,8 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
         knobs *= HOPPER_LAZY_RESCALE_FACTOR[width]
     if schedule.row_sums_mma:
         knobs *= HOPPER_ROW_SUMS_MMA_FACTOR
+    if schedule.l2_prefetch:
+        knobs *= HOPPER_L2_PREFETCH_FACTOR["streamed" if key_value_bytes(problem) > gpu.l2_mb * 2**20 else "resident"]
     efficiency = HOPPER_BASE_EFFICIENCY * pipeline * knobs * waves
     rate = gpu.wgmma_tflops * (2.0 if problem.dtype in HOPPER_EIGHT_BIT_DTYPES else 1.0)  # e4m3: twice bf16's
     ms = problem.flops / (rate * 1e12 * efficiency) * 1e3 + LAUNCH_OVERHEAD_MS
@@ -351,7 +363,7 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     compute_ms = padded_flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3
     element = ELEMENT_BYTES[problem.dtype]
     q_bytes = problem.batch * problem.heads * problem.seq_q * (problem.head_dim + problem.v_dim) * element
-    kv_bytes = problem.batch * problem.kv_heads * problem.seq_kv * (problem.head_dim + problem.v_dim) * element
+    kv_bytes = key_value_bytes(problem)
     if not schedule.pack_group:
         kv_bytes *= 1 + UNPACKED_KV_REREAD * (problem.group_size - 1)
     partial_bytes = 2 * 4 * blocks * schedule.block_q * (problem.v_dim + 1) if schedule.kv_splits > 1 else 0

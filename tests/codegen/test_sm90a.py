@@ -139,6 +139,8 @@ def test_schedule_resources_and_names():
         (HopperFlashSchedule(64, 2, 2, True), AttentionProblem(1, 8, 8, 4096, 8192, 128), "64-key tiles"),
         (HopperFlashSchedule(balanced=True), AttentionProblem(1, 8, 8, 4096, 4096, 128, causal=True), "balanced"),
         (replace(PERSISTENT, balanced=True), SEED, "balanced"),
+        (HopperFlashSchedule(l2_prefetch=-1), SEED, "l2_prefetch"),
+        (HopperFlashSchedule(l2_prefetch=4), replace(SEED, dtype="fp8_e4m3", out_dtype="bf16"), "L2 prefetch"),
     ],
 )
 def test_invalid_schedules_say_why(schedule, problem, reason):
@@ -201,6 +203,18 @@ def test_packed_groups_fill_a_tile_with_the_heads_of_one_kv_head():
         (replace(chunk, seq_q=128), "8, 16, 32 or 64"),
     ]:
         assert any(reason in r for r in hopper_schedule_problems(PACKED, problem)), problem
+
+
+def test_l2_prefetch_asks_for_the_key_tiles_ahead_of_each_load():
+    chunk = AttentionProblem(8, 32, 8, 64, 8192, 128)
+    ahead = replace(PACKED, l2_prefetch=4)
+    assert ahead.key() == "q128_kv128_s3_c2_pp_pk_pf4" and ahead.smem_bytes(128) == PACKED.smem_bytes(128)
+    source = emit_flash_attention_sm90a(chunk, ahead)
+    assert "constexpr int L2_PREFETCH = 4;" in source
+    assert "cp.async.bulk.prefetch.tensor.4d.L2.global.tile" in source
+    assert "for (int ahead = j == 0 ? 1 : L2_PREFETCH; ahead <= L2_PREFETCH; ++ahead)" in source
+    assert "if (j >= w.kv_tiles) return;" in source  # never past the work tile's last key tile
+    assert "prefetch.tensor." not in emit_flash_attention_sm90a(chunk, PACKED)
 
 
 def test_head_dims_short_of_whole_boxes_pad_to_the_next_box():
@@ -360,6 +374,11 @@ GPU_CASES = [
     (AttentionProblem(2, 8, 8, 777, 1024, 64, dtype="fp16"), replace(TWO_Q, lazy_rescale=True)),
     (AttentionProblem(8, 32, 8, 64, 2048, 128), replace(PACKED, lazy_rescale=True)),
     (AttentionProblem(1, 8, 2, 777, 1333, 256, causal=True), HopperFlashSchedule(80, 2, 2, True, lazy_rescale=True)),
+    # L2 prefetch ahead of the loads: packed, causal with tails (work tiles of different lengths),
+    # fewer key tiles than the prefetch distance
+    (AttentionProblem(8, 32, 8, 64, 2048, 128), replace(PACKED, lazy_rescale=True, l2_prefetch=4)),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128, causal=True), replace(LAZY, l2_prefetch=4)),
+    (AttentionProblem(1, 4, 4, 1024, 300, 96), replace(DEFAULT, l2_prefetch=4)),
 ]
 
 # Scores that rise along the keys (keys scaled by up to RISE), so later key tiles raise the row

@@ -59,6 +59,21 @@ def test_two_q_buffers_pay_off_on_short_keys_not_on_long_causal() -> None:
     assert hopper_ms(short, two_q) < hopper_ms(short, persistent) < hopper_ms(short, one_tile)
 
 
+def test_l2_prefetch_is_ranked_up_only_where_key_value_outgrow_the_l2() -> None:
+    from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+    from cherenkov.search.cost_model import key_value_bytes
+
+    def hopper_ms(problem: AttentionProblem, schedule: HopperFlashSchedule) -> float:
+        return predict_flash(KernelPlan("flash_attention", problem, schedule, TARGETS["sm_90a"])).ms
+
+    chunk = AttentionProblem(batch=8, heads=32, kv_heads=8, seq_q=64, seq_kv=8192, head_dim=128)
+    assert key_value_bytes(chunk) == 8 * 8 * 8192 * 256 * 2 > GPUS["sm_90a"].l2_mb * 2**20 > key_value_bytes(SEED)
+    packed = HopperFlashSchedule(pack_group=True, lazy_rescale=True)
+    assert hopper_ms(chunk, dataclasses.replace(packed, l2_prefetch=4)) < hopper_ms(chunk, packed)
+    plain = HopperFlashSchedule(lazy_rescale=True)
+    assert hopper_ms(SEED, dataclasses.replace(plain, l2_prefetch=4)) > hopper_ms(SEED, plain)
+
+
 def test_the_latest_h200_leaders_rank_near_the_top() -> None:
     """Each shape's fastest measured plan in the committed mma.sync run's search is among the
     model's first twelve (out of 332-640), so a search with little time measures it early. In

@@ -122,7 +122,8 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
         section("problem and schedule constants", _constants(problem, schedule, row_bytes)),
         section("shared-memory layout", _layout_constants(s.problem_smem_bytes(problem), row_bytes)),
         section("TMA copies and mbarriers", tma.emit_tensor_map_type(), tma.emit_mbarrier(), tma.emit_tma_load(4),
-                tma.emit_fence_proxy_async(), tma.emit_tma_store(4)),
+                tma.emit_fence_proxy_async(), tma.emit_tma_store(4),
+                *([tma.emit_tma_prefetch_l2(4)] if s.l2_prefetch else [])),
         section("warp specialisation", tma.emit_setmaxnreg(), tma.emit_named_barriers()),
         section("wgmma", wgmma.emit_descriptor(row_bytes), wgmma.emit_sync(), wgmma.emit_wgmma(*kv_wgmma),
                 wgmma.emit_wgmma(*o_wgmma),
@@ -132,7 +133,7 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
                 attention_mask.emit_soft_cap(problem, softmax_scale(problem)), _CAP_SCORES if problem.softcap else "",
                 _softmax(problem.bias is not None, eight_bit, s.lazy_rescale, s.row_sums_mma)),
         section("work tiles", _work_tiles()),
-        section("producer warpgroup", _producer(eight_bit)),
+        section("producer warpgroup", _producer(eight_bit, s.l2_prefetch)),
         section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma, eight_bit, s.row_sums_mma),
                 _pingpong(s.pingpong), _consumer(s, problem)),
         *([section("V transposed for the 8-bit P V", _transpose_values(schedule))] if eight_bit else []),
@@ -506,9 +507,11 @@ def _work_tiles() -> str:
     )
 
 
-def _producer(eight_bit: bool = False) -> str:
+def _producer(eight_bit: bool = False, l2_prefetch: int = 0) -> str:
     """The producer's copies; ``eight_bit``: V comes from its transposed copy (D rows of the key
-    tile's 128 key bytes: one box of the transposed map, at coordinates (keys, 0, head, batch))."""
+    tile's 128 key bytes: one box of the transposed map, at coordinates (keys, 0, head, batch));
+    ``l2_prefetch``: before it waits for a slot, the producer asks L2 for K and V of the key tile
+    that many ahead (at a work tile's first key tile: of every tile up to that one)."""
     v_copy = (
         "tma_load_4d(smem + V_SMEM + stage * V_STAGE_BYTES, v_map, v_bar, j * BLOCK_KV, 0, w.kv_head, w.batch);"
         if eight_bit else
@@ -517,12 +520,37 @@ def _producer(eight_bit: bool = False) -> str:
         "    tma_load_4d(smem + V_SMEM + stage * V_STAGE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, BOX_COLUMNS * b,\n"
         "                j * BLOCK_KV, w.kv_head, w.batch);"
     )
-    return block(
+    prefetch, prefetch_call = "", ""
+    if l2_prefetch:
+        prefetch = block(
+            f"""
+            constexpr int L2_PREFETCH = {l2_prefetch};  // key tiles ahead of each load that L2 is asked for
+
+            // Ask L2 for K and V of key tile j of a work tile (every box), unless the tile has no such key tile.
+            __device__ __forceinline__ void prefetch_key_tile(const TensorMap* k_map, const TensorMap* v_map,
+                                                              const WorkTile& w, int j) {{
+                if (j >= w.kv_tiles) return;
+                #pragma unroll
+                for (int b = 0; b < QK_BOXES; ++b)
+                    tma_prefetch_l2_4d(k_map, BOX_COLUMNS * b, j * BLOCK_KV, w.kv_head, w.batch);
+                #pragma unroll
+                for (int b = 0; b < V_BOXES; ++b)
+                    tma_prefetch_l2_4d(v_map, BOX_COLUMNS * b, j * BLOCK_KV, w.kv_head, w.batch);
+            }}
+            """
+        ) + "\n\n"
+        prefetch_call = (
+            "\n// Before waiting for the slot: L2 prefetch of key tile j + L2_PREFETCH (the work tile's first"
+            "\n// key tile asks for every tile up to that one).\n"
+            "for (int ahead = j == 0 ? 1 : L2_PREFETCH; ahead <= L2_PREFETCH; ++ahead)\n"
+            "    prefetch_key_tile(k_map, v_map, w, j + ahead);"
+        )
+    return prefetch + block(
         """
         // K_j and V_j of one work tile into the ring's next slot, once every consumer warp has
         // released that slot's previous use (split release: K after its scores, V after its P V).
         __device__ __forceinline__ void produce_key_tile(const TensorMap* k_map, const TensorMap* v_map, u32 smem,
-                                                         const WorkTile& w, int j, int& stage, u32& phase) {
+                                                         const WorkTile& w, int j, int& stage, u32& phase) {@PREFETCH@
             const u32 k_bar = smem + K_FULL + 8 * stage, v_bar = smem + V_FULL + 8 * stage;
             mbar_wait(smem + K_EMPTY + 8 * stage, phase ^ 1);
             mbar_arrive_expect_tx(k_bar, K_TILE_BYTES);
@@ -569,7 +597,7 @@ def _producer(eight_bit: bool = False) -> str:
             }
         }
         """
-    ).replace("@V_COPY@", indent(v_copy, 1).lstrip())
+    ).replace("@V_COPY@", indent(v_copy, 1).lstrip()).replace("@PREFETCH@", indent(prefetch_call, 1))
 
 
 def _consumer_matmuls(kv_wgmma: tuple, o_wgmma: tuple, eight_bit: bool = False, row_sums: bool = False) -> str:

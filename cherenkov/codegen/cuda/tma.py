@@ -141,6 +141,24 @@ def emit_tma_load(rank: int = 3) -> str:
     )
 
 
+def emit_tma_prefetch_l2(rank: int = 4) -> str:
+    """``tma_prefetch_l2_{rank}d(map, c0, ...)``: ask L2 for one box of a tensor map
+    (``cp.async.bulk.prefetch.tensor``, sm_90); nothing is written to shared memory and no
+    barrier counts it, so a later ``tma_load`` of the box reads it from L2."""
+    coords, braces, inputs = _coordinates(rank, 1)
+    return block(
+        f"""
+        // Prefetch one box of `map` at coordinates (c0 innermost, ...) into L2.
+        __device__ __forceinline__ void tma_prefetch_l2_{rank}d(const TensorMap* map, {coords}) {{
+            asm volatile(
+                "cp.async.bulk.prefetch.tensor.{rank}d.L2.global.tile [%0, {{{braces}}}];\\n"
+                :: "l"(reinterpret_cast<unsigned long long>(map)), {inputs}
+                : "memory");
+        }}
+        """
+    )
+
+
 def emit_st_shared() -> str:
     """``st_shared_u32``: one 32-bit word into shared memory (a staging box)."""
     return block(
