@@ -12,6 +12,8 @@ and out of the sum over keys, where the streaming rules meet it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import Term, ax, tensor
@@ -26,38 +28,47 @@ FINITE_CAUSAL = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Nu
 minimum, not −∞."""
 
 
+@dataclass(frozen=True)
+class FiniteCausalSpelling:
+    """One way a finite causal mask (minimum ``m``) reaches the scores ``s``: as text, as the
+    pattern (``{causal}``: the condition ``i < j``), the example built from unmasked scores,
+    and why the masked exponentials underflow."""
+
+    text: str
+    pattern: str
+    example: Callable[[Term], Term]
+    underflow: str
+
+
+FINITE_CAUSAL_SPELLINGS = {
+    "additive": FiniteCausalSpelling(
+        "s + where(i < j, m, 0)", "(Add s (Where {causal} (Num m) (Num 0.0)))",
+        lambda scores: ("Add", scores, FINITE_CAUSAL),
+        "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104"),
+    # a causal masked_fill of the scores (MPT's)
+    "fill": FiniteCausalSpelling(
+        "where(i < j, m, s)", "(Where {causal} (Num m) s)",
+        lambda scores: ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2], scores),
+        "e^(m − max) underflows to 0 wherever the scores lie above m + 104"),
+}
+
+
 def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, after: str = "",
-                            example_after: tuple[Term, ...] = ()) -> Rule:  # fmt: skip
-    """``head_j(s + where(i < j, m, 0), …) = head_j(where(i < j, −∞, s), …)`` for ``m ≤ −2¹⁵``, where
-    ``head`` (spelled ``spelled``, ``{}`` its scores) folds the row's exponentials: the masked
-    ones underflow to 0. ``after``: the arguments after the scores (``example_after`` in the
+                            example_after: tuple[Term, ...] = (), spelling: str = "additive") -> Rule:  # fmt: skip
+    """``head_j(mask(s), …) = head_j(where(i < j, −∞, s), …)`` for a finite causal ``mask`` of
+    minimum ``m ≤ −2¹⁵`` spelled as one of :data:`FINITE_CAUSAL_SPELLINGS`, where ``head``
+    (spelled ``spelled``, ``{}`` its scores) folds the row's exponentials: the masked ones
+    underflow to 0. ``after``: the arguments after the scores (``example_after`` in the
     example, whose unmasked scores are ``scores``)."""
-    causal = "(Lt (Iota iq) (Iota (Ax j)))"
+    form, causal = FINITE_CAUSAL_SPELLINGS[spelling], "(Lt (Iota iq) (Iota (Ax j)))"
     return Rule(
         name,
-        f"{spelled.format('s + where(i < j, m, 0)')} = {spelled.format('where(i < j, −∞, s)')} for m ≤ −2¹⁵: each "
-        "row keeps j = 0, and e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
-        lhs=f"({head} j n (Add s (Where {causal} (Num m) (Num 0.0))){after})",
+        f"{spelled.format(form.text)} = {spelled.format('where(i < j, −∞, s)')} for m ≤ −2¹⁵: each "
+        f"row keeps j = 0, and {form.underflow}",
+        lhs=f"({head} j n {form.pattern.format(causal=causal)}{after})",
         rhs=f"({head} j n (Where {causal} (Num -inf) s){after})",
         where=("(<= m -32768.0)",),
-        example=Example((head, "j:7", 7, ("Add", scores, FINITE_CAUSAL), *example_after)),
-    )
-
-
-def finite_causal_where_rule(name: str, spelled: str, head: str, scores: Term, after: str = "",
-                             example_after: tuple[Term, ...] = ()) -> Rule:  # fmt: skip
-    """``head_j(where(i < j, m, s), …) = head_j(where(i < j, −∞, s), …)`` for ``m ≤ −2¹⁵``: the scores
-    a causal ``masked_fill`` with a finite minimum replaces (MPT's), under ``head`` as in
-    :func:`finite_causal_mask_rule`."""
-    causal = "(Lt (Iota iq) (Iota (Ax j)))"
-    return Rule(
-        name,
-        f"{spelled.format('where(i < j, m, s)')} = {spelled.format('where(i < j, −∞, s)')} for m ≤ −2¹⁵: each "
-        "row keeps j = 0, and e^(m − max) underflows to 0 wherever the scores lie above m + 104",
-        lhs=f"({head} j n (Where {causal} (Num m) s){after})",
-        rhs=f"({head} j n (Where {causal} (Num -inf) s){after})",
-        where=("(<= m -32768.0)",),
-        example=Example((head, "j:7", 7, ("Where", FINITE_CAUSAL[1], ("Num", -65536.0), scores), *example_after)),
+        example=Example((head, "j:7", 7, form.example(scores), *example_after)),
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from cherenkov.rewrites.masks import finite_causal_mask_rule, finite_causal_where_rule
+from cherenkov.rewrites.masks import finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import ax, tensor
 
@@ -170,9 +170,9 @@ RULES = (
     finite_causal_mask_rule("softmax-finite-causal-mask", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract", scores,
                             " v", (v,)),
     finite_causal_mask_rule("logsumexp-finite-causal-mask", "LSE_j({})", "LogSumExp", scores),
-    finite_causal_where_rule("softmax-finite-causal-where", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
-                             scores, " v", (v,)),
-    finite_causal_where_rule("logsumexp-finite-causal-where", "LSE_j({})", "LogSumExp", scores),
+    finite_causal_mask_rule("softmax-finite-causal-where", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
+                            scores, " v", (v,), spelling="fill"),
+    finite_causal_mask_rule("logsumexp-finite-causal-where", "LSE_j({})", "LogSumExp", scores, spelling="fill"),
     *_bias_rules(),
     *_softcap_rules(),
     Rule(
