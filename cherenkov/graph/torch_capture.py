@@ -110,6 +110,8 @@ def _input_dtype(dtype: Any, what: str) -> str:
             f"from_torch: {what} has dtype torch.{name}; graph inputs must be torch.float32 (fp32), "
             "torch.float16 (fp16), torch.bfloat16 (bf16), torch.float8_e4m3fn (fp8_e4m3) or torch.float8_e5m2 "
             "(fp8_e5m2) - convert the tensor or module with .float(), .half() or .bfloat16() before capturing"
+            + ("; a whole model that takes token ids or masks runs through torch.compile(model, "
+               "backend=\"cherenkov\"), which keeps integer ops outside its regions" if not name.startswith("float") else "")
         )
     return _INPUT_DTYPES[name]
 
