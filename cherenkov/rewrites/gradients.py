@@ -13,7 +13,8 @@ times ``e``), through ``exp2(x·log2 e)`` (times ``ln 2·log2 e``), and through 
    value dim swap and ``Σ_j P·v`` is the attention output ``O`` itself;
 5. ``P = e^{s − LSE(s)}``: the probabilities recomputed from the row's log-sum-exp (a causal
    mask added as a large finite negative, as transformers builds it, is the −∞ one there);
-6. ``dS = P∘(dP − D)`` over scores ``c·Σ_d q·k`` (causally masked, or plus a bias tensor) is
+6. ``dS = P∘(dP − D)`` over scores ``c·Σ_d q·k`` (causally masked, plus a bias, or both: a stored
+   bias or ALiBi's computed one, :data:`~cherenkov.rewrites.streaming.BIAS_FORMS`) is
    ``AttentionDs``, and the three contractions of the backward stream over it:
    ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``;
 7. with GQA, a K/V head's dk and dv sum those of its group's query heads (``Σ_g``): one form
@@ -32,6 +33,7 @@ import math
 
 from cherenkov.rewrites.masks import finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
+from cherenkov.rewrites.streaming import SCALE, score_forms
 from cherenkov.rewrites.terms import ax, tensor
 
 x = tensor("x", "i:3", "j:7")
@@ -42,33 +44,10 @@ u = tensor("u", "i:3")
 q, k = tensor("q", "i:3", "d:4"), tensor("k", "j:7", "d:4")
 v, do = tensor("v", "j:7", "e:2"), tensor("do", "i:3", "e:2")
 k2, q2, do2 = tensor("k", "j:7", "f:4"), tensor("q", "i:3", "f:4"), tensor("do", "i:3", "f:2")
-bias = tensor("b", "i:3", "j:7")
-SCALE = 0.5
 
 shifted = ("Exp", ("Add", s, ("Neg", ("Max", "j:7", 7, s))))
 normaliser = ("Recip", ("Sum", "j:7", 7, shifted))
 probability = ("SoftmaxRow", "j:7", 7, s)
-scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", SCALE))
-
-# The scores of the three mask kinds: (suffix, score pattern, mask term, score example, mask example)
-MASKS = (
-    ("", "(Mul (Contract d nd q k) (Num c))", "(NoMask)", scores, ("NoMask",)),
-    (
-        "-causal",
-        "(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) (Mul (Contract d nd q k) (Num c)))",
-        "(CausalMask iq)",
-        ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores),
-        ("CausalMask", ax("i:3")),
-    ),
-    (
-        "-bias",
-        "(Add (Mul (Contract d nd q k) (Num c)) (Tensor b bix))",
-        "(BiasMask (Tensor b bix))",
-        ("Add", scores, bias),
-        ("BiasMask", bias),
-    ),
-)
-
 
 def _recomputed(score: str) -> str:
     """The probabilities of ``score`` recomputed from their row's log-sum-exp (a pattern)."""
@@ -79,47 +58,59 @@ def _recomputed_example(score: tuple) -> tuple:
     return ("Exp", ("Add", score, ("Neg", ("LogSumExp", "j:7", 7, score))))
 
 
+def _masked(suffix: str) -> str:
+    """`` causal bias product masked`` in a rule's description (nothing for plain scores)."""
+    return suffix and " " + suffix[1:].replace("-", " ") + " masked"
+
+
 def _score_gradient_rules() -> tuple[Rule, ...]:
     rules = []
-    for suffix, score, mask, score_example, mask_example in MASKS:
-        output = ("FlashAttention", "j:7", 7, "d:4", 4, q, k, v, SCALE, mask_example)
+    for form in score_forms():
+        output = ("FlashAttention", "j:7", 7, "d:4", 4, q, k, v, SCALE, form.mask_example)
         rules.append(Rule(
-            f"attention-ds{suffix}",
-            f"P∘(Σ_e dO·v − Σ_e dO·O) with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{suffix and ' ' + suffix[1:] + ' masked'} "
+            f"attention-ds{form.suffix}",
+            f"P∘(Σ_e dO·v − Σ_e dO·O) with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{_masked(form.suffix)} "
             "and O its attention = AttentionDs(q, k, v, dO): the score gradient the backward streams",
-            lhs=(f"(Mul {_recomputed(score)} (Add (Contract e ne do v) "
-                 f"(Neg (Contract e ne do (FlashAttention j nj d nd q k v c {mask})))))"),
-            rhs=f"(AttentionDs j nj d nd e ne q k v do c {mask})",
-            example=Example(("Mul", _recomputed_example(score_example),
+            lhs=(f"(Mul {_recomputed(form.score)} (Add (Contract e ne do v) "
+                 f"(Neg (Contract e ne do (FlashAttention j nj d nd q k v c {form.mask})))))"),
+            rhs=f"(AttentionDs j nj d nd e ne q k v do c {form.mask})",
+            where=form.facts,
+            example=Example(("Mul", _recomputed_example(form.score_example),
                              ("Add", ("Contract", "e:2", 2, do, v), ("Neg", ("Contract", "e:2", 2, do, output))))),
         ))  # fmt: skip
     return tuple(rules)
 
 
 def _value_gradient_rules() -> tuple[Rule, ...]:
-    plain = tuple(
-        Rule(
-            f"flash-grad-v{suffix}",
-            f"Σ_i P·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{suffix and ' ' + suffix[1:] + ' masked'} "
+    """dv streamed over the queries, for each score form; under a bias also through SDPA's safe
+    softmax's where (the flash backward's P is 0 in a row without a live score)."""
+    rules = []
+    for form in score_forms():
+        rules.append(Rule(
+            f"flash-grad-v{form.suffix}",
+            f"Σ_i P·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{_masked(form.suffix)} "
             "= FlashAttentionGradV: dv streamed over the queries",
-            lhs=f"(Contract i ni {_recomputed(score)} do2)",
-            rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {mask} do2)",
-            example=Example(("Contract", "i:3", 3, _recomputed_example(score_example), do2)),
-        )
-        for suffix, score, mask, score_example, _ in MASKS
-    )
-    _, score, mask, score_example, _ = MASKS[2]  # a bias tensor: SDPA's safe softmax keeps its where
-    live = f"(Lt (Num -inf) (Max j nj {score}))"
-    safe = Rule(
-        "flash-grad-v-bias-safe",
-        "Σ_i where(max_j s > −∞, P, 0)·dO with P = e^{s − LSE(s)}, s = c·Σ_d q·k + b = FlashAttentionGradV: dv "
-        "through the safe softmax's where (the flash backward's P is 0 in a row without a live score)",
-        lhs=f"(Contract i ni (Where {live} {_recomputed(score)} (Num 0.0)) do2)",
-        rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {mask} do2)",
-        example=Example(("Contract", "i:3", 3, ("Where", ("Lt", ("Num", -math.inf), ("Max", "j:7", 7, score_example)),
-                                                 _recomputed_example(score_example), ("Num", 0.0)), do2)),
-    )  # fmt: skip
-    return (*plain, safe)
+            lhs=f"(Contract i ni {_recomputed(form.score)} do2)",
+            rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {form.mask} do2)",
+            where=form.facts,
+            example=Example(("Contract", "i:3", 3, _recomputed_example(form.score_example), do2)),
+        ))
+        if not form.biased:
+            continue
+        live = f"(Lt (Num -inf) (Max j nj {form.score}))"
+        rules.append(Rule(
+            f"flash-grad-v{form.suffix}-safe",
+            f"Σ_i where(max_j s > −∞, P, 0)·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{_masked(form.suffix)} "
+            "= FlashAttentionGradV: dv through the safe softmax's where (the flash backward's P is 0 in a row "
+            "without a live score)",
+            lhs=f"(Contract i ni (Where {live} {_recomputed(form.score)} (Num 0.0)) do2)",
+            rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {form.mask} do2)",
+            where=form.facts,
+            example=Example(("Contract", "i:3", 3, ("Where", ("Lt", ("Num", -math.inf),
+                                                               ("Max", "j:7", 7, form.score_example)),
+                                                     _recomputed_example(form.score_example), ("Num", 0.0)), do2)),
+        ))  # fmt: skip
+    return tuple(rules)
 
 
 _LIVE_ROW = "(Lt (Num -inf) (Max j n s))"

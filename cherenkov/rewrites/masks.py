@@ -88,6 +88,14 @@ RULES = (
         example=Example(("Add", s, ("Where", condition, ("Num", -math.inf), ("Num", 0.0)))),
     ),
     Rule(
+        "additive-mask-bias",
+        "s + where(c, −∞, b) = where(c, −∞, s + b) for finite s: a mask tensor that carries a bias beside its −∞ "
+        "(ALiBi's slopes times positions, causally filled)",
+        lhs="(Add s (Where c (Num -inf) b))",
+        rhs="(Where c (Num -inf) (Add s b))",
+        example=Example(("Add", s, ("Where", condition, ("Num", -math.inf), t))),
+    ),
+    Rule(
         "add-commute",
         "a + b = b + a",
         lhs="(Add a b)",

@@ -19,17 +19,19 @@ backward (``AttentionLse``: the same parts as flash attention, without ``v``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from cherenkov.rewrites.masks import finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
-from cherenkov.rewrites.terms import ax, tensor
+from cherenkov.rewrites.terms import Term, ax, tensor
 
 s = tensor("s", "i:3", "j:7")
 v = tensor("v", "j:7", "e:2")
 q = tensor("q", "i:3", "d:4")
 k = tensor("k", "j:7", "d:4")
 shifted = ("Add", s, ("Neg", ("Max", "j:7", 7, s)))
-scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.5))
+SCALE = 0.5
+scores = ("Mul", ("Contract", "d:4", 4, q, k), ("Num", SCALE))
 causal = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), scores)
 bias = tensor("b", "i:3", "j:7")
 # ALiBi: a slope (here per query row, as a head would be) times each key's position
@@ -43,37 +45,90 @@ dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.in
 LN2 = math.log(2.0)
 
 
+@dataclass(frozen=True)
+class BiasForm:
+    """A bias added to attention's scores that flash attention takes: ``suffix`` of its rules'
+    names, ``pattern`` (a stored tensor read in place, or the variable ``b`` that ``facts``
+    constrain), what it is in words, and an ``example`` over the examples' ``i:3, j:7``."""
+
+    suffix: str
+    pattern: str
+    facts: tuple[str, ...]
+    what: str
+    example: Term
+
+
+BIAS_FORMS = (
+    BiasForm("", "(Tensor b bix)", (), "a stored tensor b", bias),
+    BiasForm("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
+             "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
+    BiasForm("-rounded", "b", ("(= b (Cast dt b1))", *WITHOUT_HEAD_DIM),
+             "b = round(b₁) to a dtype, computed without d (Bloom's ALiBi rounded to bf16)", ("Cast", "bf16", alibi)),
+)
+"""The biases of :func:`score_forms`. A computed bias of any other form is not taken (a causal mask
+spelled as an added ``where`` would be one, and it is the causal mask); an earlier kernel stores
+a computed one for the flash kernels to read."""
+
+CAUSAL_CONDITION = "(Lt (Iota iq) (Iota (Ax j)))"
+
+
+@dataclass(frozen=True)
+class ScoreForm:
+    """Attention's scores ``c·Σ_d q·k`` under one mask flash attention takes: ``suffix`` of the
+    rules' names, the ``score`` pattern, the ``mask`` term its flash forms carry, the ``facts``
+    of a computed bias, and examples of both (``SCALE`` 0.5, ``i:3, j:7, d:4``)."""
+
+    suffix: str
+    score: str
+    mask: str
+    facts: tuple[str, ...]
+    score_example: Term
+    mask_example: Term
+    biased: bool
+
+
+def score_forms() -> tuple[ScoreForm, ...]:
+    """Every masked score form of flash attention: none, causal, and each :data:`BIAS_FORMS`
+    bias without and with a causal mask."""
+    plain = "(Mul (Contract d nd q k) (Num c))"
+    causal_condition = ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7")))
+    forms = [
+        ScoreForm("", plain, "(NoMask)", (), scores, ("NoMask",), False),
+        ScoreForm("-causal", f"(Where {CAUSAL_CONDITION} (Num -inf) {plain})", "(CausalMask iq)", (), causal,
+                  ("CausalMask", ax("i:3")), False),
+    ]  # fmt: skip
+    for b in BIAS_FORMS:
+        biased, biased_example = f"(Add {plain} {b.pattern})", ("Add", scores, b.example)
+        forms.append(ScoreForm(f"-bias{b.suffix}", biased, f"(BiasMask {b.pattern})", b.facts, biased_example,
+                               ("BiasMask", b.example), True))
+        forms.append(ScoreForm(f"-causal-bias{b.suffix}", f"(Where {CAUSAL_CONDITION} (Num -inf) {biased})",
+                               f"(CausalBiasMask iq {b.pattern})", b.facts,
+                               ("Where", causal_condition, ("Num", -math.inf), biased_example),
+                               ("CausalBiasMask", ax("i:3"), b.example), True))  # fmt: skip
+    return tuple(forms)
+
+
 def _bias_rules() -> tuple[Rule, ...]:
-    """``Σ_j softmax_j(c·Σ_d q·k + b [causal])·v_j = FlashAttention(q, k, v, c, bias b [causal])`` for a
-    bias ``b`` without the head dim: a stored tensor read in place, or a product computed from stored
-    tensors and positions (ALiBi's slope times key position), or a rounding of one, that an earlier
-    kernel stores for the flash kernel to read. (A computed bias of any other form is not taken: a causal mask spelled as an
-    added ``where`` would be one, and it is the causal mask.)"""
-    forms = (  # (suffix, the bias in the patterns, facts, what it is, an example bias)
-        ("", "(Tensor b bix)", (), "a stored tensor b", bias),
-        ("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
-         "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
-        ("-rounded", "b", ("(= b (Cast dt b1))", *WITHOUT_HEAD_DIM),
-         "b = round(b₁) to a dtype, computed without d (Bloom's ALiBi rounded to bf16)", ("Cast", "bf16", alibi)),
-    )  # fmt: skip
+    """``Σ_j softmax_j(c·Σ_d q·k + b [causal])·v_j = FlashAttention(q, k, v, c, bias b [causal])`` for
+    each bias of :data:`BIAS_FORMS`."""
     rules = []
-    for suffix, b, facts, what, example in forms:
-        biased, biased_example = f"(Add (Mul (Contract d nd q k) (Num c)) {b})", ("Add", scores, example)
+    for b in BIAS_FORMS:
+        biased, biased_example = f"(Add (Mul (Contract d nd q k) (Num c)) {b.pattern})", ("Add", scores, b.example)
         rules.append(Rule(
-            f"flash-attention-bias{suffix}",
-            f"Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for {what}",
+            f"flash-attention-bias{b.suffix}",
+            f"Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for {b.what}",
             lhs=f"(OnlineSoftmaxContract j n {biased} v)",
-            rhs=f"(FlashAttention j n d nd q k v c (BiasMask {b}))",
-            where=facts,
+            rhs=f"(FlashAttention j n d nd q k v c (BiasMask {b.pattern}))",
+            where=b.facts,
             example=Example(("OnlineSoftmaxContract", "j:7", 7, biased_example, v)),
         ))
         rules.append(Rule(
-            f"flash-attention-causal-bias{suffix}",
+            f"flash-attention-causal-bias{b.suffix}",
             f"Σ_j softmax_j(where(i < j, −∞, c·Σ_d q·k + b))·v_j = FlashAttention(q, k, v, c, bias b, causal on i) "
-            f"for {what}",
-            lhs=f"(OnlineSoftmaxContract j n (Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) {biased}) v)",
-            rhs=f"(FlashAttention j n d nd q k v c (CausalBiasMask iq {b}))",
-            where=facts,
+            f"for {b.what}",
+            lhs=f"(OnlineSoftmaxContract j n (Where {CAUSAL_CONDITION} (Num -inf) {biased}) v)",
+            rhs=f"(FlashAttention j n d nd q k v c (CausalBiasMask iq {b.pattern}))",
+            where=b.facts,
             example=Example(("OnlineSoftmaxContract", "j:7", 7,
                              ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf),
                               biased_example), v)),
@@ -83,23 +138,17 @@ def _bias_rules() -> tuple[Rule, ...]:
 
 def _attention_lse_rules() -> tuple[Rule, ...]:
     """``LSE_j(scores) = AttentionLse(q, k, c, mask)`` for each score form flash attention takes."""
-    forms = (
-        ("", "(Mul (Contract d nd q k) (Num c))", "(NoMask)", scores),
-        ("-causal", "(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) (Mul (Contract d nd q k) (Num c)))",
-         "(CausalMask iq)", causal),
-        ("-bias", "(Add (Mul (Contract d nd q k) (Num c)) (Tensor b bix))", "(BiasMask (Tensor b bix))",
-         ("Add", scores, bias)),
-    )  # fmt: skip
     return tuple(
         Rule(
-            f"attention-lse{suffix}",
-            f"LSE_j(c·Σ_d q·k{suffix and ', ' + suffix[1:] + ' masked'}) = AttentionLse(q, k, c): the log-sum-exp "
-            "of attention's scores, a statistic its forward pass can save",
-            lhs=f"(LogSumExp j n {score})",
-            rhs=f"(AttentionLse j n d nd q k c {mask})",
-            example=Example(("LogSumExp", "j:7", 7, example)),
+            f"attention-lse{form.suffix}",
+            f"LSE_j(c·Σ_d q·k{form.suffix and ', ' + form.suffix[1:] + ' masked'}) = AttentionLse(q, k, c): the "
+            "log-sum-exp of attention's scores, a statistic its forward pass can save",
+            lhs=f"(LogSumExp j n {form.score})",
+            rhs=f"(AttentionLse j n d nd q k c {form.mask})",
+            where=form.facts,
+            example=Example(("LogSumExp", "j:7", 7, form.score_example)),
         )
-        for suffix, score, mask, example in forms
+        for form in score_forms()
     )
 
 

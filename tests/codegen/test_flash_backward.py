@@ -46,6 +46,22 @@ def biased_gradient_graph(batch: int, heads: int, kv_heads: int, seq_q: int, seq
     return ck.grad(g, wrt=wrt)
 
 
+def alibi_gradient_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: int, dtype: str = "bf16") -> ck.Graph:
+    """``ck.grad`` of causal ``ck.nn.attention`` under ALiBi: a bias of each head's slope (input ``slopes``,
+    ``(H, 1, 1)``) times each key's position, computed in the graph."""
+    g = ck.Graph("alibi")
+    q = g.input("q", (batch, heads, seq, dim), dtype)
+    k, v = (g.input(n, (batch, kv_heads, seq, dim), dtype) for n in "kv")
+    slopes = g.input("slopes", (heads, 1, 1), dtype)
+    g.output(ck.nn.attention(q, k, v, causal=True, bias=slopes * ck.arange(seq, graph=g)), "o")
+    return ck.grad(g, wrt=("q", "k", "v"))
+
+
+def alibi_slopes(heads: int) -> np.ndarray:
+    """ALiBi's geometric slopes ``2^(−8(h+1)/H)``, shaped ``(H, 1, 1)``."""
+    return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads).reshape(heads, 1, 1)
+
+
 MIN_VALUES = {"bf16": -3.38e38, "fp16": -65504.0}
 """transformers' masking value (``torch.finfo(dtype).min``): a bf16 one is below the kernels' −2^100 floor."""
 
@@ -251,6 +267,38 @@ def test_backward_with_a_bias_plans_the_16_key_main_pass_only() -> None:
     assert any("bias" in r for r in backward_schedule_problems(wgmma, plans[0].problem, plans[0].target))
     source = cuda_source(plans[0])
     assert "constexpr int ROW_SLOTS = 3;" in source and source.count("const bias_t* __restrict__ bias)") == 2
+
+
+def test_alibi_gradient_is_one_flash_backward_reading_the_stored_bias() -> None:
+    """ALiBi's gradient graph (causal, GQA): the probabilities are never stored; an elementwise kernel
+    stores the computed bias and one flash backward writes dq, dk and dv, the program equal to the
+    graph in float64; in bf16 the backward reads that bias in fp32 on every target."""
+    gg = alibi_gradient_graph(2, 4, 2, 70, 32, "fp32")
+    d = ck.derive(gg)
+    kinds = [k.kind for k in d.kernels]
+    assert kinds.count("flash_attention_backward") == 1 and set(kinds) == {"elementwise", "flash_attention_backward"}
+    inputs = gg.example_inputs()
+    expected, got = ck.evaluate(gg, inputs), ck.evaluate(d, inputs)
+    for output, value in expected.items():
+        assert np.linalg.norm(got[output] - value) <= 1e-9 * np.linalg.norm(value), output
+    d = ck.derive(alibi_gradient_graph(2, 4, 2, 70, 32))
+    for target in ("sm_80", "sm_90a", "sm_120"):
+        (problem,) = {p.problem for p in d.plans(target)}
+        assert problem.attention.causal and problem.attention.bias.dtype == "fp32", target
+        assert problem.attention.bias.shape == (4, 70), target  # a head's slope times a key's position
+
+
+@needs_gxx
+def test_emulated_alibi_backward_matches_the_gradient_graph() -> None:
+    gg = alibi_gradient_graph(2, 4, 2, 70, 32)
+    inputs = _inputs(gg)
+    inputs["slopes"] = rounded(alibi_slopes(4), "bf16")
+    expected = ck.evaluate(gg, inputs)
+    plans = {p.schedule.key(): p for p in backward_plans(gg)}
+    bias = (inputs["slopes"] * np.arange(70)).reshape(4, 70)
+    for key in ("kv64_q32_s2", "kv128_q64_s1"):
+        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], bias=bias)
+        assert_gradients_match(got, expected, ("q", "k", "v"), key)
 
 
 @needs_gxx
@@ -478,6 +526,35 @@ def test_gpu_optimize_runs_the_derived_backward(cuda_device, tmp_path) -> None:
     got = res.run(**tensors)
     leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
     o = torch.nn.functional.scaled_dot_product_attention(leaves["q"], leaves["k"], leaves["v"], is_causal=True,
+                                                         enable_gqa=True)  # fmt: skip
+    grads = torch.autograd.grad(o, [leaves[n] for n in "qkv"], tensors["d_o"].float())
+    for name, expected in zip(("d_q", "d_k", "d_v"), grads):
+        error = float((got[name].float() - expected).norm() / expected.norm())
+        assert error <= 2e-2, f"{name}: {error:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_optimize_runs_the_alibi_backward(cuda_device, tmp_path) -> None:
+    """ALiBi's gradient graph through ``ck.optimize``: the bias kernel and the flash backward, every
+    gradient against float32 autograd of the same causal, biased attention."""
+    import torch
+
+    from cherenkov.search.database import TuningDatabase
+
+    gg = alibi_gradient_graph(2, 8, 2, 300, 64)
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        res = ck.optimize(gg, target="sm_90", out=tmp_path / "run", database=db, budget_s=60)
+    assert [k.kind for k in res.partition].count("flash_attention_backward") == 1
+    generator = torch.Generator(device=cuda_device).manual_seed(1)
+    tensors = {n: torch.randn(t.shape, generator=generator, device=cuda_device).to(torch.bfloat16)
+               for n, t in gg.inputs.items()}  # fmt: skip
+    tensors["slopes"] = torch.from_numpy(alibi_slopes(8)).to(device=cuda_device, dtype=torch.bfloat16)
+    got = res.run(**tensors)
+    leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
+    positions = torch.arange(300, device=cuda_device, dtype=torch.float32)
+    bias = (tensors["slopes"].float() * positions).masked_fill(
+        torch.ones(300, 300, dtype=torch.bool, device=cuda_device).triu(1), -torch.inf)
+    o = torch.nn.functional.scaled_dot_product_attention(leaves["q"], leaves["k"], leaves["v"], attn_mask=bias,
                                                          enable_gqa=True)  # fmt: skip
     grads = torch.autograd.grad(o, [leaves[n] for n in "qkv"], tensors["d_o"].float())
     for name, expected in zip(("d_q", "d_k", "d_v"), grads):
