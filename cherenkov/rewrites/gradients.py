@@ -175,6 +175,7 @@ RULES = (
                                                          ("SoftmaxFoldL", "j:7", 7, s))))),
     ),  # fmt: skip
     finite_causal_mask_rule("softmax-row-finite-causal-mask", "softmax_j({})", "SoftmaxRow", s),
+    finite_causal_mask_rule("softmax-row-finite-causal-where", "softmax_j({})", "SoftmaxRow", s, spelling="fill"),
     Rule(
         "masked-softmax-gradient",
         "where(m, 0, softmax_j(where(m, −∞, s))·y) = softmax_j(where(m, −∞, s))·y: a masked score's probability is 0",

@@ -411,8 +411,9 @@ def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **opti
                         partition_fn=partition_recomputing_attention)(gm, example_inputs)  # fmt: skip
 
 
-SCORE_PRODUCTS = frozenset({"bmm", "matmul"})
-"""ATen ops (by name) that form a written-out attention's scores from q and k."""
+SCORE_PRODUCTS = {"bmm": 0, "matmul": 0, "baddbmm": 1}
+"""ATen ops (by name) that form a written-out attention's scores from q and k, and the position of
+their first factor (``baddbmm(b, q, kᵀ)`` adds a bias ``b``, Bloom's ALiBi, to the product)."""
 DATA_MOVES = frozenset({"view", "_unsafe_view", "reshape", "expand", "clone", "contiguous", "transpose", "t", "permute",
                         "unsqueeze", "squeeze", "alias", "detach", "_to_copy", "slice", "select"})  # fmt: skip
 """ATen ops (by name) that only move, view or recast their operand."""
@@ -494,7 +495,9 @@ def recomputed_attention_nodes(graph: Any) -> list[Any]:
             if not computed(node) or node in found:
                 continue
             if name(node) in SCORE_PRODUCTS:
-                operands.extend(node.args[:2])
+                first = SCORE_PRODUCTS[name(node)]
+                operands.extend(node.args[first:first + 2])
+                scores.extend(node.args[:first])  # an added bias is part of the scores
             elif not (torch.Tag.pointwise in node.target.tags or name(node) in DATA_MOVES):
                 continue
             else:
@@ -504,7 +507,8 @@ def recomputed_attention_nodes(graph: Any) -> list[Any]:
         while readers:  # the probabilities' views and casts, up to the product with v
             node = readers.pop()
             if computed(node) and name(node) in SCORE_PRODUCTS:
-                operands.extend(node.args[:2])
+                first = SCORE_PRODUCTS[name(node)]
+                operands.extend(node.args[first:first + 2])
             elif computed(node) and name(node) in DATA_MOVES and node not in found:
                 found[node] = None
                 readers.extend(node.users)
