@@ -42,9 +42,13 @@ from cherenkov.rewrites.plan import (
 from cherenkov.rewrites.plan_sm90a import SWIZZLE_ALIGN
 
 GRADIENT_ROLES = ("dq", "dk", "dv")
-BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128)
+BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
 """Head dims (one for q, k and v) the backward family plans: whole k16 steps up to 128 (48, 80 and 112
-split a dq tile into 16-column parts only on the 4-warp, 64-query schedules)."""
+split a dq tile into 16-column parts only on the 4-warp, 64-query schedules); past 128 a block holds
+half of dk's, dv's and dq's columns (``dim_parts`` 2)."""
+MAX_WHOLE_HEAD_DIM = 128
+"""The widest head dim whose dk and dv (all columns) a 16-key warp holds; wider ones are split in
+``dim_parts``."""
 BACKWARD_DTYPES = ("bf16", "fp16")
 PAD = 8
 """Elements each shared-memory row is padded by: 16 bytes, so that the 8 rows an ldmatrix phase
@@ -176,7 +180,10 @@ class BackwardSchedule:
     prologue and its dk, dv stores no longer stand alone on the SM; ``warp_pairs`` (``mma.sync``,
     ``WARP_PAIR_TILES``): two warps a 32-key group, the score products split between them by queries and
     dk, dv by head-dim halves, Pᵀ and dSᵀ exchanged through shared memory, so every warp's mma tiles
-    have 32 rows (:mod:`cherenkov.codegen.cuda.flash_attention_backward_pairs`)."""
+    have 32 rows (:mod:`cherenkov.codegen.cuda.flash_attention_backward_pairs`); ``dim_parts`` (the
+    16-key ``mma.sync`` pass, head dims past ``MAX_WHOLE_HEAD_DIM``): a block holds dk's, dv's and
+    dq's columns of one of that many head-dim parts, its scores and dP recomputed for each part (a
+    grid of that many times the blocks), so dk and dv of 16 keys fit a warp's registers."""
 
     block_kv: int = 64
     block_q: int = 64
@@ -185,6 +192,7 @@ class BackwardSchedule:
     saved_statistics: bool = False
     persistent: bool = False
     warp_pairs: bool = False
+    dim_parts: int = 1
 
     @property
     def warps(self) -> int:
@@ -197,6 +205,7 @@ class BackwardSchedule:
     def key(self) -> str:
         return (f"kv{self.block_kv}_q{self.block_q}_s{self.stages}{'_wg' if self.wgmma else ''}"
                 f"{'_ps' if self.persistent else ''}{'_wp' if self.warp_pairs else ''}"
+                f"{f'_dp{self.dim_parts}' if self.dim_parts != 1 else ''}"
                 f"{'_saved' if self.saved_statistics else ''}")  # fmt: skip
 
 
@@ -221,6 +230,8 @@ BACKWARD_SCHEDULES = tuple(
           for stages in (2, 3)),
         BackwardSchedule(WGMMA_BLOCK_KV, WGMMA_BLOCK_Q, 2, wgmma=True, saved_statistics=saved, persistent=True),
         *(BackwardSchedule(*WARP_PAIR_TILES, stages, saved_statistics=saved, warp_pairs=True) for stages in (1, 2)),
+        *(BackwardSchedule(block_kv, block_q, stages, saved_statistics=saved, dim_parts=2)
+          for block_kv in (64, 128) for block_q in (32, 64) for stages in (1, 2)),
     )
 )  # fmt: skip
 """Every schedule; those reading saved statistics fit only problems whose forward saved them."""
@@ -295,7 +306,7 @@ def backward_register_estimate(schedule: BackwardSchedule, problem: AttentionBac
         return 2 * 64 * d // 128 + 2 * 64 * schedule.block_q // 128 + 48
     if schedule.warp_pairs:
         return 2 * 32 * (d // 2) // 32 + 2 * 32 * (schedule.block_q // 2) // 32 + 48
-    return 2 * 16 * d // 32 + 2 * 16 * schedule.block_q // 32 + 64
+    return 2 * 16 * (d // schedule.dim_parts) // 32 + 2 * 16 * schedule.block_q // 32 + 64
 
 
 def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBackwardProblem,
@@ -312,6 +323,7 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
                        "runs the forward again (a saved log-sum-exp loses a row the bias masks wholly)")
     if a.softcap:
         reasons.append("a soft cap of the scores: the backward plans none")
+    reasons += _dim_part_problems(schedule, problem)
     if schedule.saved_statistics and problem.saved is None:
         reasons.append("saved statistics: the graph holds no saved output and log-sum-exp of this attention")
     if schedule.wgmma:
@@ -322,7 +334,7 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
         reasons += _warp_pair_problems(schedule, problem)
     row_tiles = schedule.block_q // 16  # the 16-key main pass's dq grid (warp pairs check their own above)
     if not schedule.warp_pairs and (not schedule.wgmma and schedule.warps % row_tiles
-                                    or (a.head_dim // max(1, schedule.warps // row_tiles)) % 16):  # fmt: skip
+                                    or (a.head_dim // schedule.dim_parts // max(1, schedule.warps // row_tiles)) % 16):  # fmt: skip
         reasons.append(f"{schedule.warps} warps do not split a {schedule.block_q} x {a.head_dim} dq tile into 16-column parts")
     reasons += problem.layout_problems()
     smem = backward_smem_bytes(schedule, problem)
@@ -334,6 +346,22 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
     if not schedule.saved_statistics and \
             statistics_smem_bytes(problem, schedule) + SMEM_RESERVED_PER_BLOCK > target.smem_per_block:
         reasons.append(f"the statistics pass's shared memory over {target.name}'s {target.smem_per_block}")
+    return reasons
+
+
+def _dim_part_problems(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> list[str]:
+    """Why ``schedule``'s head-dim parts do not fit ``problem``: one part up to ``MAX_WHOLE_HEAD_DIM``,
+    two past it (whole k16 steps each), on the 16-key ``mma.sync`` main pass only."""
+    d, parts = problem.attention.head_dim, schedule.dim_parts
+    wanted = 1 if d <= MAX_WHOLE_HEAD_DIM else 2
+    if parts != wanted:
+        return [f"{parts} head-dim part(s) at head dim {d} (valid: {wanted}: a 16-key warp holds dk and dv of "
+                f"{MAX_WHOLE_HEAD_DIM} columns at most, and a narrower head dim is not split)"]
+    reasons = []
+    if parts > 1 and (schedule.wgmma or schedule.warp_pairs):
+        reasons.append("head-dim parts: the 16-key mma.sync main pass only")
+    if (d // parts) % 16 or d % parts:
+        reasons.append(f"head dim {d} in {parts} parts of whole k16 steps")
     return reasons
 
 

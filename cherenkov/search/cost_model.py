@@ -514,13 +514,15 @@ causal 0.86x, B2 H32/8 2k causal 0.89x)."""
 def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
     """Predicted time of a flash-attention backward plan: its statistics pass (the forward's
     two products; with saved statistics a pass over O and dO at the memory bandwidth) and main
-    pass (five) at a fixed efficiency, scaled by the tiles and by how evenly its key blocks fill
-    the GPU; reported TFLOP/s count the backward's convention (2.5× the forward)."""
+    pass (five; with head-dim parts the two score products once a part) at a fixed efficiency,
+    scaled by the tiles and by how evenly its key blocks fill the GPU; reported TFLOP/s count the
+    backward's convention (2.5× the forward)."""
     gpu = gpu or GPUS[plan.target.name]
     problem, schedule = plan.problem, plan.schedule
     a = problem.attention
     blocks = main_work_items(schedule, problem) if schedule.persistent else \
-        a.batch * a.kv_heads * -(-a.seq_kv // schedule.block_kv)
+        a.batch * a.kv_heads * -(-a.seq_kv // schedule.block_kv) * schedule.dim_parts
+    main_flops = problem.flops * (3 + 2 * schedule.dim_parts) / 5  # S and dP again for every part
     rounds = math.ceil(blocks / gpu.sms)
     waves = blocks / (rounds * gpu.sms)
     knobs = BACKWARD_BLOCK_FACTOR.get((schedule.block_kv, schedule.block_q), 1.0) * (1.0 if schedule.stages > 1 else 0.9)
@@ -532,9 +534,9 @@ def predict_backward(plan, gpu: GpuSpec | None = None) -> Prediction:
     if schedule.saved_statistics:  # read O and dO, write D and LSE2, zero the dq accumulator
         rows = a.batch * a.heads * a.seq_q
         statistics_ms = rows * (2 * 2 * a.head_dim + 4 * a.head_dim + 12) / (gpu.hbm_tbps * 1e12) * 1e3
-        flops = problem.flops
+        flops = main_flops
     else:
-        statistics_ms, flops = 0.0, problem.flops + a.flops  # the forward recomputed, then the backward proper
+        statistics_ms, flops = 0.0, main_flops + a.flops  # the forward recomputed, then the backward proper
     ms = flops / (gpu.mma_tflops * 1e12 * efficiency) * 1e3 + statistics_ms + 3 * LAUNCH_OVERHEAD_MS
     return Prediction(ms, problem.flops / (ms * 1e9), 1, 1.0, 1.0, 1.0, waves, knobs)
 

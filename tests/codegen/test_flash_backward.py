@@ -313,8 +313,12 @@ def test_emulated_alibi_backward_matches_the_gradient_graph() -> None:
     ((1, 2, 2, 50, 90, 48), False, ("q", "k", "v"), ("kv64_q64_s1",), "fp16"),
     ((1, 4, 2, 40, 64, 112), True, ("q", "k", "v"), ("kv64_q64_s2",), "bf16"),
     ((2, 4, 1, 37, 70, 64), True, ("q", "k", "v"), ("kv64_q32_s2", "kv128_q64_s2_wp"), "bf16"),  # MQA: one K/V head
+    # past head dim 128: a block holds half of dk's, dv's and dq's columns (two head-dim parts)
+    ((2, 4, 2, 37, 70, 256), True, ("q", "k", "v"), ("kv64_q32_s2_dp2",), "bf16"),  # Gemma's D 256, GQA, ragged
+    ((1, 2, 2, 50, 90, 192), False, ("q", "k", "v"), ("kv64_q64_s1_dp2", "kv128_q64_s2_dp2"), "fp16"),
+    ((1, 2, 2, 40, 70, 160), True, ("k", "v"), ("kv64_q64_s1_dp2",), "bf16"),  # parts of 5 k16 steps, no dq
 ], ids=["tails", "causal_gqa", "dk_dv_only", "warp_pairs_causal_gqa", "warp_pairs_d128", "fp16", "d80", "d48_fp16",
-        "d112", "mqa"])  # fmt: skip
+        "d112", "mqa", "d256_parts", "d192_parts_fp16", "d160_parts"])  # fmt: skip
 def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules, dtype) -> None:
     """bf16 and fp16; causal plans also run as launched on a device of 5 multiprocessors: chunks of 2 or 3
     slabs, the last one short (its blocks past the last slab return at once)."""
@@ -399,13 +403,16 @@ GPU_CASES = [
     ((1, 4, 4, 100, 200, 48), False, "fp16"),
     ((1, 2, 2, 130, 70, 112), True, "bf16"),
     ((2, 8, 1, 200, 333, 128), True, "bf16"),  # MQA: one K/V head for all eight query heads
+    ((2, 8, 2, 200, 333, 256), True, "bf16"),  # Gemma's head dim 256: two head-dim parts, GQA, ragged
+    ((1, 4, 4, 150, 260, 192), False, "fp16"),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96", "odd_rows",
                                                                       "fp16_d64_gqa", "d80", "fp16_d48", "d112",
-                                                                      "mqa_causal_ragged"])
+                                                                      "mqa_causal_ragged", "d256_parts_gqa_causal",
+                                                                      "fp16_d192_parts"])
 def test_gpu_backward_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
     """Every ``mma.sync`` schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32
     autograd through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched

@@ -123,14 +123,15 @@ def chunk_slabs(plan: BackwardPlan, sms: int | None) -> int:
 def grids(plan: BackwardPlan, sms: int | None = None) -> dict[str, tuple[tuple[int, int, int], int, int]]:
     """Per launch (``statistics``, ``main``, ``dq``): grid, threads and dynamic shared memory. A
     persistent main pass launches one block an SM (``sms``, the device's count; None: one a work item);
-    a one-tile main pass ``(chunk · key tiles, chunks)`` blocks, ``chunk`` slabs a chunk (:func:`chunk_slabs`)."""
+    a one-tile main pass ``(chunk · key tiles, chunks, head-dim parts)`` blocks, ``chunk`` slabs a chunk
+    (:func:`chunk_slabs`)."""
     a, s = plan.problem.attention, plan.schedule
     if s.persistent:
         items = main_work_items(s, plan.problem)
         main_grid = (min(items, sms) if sms else items, 1, 1)
     else:
         chunk, slabs = chunk_slabs(plan, sms), a.batch * a.kv_heads
-        main_grid = (chunk * -(-a.seq_kv // s.block_kv), -(-slabs // chunk), 1)
+        main_grid = (chunk * -(-a.seq_kv // s.block_kv), -(-slabs // chunk), s.dim_parts)
     # dq: a thread a pair of elements; wgmma: a block a (query tile, 64-column part) of the tiled accumulator
     dq_blocks = (a.batch * a.heads * -(-a.seq_q // s.block_q) * (a.head_dim // 64) if s.wgmma
                  else -(-a.batch * a.heads * a.seq_q * a.head_dim // (2 * DQ_THREADS)))
@@ -401,7 +402,9 @@ def _key_warp_constants(plan: BackwardPlan) -> list[str]:
     row_tiles, column_groups = dq_warp_grid(plan)
     return [
         "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",
-        f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D / {column_groups};  // a warp's part of a dq tile",
+        f"constexpr int DIM_PARTS = {plan.schedule.dim_parts}, D_PART = D / DIM_PARTS;  // head-dim columns of dk, dv, dq "
+        "a block holds",
+        f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D_PART / {column_groups};  // a warp's part of a dq tile",
         "static_assert(DQ_COLUMNS % 16 == 0, \"dq columns in whole ldmatrix pairs\");",
     ]
 
@@ -622,14 +625,16 @@ _DQ_VECTOR_REDUCTIONS = block(
 )
 
 
-_KEY_WARP_ACCUMULATORS = """float dk[D / 8][4], dv[D / 8][4];  // keys 16 warp + g (+ 8) of this block, fp32
+_KEY_WARP_ACCUMULATORS = """// columns d0 .. d0 + D_PART - 1 of dk and dv for keys 16 warp + g (+ 8) of this block, fp32
+const int d0 = int(blockIdx.z) * D_PART;
+float dk[D_PART / 8][4], dv[D_PART / 8][4];
 #pragma unroll
-for (int n = 0; n < D / 8; ++n) {
+for (int n = 0; n < D_PART / 8; ++n) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 }
 const int key[2] = {k0 + 16 * warp + g, k0 + 16 * warp + g + 8};"""
-"""A 16-key warp's dk and dv (all D columns) and its two keys."""
+"""A 16-key warp's dk and dv (the block's head-dim part) and its two keys."""
 
 _KEY_WARP_STEP = """// S^T = K Q^T: 16 keys x BLOCK_Q queries
 float s[BLOCK_Q / 8][4];
@@ -650,9 +655,9 @@ if (WANT_DV) {  // dv += P^T dO
         u32 a[4];
         accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
         #pragma unroll
-        for (int c = 0; c < D / 16; ++c) {
+        for (int c = 0; c < D_PART / 16; ++c) {
             u32 b[4];
-            load_b_cols(b, tdo, ROW, kk, 16 * c, lane);
+            load_b_cols(b, tdo, ROW, kk, d0 + 16 * c, lane);
             mma_16816(dv[2 * c], a, b[0], b[1]);
             mma_16816(dv[2 * c + 1], a, b[2], b[3]);
         }
@@ -673,9 +678,9 @@ if (WANT_DQ || WANT_DK) {
         accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
         if (WANT_DK) {  // dk += dS^T Q
             #pragma unroll
-            for (int c = 0; c < D / 16; ++c) {
+            for (int c = 0; c < D_PART / 16; ++c) {
                 u32 b[4];
-                load_b_cols(b, tq, ROW, kk, 16 * c, lane);
+                load_b_cols(b, tq, ROW, kk, d0 + 16 * c, lane);
                 mma_16816(dk[2 * c], a, b[0], b[1]);
                 mma_16816(dk[2 * c + 1], a, b[2], b[3]);
             }
@@ -690,10 +695,10 @@ if (WANT_DQ || WANT_DK) {
         }
     }
 }
-if (WANT_DQ) {  // dq (BLOCK_Q x D) += dS K, warps over (row tile, column group), atomics
+if (WANT_DQ) {  // dq (BLOCK_Q x D_PART) += dS K, warps over (row tile, column group), atomics
     __syncthreads();
-    const int r0 = 16 * (warp % DQ_ROW_TILES), c0 = (warp / DQ_ROW_TILES) * DQ_COLUMNS;
-    if (warp < DQ_ROW_TILES * (D / DQ_COLUMNS)) {
+    const int r0 = 16 * (warp % DQ_ROW_TILES), c0 = d0 + (warp / DQ_ROW_TILES) * DQ_COLUMNS;
+    if (warp < DQ_ROW_TILES * (D_PART / DQ_COLUMNS)) {
         float acc[DQ_COLUMNS / 8][4];
         #pragma unroll
         for (int n = 0; n < DQ_COLUMNS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -715,13 +720,13 @@ if (WANT_DQ) {  // dq (BLOCK_Q x D) += dS K, warps over (row tile, column group)
 }"""
 """One step of the one-warp-per-16-keys main pass (the loop body after the step's tiles are found)."""
 
-_KEY_WARP_EPILOGUE = """// dk * SCALE and dv, rounded, at their strides
+_KEY_WARP_EPILOGUE = """// dk * SCALE and dv (the block's head-dim part), rounded, at their strides
 #pragma unroll
-for (int n = 0; n < D / 8; ++n) {
+for (int n = 0; n < D_PART / 8; ++n) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (key[h] >= SEQ_KV) continue;
-        const int d = 8 * n + 2 * t;
+        const int d = d0 + 8 * n + 2 * t;
         if (WANT_DK) {
             *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
                 = pack2(dk[n][2 * h] * SCALE, dk[n][2 * h + 1] * SCALE);
