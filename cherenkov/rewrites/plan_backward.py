@@ -248,7 +248,7 @@ def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardPr
     dSᵀ (keys × queries) for dq's
     product (warp pairs: and Pᵀ; ``wgmma``: unpadded swizzled tiles, plus slack to align them; a one-tile block keeps two
     dSᵀ tiles, by step parity, and an mbarrier a stage that its copies arrive on)."""
-    d = problem.attention.head_dim
+    d, dv = problem.attention.head_dim, problem.attention.v_dim
     element = 2
     if schedule.wgmma:
         kv_buffers, ds_buffers = (2, 1) if schedule.persistent else (1, 2)
@@ -256,9 +256,10 @@ def backward_smem_bytes(schedule: BackwardSchedule, problem: AttentionBackwardPr
         tiles = (2 * kv_buffers * schedule.block_kv + 2 * schedule.stages * schedule.block_q) * d * element
         return tiles + ds_buffers * schedule.block_kv * schedule.block_q * element \
             + 2 * 4 * schedule.stages * schedule.block_q + barriers + SWIZZLE_ALIGN
-    kv = 2 * schedule.block_kv * row_elements(d) * element
+    kv = schedule.block_kv * (row_elements(d) + row_elements(dv)) * element
     row_floats = 3 if problem.attention.bias is not None else 2  # log-sum-exp (bias: max and log2 sum), D
-    streamed = schedule.stages * (2 * schedule.block_q * row_elements(d) * element + row_floats * 4 * schedule.block_q)
+    streamed = schedule.stages * (schedule.block_q * (row_elements(d) + row_elements(dv)) * element
+                                  + row_floats * 4 * schedule.block_q)
     ds = schedule.block_kv * (schedule.block_q + PAD) * element
     return kv + streamed + (2 if schedule.warp_pairs else 1) * ds
 
@@ -289,14 +290,14 @@ def statistics_smem_bytes(problem: AttentionBackwardProblem, schedule: BackwardS
     """Dynamic shared memory of the statistics pass: a q and a dO tile, one K and one V tile
     (``wgmma``: a swizzled q tile and ``WGMMA_STATISTICS_BUFFERS`` buffers of K and V, plus slack
     to align them)."""
-    d = problem.attention.head_dim
+    d, dv = problem.attention.head_dim, problem.attention.v_dim
     if schedule.wgmma:
         return (WGMMA_STATISTICS_ROWS + 2 * WGMMA_STATISTICS_BUFFERS * WGMMA_STATISTICS_KEYS) * d * 2 + SWIZZLE_ALIGN
-    return (2 * STATISTICS_ROWS + 2 * STATISTICS_KEYS) * row_elements(d) * 2
+    return (STATISTICS_ROWS + STATISTICS_KEYS) * (row_elements(d) + row_elements(dv)) * 2
 
 
 def backward_register_estimate(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> int:
-    """Registers a thread of the main pass holds: dk and dv (16 keys × D each, over 32 lanes),
+    """Registers a thread of the main pass holds: dk and dv (16 keys × D and × Dv, or a head-dim part of each, over 32 lanes),
     Sᵀ and dPᵀ (16 keys × block_q), and ~64 for addresses and fragments (D 128 with 64-query
     tiles spills: 256). ``wgmma``: the same per 64 keys over a warpgroup's 128 threads, and ~48
     more (D 128: 240, no spills). Warp pairs: dk and dv of 32 keys × D/2, Sᵀ and dPᵀ of 32 keys × 32
@@ -306,7 +307,8 @@ def backward_register_estimate(schedule: BackwardSchedule, problem: AttentionBac
         return 2 * 64 * d // 128 + 2 * 64 * schedule.block_q // 128 + 48
     if schedule.warp_pairs:
         return 2 * 32 * (d // 2) // 32 + 2 * 32 * (schedule.block_q // 2) // 32 + 48
-    return 2 * 16 * (d // schedule.dim_parts) // 32 + 2 * 16 * schedule.block_q // 32 + 64
+    dk_dv = (d + problem.attention.v_dim) // schedule.dim_parts
+    return 16 * dk_dv // 32 + 2 * 16 * schedule.block_q // 32 + 64
 
 
 def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBackwardProblem,
@@ -314,8 +316,10 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
     """Why ``schedule`` cannot run ``problem`` on ``target``; empty when it can."""
     a = problem.attention
     reasons = []
-    if a.head_dim not in BACKWARD_HEAD_DIMS or a.value_dim:
-        reasons.append(f"head dims {a.head_dim}/{a.v_dim}: the backward plans one head dim of {BACKWARD_HEAD_DIMS}")
+    if a.head_dim not in BACKWARD_HEAD_DIMS or a.v_dim not in BACKWARD_HEAD_DIMS:
+        reasons.append(f"head dims {a.head_dim}/{a.v_dim}: the backward plans head dims of {BACKWARD_HEAD_DIMS}")
+    if a.value_dim and (schedule.wgmma or schedule.warp_pairs):
+        reasons.append(f"v's head dim {a.v_dim} apart from q's {a.head_dim}: the 16-key mma.sync main pass only")
     if a.dtype not in BACKWARD_DTYPES:
         reasons.append(f"dtype {a.dtype}: the backward plans {BACKWARD_DTYPES}")
     if a.bias is not None and (schedule.wgmma or schedule.warp_pairs or schedule.saved_statistics):
@@ -352,16 +356,17 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
 def _dim_part_problems(schedule: BackwardSchedule, problem: AttentionBackwardProblem) -> list[str]:
     """Why ``schedule``'s head-dim parts do not fit ``problem``: one part up to ``MAX_WHOLE_HEAD_DIM``,
     two past it (whole k16 steps each), on the 16-key ``mma.sync`` main pass only."""
-    d, parts = problem.attention.head_dim, schedule.dim_parts
-    wanted = 1 if d <= MAX_WHOLE_HEAD_DIM else 2
+    d, dv, parts = problem.attention.head_dim, problem.attention.v_dim, schedule.dim_parts
+    wanted = 1 if max(d, dv) <= MAX_WHOLE_HEAD_DIM else 2
     if parts != wanted:
-        return [f"{parts} head-dim part(s) at head dim {d} (valid: {wanted}: a 16-key warp holds dk and dv of "
-                f"{MAX_WHOLE_HEAD_DIM} columns at most, and a narrower head dim is not split)"]
+        return [f"{parts} head-dim part(s) at head dims {d}/{dv} (valid: {wanted}: a 16-key warp holds dk and dv of "
+                f"{MAX_WHOLE_HEAD_DIM} columns at most, and narrower head dims are not split)"]
     reasons = []
     if parts > 1 and (schedule.wgmma or schedule.warp_pairs):
         reasons.append("head-dim parts: the 16-key mma.sync main pass only")
-    if (d // parts) % 16 or d % parts:
-        reasons.append(f"head dim {d} in {parts} parts of whole k16 steps")
+    for dim in {d, dv}:
+        if dim % parts or (dim // parts) % 16:
+            reasons.append(f"head dim {dim} in {parts} parts of whole k16 steps")
     return reasons
 
 

@@ -296,7 +296,7 @@ def backward_reference(problem: AttentionBackwardProblem, stored: Mapping[str, A
 
     a = problem.attention
     leaves = {role: operand_view(a, role, stored[a.name(role)]).float().detach().requires_grad_(True) for role in "qkv"}
-    grad_output = _strided(stored[problem.grad_output], problem.grad_output_layout, a.logical_shape("q")).float()
+    grad_output = _strided(stored[problem.grad_output], problem.grad_output_layout, a.logical_shape("o")).float()
     mask = _sdpa_mask(a, stored, torch.float32)
     with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
         o = torch.nn.functional.scaled_dot_product_attention(
@@ -346,7 +346,7 @@ def fill_saved_statistics(problem: AttentionBackwardProblem, stored: Mapping[str
     a saved-statistics backward reads are then those its forward would have saved."""
     a, saved = problem.attention, problem.saved
     out, lse = attention_statistics(a, *(operand_view(a, role, stored[a.name(role)]) for role in "qkv"))
-    _strided(stored[saved.o], saved.o_layout, a.logical_shape("q")).copy_(out)
+    _strided(stored[saved.o], saved.o_layout, a.logical_shape("o")).copy_(out)
     _lse_view(stored[saved.lse], saved.lse_layout, a.logical_shape("q")[:3]).copy_(lse)
 
 

@@ -20,11 +20,14 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to em
 
 
 def gradient_graph(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, dim: int, causal: bool,
-                   dtype: str = "bf16", wrt: tuple[str, ...] = ("q", "k", "v"), saved: bool = False) -> ck.Graph:  # fmt: skip
-    """``ck.grad`` of ``ck.nn.attention`` at these sizes (``saved``: its output and log-sum-exp saved)."""
+                   dtype: str = "bf16", wrt: tuple[str, ...] = ("q", "k", "v"), saved: bool = False,
+                   value_dim: int | None = None) -> ck.Graph:  # fmt: skip
+    """``ck.grad`` of ``ck.nn.attention`` at these sizes (``saved``: its output and log-sum-exp saved;
+    ``value_dim``: v's head dim, where it differs from q's and k's)."""
     g = ck.Graph("attention")
     q = g.input("q", (batch, heads, seq_q, dim), dtype)
-    k, v = (g.input(n, (batch, kv_heads, seq_kv, dim), dtype) for n in "kv")
+    k = g.input("k", (batch, kv_heads, seq_kv, dim), dtype)
+    v = g.input("v", (batch, kv_heads, seq_kv, value_dim or dim), dtype)
     if not saved:
         g.output(ck.nn.attention(q, k, v, causal=causal), "o")
         return ck.grad(g, wrt=wrt)
@@ -331,6 +334,26 @@ def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedu
         assert_gradients_match(got, expected, wrt, f"{key} ({sms} SMs)")
 
 
+@needs_gxx
+@pytest.mark.parametrize(("sizes", "value_dim", "causal", "schedules"), [
+    ((2, 4, 2, 37, 70, 64), 32, True, ("kv64_q32_s2", "kv128_q64_s1")),  # GQA, ragged: V narrower than q, k
+    ((1, 2, 2, 50, 90, 192), 128, False, ("kv64_q32_s1_dp2",)),  # MLA's 192/128: two head-dim parts of each
+    ((1, 2, 2, 40, 70, 48), 32, True, ("kv64_q64_s2",)),  # DeepSeek's small 48/32
+    ((1, 2, 2, 40, 64, 64), 128, False, ("kv64_q32_s1",)),  # V wider than q, k
+], ids=["d64_v32_gqa_causal", "mla_192_128_parts", "d48_v32", "d64_v128"])  # fmt: skip
+def test_emulated_backward_with_its_own_value_dim_matches_the_gradient_graph(sizes, value_dim, causal,
+                                                                            schedules) -> None:  # fmt: skip
+    """v's head dim apart from q's and k's (the 16-key main pass: dv and dP over Dv, dk, dq and S over D)."""
+    gg = gradient_graph(*sizes, causal=causal, value_dim=value_dim)
+    inputs = _inputs(gg)
+    expected = ck.evaluate(gg, inputs)
+    plans = {p.schedule.key(): p for p in backward_plans(gg)}
+    assert not any(p.schedule.wgmma or p.schedule.warp_pairs for p in backward_plans(gg, "sm_90a"))
+    for key in schedules:
+        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"])
+        assert_gradients_match(got, expected, ("q", "k", "v"), key)
+
+
 def test_warp_pair_main_pass_is_offered_where_its_tiles_fit() -> None:
     """Warp pairs take head dims 64 and 128 on every target whose shared memory holds 128 keys, two 64-query
     stages (sm_80 at D 128: one) and the Pᵀ and dSᵀ tiles; sm_120's 99 KB only D 64's one-stage schedule."""
@@ -427,6 +450,17 @@ WGMMA_GPU_CASES = [
     ((2, 8, 2, 200, 333, 64), True, ("q", "k", "v")),  # D 64: dq over each warpgroup's keys
     ((1, 4, 4, 300, 200, 64), True, ("k", "v")),  # Sq > Skv, no dq
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "value_dim", "causal"), [((2, 8, 2, 200, 333, 192), 128, True),
+                                                          ((1, 4, 4, 150, 260, 64), 32, False)],
+                         ids=["mla_192_128_gqa_causal", "d64_v32"])  # fmt: skip
+def test_gpu_backward_with_its_own_value_dim_matches_float32_autograd(sizes, value_dim, causal, cuda_device,
+                                                                     kernel_cache) -> None:  # fmt: skip
+    """v's head dim apart from q's and k's, every schedule, every gradient against float32 autograd."""
+    plans = backward_plans(gradient_graph(*sizes, causal=causal, value_dim=value_dim))
+    _check_against_autograd(plans, "bf16", cuda_device, kernel_cache)
 
 
 @pytest.mark.gpu

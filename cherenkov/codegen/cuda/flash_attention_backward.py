@@ -288,46 +288,50 @@ def _helpers() -> str:
         #endif
         }
 
-        // Copy `rows` rows of D elements (row `r` at src + r * stride) into a padded shared tile;
-        // rows at or past `valid` are zero-filled (nothing read). All threads of the block take part.
-        template <int ROWS, int THREADS_>
+        // Copy `rows` rows of WIDTH elements (row `r` at src + r * stride) into a padded shared tile
+        // (rows of WIDTH + PAD); rows at or past `valid` are zero-filled (nothing read). All threads of
+        // the block take part.
+        template <int ROWS, int THREADS_, int WIDTH = D>
         __device__ __forceinline__ void load_rows(elem_t* tile, const elem_t* src, size_t stride, int valid) {
+            constexpr int ROW_CHUNKS = WIDTH / 8;  // 16-byte chunks of a row
             #pragma unroll
-            for (int c = int(threadIdx.x); c < ROWS * CHUNKS; c += THREADS_) {
-                const int row = c / CHUNKS, chunk = c % CHUNKS;
+            for (int c = int(threadIdx.x); c < ROWS * ROW_CHUNKS; c += THREADS_) {
+                const int row = c / ROW_CHUNKS, chunk = c % ROW_CHUNKS;
                 const bool in_range = row < valid;
-                cp_async_16(smem_address(tile + row * ROW + 8 * chunk), in_range ? src + row * stride + 8 * chunk : src,
-                            in_range);
+                cp_async_16(smem_address(tile + row * (WIDTH + PAD) + 8 * chunk),
+                            in_range ? src + row * stride + 8 * chunk : src, in_range);
             }
         }
 
-        // A operand (16 rows x k16 at k-step kk) of a padded tile, rows [row0, row0 + 16).
-        __device__ __forceinline__ void load_a(u32 (&a)[4], const elem_t* tile, int row0, int kk, int lane) {
-            ldmatrix_x4(a, smem_address(tile + (row0 + (lane & 15)) * ROW + 16 * kk + 8 * (lane >> 4)));
+        // A operand (16 rows x k16 at k-step kk) of a padded tile of `row_elements` a row, rows [row0, row0 + 16).
+        __device__ __forceinline__ void load_a(u32 (&a)[4], const elem_t* tile, int row0, int kk, int lane,
+                                               int row_elements = ROW) {
+            ldmatrix_x4(a, smem_address(tile + (row0 + (lane & 15)) * row_elements + 16 * kk + 8 * (lane >> 4)));
         }
 
         // B operands of the n8 tiles of rows [row0, row0 + 8) and [row0 + 8, row0 + 16) of a tile whose
         // rows are the mma's n and columns its k (k-step kk): b[0..1] the first tile, b[2..3] the second.
-        __device__ __forceinline__ void load_b_rows(u32 (&b)[4], const elem_t* tile, int row0, int kk, int lane) {
+        __device__ __forceinline__ void load_b_rows(u32 (&b)[4], const elem_t* tile, int row0, int kk, int lane,
+                                                    int row_elements = ROW) {
             const int row = row0 + (lane & 7) + ((lane >> 4) << 3);
-            ldmatrix_x4(b, smem_address(tile + row * ROW + 16 * kk + 8 * ((lane >> 3) & 1)));
+            ldmatrix_x4(b, smem_address(tile + row * row_elements + 16 * kk + 8 * ((lane >> 3) & 1)));
         }
 
-        // acc = A B^T over the head dim, fp32: rows [row0, row0 + 16) of tile `a` against the N rows of
-        // tile `b` (both padded tiles of D columns), as N / 8 n8 accumulator tiles.
-        template <int N>
+        // acc = A B^T over a head dim, fp32: rows [row0, row0 + 16) of tile `a` against the N rows of
+        // tile `b` (both padded tiles of WIDTH columns: q, k's D or v, dO's DV), as N / 8 n8 accumulator tiles.
+        template <int N, int WIDTH = D>
         __device__ __forceinline__ void rows_times_rows(float (&acc)[N / 8][4], const elem_t* a_tile, int row0,
                                                         const elem_t* b_tile, int lane) {
             #pragma unroll
             for (int n = 0; n < N / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
             #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
+            for (int kk = 0; kk < WIDTH / 16; ++kk) {
                 u32 a[4];
-                load_a(a, a_tile, row0, kk, lane);
+                load_a(a, a_tile, row0, kk, lane, WIDTH + PAD);
                 #pragma unroll
                 for (int p = 0; p < N / 16; ++p) {
                     u32 b[4];
-                    load_b_rows(b, b_tile, 16 * p, kk, lane);
+                    load_b_rows(b, b_tile, 16 * p, kk, lane, WIDTH + PAD);
                     mma_16816(acc[2 * p], a, b[0], b[1]);
                     mma_16816(acc[2 * p + 1], a, b[2], b[3]);
                 }
@@ -367,7 +371,7 @@ def _constants(plan: BackwardPlan) -> str:
         f"#define CK_BF16 {int(a.dtype == 'bf16')}",
         f"constexpr int BATCH = {a.batch}, HEADS = {a.heads}, GROUP = {a.group_size};  // query heads a K/V head serves",
         "constexpr int KV_HEADS = HEADS / GROUP, SLABS = BATCH * KV_HEADS;  // slab: one (batch, K/V head)",
-        f"constexpr int SEQ_Q = {a.seq_q}, SEQ_KV = {a.seq_kv}, D = {a.head_dim};",
+        f"constexpr int SEQ_Q = {a.seq_q}, SEQ_KV = {a.seq_kv}, D = {a.head_dim}, DV = {a.v_dim};  // q, k; v, o, dO",
         f"constexpr bool CAUSAL = {bool_literal(a.causal)};  // query i sees keys j <= i",
         f"constexpr float SCALE = {float_literal(scale)};  // of the scores",
         f"constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scores to log2 units",
@@ -378,8 +382,8 @@ def _constants(plan: BackwardPlan) -> str:
         _strides("DO", p.grad_output_layout),
         *(_strides(role.upper(), (gradient[role] or unused).layout if gradient[role] else unused)
           for role in gradient),
-        f"constexpr int ROW = D + {PAD};  // padded shared-memory row (elements)",
-        "constexpr int CHUNKS = D / 8;  // 16-byte chunks of a row",
+        f"constexpr int PAD = {PAD}, ROW = D + PAD, ROW_V = DV + PAD;  // padded shared-memory rows (elements): q, k; v, dO",
+        "constexpr int CHUNKS = D / 8;  // 16-byte chunks of a q or k row",
         f"constexpr int STAT_ROWS = {statistics_rows(s)};  // query rows of a statistics block",
         *([] if s.wgmma else [f"constexpr int STAT_KEYS = {STATISTICS_KEYS}, STAT_THREADS = {STATISTICS_THREADS};"]),
         f"constexpr int BLOCK_KV = {s.block_kv}, BLOCK_Q = {s.block_q}, STAGES = {s.stages};",
@@ -393,7 +397,7 @@ def _constants(plan: BackwardPlan) -> str:
         attention_mask.emit_mask_constants(a, LOG2E, "log2 e: the scores' log2 units"),
         *(_saved_constants(plan) if s.saved_statistics else []),
         f"constexpr int DQ_THREADS = {DQ_THREADS}, DQ_BLOCKS = {grids(plan)['dq'][0][0]};  // the dq launch",
-        "static_assert(D % 16 == 0, \"head dims in whole k16 steps\");",
+        "static_assert(D % 16 == 0 && DV % 16 == 0, \"head dims in whole k16 steps\");",
     ])  # fmt: skip
 
 
@@ -402,8 +406,8 @@ def _key_warp_constants(plan: BackwardPlan) -> list[str]:
     row_tiles, column_groups = dq_warp_grid(plan)
     return [
         "constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T row (elements)",
-        f"constexpr int DIM_PARTS = {plan.schedule.dim_parts}, D_PART = D / DIM_PARTS;  // head-dim columns of dk, dv, dq "
-        "a block holds",
+        f"constexpr int DIM_PARTS = {plan.schedule.dim_parts};  // head-dim parts of dk, dv, dq: a block holds one",
+        "constexpr int D_PART = D / DIM_PARTS, DV_PART = DV / DIM_PARTS;  // its columns of dk, dq; of dv",
         f"constexpr int DQ_ROW_TILES = {row_tiles}, DQ_COLUMNS = D_PART / {column_groups};  // a warp's part of a dq tile",
         "static_assert(DQ_COLUMNS % 16 == 0, \"dq columns in whole ldmatrix pairs\");",
     ]
@@ -439,7 +443,7 @@ def _saved_statistics_kernel(name: str) -> str:
                 const elem_t* drow = dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD + s * DO_SEQ;
                 float delta = 0.0f;
                 #pragma unroll
-                for (int pair = lane; pair < D / 2; pair += 32) {
+                for (int pair = lane; pair < DV / 2; pair += 32) {
                     const u32 x = *reinterpret_cast<const u32*>(orow + 2 * pair);
                     const u32 y = *reinterpret_cast<const u32*>(drow + 2 * pair);
                     delta += to_float(elem_t(x & 0xFFFFu)) * to_float(elem_t(y & 0xFFFFu))
@@ -489,7 +493,7 @@ def _statistics_source(name: str) -> str:
             extern __shared__ __align__(16) unsigned char smem[];
             elem_t* sQ = reinterpret_cast<elem_t*>(smem);
             elem_t* sDO = sQ + STAT_ROWS * ROW;
-            elem_t* sK = sDO + STAT_ROWS * ROW;
+            elem_t* sK = sDO + STAT_ROWS * ROW_V;
             elem_t* sV = sK + STAT_KEYS * ROW;
             const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
             const int q0 = blockIdx.x * STAT_ROWS, head = blockIdx.y, batch = blockIdx.z, kv_head = head / GROUP;
@@ -498,22 +502,22 @@ def _statistics_source(name: str) -> str:
             const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
             const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
             load_rows<STAT_ROWS, STAT_THREADS>(sQ, qh + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
-            load_rows<STAT_ROWS, STAT_THREADS>(sDO, doh + q0 * DO_SEQ, DO_SEQ, SEQ_Q - q0);
+            load_rows<STAT_ROWS, STAT_THREADS, DV>(sDO, doh + q0 * DO_SEQ, DO_SEQ, SEQ_Q - q0);
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
             u32 qa[D / 16][4];  // this warp's 16 query rows as A operands
             #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], sQ, 16 * warp, kk, lane);
-            float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[D / 8][4];
+            float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[DV / 8][4];
             #pragma unroll
-            for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+            for (int n = 0; n < DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
             const int row[2] = {q0 + 16 * warp + g, q0 + 16 * warp + g + 8};@BIAS_ROWS@
             const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
             for (int k0 = 0; k0 < keys; k0 += STAT_KEYS) {
                 __syncthreads();  // every warp is done with the previous K and V tiles
                 load_rows<STAT_KEYS, STAT_THREADS>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
-                load_rows<STAT_KEYS, STAT_THREADS>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
+                load_rows<STAT_KEYS, STAT_THREADS, DV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
                 cp_async_commit();
                 cp_async_wait<0>();
                 __syncthreads();
@@ -545,7 +549,7 @@ def _statistics_source(name: str) -> str:
                 float rescale[2], shift[2];
                 advance_row_max(m, l, tile_max, rescale, shift);
                 #pragma unroll
-                for (int n = 0; n < D / 8; ++n) {
+                for (int n = 0; n < DV / 8; ++n) {
                     o[n][0] *= rescale[0]; o[n][1] *= rescale[0]; o[n][2] *= rescale[1]; o[n][3] *= rescale[1];
                 }
                 #pragma unroll
@@ -562,9 +566,9 @@ def _statistics_source(name: str) -> str:
                     u32 a[4];
                     accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
                     #pragma unroll
-                    for (int c = 0; c < D / 16; ++c) {
+                    for (int c = 0; c < DV / 16; ++c) {
                         u32 b[4];
-                        load_b_cols(b, sV, ROW, kk, 16 * c, lane);
+                        load_b_cols(b, sV, ROW_V, kk, 16 * c, lane);
                         mma_16816(o[2 * c], a, b[0], b[1]);
                         mma_16816(o[2 * c + 1], a, b[2], b[3]);
                     }
@@ -574,11 +578,11 @@ def _statistics_source(name: str) -> str:
             float delta[2] = {0.0f, 0.0f}, inverse[2];
             finish_row_sums(l, inverse);
             #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
+            for (int n = 0; n < DV / 8; ++n) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = 16 * warp + g + 8 * (e >> 1), d = 8 * n + 2 * t + (e & 1);
-                    delta[e >> 1] += o[n][e] * inverse[e >> 1] * to_float(sDO[r * ROW + d]);
+                    delta[e >> 1] += o[n][e] * inverse[e >> 1] * to_float(sDO[r * ROW_V + d]);
                 }
             }
             const size_t base = (size_t(batch) * HEADS + head) * SEQ_Q;
@@ -625,13 +629,19 @@ _DQ_VECTOR_REDUCTIONS = block(
 )
 
 
-_KEY_WARP_ACCUMULATORS = """// columns d0 .. d0 + D_PART - 1 of dk and dv for keys 16 warp + g (+ 8) of this block, fp32
-const int d0 = int(blockIdx.z) * D_PART;
-float dk[D_PART / 8][4], dv[D_PART / 8][4];
+_KEY_WARP_ACCUMULATORS = """// columns d0 .. d0 + D_PART - 1 of dk (and of dq), dv0 .. dv0 + DV_PART - 1 of dv, for keys
+// 16 warp + g (+ 8) of this block, fp32
+const int d0 = int(blockIdx.z) * D_PART, dv0 = int(blockIdx.z) * DV_PART;
+float dk[D_PART / 8][4], dv[DV_PART / 8][4];
 #pragma unroll
 for (int n = 0; n < D_PART / 8; ++n) {
     #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) dk[n][e] = 0.0f;
+}
+#pragma unroll
+for (int n = 0; n < DV_PART / 8; ++n) {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) dv[n][e] = 0.0f;
 }
 const int key[2] = {k0 + 16 * warp + g, k0 + 16 * warp + g + 8};"""
 """A 16-key warp's dk and dv (the block's head-dim part) and its two keys."""
@@ -655,9 +665,9 @@ if (WANT_DV) {  // dv += P^T dO
         u32 a[4];
         accumulators_as_a(a, s[2 * kk], s[2 * kk + 1]);
         #pragma unroll
-        for (int c = 0; c < D_PART / 16; ++c) {
+        for (int c = 0; c < DV_PART / 16; ++c) {
             u32 b[4];
-            load_b_cols(b, tdo, ROW, kk, d0 + 16 * c, lane);
+            load_b_cols(b, tdo, ROW_V, kk, dv0 + 16 * c, lane);
             mma_16816(dv[2 * c], a, b[0], b[1]);
             mma_16816(dv[2 * c + 1], a, b[2], b[3]);
         }
@@ -666,7 +676,7 @@ if (WANT_DV) {  // dv += P^T dO
 if (WANT_DQ || WANT_DK) {
     // dP^T = V dO^T, then dS^T = P^T (dP^T - D) (in s)
     float dp[BLOCK_Q / 8][4];
-    rows_times_rows<BLOCK_Q>(dp, sV, 16 * warp, tdo, lane);
+    rows_times_rows<BLOCK_Q, DV>(dp, sV, 16 * warp, tdo, lane);
     #pragma unroll
     for (int n = 0; n < BLOCK_Q / 8; ++n) {
         #pragma unroll
@@ -720,18 +730,24 @@ if (WANT_DQ) {  // dq (BLOCK_Q x D_PART) += dS K, warps over (row tile, column g
 }"""
 """One step of the one-warp-per-16-keys main pass (the loop body after the step's tiles are found)."""
 
-_KEY_WARP_EPILOGUE = """// dk * SCALE and dv (the block's head-dim part), rounded, at their strides
+_KEY_WARP_EPILOGUE = """// dk * SCALE and dv (the block's head-dim parts), rounded, at their strides
 #pragma unroll
 for (int n = 0; n < D_PART / 8; ++n) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        if (key[h] >= SEQ_KV) continue;
         const int d = d0 + 8 * n + 2 * t;
-        if (WANT_DK) {
+        if (WANT_DK && key[h] < SEQ_KV) {
             *reinterpret_cast<u32*>(dk_out + DK_OFFSET + batch * DK_BATCH + kv_head * DK_HEAD + key[h] * DK_SEQ + d)
                 = pack2(dk[n][2 * h] * SCALE, dk[n][2 * h + 1] * SCALE);
         }
-        if (WANT_DV) {
+    }
+}
+#pragma unroll
+for (int n = 0; n < DV_PART / 8; ++n) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int d = dv0 + 8 * n + 2 * t;
+        if (WANT_DV && key[h] < SEQ_KV) {
             *reinterpret_cast<u32*>(dv_out + DV_OFFSET + batch * DV_BATCH + kv_head * DV_HEAD + key[h] * DV_SEQ + d)
                 = pack2(dv[n][2 * h], dv[n][2 * h + 1]);
         }
@@ -745,9 +761,9 @@ _MAIN_KERNEL = """
             extern __shared__ __align__(16) unsigned char smem[];
             elem_t* sK = reinterpret_cast<elem_t*>(smem);
             elem_t* sV = sK + BLOCK_KV * ROW;
-            elem_t* sQ = sV + BLOCK_KV * ROW;             // STAGES tiles of BLOCK_Q rows
-            elem_t* sDO = sQ + STAGES * BLOCK_Q * ROW;    // STAGES tiles of BLOCK_Q rows
-            float* sLse = reinterpret_cast<float*>(sDO + STAGES * BLOCK_Q * ROW);  // STAGES x BLOCK_Q
+            elem_t* sQ = sV + BLOCK_KV * ROW_V;           // STAGES tiles of BLOCK_Q rows
+            elem_t* sDO = sQ + STAGES * BLOCK_Q * ROW;    // STAGES tiles of BLOCK_Q rows (of ROW_V)
+            float* sLse = reinterpret_cast<float*>(sDO + STAGES * BLOCK_Q * ROW_V);  // STAGES x BLOCK_Q
             float* sDelta = sLse + STAGES * BLOCK_Q;
             elem_t* sDs = reinterpret_cast<elem_t*>(sDelta + STAGES * BLOCK_Q);  // BLOCK_KV x DS_ROW: dS^T
             @P_TILE@
@@ -760,7 +776,7 @@ _MAIN_KERNEL = """
             const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
             const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
             load_rows<BLOCK_KV, THREADS>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
-            load_rows<BLOCK_KV, THREADS>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
+            load_rows<BLOCK_KV, THREADS, DV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
             // the query tiles that see these keys, for each query head of the group: the steps
             const int first = CAUSAL ? k0 / BLOCK_Q : 0;
             const int tiles = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q - first;
@@ -775,7 +791,7 @@ _MAIN_KERNEL = """
                 load_rows<BLOCK_Q, THREADS>(sQ + stage * BLOCK_Q * ROW,
                                             q + Q_OFFSET + batch * Q_BATCH + head * Q_HEAD + q0 * Q_SEQ, Q_SEQ,
                                             SEQ_Q - q0);
-                load_rows<BLOCK_Q, THREADS>(sDO + stage * BLOCK_Q * ROW,
+                load_rows<BLOCK_Q, THREADS, DV>(sDO + stage * BLOCK_Q * ROW_V,
                                             dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD + q0 * DO_SEQ, DO_SEQ,
                                             SEQ_Q - q0);
                 const size_t rows = (size_t(batch) * HEADS + head) * SEQ_Q + q0;
@@ -803,7 +819,7 @@ _MAIN_KERNEL = """
                 if (STAGES > 1 && step + 1 < steps) load_step(step + 1);
                 cp_async_commit();
                 const elem_t* tq = sQ + stage * BLOCK_Q * ROW;
-                const elem_t* tdo = sDO + stage * BLOCK_Q * ROW;
+                const elem_t* tdo = sDO + stage * BLOCK_Q * ROW_V;
                 const float* tlse = sLse + stage * BLOCK_Q;
                 const float* tdelta = sDelta + stage * BLOCK_Q;
                 @BIAS_TILE@
