@@ -90,9 +90,12 @@ RULES = (
     Rule(
         "additive-mask-bias",
         "s + where(c, −∞, b) = where(c, −∞, s + b) for finite s: a mask tensor that carries a bias beside its −∞ "
-        "(ALiBi's slopes times positions, causally filled)",
+        "(ALiBi's slopes times positions, causally filled) whose axes the scores s all have (not a softmax's "
+        "shift −max_j s, which has no key axis)",
         lhs="(Add s (Where c (Num -inf) b))",
         rhs="(Where c (Num -inf) (Add s b))",
+        where=("(= axes-s (axes s))", "(= axes-b (axes b))", "(> (set-length axes-b) 0)",
+               "(= axes-s (set-union axes-s axes-b))"),
         example=Example(("Add", s, ("Where", condition, ("Num", -math.inf), t))),
     ),
     Rule(
