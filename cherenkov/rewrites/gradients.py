@@ -95,7 +95,7 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
             where=form.facts,
             example=Example(("Contract", "i:3", 3, _recomputed_example(form.score_example), do2)),
         ))
-        if not form.biased:
+        if form.bias is None:
             continue
         live = f"(Lt (Num -inf) (Max j nj {form.score}))"
         rules.append(Rule(

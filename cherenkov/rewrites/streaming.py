@@ -75,16 +75,18 @@ CAUSAL_CONDITION = "(Lt (Iota iq) (Iota (Ax j)))"
 @dataclass(frozen=True)
 class ScoreForm:
     """Attention's scores ``c·Σ_d q·k`` under one mask flash attention takes: ``suffix`` of the
-    rules' names, the ``score`` pattern, the ``mask`` term its flash forms carry, the ``facts``
-    of a computed bias, and examples of both (``SCALE`` 0.5, ``i:3, j:7, d:4``)."""
+    rules' names, the scores in words (``text``) and as a ``score`` pattern, the ``mask`` term its
+    flash forms carry, the ``facts`` of a computed bias, examples of both (``SCALE`` 0.5,
+    ``i:3, j:7, d:4``), and the ``bias`` added (None: none)."""
 
     suffix: str
+    text: str
     score: str
     mask: str
     facts: tuple[str, ...]
     score_example: Term
     mask_example: Term
-    biased: bool
+    bias: BiasForm | None = None
 
 
 def score_forms() -> tuple[ScoreForm, ...]:
@@ -93,47 +95,37 @@ def score_forms() -> tuple[ScoreForm, ...]:
     plain = "(Mul (Contract d nd q k) (Num c))"
     causal_condition = ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7")))
     forms = [
-        ScoreForm("", plain, "(NoMask)", (), scores, ("NoMask",), False),
-        ScoreForm("-causal", f"(Where {CAUSAL_CONDITION} (Num -inf) {plain})", "(CausalMask iq)", (), causal,
-                  ("CausalMask", ax("i:3")), False),
+        ScoreForm("", "c·Σ_d q·k", plain, "(NoMask)", (), scores, ("NoMask",)),
+        ScoreForm("-causal", "where(i < j, −∞, c·Σ_d q·k)", f"(Where {CAUSAL_CONDITION} (Num -inf) {plain})",
+                  "(CausalMask iq)", (), causal, ("CausalMask", ax("i:3"))),
     ]  # fmt: skip
     for b in BIAS_FORMS:
         biased, biased_example = f"(Add {plain} {b.pattern})", ("Add", scores, b.example)
-        forms.append(ScoreForm(f"-bias{b.suffix}", biased, f"(BiasMask {b.pattern})", b.facts, biased_example,
-                               ("BiasMask", b.example), True))
-        forms.append(ScoreForm(f"-causal-bias{b.suffix}", f"(Where {CAUSAL_CONDITION} (Num -inf) {biased})",
-                               f"(CausalBiasMask iq {b.pattern})", b.facts,
-                               ("Where", causal_condition, ("Num", -math.inf), biased_example),
-                               ("CausalBiasMask", ax("i:3"), b.example), True))  # fmt: skip
+        forms.append(ScoreForm(f"-bias{b.suffix}", "c·Σ_d q·k + b", biased, f"(BiasMask {b.pattern})", b.facts,
+                               biased_example, ("BiasMask", b.example), b))
+        forms.append(ScoreForm(f"-causal-bias{b.suffix}", "where(i < j, −∞, c·Σ_d q·k + b)",
+                               f"(Where {CAUSAL_CONDITION} (Num -inf) {biased})", f"(CausalBiasMask iq {b.pattern})",
+                               b.facts, ("Where", causal_condition, ("Num", -math.inf), biased_example),
+                               ("CausalBiasMask", ax("i:3"), b.example), b))  # fmt: skip
     return tuple(forms)
 
 
 def _bias_rules() -> tuple[Rule, ...]:
     """``Σ_j softmax_j(c·Σ_d q·k + b [causal])·v_j = FlashAttention(q, k, v, c, bias b [causal])`` for
     each bias of :data:`BIAS_FORMS`."""
-    rules = []
-    for b in BIAS_FORMS:
-        biased, biased_example = f"(Add (Mul (Contract d nd q k) (Num c)) {b.pattern})", ("Add", scores, b.example)
-        rules.append(Rule(
-            f"flash-attention-bias{b.suffix}",
-            f"Σ_j softmax_j(c·Σ_d q·k + b)·v_j = FlashAttention(q, k, v, c, bias b) for {b.what}",
-            lhs=f"(OnlineSoftmaxContract j n {biased} v)",
-            rhs=f"(FlashAttention j n d nd q k v c (BiasMask {b.pattern}))",
-            where=b.facts,
-            example=Example(("OnlineSoftmaxContract", "j:7", 7, biased_example, v)),
-        ))
-        rules.append(Rule(
-            f"flash-attention-causal-bias{b.suffix}",
-            f"Σ_j softmax_j(where(i < j, −∞, c·Σ_d q·k + b))·v_j = FlashAttention(q, k, v, c, bias b, causal on i) "
-            f"for {b.what}",
-            lhs=f"(OnlineSoftmaxContract j n (Where {CAUSAL_CONDITION} (Num -inf) {biased}) v)",
-            rhs=f"(FlashAttention j n d nd q k v c (CausalBiasMask iq {b.pattern}))",
-            where=b.facts,
-            example=Example(("OnlineSoftmaxContract", "j:7", 7,
-                             ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf),
-                              biased_example), v)),
-        ))
-    return tuple(rules)
+    return tuple(
+        Rule(
+            f"flash-attention{form.suffix}",
+            f"Σ_j softmax_j({form.text})·v_j = FlashAttention(q, k, v, c, bias b"
+            f"{', causal on i' if 'causal' in form.suffix else ''}) for {form.bias.what}",
+            lhs=f"(OnlineSoftmaxContract j n {form.score} v)",
+            rhs=f"(FlashAttention j n d nd q k v c {form.mask})",
+            where=form.facts,
+            example=Example(("OnlineSoftmaxContract", "j:7", 7, form.score_example, v)),
+        )
+        for form in score_forms()
+        if form.bias is not None
+    )
 
 
 def _attention_lse_rules() -> tuple[Rule, ...]:
