@@ -60,7 +60,8 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     class Lowerable(OperatorSupport):
         def is_node_supported(self, submodules: Any, node: Any) -> bool:
             # an SDPA backward under a mask other than a folded band (a padding mask: a bias) stays
-            # torch's fused kernel: no flash backward reads a bias, and unfused it writes the scores
+            # torch's fused kernel: lowered, a padded BERT's training step failed on an H100 in Dynamo's
+            # guard building (2026-12-05, cause not found)
             mask = sdpa_backward_mask(node)
             banded = mask is None or getattr(mask, "target", None) in bands
             return lowers_node(node) and _graph_holds(node, bands) and banded
@@ -454,6 +455,13 @@ def _computed_from_constants(graph: Any, nodes: Sequence[Any]) -> list[Any]:
     return list(found)
 
 
+def score_product_args(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A :data:`SCORE_PRODUCTS` node's added operands (``baddbmm``'s bias; none for a product) and its
+    two factors."""
+    first = SCORE_PRODUCTS[node.target._overloadpacket.__name__]
+    return tuple(node.args[:first]), tuple(node.args[first:first + 2])
+
+
 def recomputed_attention_nodes(graph: Any) -> list[Any]:
     """Per softmax along the last axis of a training graph's forward (AOTAutograd's joint graph, whose
     backward reads the outputs' gradients, ``tangents_*``): the nodes from the product of q and k that
@@ -495,9 +503,9 @@ def recomputed_attention_nodes(graph: Any) -> list[Any]:
             if not computed(node) or node in found:
                 continue
             if name(node) in SCORE_PRODUCTS:
-                first = SCORE_PRODUCTS[name(node)]
-                operands.extend(node.args[first:first + 2])
-                scores.extend(node.args[:first])  # an added bias is part of the scores
+                bias, factors = score_product_args(node)
+                operands.extend(factors)
+                scores.extend(bias)  # an added bias is part of the scores
             elif not (torch.Tag.pointwise in node.target.tags or name(node) in DATA_MOVES):
                 continue
             else:
@@ -507,8 +515,7 @@ def recomputed_attention_nodes(graph: Any) -> list[Any]:
         while readers:  # the probabilities' views and casts, up to the product with v
             node = readers.pop()
             if computed(node) and name(node) in SCORE_PRODUCTS:
-                first = SCORE_PRODUCTS[name(node)]
-                operands.extend(node.args[first:first + 2])
+                operands.extend(score_product_args(node)[1])
             elif computed(node) and name(node) in DATA_MOVES and node not in found:
                 found[node] = None
                 readers.extend(node.users)
