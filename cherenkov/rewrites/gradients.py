@@ -19,7 +19,10 @@ times ``e``), through ``exp2(x·log2 e)`` (times ``ln 2·log2 e``), and through 
    ``dq = c·Σ_j dS·k``, ``dk = c·Σ_i dS·q``, ``dv = Σ_i P·dO``;
 7. with GQA, a K/V head's dk and dv sum those of its group's query heads (``Σ_g``): one form
    streams over the group's queries;
-8. SDPA under a float mask, as a captured module spells it, wraps its softmax in
+8. scores soft-capped at ``m`` (``m·tanh(a·Σ_d q·k)``, Gemma 2's) carry the cap's slope: its chain rule
+   through tanh's exponential spelling is ``g·(1 − tanh²)``, and ``AttentionDs`` of capped scores is
+   ``P∘(dP − D)∘(1 − tanh²)``, the gradient of the cap's argument, so ``dq = a·m·Σ_j dS·k`` as before;
+9. SDPA under a float mask, as a captured module spells it, wraps its softmax in
    ``where(max_j s > −∞, P, 0)`` (a row without a live score gives 0): its gradient passes the
    where to ``g`` and to ``P`` before ``dv``, and the flash backward's ``P``, 0 in such a row,
    stands for both.
@@ -33,7 +36,8 @@ import math
 
 from cherenkov.rewrites.masks import finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
-from cherenkov.rewrites.streaming import SCALE, score_forms
+from cherenkov.rewrites.algebra import HALF_LN2
+from cherenkov.rewrites.streaming import CAP_EXAMPLE, SCALE, score_forms
 from cherenkov.rewrites.terms import ax, tensor
 
 x = tensor("x", "i:3", "j:7")
@@ -46,6 +50,13 @@ v, do = tensor("v", "j:7", "e:2"), tensor("do", "i:3", "e:2")
 k2, q2, do2 = tensor("k", "j:7", "f:4"), tensor("q", "i:3", "f:4"), tensor("do", "i:3", "f:2")
 
 shifted = ("Exp", ("Add", s, ("Neg", ("Max", "j:7", 7, s))))
+capped_tanh = ("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", CAP_EXAMPLE[0])))
+cap_slope = ("Add", ("Num", 1.0), ("Neg", ("Mul", capped_tanh, capped_tanh)))
+CAP_SLOPE = "(Add (Num 1.0) (Neg (Mul (Tanh (Mul (Contract d nd q k) (Num a))) (Tanh (Mul (Contract d nd q k) (Num a))))))"
+"""``1 − tanh²(a·Σ_d q·k)``: the slope of a soft cap ``m·tanh`` over ``m`` (a pattern)."""
+SAME_SCALE = "(< (abs (- c c2)) (* 1e-12 c))"
+"""The scale a contraction of ``dS`` is multiplied by is ``dS``'s own (to rounding: a soft cap's chain
+rule folds ``m``, ``1/m`` and ``a`` in another order than ``a·m``)."""
 normaliser = ("Recip", ("Sum", "j:7", 7, shifted))
 probability = ("SoftmaxRow", "j:7", 7, s)
 
@@ -64,19 +75,28 @@ def _masked(suffix: str) -> str:
 
 
 def _score_gradient_rules() -> tuple[Rule, ...]:
+    """``AttentionDs`` for each score form: ``P∘(dP − D)``, times ``1 − t²`` for scores soft-capped at
+    ``m`` (``t = tanh(a·Σ_d q·k)``, so that ``dS`` is the gradient of the capped scores' argument
+    ``a·m·Σ_d q·k``, and ``dq = a·m·Σ_j dS·k`` as for any other scale)."""
     rules = []
     for form in score_forms():
-        output = ("FlashAttention", "j:7", 7, "d:4", 4, q, k, v, SCALE, form.mask_example)
+        output = ("FlashAttention", "j:7", 7, "d:4", 4, q, k, v, form.scale_example, form.mask_example)
+        lhs = (f"(Mul {_recomputed(form.score)} (Add (Contract e ne do v) "
+               f"(Neg (Contract e ne do (FlashAttention j nj d nd q k v c {form.mask})))))")
+        example = ("Mul", _recomputed_example(form.score_example),
+                   ("Add", ("Contract", "e:2", 2, do, v), ("Neg", ("Contract", "e:2", 2, do, output))))
+        facts, text = form.facts, f"P∘(Σ_e dO·v − Σ_e dO·O)"
+        if form.softcap:
+            lhs, example = f"(Mul {lhs} {CAP_SLOPE})", ("Mul", example, cap_slope)
+            facts, text = (*facts, "(= c (* a cap))"), f"{text}∘(1 − tanh²(a·Σ_d q·k))"
         rules.append(Rule(
             f"attention-ds{form.suffix}",
-            f"P∘(Σ_e dO·v − Σ_e dO·O) with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{_masked(form.suffix)} "
-            "and O its attention = AttentionDs(q, k, v, dO): the score gradient the backward streams",
-            lhs=(f"(Mul {_recomputed(form.score)} (Add (Contract e ne do v) "
-                 f"(Neg (Contract e ne do (FlashAttention j nj d nd q k v c {form.mask})))))"),
-            rhs=f"(AttentionDs j nj d nd e ne q k v do c {form.mask})",
-            where=form.facts,
-            example=Example(("Mul", _recomputed_example(form.score_example),
-                             ("Add", ("Contract", "e:2", 2, do, v), ("Neg", ("Contract", "e:2", 2, do, output))))),
+            f"{text} with P = e^{{s − LSE(s)}}, s = {form.text} and O its attention = AttentionDs(q, k, v, dO): "
+            "the score gradient the backward streams",
+            lhs=lhs,
+            rhs=f"(AttentionDs j nj d nd e ne q k v do {form.scale} {form.mask})",
+            where=facts,
+            example=Example(example),
         ))  # fmt: skip
     return tuple(rules)
 
@@ -91,7 +111,7 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
             f"Σ_i P·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{_masked(form.suffix)} "
             "= FlashAttentionGradV: dv streamed over the queries",
             lhs=f"(Contract i ni {_recomputed(form.score)} do2)",
-            rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {form.mask} do2)",
+            rhs=f"(FlashAttentionGradV i ni j nj d nd q k {form.scale} {form.mask} do2)",
             where=form.facts,
             example=Example(("Contract", "i:3", 3, _recomputed_example(form.score_example), do2)),
         ))
@@ -104,7 +124,7 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
             "= FlashAttentionGradV: dv through the safe softmax's where (the flash backward's P is 0 in a row "
             "without a live score)",
             lhs=f"(Contract i ni (Where {live} {_recomputed(form.score)} (Num 0.0)) do2)",
-            rhs=f"(FlashAttentionGradV i ni j nj d nd q k c {form.mask} do2)",
+            rhs=f"(FlashAttentionGradV i ni j nj d nd q k {form.scale} {form.mask} do2)",
             where=form.facts,
             example=Example(("Contract", "i:3", 3, ("Where", ("Lt", ("Num", -math.inf),
                                                                ("Max", "j:7", 7, form.score_example)),
@@ -124,6 +144,8 @@ def _live_only(x: tuple) -> tuple:
 
 grouped_q, grouped_q2 = tensor("q", "g:2", "i:3", "d:4"), tensor("q", "g:2", "i:3", "f:4")
 grouped_do, grouped_do2 = tensor("do", "g:2", "i:3", "e:2"), tensor("do", "g:2", "i:3", "f:2")
+_exp2 = ("Exp2", ("Mul", x, ("Num", 0.7)))
+_exp2_reciprocal = ("Recip", ("Add", _exp2, ("Num", 1.0)))
 ds = ("AttentionDs", "j:7", 7, "d:4", 4, "e:2", 2, q, k, v, do, SCALE, ("NoMask",))
 gradient_of_shifted = ("Mul", probability, ("Add", g, ("Neg", ("Sum", "j:7", 7, ("Mul", probability, g)))))
 
@@ -211,19 +233,35 @@ RULES = (
         rhs="(Exp (Add s (Neg (LogSumExp j n s))))",
         example=Example(probability),
     ),
+    Rule(
+        "soft-cap-vjp",
+        "−(−(g·m)·2·r)·r·e·2·u = g·(1 − tanh²(x·a·ln 2/2)) with e = exp2(x·a), r = (e + 1)⁻¹ and u·m = 1: "
+        "the chain rule through a soft cap m·tanh(y/m), tanh(y) spelled 1 − 2·(e^{2y} + 1)⁻¹",
+        lhs=("(Mul (Mul (Mul (Neg (Mul (Mul (Mul (Neg (Mul g (Num m))) (Num 2.0)) "
+             "(Recip (Add (Exp2 (Mul x (Num a))) (Num 1.0)))) (Recip (Add (Exp2 (Mul x (Num a))) (Num 1.0))))) "
+             "(Exp2 (Mul x (Num a)))) (Num 2.0)) (Num u))"),
+        rhs=(f"(Mul g (Add (Num 1.0) (Neg (Mul (Tanh (Mul x (Num (* a {HALF_LN2})))) "
+             f"(Tanh (Mul x (Num (* a {HALF_LN2}))))))))"),
+        where=("(< (abs (- (* m u) 1.0)) 1e-12)",),
+        example=Example(("Mul", ("Mul", ("Mul", ("Neg", ("Mul", ("Mul", ("Mul", ("Neg", ("Mul", g, ("Num", 1.5))),
+                                                                          ("Num", 2.0)), _exp2_reciprocal),
+                                                         _exp2_reciprocal)), _exp2), ("Num", 2.0)), ("Num", 1 / 1.5))),
+    ),  # fmt: skip
     *_score_gradient_rules(),
     Rule(
         "flash-grad-q",
         "c·Σ_j dS·k = FlashAttentionGradQ: dq streamed over the keys, dS recomputed tile by tile",
-        lhs="(Mul (Contract j nj (AttentionDs j nj d nd e ne q k v do c m) k2) (Num c))",
+        lhs="(Mul (Contract j nj (AttentionDs j nj d nd e ne q k v do c m) k2) (Num c2))",
         rhs="(FlashAttentionGradQ j nj d nd e ne q k v do c m k2)",
+        where=(SAME_SCALE,),
         example=Example(("Mul", ("Contract", "j:7", 7, ds, k2), ("Num", SCALE))),
     ),
     Rule(
         "flash-grad-k",
         "c·Σ_i dS·q = FlashAttentionGradK: dk streamed over the queries, dS recomputed tile by tile",
-        lhs="(Mul (Contract i ni (AttentionDs j nj d nd e ne q k v do c m) q2) (Num c))",
+        lhs="(Mul (Contract i ni (AttentionDs j nj d nd e ne q k v do c m) q2) (Num c2))",
         rhs="(FlashAttentionGradK i ni j nj d nd e ne q k v do c m q2)",
+        where=(SAME_SCALE,),
         example=Example(("Mul", ("Contract", "i:3", 3, ds, q2), ("Num", SCALE))),
     ),
     *_value_gradient_rules(),

@@ -393,10 +393,12 @@ class _Partition:
         result = list(core)
         for position in GRADIENT_OPERANDS[core[0]]:
             operand = core[position]
-            if operand[0] in t.MASK_HEADS:
-                bias = t.mask_bias(operand)
+            if operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
+                cap, mask = t.soft_capped(operand)
+                bias = t.mask_bias(mask)
                 if bias is not None and not self.readable_in_place(bias):
-                    result[position] = t.with_mask_bias(operand, self.materialise(bias, dtype=bias_buffer_dtype(bias)))
+                    buffer = self.materialise(bias, dtype=bias_buffer_dtype(bias))
+                    result[position] = t.with_soft_cap(cap, t.with_mask_bias(mask, buffer))
             elif not self.readable_in_place(operand):
                 result[position] = self.materialise(operand)
         return tuple(result)

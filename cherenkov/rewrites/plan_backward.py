@@ -325,8 +325,8 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
     if a.bias is not None and (schedule.wgmma or schedule.warp_pairs or schedule.saved_statistics):
         reasons.append("a bias tensor: only the 16-key mma.sync main pass reads one, after a statistics pass that "
                        "runs the forward again (a saved log-sum-exp loses a row the bias masks wholly)")
-    if a.softcap:
-        reasons.append("a soft cap of the scores: the backward plans none")
+    if a.softcap and (schedule.wgmma or schedule.warp_pairs):
+        reasons.append("a soft cap of the scores: only the 16-key mma.sync main pass applies one")
     reasons += _dim_part_problems(schedule, problem)
     if schedule.saved_statistics and problem.saved is None:
         reasons.append("saved statistics: the graph holds no saved output and log-sum-exp of this attention")

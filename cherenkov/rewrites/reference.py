@@ -411,7 +411,8 @@ class TermEvaluator:
         return xp.where(live, xp.exp(scores - xp.where(live, m, 0.0)) / xp.where(live, l, 1.0), 0.0)
 
     def _score_gradient(self, args: tuple, env: Mapping[str, int]) -> Any:
-        """``AttentionDs``: ``P·(Σ_e do·v − Σ_e do·o)`` with ``o = Σ_key P·v`` (``env`` holds the key axis)."""
+        """``AttentionDs``: ``P·(Σ_e do·v − Σ_e do·o)`` with ``o = Σ_key P·v`` (``env`` holds the key axis);
+        under a soft cap ``m`` times ``1 − tanh²(c·Σ_d q·k / m)``, the cap's slope."""
         key, n_keys, dim, n_dim, values, n_values, q, k, v, do, scale, mask = args
         arrays = self.arrays
         p = self._probabilities(key, n_keys, dim, n_dim, q, k, scale, mask, env)
@@ -420,7 +421,13 @@ class TermEvaluator:
         dp = contract(arrays, do_e, v_e, self.position[values], n_values)
         o = contract(arrays, p, v_e, self.position[key], n_keys)
         delta = contract(arrays, do_e, o, self.position[values], n_values)
-        return p * (dp - delta)
+        cap, _ = t.soft_capped(mask)
+        if not cap:
+            return p * (dp - delta)
+        over_both = {**env, dim: n_dim}
+        product = contract(arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
+        capped = self.xp.tanh(self.along(scale * product, key, n_keys) / cap)
+        return p * (dp - delta) * (1.0 - capped * capped)
 
     def _flash(self, args: tuple, env: Mapping[str, int], splits: int = 1) -> Any:
         """Flash attention's value; with ``splits`` > 1 folded over that many chunks of the

@@ -8,7 +8,8 @@ masked, plus a bias that does not depend on the head dim, or both: ALiBi under a
 mask) the streaming softmax-contraction is flash attention, the kernel reading a computed
 bias from a buffer an earlier kernel writes; a causal mask added as a large finite negative (PyTorch's cuDNN path) is the
 causal mask once the exponentials underflow. Both give 0 for a row without a live score (all −∞), so a safe softmax's
-``where(max_j s > −∞, ·, 0)`` around them is the form itself.
+``where(max_j s > −∞, ·, 0)`` around them is the form itself. Scores soft-capped at ``m``,
+``m·tanh(a·Σ_d q·k)`` (Gemma 2's), are flash attention at scale ``a·m`` with the cap.
 The fold's associativity
 splits it: folding the keys in chunks and folding the chunks' partial states gives the
 same result (split-KV attention, for decoding). The fold's ``m + log l`` is the row's
@@ -37,8 +38,11 @@ bias = tensor("b", "i:3", "j:7")
 # ALiBi: a slope (here per query row, as a head would be) times each key's position
 alibi = ("Mul", tensor("m", "i:3"), ("Iota", ax("j:7")))
 WITHOUT_HEAD_DIM = ("(= axes-b (axes b))", "(set-not-contains axes-b d)")
-# scores soft-capped at 1.5 (tanh's argument spans its curved part)
-capped_scores = ("Mul", ("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", 0.4))), ("Num", 1.5))
+# scores soft-capped at 1.5, a·Σ_d q·k with a = 0.4 (tanh's argument spans its curved part)
+CAP_EXAMPLE = (0.4, 1.5)
+capped_scores = ("Mul", ("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", CAP_EXAMPLE[0]))), ("Num", CAP_EXAMPLE[1]))
+CAPPED = "(Mul (Tanh (Mul (Contract d nd q k) (Num a))) (Num cap))"
+"""Attention's scores soft-capped at ``cap`` (Gemma 2's logit cap), ``cap·tanh(a·Σ_d q·k)``: a pattern."""
 # row 0 wholly masked: the safe softmax's where and the fold's empty row agree there
 dead_row = ("Where", ("Lt", ("Iota", ax("i:3")), ("Num", 1.0)), ("Num", -math.inf), s)
 
@@ -76,8 +80,10 @@ CAUSAL_CONDITION = "(Lt (Iota iq) (Iota (Ax j)))"
 class ScoreForm:
     """Attention's scores ``c·Σ_d q·k`` under one mask flash attention takes: ``suffix`` of the
     rules' names, the scores in words (``text``) and as a ``score`` pattern, the ``mask`` term its
-    flash forms carry, the ``facts`` of a computed bias, examples of both (``SCALE`` 0.5,
-    ``i:3, j:7, d:4``), and the ``bias`` added (None: none)."""
+    flash forms carry, the ``facts`` of a computed bias or a cap, examples of both (``i:3, j:7,
+    d:4``), the ``bias`` added (None: none), and the ``scale`` the flash forms carry (``c``, or
+    ``a·m`` for scores soft-capped at ``m``, ``m·tanh(a·Σ_d q·k)``; ``scale_example`` in the
+    examples)."""
 
     suffix: str
     text: str
@@ -87,6 +93,9 @@ class ScoreForm:
     score_example: Term
     mask_example: Term
     bias: BiasForm | None = None
+    scale: str = "c"
+    scale_example: float = SCALE
+    softcap: bool = False
 
 
 def score_forms() -> tuple[ScoreForm, ...]:
@@ -107,24 +116,36 @@ def score_forms() -> tuple[ScoreForm, ...]:
                                f"(Where {CAUSAL_CONDITION} (Num -inf) {biased})", f"(CausalBiasMask iq {b.pattern})",
                                b.facts, ("Where", causal_condition, ("Num", -math.inf), biased_example),
                                ("CausalBiasMask", ax("i:3"), b.example), b))  # fmt: skip
+    capped_facts, capped_scale = ("(> a 0.0)", "(> cap 0.0)"), CAP_EXAMPLE[0] * CAP_EXAMPLE[1]
+    for suffix, text, score, mask, score_example, mask_example, b in (
+        ("", "m·tanh(a·Σ_d q·k)", CAPPED, "(NoMask)", capped_scores, ("NoMask",), None),
+        ("-causal", "where(i < j, −∞, m·tanh(a·Σ_d q·k))", f"(Where {CAUSAL_CONDITION} (Num -inf) {CAPPED})",
+         "(CausalMask iq)", ("Where", causal_condition, ("Num", -math.inf), capped_scores), ("CausalMask", ax("i:3")),
+         None),
+        ("-bias", "m·tanh(a·Σ_d q·k) + b", f"(Add {CAPPED} (Tensor b bix))", "(BiasMask (Tensor b bix))",
+         ("Add", capped_scores, bias), ("BiasMask", bias), BIAS_FORMS[0]),
+    ):  # fmt: skip
+        forms.append(ScoreForm(f"-softcap{suffix}", text, score, f"(SoftcapMask cap {mask})", capped_facts, score_example,
+                               ("SoftcapMask", CAP_EXAMPLE[1], mask_example), b, "(* a cap)", capped_scale, True))
     return tuple(forms)
 
 
-def _bias_rules() -> tuple[Rule, ...]:
-    """``Σ_j softmax_j(c·Σ_d q·k + b [causal])·v_j = FlashAttention(q, k, v, c, bias b [causal])`` for
-    each bias of :data:`BIAS_FORMS`."""
+def _flash_rules() -> tuple[Rule, ...]:
+    """``Σ_j softmax_j(scores)·v_j = FlashAttention(q, k, v, c, mask)`` for each biased or soft-capped
+    score form of :func:`score_forms` (the plain and causal ones are rules of their own)."""
     return tuple(
         Rule(
             f"flash-attention{form.suffix}",
-            f"Σ_j softmax_j({form.text})·v_j = FlashAttention(q, k, v, c, bias b"
-            f"{', causal on i' if 'causal' in form.suffix else ''}) for {form.bias.what}",
+            f"Σ_j softmax_j({form.text})·v_j = FlashAttention(q, k, v, {'a·m, soft cap m' if form.softcap else 'c'}"
+            f"{', bias b' if form.bias else ''}{', causal on i' if 'causal' in form.suffix else ''})"
+            + (f" for {form.bias.what}" if form.bias else "") + (" for a, m > 0" if form.softcap else ""),
             lhs=f"(OnlineSoftmaxContract j n {form.score} v)",
-            rhs=f"(FlashAttention j n d nd q k v c {form.mask})",
+            rhs=f"(FlashAttention j n d nd q k v {form.scale} {form.mask})",
             where=form.facts,
             example=Example(("OnlineSoftmaxContract", "j:7", 7, form.score_example, v)),
         )
         for form in score_forms()
-        if form.bias is not None
+        if form.bias is not None or form.softcap
     )
 
 
@@ -133,39 +154,14 @@ def _attention_lse_rules() -> tuple[Rule, ...]:
     return tuple(
         Rule(
             f"attention-lse{form.suffix}",
-            f"LSE_j(c·Σ_d q·k{form.suffix and ', ' + form.suffix[1:] + ' masked'}) = AttentionLse(q, k, c): the "
-            "log-sum-exp of attention's scores, a statistic its forward pass can save",
+            f"LSE_j({form.text}) = AttentionLse(q, k, {'a·m' if form.softcap else 'c'}): the log-sum-exp of "
+            "attention's scores, a statistic its forward pass can save",
             lhs=f"(LogSumExp j n {form.score})",
-            rhs=f"(AttentionLse j n d nd q k c {form.mask})",
+            rhs=f"(AttentionLse j n d nd q k {form.scale} {form.mask})",
             where=form.facts,
             example=Example(("LogSumExp", "j:7", 7, form.score_example)),
         )
         for form in score_forms()
-    )
-
-
-def _softcap_rules() -> tuple[Rule, ...]:
-    """``Σ_j softmax_j(m·tanh(a·Σ_d q·k) [mask])·v_j = FlashAttention(q, k, v, a·m, soft cap m [mask])``
-    for each mask flash attention takes: scores soft-capped at ``m`` (Gemma 2's logit cap), the
-    mask applied after the cap."""
-    capped = "(Mul (Tanh (Mul (Contract d nd q k) (Num a))) (Num cap))"
-    forms = (
-        ("", capped, "(NoMask)", capped_scores),
-        ("-causal", f"(Where (Lt (Iota iq) (Iota (Ax j))) (Num -inf) {capped})", "(CausalMask iq)",
-         ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -math.inf), capped_scores)),
-        ("-bias", f"(Add {capped} (Tensor b bix))", "(BiasMask (Tensor b bix))", ("Add", capped_scores, bias)),
-    )  # fmt: skip
-    return tuple(
-        Rule(
-            f"flash-attention-softcap{suffix}",
-            f"Σ_j softmax_j(m·tanh(a·Σ_d q·k){suffix and ', ' + suffix[1:] + ' masked'})·v_j = FlashAttention(q, k, "
-            "v, a·m, soft cap m) for a, m > 0",
-            lhs=f"(OnlineSoftmaxContract j n {score} v)",
-            rhs=f"(FlashAttention j n d nd q k v (* a cap) (SoftcapMask cap {mask}))",
-            where=("(> a 0.0)", "(> cap 0.0)"),
-            example=Example(("OnlineSoftmaxContract", "j:7", 7, example, v)),
-        )
-        for suffix, score, mask, example in forms
     )
 
 
@@ -214,8 +210,7 @@ RULES = (
     finite_causal_mask_rule("softmax-finite-causal-where", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
                             scores, " v", (v,), spelling="fill"),
     finite_causal_mask_rule("logsumexp-finite-causal-where", "LSE_j({})", "LogSumExp", scores, spelling="fill"),
-    *_bias_rules(),
-    *_softcap_rules(),
+    *_flash_rules(),
     Rule(
         "online-softmax-safe-rows",
         "where(max_j s > −∞, Σ_j softmax_j(s)·v_j, 0) = Σ_j softmax_j(s)·v_j: the fold gives 0 for a row "

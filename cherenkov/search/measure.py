@@ -134,19 +134,41 @@ def _sdpa_mask(problem: AttentionProblem, stored: Mapping[str, Any], dtype: Any)
     return mask_view(problem, stored[problem.bias.tensor]).to(dtype)
 
 
-def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
-               factors: tuple[Any, Any] | None = None) -> Any:  # fmt: skip
-    """g·softmax(q kᵀ·scale·f [+ bias]) v in float32 (memory-efficient or math backend); ``factors``
-    are (f, g) per batch and head (:func:`factor_products`), 1 without."""
+def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
+                      backends: tuple[str, ...] = ("EFFICIENT_ATTENTION", "MATH")) -> Any:  # fmt: skip
+    """softmax(scale·q kᵀ [soft-capped] [+ mask] [causal]) v in float32 from BHSD views (``mask``: SDPA's
+    additive one): SDPA on ``backends``, its causal flag folded into a mask tensor where there is one
+    (SDPA takes one or the other); with a soft cap, which SDPA lacks, the scores materialised."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    score_factor, out_factor = factors if factors is not None else (1.0, 1.0)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return out_factor * torch.nn.functional.scaled_dot_product_attention(
-            q.float() * score_factor, k.float(), v.float(), attn_mask=mask, is_causal=problem.causal,
-            scale=problem.scale or problem.head_dim**-0.5, enable_gqa=problem.group_size > 1,
+    scale = problem.scale or problem.head_dim**-0.5
+    q, k, v = q.float(), k.float(), v.float()
+    causal = None
+    if problem.causal and (mask is not None or problem.softcap):
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+    if problem.softcap:
+        if problem.group_size > 1:
+            k, v = (x.repeat_interleave(problem.group_size, dim=1) for x in (k, v))
+        scores = problem.softcap * torch.tanh((q @ k.transpose(-1, -2)) * (scale / problem.softcap))
+        scores = scores if mask is None else scores + mask
+        scores = scores if causal is None else scores.masked_fill(causal, -torch.inf)
+        return torch.softmax(scores, dim=-1) @ v
+    if causal is not None:
+        mask = mask.masked_fill(causal, -torch.inf)
+    with sdpa_kernel([getattr(SDPBackend, b) for b in backends]):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=problem.causal and causal is None, scale=scale,
+            enable_gqa=problem.group_size > 1,
         )
+
+
+def _reference(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
+               factors: tuple[Any, Any] | None = None) -> Any:  # fmt: skip
+    """g·softmax(q kᵀ·scale·f [soft-capped] [+ bias]) v in float32 (:func:`float32_attention`);
+    ``factors`` are (f, g) per batch and head (:func:`factor_products`), 1 without."""
+    score_factor, out_factor = factors if factors is not None else (1.0, 1.0)
+    return out_factor * float32_attention(problem, q.float() * score_factor, k, v, mask)
 
 
 class L2Flush:
@@ -290,18 +312,15 @@ def _strided(tensor: Any, layout: Any, shape: tuple[int, int, int, int]) -> Any:
 
 def backward_reference(problem: AttentionBackwardProblem, stored: Mapping[str, Any]) -> dict[str, Any]:
     """The problem's gradients by float32 autograd through PyTorch's math attention (plus its bias
-    tensor, a constant), by role."""
+    tensor, a constant; soft-capped where the problem is), by role."""
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     a = problem.attention
     leaves = {role: operand_view(a, role, stored[a.name(role)]).float().detach().requires_grad_(True) for role in "qkv"}
     grad_output = _strided(stored[problem.grad_output], problem.grad_output_layout, a.logical_shape("o")).float()
     mask = _sdpa_mask(a, stored, torch.float32)
-    with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
-        o = torch.nn.functional.scaled_dot_product_attention(
-            leaves["q"], leaves["k"], leaves["v"], attn_mask=mask, is_causal=a.causal, scale=a.scale,
-            enable_gqa=a.group_size > 1)
+    with torch.enable_grad():
+        o = float32_attention(a, leaves["q"], leaves["k"], leaves["v"], mask, backends=("MATH",))
         grads = torch.autograd.grad(o, [leaves[r] for r in "qkv"], grad_output)
     return dict(zip(("dq", "dk", "dv"), grads))
 
@@ -309,7 +328,7 @@ def backward_reference(problem: AttentionBackwardProblem, stored: Mapping[str, A
 def attention_statistics(a: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
                          with_output: bool = True) -> tuple[Any, Any]:  # fmt: skip
     """The attention's output (``with_output``; else None) and each query row's log-sum-exp of the
-    scaled, masked scores, in float32, from BHSD views of q, k, v (and ``mask``, SDPA's additive
+    scaled (soft-capped), masked scores, in float32, from BHSD views of q, k, v (and ``mask``, SDPA's additive
     one): one head's scores at a time (the seed shape's are 128 MB each)."""
     import torch
 
@@ -323,6 +342,8 @@ def attention_statistics(a: AttentionProblem, q: Any, k: Any, v: Any, mask: Any 
     for b in range(a.batch):
         for h in range(a.heads):
             scores = (q[b, h] @ k[b, h].T) * scale
+            if a.softcap:
+                scores = a.softcap * torch.tanh(scores / a.softcap)
             if mask is not None:
                 scores += mask[b, h].float()
             if a.causal:

@@ -60,6 +60,16 @@ def alibi_gradient_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: i
     return ck.grad(g, wrt=("q", "k", "v"))
 
 
+def capped_gradient_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: int, softcap: float,
+                          dtype: str = "bf16") -> ck.Graph:  # fmt: skip
+    """``ck.grad`` of causal ``ck.nn.attention`` with its scores soft-capped at ``softcap`` (Gemma 2's cap)."""
+    g = ck.Graph("capped")
+    q = g.input("q", (batch, heads, seq, dim), dtype)
+    k, v = (g.input(n, (batch, kv_heads, seq, dim), dtype) for n in "kv")
+    g.output(ck.nn.attention(q, k, v, causal=True, softcap=softcap), "o")
+    return ck.grad(g, wrt=("q", "k", "v"))
+
+
 def alibi_slopes(heads: int) -> np.ndarray:
     """ALiBi's geometric slopes ``2^(−8(h+1)/H)``, shaped ``(H, 1, 1)``."""
     return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads).reshape(heads, 1, 1)
@@ -301,6 +311,38 @@ def test_emulated_alibi_backward_matches_the_gradient_graph() -> None:
     bias = (inputs["slopes"] * np.arange(70)).reshape(4, 70)
     for key in ("kv64_q32_s2", "kv128_q64_s1"):
         got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], bias=bias)
+        assert_gradients_match(got, expected, ("q", "k", "v"), key)
+
+
+def test_soft_capped_gradient_is_one_flash_backward() -> None:
+    """The gradient of soft-capped attention (the cap's chain rule through tanh's exponential spelling,
+    rule ``soft-cap-vjp``) derives one flash backward, the program equal to the graph in float64; its
+    plans are the 16-key ``mma.sync`` main pass's on every target, with the cap in both passes."""
+    gg = capped_gradient_graph(2, 4, 2, 70, 32, 2.0, "fp32")
+    d = ck.derive(gg)
+    assert [k.kind for k in d.kernels] == ["flash_attention_backward"]
+    inputs = gg.example_inputs()
+    expected, got = ck.evaluate(gg, inputs), ck.evaluate(d, inputs)
+    for output, value in expected.items():
+        assert np.linalg.norm(got[output] - value) <= 1e-9 * np.linalg.norm(value), output
+    d = ck.derive(capped_gradient_graph(2, 4, 2, 70, 64, 30.0))
+    for target in ("sm_80", "sm_90a", "sm_120"):
+        plans = d.plans(target)
+        assert plans and all(not (p.schedule.wgmma or p.schedule.warp_pairs) for p in plans), target
+        assert {p.problem.attention.softcap for p in plans} == {30.0}, target
+    source = cuda_source(plans[0])
+    assert source.count("soft_cap(s[n][e])") == 2 and "* slope[n][e]" in source
+
+
+@needs_gxx
+def test_emulated_soft_capped_backward_matches_the_gradient_graph() -> None:
+    """A cap of 2 on scores of unit spread: without the cap's slope in dS, dq and dk are 40 % off."""
+    gg = capped_gradient_graph(2, 4, 2, 70, 64, 2.0)
+    inputs = _inputs(gg)
+    expected = ck.evaluate(gg, inputs)
+    plans = {p.schedule.key(): p for p in backward_plans(gg)}
+    for key in ("kv64_q32_s2", "kv128_q64_s1"):
+        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"])
         assert_gradients_match(got, expected, ("q", "k", "v"), key)
 
 
@@ -560,21 +602,29 @@ def assert_matches_autograd(got: dict, o, leaves: dict, d_o) -> None:
         assert error <= 2e-2, f"{name}: {error:.3g}"
 
 
+def optimized_on_gpu(gg: ck.Graph, target: str, cuda_device, tmp_path) -> tuple[object, dict[str, object]]:
+    """``gg`` through ``ck.optimize`` (a 60 s search) and fresh bf16 normal values of its inputs but the
+    saved ones, on ``cuda_device``."""
+    import torch
+
+    from cherenkov.search.database import TuningDatabase
+
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        res = ck.optimize(gg, target=target, out=tmp_path / "run", database=db, budget_s=60)
+    generator = torch.Generator(device=cuda_device).manual_seed(1)
+    tensors = {n: torch.randn(t.shape, generator=generator, device=cuda_device).to(torch.bfloat16)
+               for n, t in gg.inputs.items() if n not in gg.saved}  # fmt: skip
+    return res, tensors
+
+
 @pytest.mark.gpu
 def test_gpu_optimize_runs_the_derived_backward(cuda_device, tmp_path) -> None:
     """The gradient graph through ``ck.optimize``: the backward kernel is searched, verified and
     run by ``res.run``, giving every gradient in one launch sequence."""
     import torch
 
-    gg = gradient_graph(2, 4, 2, 256, 256, 64, causal=True)
-    from cherenkov.search.database import TuningDatabase
-
-    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
-        res = ck.optimize(gg, target="sm_90", out=tmp_path / "run", database=db, budget_s=60)
+    res, tensors = optimized_on_gpu(gradient_graph(2, 4, 2, 256, 256, 64, causal=True), "sm_90", cuda_device, tmp_path)
     assert [k.kind for k in res.partition] == ["flash_attention_backward"]
-    generator = torch.Generator(device=cuda_device).manual_seed(1)
-    tensors = {n: torch.randn(t.shape, generator=generator, device=cuda_device).to(torch.bfloat16)
-               for n, t in gg.inputs.items()}  # fmt: skip
     got = res.run(**tensors)
     leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
     o = torch.nn.functional.scaled_dot_product_attention(leaves["q"], leaves["k"], leaves["v"], is_causal=True,
@@ -588,15 +638,8 @@ def test_gpu_optimize_runs_the_alibi_backward(cuda_device, tmp_path) -> None:
     gradient against float32 autograd of the same causal, biased attention."""
     import torch
 
-    from cherenkov.search.database import TuningDatabase
-
-    gg = alibi_gradient_graph(2, 8, 2, 300, 64)
-    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
-        res = ck.optimize(gg, target="sm_90", out=tmp_path / "run", database=db, budget_s=60)
+    res, tensors = optimized_on_gpu(alibi_gradient_graph(2, 8, 2, 300, 64), "sm_90", cuda_device, tmp_path)
     assert [k.kind for k in res.partition].count("flash_attention_backward") == 1
-    generator = torch.Generator(device=cuda_device).manual_seed(1)
-    tensors = {n: torch.randn(t.shape, generator=generator, device=cuda_device).to(torch.bfloat16)
-               for n, t in gg.inputs.items()}  # fmt: skip
     tensors["slopes"] = torch.from_numpy(alibi_slopes(8)).to(device=cuda_device, dtype=torch.bfloat16)
     got = res.run(**tensors)
     leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
@@ -609,20 +652,30 @@ def test_gpu_optimize_runs_the_alibi_backward(cuda_device, tmp_path) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_optimize_runs_the_soft_capped_backward(cuda_device, tmp_path) -> None:
+    """Soft-capped attention's gradient graph (cap 2, so the cap's slope matters) through ``ck.optimize``,
+    every gradient against float32 autograd of the same capped, causal attention."""
+    import torch
+
+    res, tensors = optimized_on_gpu(capped_gradient_graph(2, 8, 2, 300, 64, 2.0), "sm_90", cuda_device, tmp_path)
+    assert [k.kind for k in res.partition] == ["flash_attention_backward"]
+    got = res.run(**tensors)
+    leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
+    k, v = (leaves[n].repeat_interleave(4, dim=1) for n in "kv")
+    scores = 2.0 * torch.tanh((leaves["q"] @ k.transpose(-1, -2)) * 64**-0.5 / 2.0)
+    scores = scores.masked_fill(torch.ones(300, 300, dtype=torch.bool, device=cuda_device).triu(1), -torch.inf)
+    assert_matches_autograd(got, torch.softmax(scores, dim=-1) @ v, leaves, tensors["d_o"])
+
+
+@pytest.mark.gpu
 def test_gpu_optimize_runs_the_backward_from_saved_statistics(cuda_device, tmp_path) -> None:
     """A gradient graph with the forward's output and log-sum-exp saved, through ``ck.optimize``:
     ``res.run`` takes them as inputs (here from a float32 forward) and every gradient matches."""
     import torch
 
-    from cherenkov.search.database import TuningDatabase
-
     gg = gradient_graph(2, 4, 2, 256, 256, 64, causal=True, saved=True)
-    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
-        res = ck.optimize(gg, target="sm_90a", out=tmp_path / "run", database=db, budget_s=60)
+    res, tensors = optimized_on_gpu(gg, "sm_90a", cuda_device, tmp_path)
     assert [k.kind for k in res.partition] == ["flash_attention_backward"]
-    generator = torch.Generator(device=cuda_device).manual_seed(1)
-    tensors = {n: torch.randn(t.shape, generator=generator, device=cuda_device).to(torch.bfloat16)
-               for n, t in gg.inputs.items() if n not in gg.saved}  # fmt: skip
     leaves = {n: tensors[n].float().requires_grad_(True) for n in "qkv"}
     k, v = (leaves[n].repeat_interleave(2, dim=1) for n in "kv")
     scores = (leaves["q"] @ k.transpose(-1, -2)) * 64**-0.5
