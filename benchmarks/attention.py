@@ -12,7 +12,7 @@ every sample (``--flush``: by reading a buffer, so no dirty lines are written ba
 the sample; see ``timing.py``), samples of all of them interleaved round-robin (so clock drift hits all
 alike), median of ``--samples``. A shape whose search found no flash plan runs (and is
 timed) through the unfused kernels as a CUDA graph, and says so (``cherenkov_kernels``).
-Prints a table (TFLOP/s, ratios) and writes ``<out>/h200-<date><suffix>.json`` (``gpu``,
+Prints a table (TFLOP/s, ratios) and writes ``<out>/<gpu>-<date><suffix>.json`` (``h200-…``; ``gpu``,
 ``date``, ``versions``, ``copy_tbps`` — a device-to-device copy's bytes read and written a
 second, the bandwidth a memory-bound row can reach — and ``rows``, with % of the 641 TFLOP/s
 mma.sync and 989 TFLOP/s wgmma peaks, and each contender's ``tbps``: q, k, v and o bytes
@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 import cherenkov as ck  # noqa: E402
 from cherenkov.codegen import compile_plan, load_kernel  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
+from gpu_label import gpu_label  # noqa: E402
 from timing import FLUSHES, L2Flush, time_interleaved  # noqa: E402
 
 MMA_SYNC_PEAK = 641.0  # TFLOP/s, register-only mma.sync bf16 on the H200 (../shared/device/mma_peak.cu)
@@ -373,7 +374,7 @@ def main() -> None:
                              "write-back then runs in the sample: the method before 2026-12-03)")
     parser.add_argument("--target", default="auto", help="search target (auto: the local GPU, sm_90a on Hopper; "
                                                          "sm_90: the mma.sync family only)")
-    parser.add_argument("--suffix", default="", help="results file h200-<date><suffix>.json")
+    parser.add_argument("--suffix", default="", help="results file <gpu>-<date><suffix>.json (h200-...)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
                         help="fp8: each shape in e4m3 (per-tensor scales) against cherenkov's bf16 kernel, cuDNN "
                              "and FlashAttention-4 in bf16, with its error against float32 attention")
@@ -437,7 +438,7 @@ def main() -> None:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"h200-{date}{args.suffix}.json"
+    path = out_dir / f"{gpu_label(report['gpu'])}-{date}{args.suffix}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
 
     if args.dtype == "fp8":

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import cherenkov as ck  # noqa: E402
 from cherenkov.codegen import compile_plans, load_kernel  # noqa: E402
+from gpu_label import gpu_label  # noqa: E402
 from timing import L2Flush, time_interleaved  # noqa: E402
 
 TOLERANCE = 2e-2
@@ -191,7 +192,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"backward-{gpu.split()[-1].lower()}-{date}{args.suffix}.json"
+    path = out / f"backward-{gpu_label(gpu)}-{date}{args.suffix}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{'shape':26} {'cherenkov':>10} {'flash':>7} {'cudnn':>7} {'vs flash':>9} {'vs cudnn':>9}  plan")
     for row in rows:

@@ -79,6 +79,7 @@ sys.path.insert(0, str(ROOT / "tests" / "search"))
 import cherenkov as ck  # noqa: E402
 import real_modules  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
+from gpu_label import gpu_label  # noqa: E402
 from timing import L2Flush, time_interleaved  # noqa: E402
 
 log = logging.getLogger("benchmarks.models")
@@ -448,7 +449,7 @@ def main() -> None:
         "rows": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"models-{gpu.split()[-1].lower()}-{today}.json"
+    path = args.out / f"models-{gpu_label(gpu)}-{today}.json"
     rows = document["rows"]
     with tempfile.TemporaryDirectory() as scratch:
         db_path = args.database or Path(scratch) / "tuning.sqlite"

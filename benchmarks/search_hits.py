@@ -25,6 +25,7 @@ from pathlib import Path
 
 import cherenkov as ck
 from cherenkov.search.environment import detect
+from gpu_label import gpu_label
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -92,7 +93,7 @@ def main() -> None:
             graph, cli_args = graphs()[name]
             rows.append(measure(name, graph, cli_args, args.budget, args.repeats, Path(runs)))
     today = datetime.date.today().isoformat()
-    gpu = (env.gpu or "cpu").split()[-1].lower()
+    gpu = gpu_label(env.gpu or "cpu")
     document = {
         "benchmark": "search_hits",
         "date": today,

@@ -161,3 +161,10 @@ def test_emulated_multi_query_kernels_read_one_kv_head_for_every_query_head(caus
         got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])["o"]
         error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
         assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
+
+
+@pytest.mark.parametrize(("device", "label"), [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                               ("NVIDIA GeForce RTX 5090", "5090"), ("cpu", "gpu")])  # fmt: skip
+def test_results_files_are_named_by_the_card(device: str, label: str) -> None:
+    """The benchmark's results file names the card that ran it (an H100's run was once ``h200-…``)."""
+    assert benchmark().gpu_label(device) == label
