@@ -69,11 +69,6 @@ def _recomputed_example(score: tuple) -> tuple:
     return ("Exp", ("Add", score, ("Neg", ("LogSumExp", "j:7", 7, score))))
 
 
-def _masked(suffix: str) -> str:
-    """`` causal bias product masked`` in a rule's description (nothing for plain scores)."""
-    return suffix and " " + suffix[1:].replace("-", " ") + " masked"
-
-
 def _score_gradient_rules() -> tuple[Rule, ...]:
     """``AttentionDs`` for each score form: ``P∘(dP − D)``, times ``1 − t²`` for scores soft-capped at
     ``m`` (``t = tanh(a·Σ_d q·k)``, so that ``dS`` is the gradient of the capped scores' argument
@@ -85,7 +80,7 @@ def _score_gradient_rules() -> tuple[Rule, ...]:
                f"(Neg (Contract e ne do (FlashAttention j nj d nd q k v c {form.mask})))))")
         example = ("Mul", _recomputed_example(form.score_example),
                    ("Add", ("Contract", "e:2", 2, do, v), ("Neg", ("Contract", "e:2", 2, do, output))))
-        facts, text = form.facts, f"P∘(Σ_e dO·v − Σ_e dO·O)"
+        facts, text = form.facts, "P∘(Σ_e dO·v − Σ_e dO·O)"
         if form.softcap:
             lhs, example = f"(Mul {lhs} {CAP_SLOPE})", ("Mul", example, cap_slope)
             facts, text = (*facts, "(= c (* a cap))"), f"{text}∘(1 − tanh²(a·Σ_d q·k))"
@@ -108,8 +103,7 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
     for form in score_forms():
         rules.append(Rule(
             f"flash-grad-v{form.suffix}",
-            f"Σ_i P·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{_masked(form.suffix)} "
-            "= FlashAttentionGradV: dv streamed over the queries",
+            f"Σ_i P·dO with P = e^{{s − LSE(s)}}, s = {form.text} = FlashAttentionGradV: dv streamed over the queries",
             lhs=f"(Contract i ni {_recomputed(form.score)} do2)",
             rhs=f"(FlashAttentionGradV i ni j nj d nd q k {form.scale} {form.mask} do2)",
             where=form.facts,
@@ -120,7 +114,7 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
         live = f"(Lt (Num -inf) (Max j nj {form.score}))"
         rules.append(Rule(
             f"flash-grad-v{form.suffix}-safe",
-            f"Σ_i where(max_j s > −∞, P, 0)·dO with P = e^{{s − LSE(s)}}, s = c·Σ_d q·k{_masked(form.suffix)} "
+            f"Σ_i where(max_j s > −∞, P, 0)·dO with P = e^{{s − LSE(s)}}, s = {form.text} "
             "= FlashAttentionGradV: dv through the safe softmax's where (the flash backward's P is 0 in a row "
             "without a live score)",
             lhs=f"(Contract i ni (Where {live} {_recomputed(form.score)} (Num 0.0)) do2)",

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from cherenkov.codegen.cuda import attention_mask, cp_async, flash_attention_backward_sm90a, ldmatrix, mma, softmax
 from cherenkov.codegen.cuda import flash_attention_backward_pairs as warp_pairs
+from cherenkov.codegen.cuda.flash_attention import softmax_scale
 from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import OperandLayout
@@ -161,8 +162,8 @@ def flash_attention_backward_source(plan: BackwardPlan) -> str:
         section("helpers", mma.emit_mma(plan.problem.attention.dtype), mma.emit_pack(plan.problem.attention.dtype),
                 ldmatrix.emit_ldmatrix_primitives(4), cp_async.emit_cp_async(), softmax.emit_math_helpers(),
                 attention_mask.emit_bias_score(plan.problem.attention),
-                attention_mask.emit_soft_cap(plan.problem.attention, plan.problem.attention.scale or
-                                             plan.problem.attention.head_dim**-0.5), _helpers(),
+                attention_mask.emit_soft_cap(plan.problem.attention, softmax_scale(plan.problem.attention)),
+                _helpers(),
                 *([warp_pairs.helpers()] if plan.schedule.warp_pairs else []),
                 *([hopper.helpers(plan)] if hopper else
                               [flash_attention_backward_sm90a.emit_reduce_add_v4_f32()] if vector_reductions else [])),
@@ -367,7 +368,7 @@ def _strides(prefix: str, layout: OperandLayout) -> str:
 def _constants(plan: BackwardPlan) -> str:
     p, s = plan.problem, plan.schedule
     a = p.attention
-    scale = a.scale or a.head_dim**-0.5
+    scale = softmax_scale(a)
     unused = OperandLayout(p.grad_output_layout.shape, 0, 0, 0)
     gradient = {role: p.gradient(role) for role in ("dq", "dk", "dv")}
     return "\n".join([
