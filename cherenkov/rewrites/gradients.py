@@ -37,6 +37,7 @@ import math
 from cherenkov.rewrites.masks import finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.algebra import HALF_LN2
+from cherenkov.rewrites.casts import HALF_ROUNDING
 from cherenkov.rewrites.streaming import CAP_EXAMPLE, SCALE, score_forms
 from cherenkov.rewrites.terms import ax, tensor
 
@@ -123,6 +124,30 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
             example=Example(("Contract", "i:3", 3, ("Where", ("Lt", ("Num", -math.inf),
                                                                ("Max", "j:7", 7, form.score_example)),
                                                      _recomputed_example(form.score_example), ("Num", 0.0)), do2)),
+        ))  # fmt: skip
+    return tuple(rules)
+
+
+def _soft_cap_output_vjp_rules() -> tuple[Rule, ...]:
+    """The chain rule through a soft cap ``m·tanh(y/m)`` as autograd's ``tanh_backward`` spells it, from
+    tanh's output ``t``: ``(g·m)·(1 − t·t)·u = g·(1 − t·t)`` for ``u·m = 1``; and on ``g`` rounded to 16
+    bits (a bf16 model's softmax gradient), within that rounding, which the flash backward's dS gets
+    anyway before its products."""
+    slope, slope_example = "(Add (Num 1.0) (Neg (Mul (Tanh y) (Tanh y))))", ("Add", ("Num", 1.0), (
+        "Neg", ("Mul", ("Tanh", x), ("Tanh", x))))
+    rules = []
+    for suffix, pattern, example, tolerance in (("", "g", g, 1e-9),
+                                                ("-rounded", "(Cast dt g)", ("Cast", "bf16", g), HALF_ROUNDING)):
+        rules.append(Rule(
+            f"soft-cap-vjp-output{suffix}",
+            f"({'round16(g)' if suffix else 'g'}·m)·(1 − t·t)·u = g·(1 − t·t) for u·m = 1, t = tanh(y): the chain "
+            "rule through a soft cap m·tanh(y/m) from tanh's output (autograd's tanh_backward)"
+            + (", within the 16-bit rounding of g" if suffix else ""),
+            lhs=f"(Mul (Mul (Mul {pattern} (Num m)) {slope}) (Num u))",
+            rhs=f"(Mul g {slope})",
+            where=("(< (abs (- (* m u) 1.0)) 1e-12)",),
+            example=Example(("Mul", ("Mul", ("Mul", example, ("Num", 1.5)), slope_example), ("Num", 1 / 1.5))),
+            tolerance=tolerance,
         ))  # fmt: skip
     return tuple(rules)
 
@@ -241,6 +266,7 @@ RULES = (
                                                                           ("Num", 2.0)), _exp2_reciprocal),
                                                          _exp2_reciprocal)), _exp2), ("Num", 2.0)), ("Num", 1 / 1.5))),
     ),  # fmt: skip
+    *_soft_cap_output_vjp_rules(),
     *_score_gradient_rules(),
     Rule(
         "flash-grad-q",

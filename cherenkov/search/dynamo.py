@@ -511,6 +511,12 @@ def recomputed_attention_nodes(graph: Any) -> list[Any]:
             else:
                 scores.extend(node.all_input_nodes)
             found[node] = None
+            copies = [user for user in node.users if name(user) in ("detach", "alias")]
+            while copies:  # what an activation's gradient reads of it (tanh_backward: a soft cap's detached output)
+                copy = copies.pop()
+                if computed(copy) and copy not in found:
+                    found[copy] = None
+                    copies.extend(user for user in copy.users if name(user) in ("detach", "alias"))
         readers = list(softmax.users)
         while readers:  # the probabilities' views and casts, up to the product with v
             node = readers.pop()

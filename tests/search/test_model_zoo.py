@@ -154,12 +154,11 @@ def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_f
 
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),
-           "gemma2_softcap": (0, 0), "bart": (3, 3), "bert_padded": (1, 0), "gemma_mqa": (1, 1),
+           "gemma2_softcap": (1, 1), "bart": (3, 3), "bert_padded": (1, 0), "gemma_mqa": (1, 1),
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
-holds dk, dv and dq in two head-dim parts; Gemma 2's backward graph reads the forward's tanh as an input AOTAutograd
-saved, not the capped scores, so no flash backward derives, and its unfused backward reads the forward's probabilities,
-which its forward then writes: no flash kernel either; BERT's SDPA backward under its padding mask stays
+holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
+output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
 torch's fused kernel in the backend; Bloom's and MPT's ALiBi, a bias the backward recomputes with the scores (Bloom
 adds it in ``baddbmm``) and reads stored, trains on a flash backward)."""
 
