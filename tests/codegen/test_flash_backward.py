@@ -61,12 +61,14 @@ def alibi_gradient_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: i
 
 
 def capped_gradient_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: int, softcap: float,
-                          dtype: str = "bf16") -> ck.Graph:  # fmt: skip
-    """``ck.grad`` of causal ``ck.nn.attention`` with its scores soft-capped at ``softcap`` (Gemma 2's cap)."""
+                          dtype: str = "bf16", bias: bool = False) -> ck.Graph:  # fmt: skip
+    """``ck.grad`` of causal ``ck.nn.attention`` with its scores soft-capped at ``softcap`` (Gemma 2's cap);
+    ``bias``: not causal, a bias tensor ``mask`` ``(B, 1, S, S)`` added after the cap instead."""
     g = ck.Graph("capped")
     q = g.input("q", (batch, heads, seq, dim), dtype)
     k, v = (g.input(n, (batch, kv_heads, seq, dim), dtype) for n in "kv")
-    g.output(ck.nn.attention(q, k, v, causal=True, softcap=softcap), "o")
+    mask = g.input("mask", (batch, 1, seq, seq), dtype) if bias else None
+    g.output(ck.nn.attention(q, k, v, causal=not bias, bias=mask, softcap=softcap), "o")
     return ck.grad(g, wrt=("q", "k", "v"))
 
 
@@ -335,14 +337,16 @@ def test_soft_capped_gradient_is_one_flash_backward() -> None:
 
 
 @needs_gxx
-def test_emulated_soft_capped_backward_matches_the_gradient_graph() -> None:
+@pytest.mark.parametrize("bias", [False, True], ids=["causal_gqa", "bias_tensor"])
+def test_emulated_soft_capped_backward_matches_the_gradient_graph(bias: bool) -> None:
     """A cap of 2 on scores of unit spread: without the cap's slope in dS, dq and dk are 40 % off."""
-    gg = capped_gradient_graph(2, 4, 2, 70, 64, 2.0)
+    gg = capped_gradient_graph(2, 4, 2, 70, 64, 2.0, bias=bias)
     inputs = _inputs(gg)
     expected = ck.evaluate(gg, inputs)
     plans = {p.schedule.key(): p for p in backward_plans(gg)}
+    mask = inputs["mask"][:, 0] if bias else None
     for key in ("kv64_q32_s2", "kv128_q64_s1"):
-        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"])
+        got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], bias=mask)
         assert_gradients_match(got, expected, ("q", "k", "v"), key)
 
 
