@@ -51,10 +51,22 @@ v, do = tensor("v", "j:7", "e:2"), tensor("do", "i:3", "e:2")
 k2, q2, do2 = tensor("k", "j:7", "f:4"), tensor("q", "i:3", "f:4"), tensor("do", "i:3", "f:2")
 
 shifted = ("Exp", ("Add", s, ("Neg", ("Max", "j:7", 7, s))))
-capped_tanh = ("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", CAP_EXAMPLE[0])))
-cap_slope = ("Add", ("Num", 1.0), ("Neg", ("Mul", capped_tanh, capped_tanh)))
-CAP_SLOPE = "(Add (Num 1.0) (Neg (Mul (Tanh (Mul (Contract d nd q k) (Num a))) (Tanh (Mul (Contract d nd q k) (Num a))))))"
-"""``1 − tanh²(a·Σ_d q·k)``: the slope of a soft cap ``m·tanh`` over ``m`` (a pattern)."""
+
+
+def _slope(tanh: str) -> str:
+    """``1 − t·t`` for the pattern ``t`` of a tanh: the slope of a soft cap ``m·tanh`` over ``m``."""
+    return f"(Add (Num 1.0) (Neg (Mul {tanh} {tanh})))"
+
+
+def _slope_example(tanh: tuple) -> tuple:
+    return ("Add", ("Num", 1.0), ("Neg", ("Mul", tanh, tanh)))
+
+
+CAP_SLOPE = _slope("(Tanh (Mul (Contract d nd q k) (Num a)))")
+"""``1 − tanh²(a·Σ_d q·k)``, the slope of capped scores (a pattern)."""
+cap_slope = _slope_example(("Tanh", ("Mul", ("Contract", "d:4", 4, q, k), ("Num", CAP_EXAMPLE[0]))))
+RECIPROCALS = "(< (abs (- (* m u) 1.0)) 1e-12)"
+"""``u·m = 1`` (to rounding): a cap ``m`` and its inverse ``u``, both in a soft cap's chain rule."""
 SAME_SCALE = "(< (abs (- c c2)) (* 1e-12 c))"
 """The scale a contraction of ``dS`` is multiplied by is ``dS``'s own (to rounding: a soft cap's chain
 rule folds ``m``, ``1/m`` and ``a`` in another order than ``a·m``)."""
@@ -133,8 +145,7 @@ def _soft_cap_output_vjp_rules() -> tuple[Rule, ...]:
     tanh's output ``t``: ``(g·m)·(1 − t·t)·u = g·(1 − t·t)`` for ``u·m = 1``; and on ``g`` rounded to 16
     bits (a bf16 model's softmax gradient), within that rounding, which the flash backward's dS gets
     anyway before its products."""
-    slope, slope_example = "(Add (Num 1.0) (Neg (Mul (Tanh y) (Tanh y))))", ("Add", ("Num", 1.0), (
-        "Neg", ("Mul", ("Tanh", x), ("Tanh", x))))
+    slope, slope_example = _slope("(Tanh y)"), _slope_example(("Tanh", x))
     rules = []
     for suffix, pattern, example, tolerance in (("", "g", g, 1e-9),
                                                 ("-rounded", "(Cast dt g)", ("Cast", "bf16", g), HALF_ROUNDING)):
@@ -145,7 +156,7 @@ def _soft_cap_output_vjp_rules() -> tuple[Rule, ...]:
             + (", within the 16-bit rounding of g" if suffix else ""),
             lhs=f"(Mul (Mul (Mul {pattern} (Num m)) {slope}) (Num u))",
             rhs=f"(Mul g {slope})",
-            where=("(< (abs (- (* m u) 1.0)) 1e-12)",),
+            where=(RECIPROCALS,),
             example=Example(("Mul", ("Mul", ("Mul", example, ("Num", 1.5)), slope_example), ("Num", 1 / 1.5))),
             tolerance=tolerance,
         ))  # fmt: skip
@@ -259,9 +270,8 @@ RULES = (
         lhs=("(Mul (Mul (Mul (Neg (Mul (Mul (Mul (Neg (Mul g (Num m))) (Num 2.0)) "
              "(Recip (Add (Exp2 (Mul x (Num a))) (Num 1.0)))) (Recip (Add (Exp2 (Mul x (Num a))) (Num 1.0))))) "
              "(Exp2 (Mul x (Num a)))) (Num 2.0)) (Num u))"),
-        rhs=(f"(Mul g (Add (Num 1.0) (Neg (Mul (Tanh (Mul x (Num (* a {HALF_LN2})))) "
-             f"(Tanh (Mul x (Num (* a {HALF_LN2}))))))))"),
-        where=("(< (abs (- (* m u) 1.0)) 1e-12)",),
+        rhs=f"(Mul g {_slope(f'(Tanh (Mul x (Num (* a {HALF_LN2}))))')})",
+        where=(RECIPROCALS,),
         example=Example(("Mul", ("Mul", ("Mul", ("Neg", ("Mul", ("Mul", ("Mul", ("Neg", ("Mul", g, ("Num", 1.5))),
                                                                           ("Num", 2.0)), _exp2_reciprocal),
                                                          _exp2_reciprocal)), _exp2), ("Num", 2.0)), ("Num", 1 / 1.5))),

@@ -386,9 +386,7 @@ class TermEvaluator:
                 env: Mapping[str, int]) -> Any:  # fmt: skip
         """Attention's masked scores ``c·Σ_d q·k`` (soft-capped, ``cap·tanh(s/cap)``, then + mask)
         along ``key`` (``env`` holds it)."""
-        over_both = {**env, dim: n_dim}
-        product = contract(self.arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
-        scores = self.along(scale * product, key, n_keys)
+        scores = self._scaled_product(key, n_keys, dim, n_dim, q, k, scale, env)
         cap, mask = t.soft_capped(mask)
         if cap:
             scores = cap * self.xp.tanh(scores / cap)
@@ -400,6 +398,13 @@ class TermEvaluator:
             key_index = self.index(t.ax(key), env)
             scores = self.xp.where(query_index < key_index, self.scalar(-np.inf), scores)
         return scores
+
+    def _scaled_product(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: Any,
+                        env: Mapping[str, int]) -> Any:  # fmt: skip
+        """``c·Σ_d q·k`` along ``key`` (``env`` holds it): attention's scores before any cap or mask."""
+        over_both = {**env, dim: n_dim}
+        product = contract(self.arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
+        return self.along(scale * product, key, n_keys)
 
     def _probabilities(self, key: str, n_keys: int, dim: str, n_dim: int, q: Term, k: Term, scale: float,
                        mask: Term, env: Mapping[str, int]) -> Any:  # fmt: skip
@@ -424,9 +429,7 @@ class TermEvaluator:
         cap, _ = t.soft_capped(mask)
         if not cap:
             return p * (dp - delta)
-        over_both = {**env, dim: n_dim}
-        product = contract(arrays, self.value(q, over_both), self.value(k, over_both), self.position[dim], n_dim)
-        capped = self.xp.tanh(self.along(scale * product, key, n_keys) / cap)
+        capped = self.xp.tanh(self._scaled_product(key, n_keys, dim, n_dim, q, k, scale, env) / cap)
         return p * (dp - delta) * (1.0 - capped * capped)
 
     def _flash(self, args: tuple, env: Mapping[str, int], splits: int = 1) -> Any:
