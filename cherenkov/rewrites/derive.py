@@ -68,6 +68,8 @@ RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, ST
 MAX_PASSES = 24
 MAX_ENODES = 200_000
 MAX_ABLATIONS = 512
+TRIAL_PASS_FACTOR = 2
+"""A trace ablation's trial runs at most this many times the passes its form took with every rule."""
 
 ABLATIONS: dict[str, tuple[str, ...]] = {}
 """The trace ablations of this process (:meth:`Derivation._needed_rules`), by a digest of all they
@@ -493,15 +495,19 @@ class Derivation:
         model's layers are one graph, and re-deriving all of them per trial made the ablation the
         bulk of a search). A trial stops once the form arises, and the ablation starts from the
         rules that fired before it arose in a trial with them all: without the others those
-        passes run the same."""
-        with_all = self._trial(lowered, constructor, set(self.first_pass))
+        passes run the same. A trial without a rule runs at most :data:`TRIAL_PASS_FACTOR` times the passes
+        the form took with them all: a trial whose form never arises otherwise runs to the e-graph's bound
+        (seconds each, where constants multiply along e-classes such as ``x ≡ (x·log2 e)·ln 2``), and a rule
+        the form could do without only by a route that long is kept."""
+        with_all = self._trial(lowered, constructor, set(self.first_pass), self.stats.iterations)
         if not _holds(with_all.egraph, constructor):
             return ()
         order = [r.name for ruleset in self.rulesets for r in ruleset.rules]
         needed = sorted(with_all.first_pass, key=lambda r: (self.first_pass[r], order.index(r)))
+        max_passes = min(self.stats.iterations, TRIAL_PASS_FACTOR * with_all.stats.iterations)
         for rule in list(needed):
             trial = [r for r in needed if r != rule]
-            if _holds(self._trial(lowered, constructor, set(trial)).egraph, constructor):
+            if _holds(self._trial(lowered, constructor, set(trial), max_passes).egraph, constructor):
                 needed = trial
         return tuple(needed)
 
@@ -517,12 +523,13 @@ class Derivation:
                                                outputs=(name,), inlined=inlined)  # fmt: skip
         return self.lowered
 
-    def _trial(self, lowered: Lowered, constructor: str, rules: set[str]) -> Saturation:
-        """``lowered`` saturated with ``rules`` alone, stopped once a ``constructor`` form arises."""
+    def _trial(self, lowered: Lowered, constructor: str, rules: set[str], max_passes: int) -> Saturation:
+        """``lowered`` saturated with ``rules`` alone for up to ``max_passes``, stopped once a ``constructor``
+        form arises."""
         subset = tuple(
             dataclasses.replace(r, rules=tuple(x for x in r.rules if x.name in rules)) for r in self.rulesets
         )
-        return saturate(lowered, subset, self.stats.iterations, MAX_ENODES, self.graph.name, until=constructor)
+        return saturate(lowered, subset, max_passes, MAX_ENODES, self.graph.name, until=constructor)
 
     def evaluate(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run the fused kernels' float64 references in order: the derived program's value."""

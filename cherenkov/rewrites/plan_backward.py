@@ -325,8 +325,9 @@ def backward_schedule_problems(schedule: BackwardSchedule, problem: AttentionBac
     if a.bias is not None and (schedule.wgmma or schedule.warp_pairs or schedule.saved_statistics):
         reasons.append("a bias tensor: only the 16-key mma.sync main pass reads one, after a statistics pass that "
                        "runs the forward again (a saved log-sum-exp loses a row the bias masks wholly)")
-    if a.softcap and (schedule.wgmma or schedule.warp_pairs):
-        reasons.append("a soft cap of the scores: only the 16-key mma.sync main pass applies one")
+    if a.softcap and schedule.warp_pairs and a.head_dim > 64:
+        reasons.append(f"a soft cap of the scores at head dim {a.head_dim}: warp pairs spill (255 registers and 16-60 "
+                       f"bytes of spills on sm_80 and sm_90; head dim 64: 174 registers)")
     reasons += _dim_part_problems(schedule, problem)
     if schedule.saved_statistics and problem.saved is None:
         reasons.append("saved statistics: the graph holds no saved output and log-sum-exp of this attention")

@@ -443,13 +443,15 @@ def partition_recomputing_attention(joint: Any, joint_inputs: Sequence[Any], **k
 
 def _computed_from_constants(graph: Any, nodes: Sequence[Any]) -> list[Any]:
     """The nodes of ``graph`` that ``nodes`` read (directly or through others) and no graph input
-    reaches (:func:`_constant_nodes`): a causal mask built from position aranges."""
+    reaches (:func:`_constant_nodes`): a causal mask built from position aranges, and the tensor
+    constants it reads (on CUDA, transformers' ``torch.tensor(0.0)`` a mask keeps is an attribute:
+    saved, the backward would read it as an input, a value it cannot fold into a band)."""
     constant = set(_constant_nodes(graph))
     found: dict[Any, None] = {}
     stack = [n for node in nodes for n in node.all_input_nodes]
     while stack:
         node = stack.pop()
-        if node not in found and node.op == "call_function" and node in constant:
+        if node not in found and node.op in ("call_function", "get_attr") and node in constant:
             found[node] = None
             stack.extend(node.all_input_nodes)
     return list(found)

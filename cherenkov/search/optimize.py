@@ -212,7 +212,9 @@ class OptimizeResult:
                 stored = problem.stored_shapes()
                 a = problem.attention
                 saved = (problem.saved.o, problem.saved.lse) if problem.saved is not None else ()
-                reads = {n: viewed_as(buffers[n], stored[n], n) for n in (a.q, a.k, a.v, problem.grad_output, *saved)}
+                bias = (a.bias.tensor,) if a.bias is not None else ()
+                reads = {n: viewed_as(buffers[n], stored[n], n)
+                         for n in (a.q, a.k, a.v, problem.grad_output, *saved, *bias)}  # fmt: skip
                 buffers.update(launcher.launch(reads))
             else:
                 stored = problem.stored_shapes()

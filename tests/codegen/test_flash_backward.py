@@ -112,8 +112,13 @@ def test_sources_are_deterministic_and_differ_by_schedule() -> None:
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_120"])
 def test_every_plan_compiles_without_spills(target: str, compiler, kernel_cache) -> None:
     gg = gradient_graph(2, 8, 2, 200, 333, 128, causal=True)  # the register-heaviest head dim, GQA
+    from dataclasses import replace
+
     biased = biased_gradient_graph(2, 8, 2, 200, 333, 128, 1)  # a bias tensor: the 16-key main pass
     plans = backward_plans(gg, target) + backward_plans(biased, target)
+    # soft-capped scores: warp pairs at head dim 64, their one capped head dim
+    pairs = [p for p in backward_plans(gradient_graph(2, 8, 2, 200, 333, 64, causal=True), target) if p.schedule.warp_pairs]
+    plans += [replace(p, problem=replace(p.problem, attention=replace(p.problem.attention, softcap=50.0))) for p in pairs]
     for plan, build in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
         assert not isinstance(build, Exception), build
         # with a bias, ptxas 13.0 spills the head-dim-128 main pass on sm_120 (60-124 bytes; nvcc 13.0, 2026-12-05)
@@ -174,11 +179,17 @@ def test_persistent_main_pass_walks_paired_key_tiles() -> None:
 
 @pytest.mark.slow
 def test_every_wgmma_plan_compiles_without_spills_or_a_serialised_pipeline(compiler, kernel_cache) -> None:
+    """Head dims 64 and 128, with and without saved statistics, and at 128 under a soft cap (255 registers)."""
+    from dataclasses import replace
+
     for dim in (64, 128):
         for saved in (False, True):
             gg = gradient_graph(2, 8, 2, 200, 333, dim, causal=True, saved=saved)
             plans = [p for p in backward_plans(gg, "sm_90a") if p.schedule.wgmma]
             assert len(plans) == (6 if saved else 3)  # (with saved statistics: both kinds)
+            if dim == 128 and not saved:
+                plans += [replace(p, problem=replace(p.problem, attention=replace(p.problem.attention, softcap=50.0)))
+                          for p in plans]  # fmt: skip
             for plan, build in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
                 assert not isinstance(build, Exception), build
                 assert build.report.spill_bytes == 0, (plan.name, build.report)
@@ -319,8 +330,8 @@ def test_emulated_alibi_backward_matches_the_gradient_graph() -> None:
 def test_soft_capped_gradient_is_one_flash_backward() -> None:
     """The gradient of soft-capped attention (the cap's chain rule through tanh's exponential spelling,
     rule ``soft-cap-vjp``) derives one flash backward, the program equal to the graph in float64; its
-    plans are the 16-key ``mma.sync`` main pass's on every target, with the cap in both passes. (The causal
-    graph is the emulated test's: its derivation, ~40 s on 2 cores, is done once.)"""
+    plans are every main pass's (16-key warps, warp pairs, and wgmma on sm_90a), with the cap in both passes. (The
+    causal graph is the emulated test's: its derivation, ~17 s on 2 cores, is done once.)"""
     gg = capped_gradient_graph(2, 4, 2, 70, 32, 2.0, "fp32", bias=True)
     d = ck.derive(gg)
     assert [k.kind for k in d.kernels] == ["flash_attention_backward"]
@@ -332,22 +343,28 @@ def test_soft_capped_gradient_is_one_flash_backward() -> None:
     assert [k.kind for k in d.kernels] == ["flash_attention_backward"]
     for target in ("sm_80", "sm_90a", "sm_120"):
         plans = d.plans(target)
-        assert plans and all(not (p.schedule.wgmma or p.schedule.warp_pairs) for p in plans), target
+        assert any(p.schedule.warp_pairs for p in plans) and any(p.schedule.wgmma for p in plans) == (target == "sm_90a")
         assert {(p.problem.attention.softcap, p.problem.attention.causal) for p in plans} == {(2.0, True)}, target
-    source = cuda_source(plans[0])
+        if target == "sm_90a":
+            source = cuda_source(next(p for p in plans if p.schedule.wgmma))
+            assert "soft_cap(s[i]) * SCALE_LOG2" in source and "s[e] = p[c] * (1.0f - tanh_of_score * tanh_of_score)" in source
+    source = cuda_source(next(p for p in plans if not (p.schedule.warp_pairs or p.schedule.wgmma)))
     assert source.count("soft_cap(s[n][e])") == 2 and "* slope[n][e]" in source
+    source = cuda_source(next(p for p in plans if p.schedule.warp_pairs))
+    assert "soft_cap(s[i][n][2 * h + c])" in source and "const u32 p = *reinterpret_cast<const u32*>(sDs + " in source
 
 
 @needs_gxx
 @pytest.mark.parametrize("bias", [False, True], ids=["causal_gqa", "bias_tensor"])
 def test_emulated_soft_capped_backward_matches_the_gradient_graph(bias: bool) -> None:
-    """A cap of 2 on scores of unit spread: without the cap's slope in dS, dq and dk are 40 % off."""
+    """A cap of 2 on scores of unit spread: without the cap's slope in dS, dq and dk are 40 % off. The 16-key main
+    pass, and warp pairs (no bias tensor there), whose dS reads P times the slope back from the dS tile."""
     gg = capped_gradient_graph(2, 4, 2, 70, 64, 2.0, bias=bias)
     inputs = _inputs(gg)
     expected = ck.evaluate(gg, inputs)
     plans = {p.schedule.key(): p for p in backward_plans(gg)}
     mask = inputs["mask"][:, 0] if bias else None
-    for key in ("kv64_q32_s2", "kv128_q64_s1"):
+    for key in ("kv64_q32_s2", "kv128_q64_s1", *(() if bias else ("kv128_q64_s2_wp",))):
         got = emulate_backward(plans[key], inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], bias=mask)
         assert_gradients_match(got, expected, ("q", "k", "v"), key)
 
@@ -418,6 +435,20 @@ def test_warp_pair_main_pass_is_offered_where_its_tiles_fit() -> None:
     source = cuda_source(next(p for p in backward_plans(gradient_graph(1, 2, 2, 100, 77, 128, causal=True))
                               if p.schedule.warp_pairs))  # fmt: skip
     assert "pair_rows_times_rows<HALF_Q>(s, sK, kr0, tq, qc0, lane)" in source and "sP = sDs + BLOCK_KV * DS_ROW" in source
+
+
+def test_warp_pairs_take_a_soft_cap_at_head_dim_64_only() -> None:
+    """Capped scores: warp pairs at head dim 64 (174 registers); at 128 they spill, and the plan says so."""
+    from dataclasses import replace
+
+    from cherenkov.rewrites.plan import TARGETS
+    from cherenkov.rewrites.plan_backward import backward_schedule_problems
+
+    for dim, fits in ((64, True), (128, False)):
+        plan = next(p for p in backward_plans(gradient_graph(1, 2, 2, 100, 77, dim, causal=True)) if p.schedule.warp_pairs)
+        capped = replace(plan.problem, attention=replace(plan.problem.attention, softcap=50.0))
+        problems = backward_schedule_problems(plan.schedule, capped, TARGETS["sm_90"])
+        assert (not problems) == fits and all("soft cap" in p for p in problems), problems
 
 
 def test_causal_one_tile_grid_takes_slabs_in_chunks() -> None:
@@ -554,6 +585,18 @@ def test_gpu_backward_with_a_bias_matches_float32_autograd(sizes, mask_heads, dt
         stored["mask"].copy_(torch_from(padding_mask(stored["mask"].float().cpu().numpy(), 10, 3, dtype), stored["mask"]))
 
     _check_against_autograd(plans, dtype, cuda_device, kernel_cache, prepare=padded)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "bias"), [((2, 8, 2, 200, 64), False), ((1, 4, 4, 256, 128), True),
+                                             ((2, 8, 2, 200, 128), False)],
+                         ids=["causal_gqa_ragged", "bias_d128", "d128_causal_gqa_ragged"])  # fmt: skip
+def test_gpu_soft_capped_backward_matches_float32_autograd(sizes, bias, cuda_device, kernel_cache) -> None:
+    """Scores soft-capped at 2 (so the cap's slope in dS matters), every schedule on sm_90a (16-key warps, warp
+    pairs at D 64, wgmma but with a bias tensor), every gradient against float32 autograd of the same capped
+    attention."""
+    plans = backward_plans(capped_gradient_graph(*sizes, 2.0, bias=bias), "sm_90a")
+    _check_against_autograd(plans, "bf16", cuda_device, kernel_cache)
 
 
 def torch_from(values: np.ndarray, like):

@@ -51,7 +51,8 @@ from __future__ import annotations
 from cherenkov.codegen.cuda import attention_mask, cp_async, flash_attention_backward_sm90a, ldmatrix, mma, softmax
 from cherenkov.codegen.cuda import flash_attention_backward_pairs as warp_pairs
 from cherenkov.codegen.cuda.flash_attention import softmax_scale
-from cherenkov.codegen.cuda.text import block, bool_literal, comment_lines, float_literal, identifier, indent, section
+from cherenkov.codegen.cuda.text import (block, bool_literal, comment_lines, fill_line, float_literal, identifier, indent,
+                                         section)
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.rewrites.plan import OperandLayout
 from cherenkov.rewrites.plan_backward import (
@@ -880,34 +881,25 @@ def _main_kernel(name: str, vector_reductions: bool, pairs: bool, bias: bool = F
     (:mod:`.flash_attention_backward_pairs`); ``vector_reductions`` (sm_90 and later): dq is added
     four floats a ``red.global.add.v4.f32`` instead of one float an atomic add; ``bias`` (16-key
     warps only): each score gains the bias tensor's element before its probability is recomputed;
-    ``capped`` (16-key warps only): each raw score is soft-capped, and dS gains the cap's slope."""
+    ``capped``: each raw score is soft-capped, and dS gains the cap's slope."""
     dq_add = _DQ_VECTOR_REDUCTIONS if vector_reductions else _DQ_ATOMICS
     if pairs:
         parts = {"ROLES": warp_pairs.PAIR_ROLES, "P_TILE": warp_pairs.PAIR_P_TILE,
-                 "ACCUMULATORS": warp_pairs.PAIR_ACCUMULATORS, "STEP": warp_pairs.pair_step(dq_add),
+                 "ACCUMULATORS": warp_pairs.PAIR_ACCUMULATORS, "STEP": warp_pairs.pair_step(dq_add, capped),
                  "EPILOGUE": warp_pairs.PAIR_EPILOGUE}
     else:
         formula, exponent = _P_BIASED if bias else _P_UNBIASED
         step = (_KEY_WARP_STEP.replace("@DQ_ADD@", indent(dq_add, 2).lstrip()).replace("@P_EXPONENT@", exponent)
                 .replace("@SLOPE@", " * slope[n][e]" if capped else ""))
-        step = _fill_line(_fill_line(step, "P_FORMULA", formula), "SOFT_CAP", _SOFT_CAP_SCORES if capped else "")
+        step = fill_line(fill_line(step, "P_FORMULA", formula), "SOFT_CAP", _SOFT_CAP_SCORES if capped else "")
         parts = {"ROLES": "", "P_TILE": "", "ACCUMULATORS": _KEY_WARP_ACCUMULATORS, "STEP": step,
                  "EPILOGUE": _KEY_WARP_EPILOGUE}
     parts.update({key: value if bias else "" for key, value in _BIAS_MAIN_PARTS.items()})
     text = block(_MAIN_KERNEL).replace("@NAME@", name)
     text = text.replace("@PARAMETERS@", flash_attention_backward_sm90a.MAIN_PASS_PARAMETERS + (_BIAS_PARAMETER if bias else ""))
     for key, value in parts.items():
-        text = _fill_line(text, key, value)
+        text = fill_line(text, key, value)
     return text
-
-
-def _fill_line(text: str, key: str, value: str) -> str:
-    """``text`` with the line holding only ``@key@`` replaced by ``value`` at that line's indentation
-    (removed where ``value`` is empty)."""
-    line = next(line for line in text.split("\n") if line.strip() == f"@{key}@")
-    margin = line[: len(line) - len(line.lstrip())]
-    replacement = "\n".join(margin + row if row else row for row in value.split("\n")) if value else None
-    return text.replace(line + "\n", "" if replacement is None else replacement + "\n")
 
 
 def _dq_kernel(name: str) -> str:

@@ -16,6 +16,11 @@ split so that every warp's tile has 32 rows:
   ``D/4``-column part of the step's dq tile (A: dSᵀ read transposed), added to the workspace's
   fp32 accumulator as the one-warp pass adds it.
 
+Under a soft cap each raw score is capped before its probability, and dSᵀ needs ``Pᵀ`` times the cap's
+slope ``1 − tanh²``: a warp writes that product to its own places of the dSᵀ tile beside ``Pᵀ``, and
+reads it back (no barrier: the same thread's places) instead of ``Pᵀ``, so no register holds the slope
+across the dPᵀ product.
+
 Per step a block then reads ~0.058 bytes of shared memory a FLOP where the one-warp pass with
 64-query steps reads ~0.078 (and ~0.081 with 32-query steps): the layout FlashAttention-2's
 backward uses for head dims 64 and 128.
@@ -23,7 +28,7 @@ backward uses for head dims 64 and 128.
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda.text import block, indent
+from cherenkov.codegen.cuda.text import block, fill_line, indent
 
 PAIR_CONSTANTS = """constexpr int DS_ROW = BLOCK_Q + 8;  // padded dS^T and P^T row (elements)
 constexpr int HALF_Q = BLOCK_Q / 2, HALF_D = D / 2;  // a warp's queries of S^T, its head-dim columns of dk, dv
@@ -130,27 +135,56 @@ for (int i = 0; i < 2; ++i) {
 const int key0 = k0 + kr0 + g;  // this thread's keys: key0 + 16 i + 8 h"""
 
 
-def pair_step(dq_add: str) -> str:
+_P_UNCAPPED = """// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+    #pragma unroll
+    for (int n = 0; n < HALF_Q / 8; ++n) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int column = qc0 + 8 * n + 2 * t + (e & 1), query = q0 + column, row = key0 + 16 * i + 8 * (e >> 1);
+            const bool masked = row >= SEQ_KV || query >= SEQ_Q || (CAUSAL && row > query);
+            s[i][n][e] = masked ? 0.0f : fast_exp2(s[i][n][e] * SCALE_LOG2 - tlse[column]);
+        }
+    }
+}"""
+"""The uncapped step's probabilities; dS^T reads them back from ``sP``."""
+
+_P_CAPPED = """// P^T = 2^(cap(S^T) SCALE_LOG2 - LSE2), 0 where masked; P^T times the cap's slope 1 - tanh^2 (the gradient of the
+// capped score's argument) to this thread's places of the dS^T tile, which dS^T reads back and overwrites
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+    #pragma unroll
+    for (int n = 0; n < HALF_Q / 8; ++n) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {  // rows g and g + 8: two probabilities a 4-byte store
+            const int column = qc0 + 8 * n + 2 * t, row = key0 + 16 * i + 8 * h;
+            float sloped[2];
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int query = q0 + column + c;
+                const bool masked = row >= SEQ_KV || query >= SEQ_Q || (CAUSAL && row > query);
+                const float capped = soft_cap(s[i][n][2 * h + c]), tanh_of_score = capped * (1.0f / SOFTCAP_RAW);
+                s[i][n][2 * h + c] = masked ? 0.0f : fast_exp2(capped * SCALE_LOG2 - tlse[column + c]);
+                sloped[c] = masked ? 0.0f : s[i][n][2 * h + c] * (1.0f - tanh_of_score * tanh_of_score);
+            }
+            *reinterpret_cast<u32*>(sDs + (kr0 + 16 * i + g + 8 * h) * DS_ROW + column) = pack2(sloped[0], sloped[1]);
+        }
+    }
+}"""
+"""The capped step's probabilities, and their products with the cap's slope that dS^T reads back from ``sDs``."""
+
+
+def pair_step(dq_add: str, capped: bool = False) -> str:
     """One step of the warp-pair main pass (the loop body after the step's tiles are found);
-    ``dq_add`` adds a 16-row ``acc`` of dq at rows ``r0``, columns ``c0`` to the accumulator."""
-    return block(
+    ``dq_add`` adds a 16-row ``acc`` of dq at rows ``r0``, columns ``c0`` to the accumulator; ``capped``:
+    each raw score is soft-capped, and dS gains the cap's slope."""
+    text = block(
         """
         // S^T = K Q^T: the pair's 32 keys x this warp's half of the queries
         float s[2][HALF_Q / 8][4];
         pair_rows_times_rows<HALF_Q>(s, sK, kr0, tq, qc0, lane);
-        // P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked
-        #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            #pragma unroll
-            for (int n = 0; n < HALF_Q / 8; ++n) {
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int column = qc0 + 8 * n + 2 * t + (e & 1), query = q0 + column, row = key0 + 16 * i + 8 * (e >> 1);
-                    const bool masked = row >= SEQ_KV || query >= SEQ_Q || (CAUSAL && row > query);
-                    s[i][n][e] = masked ? 0.0f : fast_exp2(s[i][n][e] * SCALE_LOG2 - tlse[column]);
-                }
-            }
-        }
+        @PROBABILITIES@
         store_pair_tile(sP, s, kr0, qc0, g, t);  // for dv, and read back rounded for dS^T: S^T's registers are free
         if (WANT_DQ || WANT_DK) {
             // dP^T = V dO^T, then dS^T = P^T (dP^T - D)
@@ -163,7 +197,7 @@ def pair_step(dq_add: str) -> str:
                     #pragma unroll
                     for (int h = 0; h < 2; ++h) {  // rows g and g + 8: two probabilities a 4-byte load
                         const int row = kr0 + 16 * i + g + 8 * h, column = qc0 + 8 * n + 2 * t;
-                        const u32 p = *reinterpret_cast<const u32*>(sP + row * DS_ROW + column);
+                        const u32 p = *reinterpret_cast<const u32*>(@P_READ@ + row * DS_ROW + column);
                         dp[i][n][2 * h] = to_float(elem_t(p & 0xFFFFu)) * (dp[i][n][2 * h] - tdelta[column]);
                         dp[i][n][2 * h + 1] = to_float(elem_t(p >> 16)) * (dp[i][n][2 * h + 1] - tdelta[column + 1]);
                     }
@@ -193,7 +227,8 @@ def pair_step(dq_add: str) -> str:
             }
         }
         """
-    ).replace("@DQ_ADD@", indent(dq_add, 2).lstrip())
+    ).replace("@DQ_ADD@", indent(dq_add, 2).lstrip()).replace("@P_READ@", "sDs" if capped else "sP")
+    return fill_line(text, "PROBABILITIES", _P_CAPPED if capped else _P_UNCAPPED)
 
 
 PAIR_EPILOGUE = """// dk * SCALE and dv, rounded, at their strides: the pair's keys, this warp's columns

@@ -65,7 +65,7 @@ from __future__ import annotations
 import re
 
 from cherenkov.codegen.cuda import cp_async, tma, wgmma
-from cherenkov.codegen.cuda.text import block, bool_literal, indent
+from cherenkov.codegen.cuda.text import block, bool_literal, fill_line, indent
 from cherenkov.rewrites.plan_backward import (
     WGMMA_BLOCK_KV,
     WGMMA_BLOCK_Q,
@@ -242,7 +242,8 @@ def main_kernel(plan: BackwardPlan, name: str) -> str:
     step_level, store_level = (3, 2) if plan.schedule.persistent else (2, 1)
     refill = "" if plan.schedule.persistent else \
         "if (step + STAGES - 1 < steps) copy_step(step + STAGES - 1);  // into the last step's stage\n"
-    step = _MAIN_STEP.replace("@REFILL@\n", refill)
+    step = fill_line(_MAIN_STEP.replace("@REFILL@\n", refill), "PROBABILITIES",
+                     _P_CAPPED if plan.problem.attention.softcap else _P_UNCAPPED)
     return (
         re.sub(r"^ *@STEP@\n", lambda _: indent(step, step_level) + "\n", driver, flags=re.MULTILINE)
         .replace("@OPENING@", _KERNEL_OPENING)
@@ -444,6 +445,34 @@ _WALK_KERNEL = """
         }
         """
 
+_P_UNCAPPED = """// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked (tiles on the diagonal or past an end)
+#pragma unroll
+for (int i = 0; i < BLOCK_Q / 2; ++i) {
+    const int column = 8 * (i >> 2) + 2 * t + (i & 1), query = q0 + column, kr = key[(i >> 1) & 1];
+    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
+    s[i] = masked ? 0.0f : fast_exp2(s[i] * SCALE_LOG2 - tlse[column]);
+}
+#pragma unroll
+for (int i = 0; i < BLOCK_Q / 4; ++i) pa[i] = pack2(s[2 * i], s[2 * i + 1]);"""
+"""The uncapped step's probabilities: ``pa`` for dv, and ``s`` for dS."""
+
+_P_CAPPED = """// P^T = 2^(cap(S^T) SCALE_LOG2 - LSE2), 0 where masked (tiles on the diagonal or past an end), to pa; s keeps
+// P^T times the cap's slope 1 - tanh^2 for dS^T (the gradient of the capped score's argument)
+#pragma unroll
+for (int i = 0; i < BLOCK_Q / 4; ++i) {
+    float p[2];
+    #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int e = 2 * i + c, column = 8 * (e >> 2) + 2 * t + c, query = q0 + column, kr = key[i & 1];
+        const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
+        const float capped = soft_cap(s[e]), tanh_of_score = capped * (1.0f / SOFTCAP_RAW);
+        p[c] = masked ? 0.0f : fast_exp2(capped * SCALE_LOG2 - tlse[column]);
+        s[e] = p[c] * (1.0f - tanh_of_score * tanh_of_score);
+    }
+    pa[i] = pack2(p[0], p[1]);
+}"""
+"""The capped step's probabilities to ``pa``, and their products with the cap's slope to ``s``."""
+
 # One step of the main pass, its copies already waited for and the next ones issued: Sᵀ and dPᵀ, Pᵀ and dSᵀ, dq
 # (stored dSᵀ, one product, vector reductions), dv and dk.
 _MAIN_STEP = """const u32 tq = sQ + stage * Q_TILE_BYTES, tdo = sDO + stage * Q_TILE_BYTES;
@@ -458,17 +487,9 @@ head_dim_product_n@BLOCK_Q@<KV_BOX_BYTES, Q_BOX_BYTES>(dp, v_rows, tdo);
 wgmma_commit();
 wgmma_wait<1>();
 fence_operands(s);
-// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked (tiles on the diagonal or past an end)
 const bool edge = (CAUSAL && q0 < k0 + BLOCK_KV) || q0 + BLOCK_Q > SEQ_Q || k0 + BLOCK_KV > SEQ_KV;
 u32 pa[BLOCK_Q / 4];  // P^T as A fragments: pairs of adjacent columns
-#pragma unroll
-for (int i = 0; i < BLOCK_Q / 2; ++i) {
-    const int column = 8 * (i >> 2) + 2 * t + (i & 1), query = q0 + column, kr = key[(i >> 1) & 1];
-    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
-    s[i] = masked ? 0.0f : fast_exp2(s[i] * SCALE_LOG2 - tlse[column]);
-}
-#pragma unroll
-for (int i = 0; i < BLOCK_Q / 4; ++i) pa[i] = pack2(s[2 * i], s[2 * i + 1]);
+@PROBABILITIES@
 wgmma_wait<0>();
 fence_operands(dp);
 // dS^T = P^T (dP^T - D): A fragments, and (for dq) the swizzled keys x queries tile
@@ -625,14 +646,14 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                 wgmma_commit();
                 wgmma_wait<1>();  // S (the last step's P V may still run)
                 fence_operands(s);
-                // in log2 units, masked
+                // in log2 units (soft-capped first where the problem caps), masked
                 const bool edge = k0 + STAT_BLOCK_KEYS > SEQ_KV || (CAUSAL && k0 + STAT_BLOCK_KEYS - 1 > q0);
                 float tile_max[2] = {-INFINITY, -INFINITY};
                 #pragma unroll
                 for (int i = 0; i < STAT_BLOCK_KEYS / 2; ++i) {
                     const int key = k0 + 8 * (i >> 2) + 2 * t + (i & 1), h = (i >> 1) & 1;
                     const bool masked = edge && (key >= SEQ_KV || (CAUSAL && key > row[h]));
-                    s[i] = masked ? -INFINITY : s[i] * SCALE_LOG2;
+                    s[i] = masked ? -INFINITY : @SCORE@ * SCALE_LOG2;
                     tile_max[h] = fmaxf(tile_max[h], s[i]);
                 }
                 float rescale[2], shift[2];
@@ -685,6 +706,7 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
         .replace("@NAME@", name)
         .replace("@STAT_KEYS@", str(WGMMA_STATISTICS_KEYS))
         .replace("@UPDATE@", names["update"])
+        .replace("@SCORE@", "soft_cap(s[i])" if plan.problem.attention.softcap else "s[i]")
     )
 
 

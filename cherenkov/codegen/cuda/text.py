@@ -63,3 +63,12 @@ def section(title: str, *parts: str) -> str:
     """A titled section: a banner comment, then the parts separated by blank lines."""
     banner = f"// {'-' * 4} {comment_text(title)} {'-' * max(4, 84 - len(title))}"
     return "\n\n".join([banner, *[p for p in parts if p]])
+
+
+def fill_line(text: str, key: str, value: str) -> str:
+    """``text`` with the line holding only ``@key@`` replaced by ``value`` at that line's indentation
+    (removed where ``value`` is empty)."""
+    line = next(line for line in text.split("\n") if line.strip() == f"@{key}@")
+    margin = line[: len(line) - len(line.lstrip())]
+    replacement = "\n".join(margin + row if row else row for row in value.split("\n")) if value else None
+    return text.replace(line + "\n", "" if replacement is None else replacement + "\n")
