@@ -371,7 +371,8 @@ def _small_lm(name: str, implementation: str, hidden: int = 128, tokens: tuple[i
                                                   ("gemma2", "eager")])
 def test_training_an_lm_through_the_backend_derives_flash_forward_and_backward(name: str, implementation: str):
     """transformers' GPT-2, Llama and Gemma 2 LMs (the causal mask built from position aranges, the loss from
-    labels; Gemma 2's scores soft-capped, a sliding-window layer and a full one) trained a step through the backend. AOTAutograd's partition recomputes in the backward
+    labels; Gemma 2's scores soft-capped, a sliding-window layer and a full one) trained a step through the
+    backend. AOTAutograd's partition recomputes in the backward
     each written-out attention's scores and probabilities (what ``_softmax_backward_data`` reads)
     instead of saving them, an SDPA kernel's q, k and v layouts (Llama's K/V heads repeated per query
     head), and the causal mask (it reads no input): the backward folds the mask to a band as the
