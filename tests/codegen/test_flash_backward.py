@@ -347,9 +347,9 @@ def test_soft_capped_gradient_is_one_flash_backward() -> None:
         assert {(p.problem.attention.softcap, p.problem.attention.causal) for p in plans} == {(2.0, True)}, target
         if target == "sm_90a":
             source = cuda_source(next(p for p in plans if p.schedule.wgmma))
-            assert "soft_cap(s[i]) * SCALE_LOG2" in source and "s[e] = p[c] * (1.0f - tanh_of_score * tanh_of_score)" in source
+            assert "soft_cap(s[i]) * SCALE_LOG2" in source and "s[e] = p[c] * soft_cap_slope(capped)" in source
     source = cuda_source(next(p for p in plans if not (p.schedule.warp_pairs or p.schedule.wgmma)))
-    assert source.count("soft_cap(s[n][e])") == 2 and "* slope[n][e]" in source
+    assert source.count("soft_cap(s[n][e])") == 2 and "* slope[n][e]" in source and "soft_cap_slope(s[n][e])" in source
     source = cuda_source(next(p for p in plans if p.schedule.warp_pairs))
     assert "soft_cap(s[i][n][2 * h + c])" in source and "const u32 p = *reinterpret_cast<const u32*>(sDs + " in source
 

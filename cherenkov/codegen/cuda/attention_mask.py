@@ -44,7 +44,8 @@ def score_formula(problem: AttentionProblem) -> str:
 
 def emit_soft_cap(problem: AttentionProblem, scale: float) -> str:
     """``soft_cap(s)``: a raw score ``s`` (``q·k``, unscaled) soft-capped, ``c·tanh(scale·s / c) /
-    scale``, raw again (empty without a soft cap); ``scale`` the problem's softmax scale.
+    scale``, raw again (empty without a soft cap); ``scale`` the problem's softmax scale. And
+    ``soft_cap_slope(capped)``: the cap's slope ``1 − tanh²`` at a capped score, which a backward's dS gains.
     ``tanh(y) = 1 − 2 / (2^(2y·log2 e) + 1)``: an FMUL, an ex2 and a fast division a score, with
     an absolute error of a few fp32 ulp of 1 (the expression underflows and saturates cleanly
     to ±c)."""
@@ -58,6 +59,11 @@ def emit_soft_cap(problem: AttentionProblem, scale: float) -> str:
         constexpr float SOFTCAP_EXP2 = {float_literal(exponent)};  // 2 log2(e) scale / cap
         __device__ __forceinline__ float soft_cap(float s) {{
             return SOFTCAP_RAW - __fdividef(2.0f * SOFTCAP_RAW, fast_exp2(s * SOFTCAP_EXP2) + 1.0f);
+        }}
+        // 1 - tanh^2 at a capped score (tanh = capped / SOFTCAP_RAW): the cap's slope.
+        __device__ __forceinline__ float soft_cap_slope(float capped) {{
+            const float tanh_of_score = capped * (1.0f / SOFTCAP_RAW);
+            return 1.0f - tanh_of_score * tanh_of_score;
         }}
         """
     )

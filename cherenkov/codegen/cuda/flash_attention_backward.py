@@ -869,8 +869,7 @@ for (int n = 0; n < BLOCK_Q / 8; ++n) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
         s[n][e] = soft_cap(s[n][e]);
-        const float tanh_of_score = s[n][e] * (1.0f / SOFTCAP_RAW);
-        slope[n][e] = 1.0f - tanh_of_score * tanh_of_score;
+        slope[n][e] = soft_cap_slope(s[n][e]);
     }
 }"""
 """The soft cap's lines of the one-warp-per-16-keys main pass, after Sᵀ: the capped scores and their slopes."""

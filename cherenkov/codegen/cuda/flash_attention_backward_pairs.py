@@ -164,9 +164,9 @@ for (int i = 0; i < 2; ++i) {
             for (int c = 0; c < 2; ++c) {
                 const int query = q0 + column + c;
                 const bool masked = row >= SEQ_KV || query >= SEQ_Q || (CAUSAL && row > query);
-                const float capped = soft_cap(s[i][n][2 * h + c]), tanh_of_score = capped * (1.0f / SOFTCAP_RAW);
+                const float capped = soft_cap(s[i][n][2 * h + c]);
                 s[i][n][2 * h + c] = masked ? 0.0f : fast_exp2(capped * SCALE_LOG2 - tlse[column + c]);
-                sloped[c] = masked ? 0.0f : s[i][n][2 * h + c] * (1.0f - tanh_of_score * tanh_of_score);
+                sloped[c] = masked ? 0.0f : s[i][n][2 * h + c] * soft_cap_slope(capped);
             }
             *reinterpret_cast<u32*>(sDs + (kr0 + 16 * i + g + 8 * h) * DS_ROW + column) = pack2(sloped[0], sloped[1]);
         }

@@ -465,9 +465,9 @@ for (int i = 0; i < BLOCK_Q / 4; ++i) {
     for (int c = 0; c < 2; ++c) {
         const int e = 2 * i + c, column = 8 * (e >> 2) + 2 * t + c, query = q0 + column, kr = key[i & 1];
         const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
-        const float capped = soft_cap(s[e]), tanh_of_score = capped * (1.0f / SOFTCAP_RAW);
+        const float capped = soft_cap(s[e]);
         p[c] = masked ? 0.0f : fast_exp2(capped * SCALE_LOG2 - tlse[column]);
-        s[e] = p[c] * (1.0f - tanh_of_score * tanh_of_score);
+        s[e] = p[c] * soft_cap_slope(capped);
     }
     pa[i] = pack2(p[0], p[1]);
 }"""
