@@ -66,6 +66,48 @@ def silu(x: Tensor) -> Tensor:
     return x * sigmoid(x)
 
 
+# |x| below which expm1 and log1p take their Taylor series: the series' first dropped term is then
+# below 2^-24 of the value (fp32's rounding), where exp(x) − 1 and log(1 + x) would cancel
+_SERIES_BOUND = 2.0**-4
+
+
+def expm1(x: Tensor) -> Tensor:
+    """``e^x − 1``, without the cancellation near 0 (Taylor series to x⁵ for |x| < 2⁻⁴)."""
+    series = x * (1.0 + x * (1.0 / 2.0) * (1.0 + x * (1.0 / 3.0) * (1.0 + x * (1.0 / 4.0) * (1.0 + x * (1.0 / 5.0)))))
+    return where(x.abs() < _SERIES_BOUND, series, x.exp() - 1.0)
+
+
+def log1p(x: Tensor) -> Tensor:
+    """``ln(1 + x)``, without the cancellation near 0 (Taylor series to x⁶ for |x| < 2⁻⁴)."""
+    series = x * (1.0 - x * (1.0 / 2.0 - x * (1.0 / 3.0 - x * (1.0 / 4.0 - x * (1.0 / 5.0 - x * (1.0 / 6.0))))))
+    return where(x.abs() < _SERIES_BOUND, series, (x + 1.0).log())
+
+
+def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    """``ln(1 + e^{βx}) / β``, and ``x`` itself where ``βx > threshold`` (PyTorch's)."""
+    if beta == 0:
+        raise GraphError(f"softplus of {x.shape}: beta=0 is not valid (it divides by beta); any other number is")
+    scaled = x * beta if beta != 1.0 else x
+    smooth = log1p(scaled.minimum(threshold).exp())
+    return where(scaled > threshold, x, smooth * (1.0 / beta) if beta != 1.0 else smooth)
+
+
+def elu(x: Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0) -> Tensor:
+    """``scale·x`` for ``x > 0``, else ``scale·α·(e^{x·input_scale} − 1)`` (ELU; SELU and CELU are its cases)."""
+    negative = expm1((x * input_scale).minimum(0.0)) * (alpha * scale)
+    return where(x > 0.0, x * scale, negative)
+
+
+def hardsigmoid(x: Tensor) -> Tensor:
+    """``clamp(x/6 + 1/2, 0, 1)``."""
+    return (x / 6.0 + 0.5).maximum(0.0).minimum(1.0)
+
+
+def mish(x: Tensor) -> Tensor:
+    """``x·tanh(softplus(x))``."""
+    return x * tanh(softplus(x))
+
+
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """``x / sqrt(mean(x²) + eps) * weight`` over the last axis."""
     normed = x * ((x * x).mean(axis=-1, keepdim=True) + eps).rsqrt()

@@ -623,8 +623,37 @@ for _name, _fn in {
     "silu": cknn.silu,
     "erf": cknn.erf,
     "relu": lambda x: x.maximum(0),
+    "relu6": lambda x: x.maximum(0).minimum(6),
+    "expm1": cknn.expm1,
+    "log1p": cknn.log1p,
+    "mish": cknn.mish,
+    "hardsigmoid": cknn.hardsigmoid,
+    "hardswish": lambda x: x * cknn.hardsigmoid(x),
+    "log_sigmoid": lambda x: -cknn.softplus(-x),
 }.items():
     _op(_name)(_unary(_fn))
+
+
+# SELU's constants (Klambauer et al. 2017), as PyTorch defines them
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+@_op("softplus")
+def _softplus(c: _Capture, a: dict[str, Any]) -> Any:
+    return cknn.softplus(c.t(a["self"]), float(a.get("beta", 1.0)), float(a.get("threshold", 20.0)))
+
+
+@_op("elu", "selu", "celu")
+def _elu(c: _Capture, a: dict[str, Any]) -> Any:
+    x = c.t(a["self"])
+    if c.base == "selu":
+        return cknn.elu(x, _SELU_ALPHA, _SELU_SCALE)
+    alpha = float(a.get("alpha", 1.0))
+    if c.base == "celu":
+        if alpha == 0:
+            raise GraphError("celu: alpha=0 is not valid (it divides by alpha)")
+        return cknn.elu(x, alpha, input_scale=1.0 / alpha)
+    return cknn.elu(x, alpha, float(a.get("scale", 1.0)), float(a.get("input_scale", 1.0)))
 
 
 @_op("pow.Tensor_Scalar")

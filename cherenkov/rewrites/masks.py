@@ -32,12 +32,21 @@ minimum, not −∞."""
 class FiniteCausalSpelling:
     """One way a finite causal mask (minimum ``m``) reaches the scores ``s``: as text, as the
     pattern (``{causal}``: the condition ``i < j``), the example built from unmasked scores,
-    and why the masked exponentials underflow."""
+    why the masked exponentials underflow, the ``facts`` its other variables need, and the
+    ``tolerance`` of the identity (a spelling that rounds the scores states that rounding)."""
 
     text: str
     pattern: str
     example: Callable[[Term], Term]
     underflow: str
+    facts: tuple[str, ...] = ()
+    tolerance: float = 1e-9
+
+
+BF16_LOWEST = -3.3895313892515355e38
+"""``torch.finfo(torch.bfloat16).min``: the floor XGLM's attention clamps its masked scores to."""
+HALF_ROUNDING = 2.0**-7
+"""A 16-bit rounding of scores of magnitude ~1, as it reaches a softmax's output (relative)."""
 
 
 FINITE_CAUSAL_SPELLINGS = {
@@ -50,6 +59,13 @@ FINITE_CAUSAL_SPELLINGS = {
         "where(i < j, m, s)", "(Where {causal} (Num m) s)",
         lambda scores: ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2], scores),
         "e^(m − max) underflows to 0 wherever the scores lie above m + 104"),
+    # XGLM's: the masked scores clamped from below at a floor m₂, computed in fp32 and rounded back
+    "clamped": FiniteCausalSpelling(
+        "round(max(s + where(i < j, m, 0), m₂))", "(Cast dt (Maximum (Add s (Where {causal} (Num m) (Num 0.0))) (Num m2)))",
+        lambda scores: ("Cast", "bf16", ("Maximum", ("Add", scores, FINITE_CAUSAL), ("Num", BF16_LOWEST))),
+        "the floor m₂ ≤ −2¹⁵ moves only scores whose exponentials underflow to 0 either way, and the rounding is "
+        "that of 16-bit scores (exact where a 16-bit product made them)",
+        ("(<= m2 -32768.0)", '(!= dt "int32")', '(!= dt "bool")'), HALF_ROUNDING),
 }
 
 
@@ -67,8 +83,9 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
         f"row keeps j = 0, and {form.underflow}",
         lhs=f"({head} j n {form.pattern.format(causal=causal)}{after})",
         rhs=f"({head} j n (Where {causal} (Num -inf) s){after})",
-        where=("(<= m -32768.0)",),
+        where=("(<= m -32768.0)", *form.facts),
         example=Example((head, "j:7", 7, form.example(scores), *example_after)),
+        tolerance=form.tolerance,
     )
 
 

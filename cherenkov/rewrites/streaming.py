@@ -210,6 +210,9 @@ RULES = (
     finite_causal_mask_rule("softmax-finite-causal-where", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
                             scores, " v", (v,), spelling="fill"),
     finite_causal_mask_rule("logsumexp-finite-causal-where", "LSE_j({})", "LogSumExp", scores, spelling="fill"),
+    finite_causal_mask_rule("softmax-finite-causal-clamped", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
+                            scores, " v", (v,), spelling="clamped"),
+    finite_causal_mask_rule("logsumexp-finite-causal-clamped", "LSE_j({})", "LogSumExp", scores, spelling="clamped"),
     *_flash_rules(),
     Rule(
         "online-softmax-safe-rows",

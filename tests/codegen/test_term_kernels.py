@@ -131,6 +131,16 @@ def odd_ops_graph() -> ck.Graph:
     return g
 
 
+def activations_graph() -> ck.Graph:
+    """The activations built on ``e^x − 1`` and ``ln(1 + x)`` (their series branches near 0), softplus past its
+    threshold, mish, ELU and hardsigmoid, in one elementwise kernel."""
+    g = ck.Graph("activations")
+    x = g.input("x", (6, 20), "fp32") * 4.0
+    g.output(ck.nn.expm1(x) + ck.nn.log1p(x.abs()) + ck.nn.softplus(x, 2.0, 5.0) + ck.nn.mish(x)
+             + ck.nn.elu(x, 0.5) + ck.nn.hardsigmoid(x), "out")  # fmt: skip
+    return g
+
+
 def hostile_names_graph() -> ck.Graph:
     g = ck.Graph("names")
     x = g.input("int", (4, 32), "bf16")
@@ -416,9 +426,10 @@ def test_emulated_8_bit_stores_round_as_pytorch_casts(dtype: str) -> None:
 @pytest.mark.parametrize(
     "graph",
     [softmax_graph(), softmax_graph("fp32", (5, 77)), softmax_graph("fp16", (4, 2048)), softmax_times_input_graph(),
-     rms_matmul_graph(), layer_norm_graph(), reductions_graph(), odd_ops_graph(), hostile_names_graph()],
+     rms_matmul_graph(), layer_norm_graph(), reductions_graph(), odd_ops_graph(), activations_graph(),
+     hostile_names_graph()],
     ids=["softmax_bf16", "softmax_fp32", "softmax_fp16_runs_of_8", "softmax_times_input", "rms_matmul", "layer_norm",
-         "reductions", "odd_ops", "names"],
+         "reductions", "odd_ops", "activations", "names"],
 )  # fmt: skip
 def test_emulated_kernels_match_the_reference(graph) -> None:
     assert _check_graph(graph) >= 4

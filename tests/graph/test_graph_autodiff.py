@@ -141,6 +141,16 @@ NN = {
     "tanh": (lambda x: ck.nn.tanh(x), torch.tanh, {"x": (3, 8)}),
     "sigmoid": (lambda x: ck.nn.sigmoid(x), torch.sigmoid, {"x": (3, 8)}),
     "erf": (lambda x: ck.nn.erf(x), erf_as_ck_spells_it, {"x": (3, 8)}),
+    "expm1": (lambda x: ck.nn.expm1(x), torch.expm1, {"x": (3, 8)}),
+    "log1p": (lambda x: ck.nn.log1p(x.abs()), lambda x: torch.log1p(x.abs()), {"x": (3, 8)}),
+    "softplus": (lambda x: ck.nn.softplus(x * 6, beta=2.0, threshold=5.0),
+                 lambda x: torch.nn.functional.softplus(x * 6, beta=2.0, threshold=5.0), {"x": (3, 8)}),  # fmt: skip
+    "elu": (lambda x: ck.nn.elu(x, 0.5, 1.5, 2.0), lambda x: torch.where(x > 0, 1.5 * x, 0.75 * torch.expm1(2.0 * x)),
+            {"x": (3, 8)}),  # fmt: skip
+    # torch's own hardsigmoid backward multiplies by an fp32 1/6 (3e-8 off): spelled out instead
+    "hardsigmoid": (lambda x: ck.nn.hardsigmoid(x * 4), lambda x: torch.clamp(x * 4 / 6 + 0.5, 0.0, 1.0),
+                    {"x": (3, 8)}),  # fmt: skip
+    "mish": (lambda x: ck.nn.mish(x * 3), lambda x: torch.nn.functional.mish(x * 3), {"x": (3, 8)}),
     "repeat_kv_heads": (lambda x: ck.nn.repeat_kv_heads(x, 3), lambda x: x.repeat_interleave(3, dim=1),
                         {"x": (1, 2, 4, 8)}),  # fmt: skip
     "attention_gqa_scaled": (lambda q, k, v: ck.nn.attention(q, k, v, causal=True, scale=0.3),

@@ -382,6 +382,12 @@ def p46() -> torch.Tensor:
     return positive(4, 6)
 
 
+def SMOOTH_ACTIVATIONS(w: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: N802 - a table of functions
+    """The activations built on ``e^x − 1`` and ``ln(1 + x)``."""
+    return (torch.expm1(w), torch.log1p(w.abs()), F.softplus(w), F.softplus(w, beta=2.0, threshold=5.0), F.mish(w),
+            F.elu(w), F.elu(w, alpha=0.5), F.selu(w), F.celu(w, alpha=2.0), F.logsigmoid(w))  # fmt: skip
+
+
 W, B6 = randn(6, 6, seed=7), randn(6, seed=8)
 
 CASES: dict[str, Case] = {
@@ -425,6 +431,8 @@ CASES: dict[str, Case] = {
         (x46,),
     ),
     "gelu": Case(lambda x: (F.gelu(x), F.gelu(x, approximate="tanh")), (x46,)),
+    "smooth_activations": Case(lambda x: SMOOTH_ACTIVATIONS(x * 8), (x46,)),
+    "hard_activations": Case(lambda x: (F.hardswish(x * 4), F.hardsigmoid(x * 4), F.relu6(x * 8)), (x46,)),
     "dropout_eval": Case(lambda x: F.dropout(x, 0.5, training=False) + A.native_dropout(x, 0.3, False)[0], (x46,)),
     # comparisons, logic, selection
     "compare_scalar": Case(lambda x: (x < 0, x > 0.1, x <= 0.2, x >= -0.1, x == 0.5, x != 0.5), (x46,)),
@@ -759,6 +767,20 @@ def test_every_supported_op_is_exercised_by_a_test() -> None:
     cuda_only = {f"aten.{name}" for name in (*SDPA_KERNELS, *SDPA_BACKWARD_KERNELS) if "_for_cpu" not in name}
     missing = set(supported_ops()) - ran - cuda_only
     assert not missing, f"supported ops without a test: {sorted(missing)}"
+
+
+def test_smooth_activations_keep_their_relative_precision_from_1e_6_to_30() -> None:
+    """``expm1``, ``log1p`` and the activations built on them (softplus past and below its threshold, mish, ELU,
+    SELU, CELU, log-sigmoid) match torch in float64 to 1e-8 of each value (and 1e-14 absolute: mish(−30) is
+    −2.8e-12, its tanh of 9e-14 taken as 1 − 2/(e^{2x} + 1)), on values of either sign from 1e-6 to 30 in
+    magnitude. Near 0 both branches are checked: the Taylor series taken there (where, in the kernels' fp32,
+    ``e^x − 1`` and ``ln(1 + x)`` would lose the value to cancellation) and the closed forms past it."""
+    magnitudes = torch.logspace(-6, math.log10(30.0), 24)
+    w = (magnitudes * torch.tensor([1.0, -1.0]).repeat(12)).view(4, 6)
+    g = ck.from_torch(SMOOTH_ACTIVATIONS, w)
+    got = ck.evaluate(g, g.example_inputs())
+    for i, ref in enumerate(SMOOTH_ACTIVATIONS(w.double())):
+        np.testing.assert_allclose(got[f"out{i}"], ref.numpy(), rtol=1e-8, atol=1e-14, err_msg=f"output {i}")
 
 
 # ----------------------------------------------------------------------------- stepped slices

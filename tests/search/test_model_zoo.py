@@ -2,7 +2,7 @@
 transformers configs of the LMs, encoders and vision towers users bring (Qwen2, Qwen3, Mistral,
 Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3, Cohere's interleaved rotary
 embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent attention (its query and
-key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi, BERT with a padding mask, BART,
+key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi, XGLM's clamped causal mask, BERT with a padding mask, BART,
 ModernBERT's local and global layers, CLIP's vision tower, Swin's windows, T5's encoder with its
 relative position bias, Whisper's encoder). Each runs like eager in bf16, and each of its
 attention layers derives one flash-attention kernel on sm_90a, Gemma 2's soft-capped scores
@@ -123,6 +123,9 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     # MPT's ALiBi, a stored bias under its causal masked_fill (a finite minimum, a folded bool band)
     "mpt_alibi": (lambda: (transformers.MptForCausalLM(transformers.MptConfig(
         n_layers=1, d_model=128, n_heads=4, vocab_size=256, max_seq_len=128, expansion_ratio=1)), _token_ids()), 1),
+    # XGLM's causal mask of finite minima, the masked scores clamped at bf16's lowest in fp32 and rounded back
+    "xglm_clamped_mask": (lambda: (transformers.XGLMForCausalLM(transformers.XGLMConfig(
+        num_layers=1, d_model=128, attention_heads=4, ffn_dim=128, vocab_size=256, dropout=0.0)), _token_ids()), 1),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "modernbert_local_and_global": (_modernbert, 2),
