@@ -243,3 +243,42 @@ def test_a_timm_model_runs_through_the_backend_like_eager(family: str) -> None:
                                 for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
     assert kinds["flash_attention"] == flash_kernels, f"{family}: {dict(kinds)}"
 
+
+
+WIDE = {
+    # name: a 2-layer LM of width 1024 (16 heads of 64), bf16, on CUDA
+    "xglm": lambda: transformers.XGLMForCausalLM(transformers.XGLMConfig(
+        num_layers=2, d_model=1024, attention_heads=16, ffn_dim=4096, vocab_size=1024, dropout=0.0)),
+    # xIELU's softplus and expm1 in the MLP
+    "apertus": lambda: transformers.ApertusForCausalLM(transformers.ApertusConfig(
+        num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=2048, vocab_size=1024)),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(WIDE))
+def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: str, tmp_path) -> None:
+    """XGLM (its clamped causal mask) and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
+    ``torch.compile(backend="cherenkov")`` on the GPU: eager's logits within bf16 tolerance, and a flash kernel
+    launched for each of the two attention layers."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    import functools
+
+    from cherenkov.search.database import TuningDatabase
+    from cherenkov.search.dynamo import cherenkov_backend
+
+    torch.manual_seed(0)
+    model = WIDE[family]().eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 1024, (2, 512), device="cuda")
+    with torch.no_grad(), TuningDatabase(tmp_path / "tuning.sqlite") as db, recorded_splits() as splits:
+        expected = model(input_ids=ids).logits.float()
+        backend = functools.partial(cherenkov_backend, options={"budget_s": 45.0, "database": db})
+        got = torch.compile(model, backend=backend, dynamic=False)(input_ids=ids).logits.float()
+    error = float((got - expected).norm() / expected.norm())
+    assert error < 2e-2, f"{family}: {error:.3g} from eager"
+    results = [call.result for split in splits for function in split.compiled
+               for call in function.prepared.values() if call.result is not None]  # fmt: skip
+    kinds = [k.kind for result in results for k in result.launched]
+    assert kinds.count("flash_attention") == 2, kinds
