@@ -147,10 +147,13 @@ def _to_numpy(tensor: Any) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Band:
-    """A constant mask ``value[..., a, b] = inside if b - a <= offset else outside``.
+    """A constant mask ``value[..., a, b] = inside if lower < b - a <= offset else outside``
+    (``lower`` None: no lower edge).
 
-    What a ``tril``-of-ones buffer is: kept symbolic so that comparisons of it lower to
-    iota comparisons (``q_idx + offset < k_idx``) the e-graph reads as a causal mask.
+    What a ``tril``-of-ones buffer is (and a sliding window's, ``tril(0) − tril(−w)``: a lower
+    edge ``−w``): kept symbolic so that comparisons of it lower to iota comparisons
+    (``q_idx + offset < k_idx``, and ``k_idx < q_idx + lower + 1``) the e-graph reads as a
+    causal mask and a window's edge.
     """
 
     shape: tuple[int, ...]
@@ -158,6 +161,11 @@ class _Band:
     inside: bool | int | float
     outside: bool | int | float
     dtype: str
+    lower: int | None = None
+
+    def shifted(self, shape: tuple[int, ...], by: int) -> _Band:
+        """The band of ``shape`` whose edges both move by ``by`` (a slice of the rows or keys)."""
+        return replace(self, shape=shape, offset=self.offset + by, lower=None if self.lower is None else self.lower + by)
 
     def map(self, fn: Callable[[Any], Any], dtype: str) -> _Band:
         return replace(self, inside=fn(self.inside), outside=fn(self.outside), dtype=dtype)
@@ -368,19 +376,23 @@ class _Capture:
         return self.t(value)
 
     def band_tensor(self, band: _Band) -> Tensor:
-        """The band's values from iotas: ``q_idx + offset < k_idx`` is the upper part."""
+        """The band's values from iotas: ``q_idx + offset < k_idx`` is the upper part, and (a
+        window) ``k_idx < q_idx + lower + 1`` the lower one."""
         *lead, rows, cols = band.shape
         if band.inside == band.outside:
             fill = self.g.constant(band.inside, band.dtype)
             return fill.broadcast_to(band.shape) if band.shape else fill
-        query = self.g.arange(rows).unsqueeze(-1)
-        if band.offset:
-            query = query + band.offset
-        above = query < self.g.arange(cols)
-        if band.dtype == "bool":
+        query, keys = self.g.arange(rows).unsqueeze(-1), self.g.arange(cols)
+        above = (query + band.offset if band.offset else query) < keys
+        if band.dtype == "bool" and band.lower is None:
             mask = above if band.outside else where(above, False, True)
+        elif band.dtype == "bool":
+            mask = where(above, band.outside, where(keys < query + (band.lower + 1), band.outside, band.inside))
         else:
-            outside, inside = self.g.constant(band.outside, band.dtype), self.g.constant(band.inside, band.dtype)
+            outside = self.g.constant(band.outside, band.dtype)
+            inside = self.g.constant(band.inside, band.dtype)
+            if band.lower is not None:
+                inside = where(keys < query + (band.lower + 1), outside, inside)
             mask = where(above, outside, inside)
         return mask.reshape(*([1] * len(lead)), rows, cols).broadcast_to(band.shape)
 
@@ -1071,11 +1083,13 @@ def _attends_in_every_row(mask: _Band) -> bool:
     def attends(value: Any) -> bool:
         return bool(value) if mask.dtype == "bool" else value > -math.inf
 
-    # row a holds the inside value at keys 0..a+offset and the outside value after them
-    return all(
-        (attends(mask.inside) and a + mask.offset >= 0) or (attends(mask.outside) and a + mask.offset < cols - 1)
-        for a in range(rows)
-    )
+    def attends_in_row(a: int) -> bool:
+        # row a holds the inside value at keys a+lower+1 .. a+offset and the outside value elsewhere
+        first, last = 0 if mask.lower is None else max(a + mask.lower + 1, 0), min(a + mask.offset, cols - 1)
+        inside, outside = last - first + 1, cols - max(last - first + 1, 0)
+        return (attends(mask.inside) and inside > 0) or (attends(mask.outside) and outside > 0)
+
+    return all(attends_in_row(a) for a in range(rows))
 
 
 # ----------------------------------------------------------------------------- normalisation
@@ -1301,9 +1315,12 @@ def _permuted(c: _Capture, x: Any, perm: Sequence[int]) -> Any:
         shape = tuple(x.shape[p] for p in perm)
         if perm[-2:] == (ndim - 2, ndim - 1):
             return replace(x, shape=shape)
-        if perm[-2:] == (ndim - 1, ndim - 2):
+        if perm[-2:] == (ndim - 1, ndim - 2) and x.lower is None:
             # value'[a, b] = value[b, a]: inside when a - b <= offset, i.e. unless b - a <= -offset - 1
             return replace(x, shape=shape, offset=-x.offset - 1, inside=x.outside, outside=x.inside)
+        if perm[-2:] == (ndim - 1, ndim - 2):
+            # inside when lower < a - b <= offset, i.e. when -offset - 1 < b - a <= -lower - 1
+            return replace(x, shape=shape, offset=-x.lower - 1, lower=-x.offset - 1)
     return c.t(x).permute(perm)
 
 
@@ -1336,9 +1353,9 @@ def _sliced(c: _Capture, x: Any, dim: int, start: int, stop: int) -> Any:
         shape = list(x.shape)
         shape[dim] = stop - start
         if dim == ndim - 2:
-            return replace(x, shape=tuple(shape), offset=x.offset + start)
+            return x.shifted(tuple(shape), start)
         if dim == ndim - 1:
-            return replace(x, shape=tuple(shape), offset=x.offset - start)
+            return x.shifted(tuple(shape), -start)
         return replace(x, shape=tuple(shape))
     x = c.t(x)
     starts, stops = [0] * ndim, list(x.shape)
@@ -1620,14 +1637,16 @@ def _arange(c: _Capture, a: dict[str, Any]) -> Any:
 
 
 def is_band(tensor: Any) -> bool:
-    """Whether ``tensor``'s values are a band (:func:`_detect_band`): a tril/triu mask."""
+    """Whether ``tensor``'s values are a band (:func:`_detect_band`): a tril/triu mask, or a
+    sliding window's."""
     return _detect_band(tensor) is not None
 
 
 def _detect_band(tensor: Any) -> _Band | None:
     """A band if ``tensor``'s values are exactly ``tril``/``triu`` of two values (ones and
     zeros, or an additive mask's zeros and −∞; any diagonal, identical over the leading
-    axes), else None."""
+    axes), or a sliding window of them (``tril(offset) − tril(lower)``: the inside value
+    between two diagonals), else None."""
     import torch
 
     if tensor.ndim < 2 or tensor.numel() == 0 or tensor.is_complex():
@@ -1644,16 +1663,31 @@ def _detect_band(tensor: Any) -> _Band | None:
     dtype = _VALUE_DTYPES[name]
     convert = {"bool": bool, "int32": int}.get(dtype, float)
     first, second = convert(values.reshape(-1)[0].item()), convert(others[0].item())
+    ones = torch.ones(rows, cols, dtype=torch.bool)
     for kept, inside, outside in ((at_first, first, second), (~at_first, second, first)):
         counts = kept.reshape(-1, rows, cols)[0].sum(-1)
         partial = [r for r in range(rows) if 0 < int(counts[r]) < cols]
         if not partial:
             continue
         offset = int(counts[partial[0]]) - 1 - partial[0]
-        expected = torch.ones(rows, cols, dtype=torch.bool).tril(offset).expand(kept.shape)
-        if torch.equal(kept, expected):
+        if torch.equal(kept, ones.tril(offset).expand(kept.shape)):
             return _Band(tuple(values.shape), offset, inside, outside, dtype)
+        window = _window_edges(kept.reshape(-1, rows, cols)[0])
+        if window is not None and torch.equal(kept, (ones.tril(window[0]) & ~ones.tril(window[1])).expand(kept.shape)):
+            return _Band(tuple(values.shape), *window[:1], inside, outside, dtype, window[1])
     return None
+
+
+def _window_edges(kept: Any) -> tuple[int, int] | None:
+    """``(offset, lower)`` of a window that ``kept`` (rows × keys, bool) may be, ``lower < b − a <= offset``:
+    the last key a row keeps short of the last column, and the first it keeps past column 0; None
+    where no row keeps a run of keys that starts past column 0."""
+    rows, cols = kept.shape
+    highs = [int(row.nonzero().max()) - r for r, row in enumerate(kept) if row.any() and not row[-1]]
+    lows = [int(row.nonzero().min()) - r - 1 for r, row in enumerate(kept) if row.any() and not row[0]]
+    if not lows:
+        return None
+    return (highs[0] if highs else cols - 1, lows[0])
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -228,6 +228,8 @@ RULES = (
     ),  # fmt: skip
     finite_causal_mask_rule("softmax-row-finite-causal-mask", "softmax_j({})", "SoftmaxRow", s),
     finite_causal_mask_rule("softmax-row-finite-causal-where", "softmax_j({})", "SoftmaxRow", s, spelling="fill"),
+    finite_causal_mask_rule("softmax-row-finite-causal-window", "softmax_j({})", "SoftmaxRow", s,
+                            spelling="additive-window"),
     Rule(
         "masked-softmax-gradient",
         "where(m, 0, softmax_j(where(m, −∞, s))·y) = softmax_j(where(m, −∞, s))·y: a masked score's probability is 0",

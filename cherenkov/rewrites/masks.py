@@ -28,12 +28,20 @@ FINITE_CAUSAL = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Nu
 minimum, not −∞."""
 
 
+WINDOW_LOWER = "(Lt (Iota (Ax j)) (Add (Iota iq) (Num w)))"
+"""A sliding window's lower edge, ``j < i + w`` (``w`` ≤ 0: the keys more than ``−w`` before the query), as the
+capture spells a band's."""
+WINDOW_EDGE = ("Lt", ("Iota", ax("j:7")), ("Add", ("Iota", ax("i:3")), ("Num", -1.0)))
+"""An example of it over the examples' ``i:3, j:7``: keys ``j < i − 1``."""
+
+
 @dataclass(frozen=True)
 class FiniteCausalSpelling:
     """One way a finite causal mask (minimum ``m``) reaches the scores ``s``: as text, as the
     pattern (``{causal}``: the condition ``i < j``), the example built from unmasked scores,
-    why the masked exponentials underflow, the ``facts`` its other variables need, and the
-    ``tolerance`` of the identity (a spelling that rounds the scores states that rounding)."""
+    why the masked exponentials underflow, the ``facts`` its other variables need, the
+    ``tolerance`` of the identity (a spelling that rounds the scores states that rounding), and
+    what the causal mask keeps of the scores (``kept``: ``s``, or ``s`` plus a window's edge)."""
 
     text: str
     pattern: str
@@ -41,6 +49,7 @@ class FiniteCausalSpelling:
     underflow: str
     facts: tuple[str, ...] = ()
     tolerance: float = 1e-9
+    kept: tuple[str, str] = ("s", "s")  # as text, as the pattern under the causal where
 
 
 BF16_LOWEST = -3.3895313892515355e38
@@ -59,6 +68,14 @@ FINITE_CAUSAL_SPELLINGS = {
         "where(i < j, m, s)", "(Where {causal} (Num m) s)",
         lambda scores: ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2], scores),
         "e^(m − max) underflows to 0 wherever the scores lie above m + 104"),
+    # a sliding window's additive mask (transformers' minimum): the causal edge and the window's lower one
+    "additive-window": FiniteCausalSpelling(
+        "s + where(i < j, m, where(j < i + w, m₂, 0))",
+        f"(Add s (Where {{causal}} (Num m) (Where {WINDOW_LOWER} (Num m2) (Num 0.0))))",
+        lambda scores: ("Add", scores, ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2],
+                                        ("Where", WINDOW_EDGE, ("Num", -65536.0), ("Num", 0.0)))),
+        "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
+        ("(<= m2 -32768.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
     # XGLM's: the masked scores clamped from below at a floor m₂, computed in fp32 and rounded back
     "clamped": FiniteCausalSpelling(
         "round(max(s + where(i < j, m, 0), m₂))", "(Cast dt (Maximum (Add s (Where {causal} (Num m) (Num 0.0))) (Num m2)))",
@@ -79,10 +96,10 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
     form, causal = FINITE_CAUSAL_SPELLINGS[spelling], "(Lt (Iota iq) (Iota (Ax j)))"
     return Rule(
         name,
-        f"{spelled.format(form.text)} = {spelled.format('where(i < j, −∞, s)')} for m ≤ −2¹⁵: each "
+        f"{spelled.format(form.text)} = {spelled.format(f'where(i < j, −∞, {form.kept[0]})')} for m ≤ −2¹⁵: each "
         f"row keeps j = 0, and {form.underflow}",
         lhs=f"({head} j n {form.pattern.format(causal=causal)}{after})",
-        rhs=f"({head} j n (Where {causal} (Num -inf) s){after})",
+        rhs=f"({head} j n (Where {causal} (Num -inf) {form.kept[1]}){after})",
         where=("(<= m -32768.0)", *form.facts),
         example=Example((head, "j:7", 7, form.example(scores), *example_after)),
         tolerance=form.tolerance,
@@ -96,6 +113,22 @@ RULES = (
         lhs="(Where (Where c (Flag false) (Flag true)) a b)",
         rhs="(Where c b a)",
         example=Example(("Where", ("Where", condition, ("Flag", False), ("Flag", True)), s, t)),
+    ),
+    Rule(
+        "where-false-branch",
+        "where(where(c, false, x), a, b) = where(c, b, where(x, a, b)): a band's two edges (a sliding window's "
+        "bool mask) one condition at a time",
+        lhs="(Where (Where c (Flag false) x) a b)",
+        rhs="(Where c b (Where x a b))",
+        example=Example(("Where", ("Where", condition, ("Flag", False), ("Lt", ("Iota", ax("j:4")), ("Num", 2.0))), s, t)),
+    ),
+    Rule(
+        "window-edge-additive",
+        "where(j < i + w, −∞, s) = s + where(j < i + w, −∞, 0): a sliding window's lower edge as an added bias",
+        lhs=f"(Where {WINDOW_LOWER} (Num -inf) s)",
+        rhs=f"(Add s (Where {WINDOW_LOWER} (Num -inf) (Num 0.0)))",
+        example=Example(("Where", ("Lt", ("Iota", ax("j:4")), ("Add", ("Iota", ax("i:3")), ("Num", -1.0))),
+                         ("Num", -math.inf), s)),
     ),
     Rule(
         "additive-mask",

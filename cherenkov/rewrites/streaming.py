@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cherenkov.rewrites.masks import finite_causal_mask_rule
+from cherenkov.rewrites.masks import WINDOW_EDGE, WINDOW_LOWER, finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import Term, ax, tensor
 
@@ -62,8 +62,19 @@ class BiasForm:
     example: Term
 
 
+# a sliding window's edges over the examples' i:3, j:7: keys j < i − 1 masked (the lower edge), and (a
+# symmetric window, ModernBERT's local attention) keys j > i + 2 too
+window_lower = ("Where", WINDOW_EDGE, ("Num", -math.inf), ("Num", 0.0))
+window_both = ("Where", ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 2.0)), ("Iota", ax("j:7"))), ("Num", -math.inf),
+               window_lower)
+
 BIAS_FORMS = (
     BiasForm("", "(Tensor b bix)", (), "a stored tensor b", bias),
+    BiasForm("-band", "b", (f"(= b (Where {WINDOW_LOWER} (Num m) (Num 0.0)))", "(<= m -32768.0)"),
+             "b = where(j < i + w, m, 0) for m ≤ −2¹⁵, a sliding window's lower edge", window_lower),
+    BiasForm("-band2", "b", (f"(= b (Where (Lt (Add (Iota iq) (Num o)) (Iota (Ax j))) (Num m) (Where {WINDOW_LOWER} "
+                             "(Num m2) (Num 0.0))))", "(<= m -32768.0)", "(<= m2 -32768.0)"),
+             "b = where(i + o < j, m, where(j < i + w, m₂, 0)) for m, m₂ ≤ −2¹⁵, a window about the query", window_both),
     BiasForm("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
              "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
     BiasForm("-rounded", "b", ("(= b (Cast dt b1))", *WITHOUT_HEAD_DIM),
@@ -210,6 +221,10 @@ RULES = (
     finite_causal_mask_rule("softmax-finite-causal-where", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
                             scores, " v", (v,), spelling="fill"),
     finite_causal_mask_rule("logsumexp-finite-causal-where", "LSE_j({})", "LogSumExp", scores, spelling="fill"),
+    finite_causal_mask_rule("softmax-finite-causal-window", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
+                            scores, " v", (v,), spelling="additive-window"),
+    finite_causal_mask_rule("logsumexp-finite-causal-window", "LSE_j({})", "LogSumExp", scores,
+                            spelling="additive-window"),
     finite_causal_mask_rule("softmax-finite-causal-clamped", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
                             scores, " v", (v,), spelling="clamped"),
     finite_causal_mask_rule("logsumexp-finite-causal-clamped", "LSE_j({})", "LogSumExp", scores, spelling="clamped"),

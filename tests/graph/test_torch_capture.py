@@ -98,7 +98,7 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("upper", torch.triu(torch.ones(block_size, block_size, dtype=torch.bool), 1))
         elif mask == "almost_tril_buffer":
             tril = torch.tril(torch.ones(block_size, block_size))
-            tril[block_size - 1, 0] = 0.0  # one entry off: not a causal mask
+            tril[block_size - 1, 2] = 0.0  # one entry off: not a causal mask, nor a window
             self.register_buffer("bias", tril.view(1, 1, block_size, block_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,12 +318,16 @@ def test_gqa_via_enable_gqa_and_repeat_interleave_derive_grouped_flash_attention
 
 
 class Banded(nn.Module):
-    """A module with a ``tril`` buffer used in ``use``."""
+    """A module with a ``tril`` buffer used in ``use`` (``window``: a sliding window's, ``tril(0) − tril(−window)``)."""
 
-    def __init__(self, use: Callable, block: int = 8, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, use: Callable, block: int = 8, dtype: torch.dtype = torch.float32,
+                 window: int | None = None) -> None:  # fmt: skip
         super().__init__()
         self.use = use
-        self.register_buffer("bias", torch.tril(torch.ones(block, block, dtype=dtype)).view(1, 1, block, block))
+        band = torch.tril(torch.ones(block, block, dtype=dtype))
+        if window is not None:
+            band = band - torch.tril(torch.ones(block, block, dtype=dtype), -window)
+        self.register_buffer("bias", band.view(1, 1, block, block))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.use(self, x)
@@ -349,6 +353,16 @@ BAND_USES = {
 @pytest.mark.parametrize("use", BAND_USES)
 def test_tril_buffer_specialisation_matches_torch_everywhere(use: str) -> None:
     module = Banded(BAND_USES[use]).eval()
+    g = capture(module, randn(2, 3, 4, 8) if use == "offset_slice" else randn(2, 3, 4, 4))
+    assert "bias" not in g.inputs
+
+
+@pytest.mark.parametrize("use", BAND_USES)
+@pytest.mark.parametrize("window", [2, 3])
+def test_a_sliding_window_buffer_is_specialised_and_matches_torch_everywhere(use: str, window: int) -> None:
+    """A window's band (keys ``i − window < j <= i``) follows the same slices, views, transposes and
+    comparisons as a ``tril`` buffer, and lowers to two iota comparisons: never an input."""
+    module = Banded(BAND_USES[use], window=window).eval()
     g = capture(module, randn(2, 3, 4, 8) if use == "offset_slice" else randn(2, 3, 4, 4))
     assert "bias" not in g.inputs
 

@@ -215,6 +215,52 @@ def test_a_computed_bias_is_stored_by_an_elementwise_kernel_and_read_by_flash_at
     assert dtypes[d.kernels[0].output] == "fp32", "the computed bias keeps its precision"
 
 
+WINDOW_MASKS = {
+    # name: (the mask transformers builds for a sliding window, whether the query's later keys are hidden)
+    "additive_inf": (lambda band: torch.where(band, 0.0, -math.inf), True),
+    "additive_finite": (lambda band: torch.where(band, 0.0, torch.finfo(torch.bfloat16).min), True),  # eager's
+    "sdpa_bool": (lambda band: band, True),
+    "symmetric": (lambda band: torch.where(band | band.transpose(-2, -1), 0.0, -math.inf), False),  # ModernBERT's
+}
+
+
+@pytest.mark.parametrize("mask", WINDOW_MASKS)
+def test_a_sliding_window_is_the_causal_mask_and_a_stored_edge(mask: str) -> None:
+    """A sliding window's mask buffer (keys ``i − 3 < j <= i``; ``symmetric``: ``|i − j| < 3``), spelled
+    as transformers does for eager attention (−∞ or bf16's lowest) and for SDPA (a bool mask), is
+    captured as a band and derives one flash kernel that skips the tiles past the diagonal (causal)
+    and reads the window's lower edge (its upper one too where the window is not causal) from a
+    buffer an elementwise kernel stores, equal to the graph in float64."""
+    torch = pytest.importorskip("torch")
+    globals()["torch"] = torch
+    spell, causal = WINDOW_MASKS[mask]
+    ones = torch.ones(SQ, SQ, dtype=torch.bool)
+    band = spell(ones.tril(0) & ~ones.tril(-3))
+    band = band if band.dtype == torch.bool else band.to(torch.bfloat16)
+
+    class Windowed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", band.view(1, 1, SQ, SQ))
+
+        def forward(self, q, k, v):
+            if self.mask.dtype == torch.bool:
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+            s = q @ k.transpose(-2, -1) * SCALE + self.mask
+            return torch.softmax(s, dim=-1) @ v
+
+    q, k, v = (torch.randn(B, H, SQ, D, dtype=torch.bfloat16) for _ in "qkv")
+    g = ck.from_torch(Windowed(), q, k, v)
+    assert "mask" not in g.inputs, "a band, not an input"
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["elementwise", "flash_attention"], [k.describe() for k in d.kernels]
+    assert_derived_program_matches(g, d)
+    for target in ("sm_80", "sm_90a", "sm_120"):
+        problem = d.plans(target)[0].problem
+        assert problem.causal is causal and problem.bias is not None and problem.bias.shape == (SQ, SQ), target
+        assert (problem.bias.batch, problem.bias.head) == (0, 0), "one edge for every batch and head"
+
+
 def test_only_a_bias_that_computes_is_stored_in_fp32() -> None:
     """ALiBi's product needs fp32; a table gathered through a computed index, or a rounding of stored
     values, is exact in the buffer dtype (a relative-position bias read per score: half the bytes)."""

@@ -462,14 +462,16 @@ def test_a_band_computed_from_constants_is_folded_into_the_region():
     assert torch.allclose(split.module(x), masked(x), rtol=1e-5, atol=1e-6)
 
 
-def test_is_band_recognises_tril_and_additive_masks_only():
+def test_is_band_recognises_tril_window_and_additive_masks_only():
     from cherenkov.graph.torch_capture import is_band
 
     tril = torch.ones(6, 8).tril(2)
     additive = torch.zeros(1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    window = torch.ones(6, 6).tril(0) - torch.ones(6, 6).tril(-3)  # keys i - 3 < j <= i
     assert is_band(tril) and is_band(tril.bool()) and is_band(additive) and is_band(1.0 - tril)
+    assert is_band(window) and is_band(window.bool()) and is_band(torch.where(window > 0, 0.0, float("-inf")))
     off = tril.clone()
-    off[5, 0] = 0.0
+    off[3, 1] = 0.0  # a hole: neither a tril nor a window
     three = tril.clone()
     three[0, 0] = 0.5
     assert not any(is_band(v) for v in (off, three, torch.ones(6, 6), torch.randn(6, 6)))
