@@ -1673,8 +1673,11 @@ def _detect_band(tensor: Any) -> _Band | None:
         if torch.equal(kept, ones.tril(offset).expand(kept.shape)):
             return _Band(tuple(values.shape), offset, inside, outside, dtype)
         window = _window_edges(kept.reshape(-1, rows, cols)[0])
-        if window is not None and torch.equal(kept, (ones.tril(window[0]) & ~ones.tril(window[1])).expand(kept.shape)):
-            return _Band(tuple(values.shape), *window[:1], inside, outside, dtype, window[1])
+        if window is None:
+            continue
+        offset, lower = window
+        if torch.equal(kept, (ones.tril(offset) & ~ones.tril(lower)).expand(kept.shape)):
+            return _Band(tuple(values.shape), offset, inside, outside, dtype, lower)
     return None
 
 

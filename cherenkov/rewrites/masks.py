@@ -6,7 +6,9 @@ flash-attention rule, which turns them into its causal flag. Broadcast K/V heads
 need no rule: at the border they already index K/V with ``h // group``. A "safe" softmax
 (PyTorch's for a mask tensor: 0 for a row whose every score is masked) is
 ``where(max_j s > −∞, softmax_j(s), 0)``; its ``where`` moves out of the product with ``v``
-and out of the sum over keys, where the streaming rules meet it.
+and out of the sum over keys, where the streaming rules meet it. A sliding window's mask has
+a second edge, ``j < i + w``: its bool spelling splits into one condition at a time, and its
+lower edge becomes a bias added under the causal mask, which flash attention reads stored.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ With ``m = max_j s``, the pair ``(Σ_j e^{s_j−m}·v_j, Σ_j e^{s_j−m})`` is 
 fold over ``j`` of the state ``(m, l, acc)`` (combine: rescale both by ``e^{m_old−m_new}``
 and add), so one pass over the keys computes both sums and the normalised result. When
 the scores are themselves a scaled contraction ``c·Σ_d q·k`` (optionally causally
-masked, plus a bias that does not depend on the head dim, or both: ALiBi under a causal
-mask) the streaming softmax-contraction is flash attention, the kernel reading a computed
-bias from a buffer an earlier kernel writes; a causal mask added as a large finite negative (PyTorch's cuDNN path) is the
+masked, plus a bias that does not depend on the head dim, or both: ALiBi, or a sliding
+window's lower edge, under a causal mask) the streaming softmax-contraction is flash attention,
+the kernel reading a computed bias from a buffer an earlier kernel writes; a causal mask added as a large finite negative (PyTorch's cuDNN path) is the
 causal mask once the exponentials underflow. Both give 0 for a row without a live score (all −∞), so a safe softmax's
 ``where(max_j s > −∞, ·, 0)`` around them is the form itself. Scores soft-capped at ``m``,
 ``m·tanh(a·Σ_d q·k)`` (Gemma 2's), are flash attention at scale ``a·m`` with the cap.
