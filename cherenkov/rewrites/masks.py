@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cherenkov.rewrites.casts import HALF_ROUNDING
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import Term, ax, tensor
 
@@ -56,8 +57,6 @@ class FiniteCausalSpelling:
 
 BF16_LOWEST = -3.3895313892515355e38
 """``torch.finfo(torch.bfloat16).min``: the floor XGLM's attention clamps its masked scores to."""
-HALF_ROUNDING = 2.0**-7
-"""A 16-bit rounding of scores of magnitude ~1, as it reaches a softmax's output (relative)."""
 
 
 FINITE_CAUSAL_SPELLINGS = {

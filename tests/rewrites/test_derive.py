@@ -216,11 +216,12 @@ def test_a_computed_bias_is_stored_by_an_elementwise_kernel_and_read_by_flash_at
 
 
 WINDOW_MASKS = {
-    # name: (the mask transformers builds for a sliding window, whether the query's later keys are hidden)
-    "additive_inf": (lambda band: torch.where(band, 0.0, -math.inf), True),
-    "additive_finite": (lambda band: torch.where(band, 0.0, torch.finfo(torch.bfloat16).min), True),  # eager's
-    "sdpa_bool": (lambda band: band, True),
-    "symmetric": (lambda band: torch.where(band | band.transpose(-2, -1), 0.0, -math.inf), False),  # ModernBERT's
+    # name: (the mask transformers builds for a sliding window, from torch and the window's bool band; whether
+    # the query's later keys are hidden)
+    "additive_inf": (lambda torch, band: torch.where(band, 0.0, -math.inf), True),
+    "additive_finite": (lambda torch, band: torch.where(band, 0.0, torch.finfo(torch.bfloat16).min), True),  # eager's
+    "sdpa_bool": (lambda torch, band: band, True),
+    "symmetric": (lambda torch, band: torch.where(band | band.transpose(-2, -1), 0.0, -math.inf), False),  # ModernBERT's
 }
 
 
@@ -232,10 +233,9 @@ def test_a_sliding_window_is_the_causal_mask_and_a_stored_edge(mask: str) -> Non
     and reads the window's lower edge (its upper one too where the window is not causal) from a
     buffer an elementwise kernel stores, equal to the graph in float64."""
     torch = pytest.importorskip("torch")
-    globals()["torch"] = torch
     spell, causal = WINDOW_MASKS[mask]
     ones = torch.ones(SQ, SQ, dtype=torch.bool)
-    band = spell(ones.tril(0) & ~ones.tril(-3))
+    band = spell(torch, ones.tril(0) & ~ones.tril(-3))
     band = band if band.dtype == torch.bool else band.to(torch.bfloat16)
 
     class Windowed(torch.nn.Module):
