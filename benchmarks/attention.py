@@ -1,7 +1,8 @@
 """cherenkov's searched flash attention against PyTorch SDPA's backends, in one process.
 
-For each shape (``SHAPES``: issue 6's, and issue 22's decode, short-query, head-dim, ``D_V ≠
-D`` and fp16 rows; the default runs issue 6's), this builds the textbook attention graph of
+For each shape (``SHAPES``: issue 6's, issue 22's decode, short-query, head-dim, ``D_V ≠
+D`` and fp16 rows, and two causal sliding windows, which SDPA takes as a band mask and
+FlashAttention-4 as its ``window_size``; the default runs issue 6's), this builds the textbook attention graph of
 ``examples/attention.py`` (loaded by path), runs ``ck.optimize`` on it (a fresh search
 with a per-shape time budget, measured on the local GPU; a private tuning database so that
 nothing stale answers), checks the graph's output against SDPA in float32 (relative error
@@ -19,9 +20,9 @@ mma.sync and 989 TFLOP/s wgmma peaks, and each contender's ``tbps``: q, k, v and
 moved a second). ``--target auto`` searches both kernel families on a Hopper GPU (sm_90a),
 ``--target sm_90`` the mma.sync family only.
 
-    python3 benchmarks/attention.py [--shapes seed,...|issue22] [--out DIR] [--budget S] [--target T] [--suffix S]
+    python3 benchmarks/attention.py [--shapes seed,...|issue22|windows] [--out DIR] [--budget S] [--target T] [--suffix S]
 
-FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (the convention of FlashAttention's and
+FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (with a window: those of the scores it keeps) (the convention of FlashAttention's and
 PyTorch's benchmarks). The budget bounds each search (compile + measure), so the winner is
 the best of the candidates the cost model ranked first and the search reached in time.
 """
@@ -71,6 +72,7 @@ class Shape:
     causal: bool = False
     dtype: str = "bf16"
     DV: int | None = None
+    window: int | None = None  # causal: query i sees keys i - window < j <= i
 
     @property
     def dv(self) -> int:
@@ -78,8 +80,12 @@ class Shape:
 
     @property
     def flops(self) -> float:
-        """``2·B·H·SQ·SKV·(D + DV)``, halved for causal (``4·…·D`` when ``DV = D``)."""
+        """``2·B·H·SQ·SKV·(D + DV)``, halved for causal (``4·…·D`` when ``DV = D``); with a window,
+        those of the scores it keeps."""
         full = 2.0 * self.B * self.H * self.SQ * self.SKV * (self.D + self.dv)
+        if self.window:
+            kept = min(self.SQ, self.window)
+            return full * (kept * (kept + 1) / 2 + (self.SQ - kept) * self.window) / (self.SQ * self.SKV)
         return full / 2 if self.causal else full
 
     @property
@@ -108,9 +114,13 @@ SHAPES = {
     "b2h16s2k_d192_dv128": Shape(2, 16, 16, 2048, 2048, 192, DV=128),
     "llama3_8b_prefill_8k_causal": Shape(1, 32, 8, 8192, 8192, 128, True),
     "b2h16s2k_d64_fp16": Shape(2, 16, 16, 2048, 2048, 64, dtype="fp16"),
+    # sliding windows (no issue): Mistral-7B's 4k window over 16k tokens, a 1k one (Gemma 3's) over 8k
+    "mistral_7b_window4k_16k": Shape(1, 32, 8, 16384, 16384, 128, True, window=4096),
+    "b2h32s8k_window1k": Shape(2, 32, 8, 8192, 8192, 128, True, window=1024),
 }
 ISSUE_6 = ("seed", "b4h16s4k", "b4h16s4k_causal", "seed_d64", "b16h16s1k", "b1h32s16k_causal")
-ISSUE_22 = tuple(name for name in SHAPES if name not in ISSUE_6)
+WINDOWS = ("mistral_7b_window4k_16k", "b2h32s8k_window1k")
+ISSUE_22 = tuple(name for name in SHAPES if name not in ISSUE_6 + WINDOWS)
 
 
 def load_example():
@@ -121,17 +131,17 @@ def load_example():
     return module
 
 
-def value_dim_graph(shape: Shape) -> ck.Graph:
-    """Attention whose values have their own head dim (``D_V ≠ D``, as in MLA), spelled with
-    ``ck.nn.attention`` (the example's contract has one head dim)."""
-    g = ck.Graph("attention_value_dim")
+def nn_attention_graph(shape: Shape) -> ck.Graph:
+    """Attention spelled with ``ck.nn.attention``, for what the example's contract lacks: values of
+    their own head dim (``D_V ≠ D``, as in MLA) or a sliding window."""
+    g = ck.Graph("attention_value_dim" if shape.DV is not None else "attention_window")
     q = g.input("q", (shape.B, shape.H, shape.SQ, shape.D), shape.dtype)
     k = g.input("k", (shape.B, shape.H_KV, shape.SKV, shape.D), shape.dtype)
     v = g.input("v", (shape.B, shape.H_KV, shape.SKV, shape.dv), shape.dtype)
     group = shape.H // shape.H_KV
     if group > 1:
         k, v = ck.nn.repeat_kv_heads(k, group), ck.nn.repeat_kv_heads(v, group)
-    g.output(ck.nn.attention(q, k, v, causal=shape.causal), "o")
+    g.output(ck.nn.attention(q, k, v, causal=shape.causal, window=shape.window), "o")
     return g
 
 
@@ -165,8 +175,8 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
 
     shape = SHAPES[name]
     b, h, hkv, sq, skv, d, causal = shape.B, shape.H, shape.H_KV, shape.SQ, shape.SKV, shape.D, shape.causal
-    graph = (example.build(shape=(b, h, hkv, sq, skv, d), causal=causal, dtype=shape.dtype) if shape.DV is None
-             else value_dim_graph(shape))  # fmt: skip
+    graph = (example.build(shape=(b, h, hkv, sq, skv, d), causal=causal, dtype=shape.dtype)
+             if shape.DV is None and shape.window is None else nn_attention_graph(shape))  # fmt: skip
     budget = args.budget * (CAUSAL_BUDGET_FACTOR if causal else 1.0)
     started = time.monotonic()
     result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / name, budget_s=budget, database=db)
@@ -180,6 +190,14 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     k = torch.randn((b, hkv, skv, d), generator=gen, device="cuda").to(dtype)
     v = torch.randn((b, hkv, skv, shape.dv), generator=gen, device="cuda").to(dtype)
     gqa = h != hkv
+    # SDPA takes no window: the band as its bool mask (True: attended), the causal flag folded in, and
+    # K/V repeated over the query heads (as transformers does; SDPA's fused kernels take a mask only so)
+    band, k_sdpa, v_sdpa = None, k, v
+    if shape.window:
+        ones = torch.ones(sq, skv, dtype=torch.bool, device="cuda")
+        band = ones.tril(0) & ~ones.tril(-shape.window)
+        k_sdpa, v_sdpa = (x.repeat_interleave(h // hkv, dim=1) for x in (k, v))
+    sdpa_causal, sdpa_gqa = causal and band is None, gqa and band is None
 
     if flash:  # the flash kernel alone, into a NaN-poisoned output
         kernel = load_kernel(compile_plan(best.plan))
@@ -194,9 +212,11 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
         ours = captured
     torch.cuda.synchronize()
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)
+        ref = F.scaled_dot_product_attention(q.float(), k_sdpa.float(), v_sdpa.float(), attn_mask=band,
+                                             is_causal=sdpa_causal, enable_gqa=sdpa_gqa)  # fmt: skip
     rel_error = float((out.float() - ref).norm() / ref.norm())
     del ref
+    torch.cuda.empty_cache()  # the float32 reference's blocks: the next search's worker needs them
     if not rel_error <= TOLERANCE:
         raise RuntimeError(f"{name}: cherenkov's output is wrong (relative error {rel_error:.3g})")
 
@@ -204,7 +224,8 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     for key, backend in BACKENDS.items():
         def launch(backend=getattr(SDPBackend, backend)):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, attn_mask=band, is_causal=sdpa_causal,
+                                                      enable_gqa=sdpa_gqa)  # fmt: skip
         try:
             launch()
             torch.cuda.synchronize()
@@ -216,8 +237,10 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     if fa4 is not None:  # FlashAttention-4 takes B, S, H, D tensors
         q_bshd, k_bshd, v_bshd = (x.transpose(1, 2).contiguous() for x in (q, k, v))
 
+        window = (shape.window - 1, 0) if shape.window else (None, None)  # FA4's: keys i - left <= j <= i + right
+
         def launch_fa4():
-            return fa4(q_bshd, k_bshd, v_bshd, causal=causal)
+            return fa4(q_bshd, k_bshd, v_bshd, causal=causal, window_size=window)
 
         try:
             launch_fa4()
@@ -361,7 +384,7 @@ def run_fp8_shape(name: str, torch, flush, args, db) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(ISSUE_6),
-                        help=f"comma-separated, of: {', '.join(SHAPES)}; issue22 stands for its rows")
+                        help=f"comma-separated, of: {', '.join(SHAPES)}; issue22 and windows stand for their rows")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--budget", type=float, default=35.0,
                         help="seconds per search (compile + measure); causal shapes get twice it")
@@ -379,7 +402,8 @@ def main() -> None:
                         help="fp8: each shape in e4m3 (per-tensor scales) against cherenkov's bf16 kernel, cuDNN "
                              "and FlashAttention-4 in bf16, with its error against float32 attention")
     args = parser.parse_args()
-    names = [n for s in args.shapes.split(",") if s for n in (ISSUE_22 if s == "issue22" else (s,))]
+    groups = {"issue22": ISSUE_22, "windows": WINDOWS}
+    names = [n for s in args.shapes.split(",") if s for n in groups.get(s, (s,))]
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; valid: {', '.join(SHAPES)}")

@@ -198,8 +198,12 @@ def _dequantized_operands(operands: tuple[Tensor, Tensor, Tensor],
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
               descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None,
               return_lse: bool = False, softcap: float | None = None,
-              bias: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+              bias: Tensor | None = None, window: int | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """``softmax(q kᵀ · scale [+ bias] [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
+
+    ``window = W`` (with ``causal``) is a sliding window: query ``i`` sees keys ``i − W < j ≤ i``
+    (Mistral's and Gemma's local attention), the keys before it masked as the causal mask masks
+    the later ones.
 
     ``softcap = c`` caps the scaled scores before the mask, ``c·tanh(s / c)`` (Gemma 2's
     attention logit soft cap). ``bias`` is added to the (capped) scores, broadcast over them
@@ -233,6 +237,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         k, v = repeat_kv_heads(k, heads // kv_heads), repeat_kv_heads(v, heads // kv_heads)
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise GraphError(f"attention: softcap {softcap}; valid: a finite positive cap (or None for none)")
+    if window is not None and (not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise GraphError(f"attention: window {window!r} with causal={causal}; valid: a whole number of keys "
+                         "W >= 1 with causal=True (or None for none)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = (q @ k.transpose(-2, -1)) * scale
@@ -244,7 +251,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         seq_q, seq_kv = q.shape[-2], k.shape[-2]
         query_index = arange(seq_q, graph=q.graph).unsqueeze(-1)
         key_index = arange(seq_kv, graph=q.graph)
-        scores = where(query_index < key_index, -math.inf, scores)
+        if window is None:
+            scores = where(query_index < key_index, -math.inf, scores)
+        else:  # a band in the scores' dtype: the causal edge, and the window's lower one (keys j < i − (W − 1))
+            hidden, live = (q.graph.constant(value, scores.dtype) for value in (-math.inf, 0.0))
+            lower = where(key_index < query_index + float(1 - window), hidden, live)
+            scores = scores + where(query_index < key_index, hidden, lower)
     out = softmax(scores, axis=-1) @ v
     out.graph.note_attention(out, scores)
     return (out, logsumexp(scores, axis=-1).cast("fp32")) if return_lse else out

@@ -34,6 +34,7 @@ from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS
 from cherenkov.rewrites.lower import Lowered
+from cherenkov.rewrites.masks import sliding_window
 from cherenkov.graph.shape import SCALE_DTYPES
 from cherenkov.rewrites.plan import (
     BIAS_DTYPES,
@@ -360,7 +361,7 @@ class _Partition:
             7: (leading + (key,) + order(frozenset(values)), v),
         }
         cap, mask = t.soft_capped(core[9])
-        bias = t.mask_bias(mask)
+        bias = None if sliding_window(mask) else t.mask_bias(mask)  # a window: the kernel's own key range
         if bias is not None and not self.readable_in_place(bias):
             axes = t.free_axes(bias)
             layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), bias)
@@ -395,7 +396,7 @@ class _Partition:
             operand = core[position]
             if operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
                 cap, mask = t.soft_capped(operand)
-                bias = t.mask_bias(mask)
+                bias = None if sliding_window(mask) else t.mask_bias(mask)
                 if bias is not None and not self.readable_in_place(bias):
                     buffer = self.materialise(bias, dtype=bias_buffer_dtype(bias))
                     result[position] = t.with_soft_cap(cap, t.with_mask_bias(mask, buffer))
@@ -1068,7 +1069,14 @@ def attention_problem(
     if causal is not None and (query_axis is None or causal != t.ax(query_axis)):
         raise KernelError("flash attention: the causal mask does not compare the query axis with the key axis")
     roles = {"batch": batch, "head": head, "row": query_axis, "key": key}
-    bias_term = t.mask_bias(mask)
+    bias_term, window = t.mask_bias(mask), sliding_window(mask) or 0
+    if window:  # the kernel bounds its key range itself: no bias tensor
+        if bias_term[1][1] != ("Iota", t.ax(key)):
+            raise KernelError(f"flash attention: the window {t.show(bias_term)} does not bound the key axis {key}")
+        if t.extent(query_axis) > n_keys:
+            raise KernelError(f"flash attention: a sliding window over {t.extent(query_axis)} queries and {n_keys} "
+                              "keys (valid: no more queries than keys, so that every row sees its own key)")
+        bias_term = None
     bias = _attention_bias(bias_term, roles, shapes, dtypes) if bias_term is not None else None
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:
@@ -1119,6 +1127,7 @@ def attention_problem(
         head_dim=n_dim,
         dtype=operand_dtypes.pop(),
         causal=causal is not None,
+        window=window,
         scale=scale,
         softcap=softcap,
         q=q[1],

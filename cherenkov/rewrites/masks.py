@@ -38,6 +38,21 @@ WINDOW_EDGE = ("Lt", ("Iota", ax("j:7")), ("Add", ("Iota", ax("i:3")), ("Num", -
 """An example of it over the examples' ``i:3, j:7``: keys ``j < i − 1``."""
 
 
+def sliding_window(mask: Term) -> int | None:
+    """The window ``W`` of a causal flash-attention mask (after any soft cap) whose bias is a sliding
+    window's lower edge ``where(j < i + w, m, 0)``, ``w ≤ 0`` whole and ``m ≤ −2¹⁵`` (the ``-band``
+    bias form): query ``i`` sees keys ``i − W < j ≤ i``, ``W = 1 − w``, the masked scores' exponentials
+    underflowing as the causal ones do. None for any other mask. A kernel applies such a window
+    itself, skipping the key tiles below it, where any other bias is a tensor it reads."""
+    if mask[0] != "CausalBiasMask":
+        return None
+    match mask[2]:
+        case ("Where", ("Lt", ("Iota", ("Ax", _)), ("Add", ("Iota", query), ("Num", w))), ("Num", m), ("Num", 0.0)):
+            if query == mask[1] and float(w).is_integer() and w <= 0 and m <= -32768.0:
+                return 1 - int(w)
+    return None
+
+
 @dataclass(frozen=True)
 class FiniteCausalSpelling:
     """One way a finite causal mask (minimum ``m``) reaches the scores ``s``: as text, as the

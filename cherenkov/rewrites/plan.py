@@ -198,7 +198,8 @@ class AttentionProblem:
 
     ``kv_heads`` divides ``heads``; query head ``h`` reads K/V head ``h // (heads //
     kv_heads)`` (GQA/MQA). Causal follows PyTorch's ``is_causal``: query ``i`` sees keys
-    ``j <= i``. ``scale`` 0 means ``head_dim ** -0.5``; a negative scale is not supported.
+    ``j <= i``; with a sliding ``window`` W > 0 (only with ``causal``) it sees keys ``i − W < j ≤ i``, the
+    kernel skipping the key tiles below the window (0: no window). ``scale`` 0 means ``head_dim ** -0.5``; a negative scale is not supported.
     ``head_dim`` is the extent of the q·k contraction, ``value_dim`` that of v and o (0: the
     same as ``head_dim``; MLA-style models use 192 and 128).
     The tensor names are validated identifiers of the user's graph (q, k and v may name
@@ -237,6 +238,12 @@ class AttentionProblem:
     k_block_scales: BlockScales | None = None
     lse: LseOutput | None = None
     softcap: float = 0.0
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 0 or (self.window and not self.causal):
+            raise ValueError(f"a sliding window of {self.window} keys (valid: 0 for none, or a positive window "
+                             "of a causal problem)")
 
     @property
     def output_dtype(self) -> str:
@@ -339,8 +346,12 @@ class AttentionProblem:
     @property
     def flops(self) -> float:
         """Matmul FLOPs, ``2·B·H·Sq·Skv·(D + D_v)`` (``4·B·H·Sq·Skv·D`` when ``D_v = D``), halved
-        for causal (the usual convention)."""
+        for causal (the usual convention); with a window, those of the scores it keeps."""
         full = 2.0 * self.batch * self.heads * self.seq_q * self.seq_kv * (self.head_dim + self.v_dim)
+        if self.window:  # the scores a window keeps: min(i + 1, W) of row i
+            rows, kept = self.seq_q, min(self.seq_q, self.window)
+            band = kept * (kept + 1) / 2 + (rows - kept) * self.window
+            return full * band / (self.seq_q * self.seq_kv)
         return full / 2 if self.causal else full
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -759,6 +770,8 @@ class KernelPlan:
             del problem["value_dim"]  # one D for q, k and v: the names plans had before D_v
         if problem["bias"] is None:
             del problem["bias"]  # no bias: the names plans had before biases
+        if not problem["window"]:
+            del problem["window"]  # no window: the names plans had before windows
         for key in ("score_factors", "out_factors", "out_dtype", "q_block_scales", "k_block_scales"):
             if not problem[key]:
                 del problem[key]  # 16-bit operands: the names plans had before 8-bit ones

@@ -83,8 +83,8 @@ def fp8_schedule_problems(schedule: Fp8FlashSchedule, problem: AttentionProblem,
         reasons.append(f"output dtype {problem.output_dtype} (valid: {', '.join(FP8_OUTPUT_DTYPES)})")
     if problem.head_dim % 32 or not 32 <= problem.head_dim <= 256 or problem.v_dim != problem.head_dim:
         reasons.append(f"head dims {problem.head_dim} and {problem.v_dim}: one head dim, a multiple of 32 up to 256")
-    if problem.bias is not None:
-        reasons.append("an additive bias (the 8-bit family runs no mask or the causal one)")
+    if problem.bias is not None or problem.window:
+        reasons.append("an additive bias or a sliding window (the 8-bit family runs no mask or the causal one)")
     if problem.lse is not None:
         reasons.append("the rows' log-sum-exp output (the 8-bit family writes o only)")
     if problem.softcap:

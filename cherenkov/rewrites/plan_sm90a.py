@@ -280,7 +280,7 @@ HOPPER_EIGHT_BIT_DTYPES = ("fp8_e4m3",)
 def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
     """Why the 8-bit variant cannot run a schedule and problem: rows of 128 bytes (head dim 128
     or 256), 128-key tiles (the transposed V tile's 128-byte rows), one Q buffer and register
-    stores of a 16-bit output, no bias or soft cap, 16-byte aligned strides."""
+    stores of a 16-bit output, no bias, window or soft cap, 16-byte aligned strides."""
     reasons = []
     if p.head_dim not in (128, 256) or p.v_dim != p.head_dim:
         reasons.append(f"8-bit head dims {p.head_dim} and {p.v_dim} (valid: one of 128, 256: whole 128-byte rows)")
@@ -290,8 +290,8 @@ def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str
         reasons.append("the 8-bit variant stores O from registers, beside one Q buffer")
     if p.output_dtype not in ATTENTION_DTYPES:
         reasons.append(f"8-bit output dtype {p.output_dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
-    if p.bias is not None:
-        reasons.append("an additive bias with 8-bit operands")
+    if p.bias is not None or p.window:
+        reasons.append("an additive bias or a sliding window with 8-bit operands")
     if p.softcap:
         reasons.append("a soft cap of the scores with 8-bit operands")
     if p.q_block_scales or p.k_block_scales:

@@ -83,6 +83,8 @@ BIAS_FORMS = (
 """The biases of :func:`score_forms`. A computed bias of any other form is not taken (a causal mask
 spelled as an added ``where`` would be one, and it is the causal mask); an earlier kernel stores
 a computed one for the flash kernels to read."""
+BAND = BIAS_FORMS[1]
+"""A sliding window's lower edge (the ``-band`` bias form)."""
 
 CAUSAL_CONDITION = "(Lt (Iota iq) (Iota (Ax j)))"
 
@@ -135,8 +137,14 @@ def score_forms() -> tuple[ScoreForm, ...]:
          None),
         ("-bias", "m·tanh(a·Σ_d q·k) + b", f"(Add {CAPPED} (Tensor b bix))", "(BiasMask (Tensor b bix))",
          ("Add", capped_scores, bias), ("BiasMask", bias), BIAS_FORMS[0]),
+        # Gemma 2's sliding layers: the capped scores under a window
+        ("-causal-bias-band", "where(i < j, −∞, m·tanh(a·Σ_d q·k) + b)",
+         f"(Where {CAUSAL_CONDITION} (Num -inf) (Add {CAPPED} {BAND.pattern}))", f"(CausalBiasMask iq {BAND.pattern})",
+         ("Where", causal_condition, ("Num", -math.inf), ("Add", capped_scores, BAND.example)),
+         ("CausalBiasMask", ax("i:3"), BAND.example), BAND),
     ):  # fmt: skip
-        forms.append(ScoreForm(f"-softcap{suffix}", text, score, f"(SoftcapMask cap {mask})", capped_facts, score_example,
+        facts = capped_facts + (b.facts if b is not None else ())
+        forms.append(ScoreForm(f"-softcap{suffix}", text, score, f"(SoftcapMask cap {mask})", facts, score_example,
                                ("SoftcapMask", CAP_EXAMPLE[1], mask_example), b, "(* a cap)", capped_scale, True))
     return tuple(forms)
 

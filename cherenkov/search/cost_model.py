@@ -168,6 +168,12 @@ class Prediction:
     schedule: float = 1.0
 
 
+
+def window_key_tiles(problem: AttentionProblem, block_q: int, block_kv: int, visited: float) -> float:
+    """Key tiles a query tile visits on average, ``visited`` without a window; with one, at most
+    those its rows' windows span (the window and the tile's rows, plus a tile of misalignment)."""
+    return min(visited, (problem.window + block_q) / block_kv + 1) if problem.window else visited
+
 def blocks_per_sm(plan: KernelPlan, gpu: GpuSpec, registers: int | None = None) -> int:
     """Resident blocks per SM, limited by shared memory, registers and threads."""
     schedule, problem = plan.schedule, plan.problem
@@ -280,7 +286,8 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
     blocks = schedule.tiles(problem)
     waves = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
     waves *= problem.batch * problem.heads * problem.seq_q / (blocks * schedule.block_q)  # rows filled
-    key_tiles = problem.seq_kv / schedule.block_kv / (2 if problem.causal else 1)
+    key_tiles = window_key_tiles(problem, schedule.block_q, schedule.block_kv,
+                                 problem.seq_kv / schedule.block_kv / (2 if problem.causal else 1))
     pipeline = HOPPER_STAGE_FACTOR.get(schedule.stages, 1.0)
     pipeline *= key_tiles / (key_tiles + hopper_tile_overhead(schedule))
     knobs = HOPPER_CONSUMER_FACTOR.get(schedule.consumer_warpgroups, 0.5) * hopper_head_dim_factor(problem)
@@ -355,6 +362,7 @@ def predict_flash(plan: KernelPlan, gpu: GpuSpec | None = None, registers: int |
     # keys a query tile visits (causal: about half, plus the diagonal tile), and padding waste
     kv_tiles = key_tiles_per_split(schedule, problem)
     visited = kv_tiles if not problem.causal else min(kv_tiles, (kv_tiles + 1) / 2 + 0.5)
+    visited = window_key_tiles(problem, schedule.block_q, schedule.block_kv, visited)
     mean_dim = (problem.head_dim + problem.v_dim) / 2
     padded_flops = 4.0 * blocks * schedule.block_q * visited * schedule.block_kv * mean_dim
     knobs = schedule_factor(plan) * head_dim_factor(mean_dim)

@@ -52,6 +52,7 @@ launch, which ranked short Hopper kernels below slower ``mma.sync`` ones)."""
 FLUSHES = ("read", "zero")
 STARTUP_TIMEOUT_S = 180.0
 CANDIDATE_TIMEOUT_S = 30.0
+UNREACHABLE_EXIT_S = 10.0  # how long a worker that closed its end gets to exit before it is killed
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
 
 
@@ -134,6 +135,15 @@ def _sdpa_mask(problem: AttentionProblem, stored: Mapping[str, Any], dtype: Any)
     return mask_view(problem, stored[problem.bias.tensor]).to(dtype)
 
 
+def hidden_scores(problem: AttentionProblem, rows: int, keys: int, device: Any) -> Any:
+    """The scores a causal problem's mask hides, a ``(rows, keys)`` bool tensor: keys after the
+    query, and with a window, keys at least ``window`` before it."""
+    import torch
+
+    ones = torch.ones(rows, keys, dtype=torch.bool, device=device)
+    return ones.triu(1) | ones.tril(-problem.window) if problem.window else ones.triu(1)
+
+
 def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
                       backends: tuple[str, ...] = ("EFFICIENT_ATTENTION", "MATH")) -> Any:  # fmt: skip
     """softmax(scale·q kᵀ [soft-capped] [+ mask] [causal]) v in float32 from BHSD views (``mask``: SDPA's
@@ -145,8 +155,8 @@ def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: A
     scale = problem.scale or problem.head_dim**-0.5
     q, k, v = q.float(), k.float(), v.float()
     causal = None
-    if problem.causal and (mask is not None or problem.softcap):
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+    if problem.causal and (mask is not None or problem.softcap or problem.window):
+        causal = hidden_scores(problem, q.shape[-2], k.shape[-2], q.device)
     if problem.softcap:
         if problem.group_size > 1:
             k, v = (x.repeat_interleave(problem.group_size, dim=1) for x in (k, v))
@@ -155,11 +165,16 @@ def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: A
         scores = scores if causal is None else scores.masked_fill(causal, -torch.inf)
         return torch.softmax(scores, dim=-1) @ v
     if causal is not None:
-        mask = mask.masked_fill(causal, -torch.inf)
+        mask = (torch.zeros(causal.shape, device=q.device) if mask is None else mask).masked_fill(causal, -torch.inf)
+    grouped = problem.group_size > 1
+    if grouped and problem.window and problem.bias is None:
+        # SDPA's memory-efficient kernel takes the band only with K/V repeated (its math path would
+        # hold every head's scores: 64 GiB for Mistral's 16k), and each row sees its own key
+        k, v = (x.repeat_interleave(problem.group_size, dim=1) for x in (k, v))
+        grouped = False
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends]):
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=problem.causal and causal is None, scale=scale,
-            enable_gqa=problem.group_size > 1,
+            q, k, v, attn_mask=mask, is_causal=problem.causal and causal is None, scale=scale, enable_gqa=grouped,
         )
 
 
@@ -347,7 +362,7 @@ def attention_statistics(a: AttentionProblem, q: Any, k: Any, v: Any, mask: Any 
             if mask is not None:
                 scores += mask[b, h].float()
             if a.causal:
-                scores.masked_fill_(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+                scores.masked_fill_(hidden_scores(a, *scores.shape, scores.device), -torch.inf)
             lse[b, h] = torch.logsumexp(scores, dim=-1)
             if out is not None:
                 out[b, h] = torch.softmax(scores, dim=-1) @ v[b, h]
@@ -484,12 +499,16 @@ def _references(problem: AttentionProblem, device: int, flush: L2Flush) -> dict[
     stored = _inputs(problem, 0, device)
     q, k, v = (operand_view(problem, role, stored[problem.name(role)]).contiguous() for role in "qkv")
     mask = _sdpa_mask(problem, stored, q.dtype)
+    if problem.window:  # SDPA takes no window: the band as its mask, the causal flag folded in
+        hidden = hidden_scores(problem, problem.seq_q, problem.seq_kv, q.device)
+        mask = (torch.zeros(hidden.shape, dtype=q.dtype, device=q.device) if mask is None else mask)
+        mask = mask.masked_fill(hidden, -torch.inf)
     result = {}
     for name, backend in SDPA_BACKENDS.items():
         def launch(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=problem.causal, scale=problem.scale,
+                    q, k, v, attn_mask=mask, is_causal=problem.causal and not problem.window, scale=problem.scale,
                     enable_gqa=problem.group_size > 1,
                 )
         try:
@@ -531,13 +550,13 @@ def worker_main(conn: Connection, device: int) -> None:
 
 
 class _Worker:
-    """A worker process bound to one GPU."""
+    """A worker process bound to one GPU, serving requests with ``target`` (:func:`worker_main`)."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, target: Callable[[Connection, int], None] = worker_main) -> None:
         context = multiprocessing.get_context("spawn")
         self.device = device
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child, device), daemon=True)
+        self.process = context.Process(target=target, args=(child, device), daemon=True)
         self.process.start()
         child.close()
         if not self.conn.poll(STARTUP_TIMEOUT_S):
@@ -546,11 +565,16 @@ class _Worker:
         _, self.gpu_name = self.conn.recv()
 
     def request(self, kind: str, payload: Any, timeout_s: float) -> tuple[str, Any]:
-        """Send one request; ("timeout", seconds) or ("crash", reason) when it goes wrong."""
+        """Send one request; ("timeout", seconds) or ("crash", reason) when it goes wrong, and
+        ("unreachable", reason) when the worker had already closed its end (leaving after a
+        poisoned CUDA context): the request never ran, and the process is gone once this returns."""
         try:
             self.conn.send((kind, payload))
         except (BrokenPipeError, OSError) as error:
-            return "crash", f"worker unreachable: {error}"
+            self.process.join(UNREACHABLE_EXIT_S)
+            if self.alive:
+                self.kill()
+            return "unreachable", f"worker unreachable: {error}"
         if not self.conn.poll(timeout_s):
             self.kill()
             return "timeout", f"no answer within {timeout_s:.0f} s (a kernel that never finishes)"
@@ -582,9 +606,11 @@ class _Worker:
 class MeasurementPool:
     """One worker per GPU; tasks run concurrently across GPUs, one at a time per GPU."""
 
-    def __init__(self, devices: Iterable[int] = (0,), timeout_s: float = CANDIDATE_TIMEOUT_S) -> None:
+    def __init__(self, devices: Iterable[int] = (0,), timeout_s: float = CANDIDATE_TIMEOUT_S,
+                 worker: Callable[[Connection, int], None] = worker_main) -> None:  # fmt: skip
         self.devices = tuple(devices)
         self.timeout_s = timeout_s
+        self.worker = worker  # what each worker process runs
         self._workers: dict[int, _Worker] = {}
         self._lock = threading.Lock()
         self.best_ms: dict[str, float] = {}  # per task group (kernel)
@@ -592,7 +618,7 @@ class MeasurementPool:
     def _worker(self, device: int) -> _Worker:
         worker = self._workers.get(device)
         if worker is None or not worker.alive:
-            worker = self._workers[device] = _Worker(device)
+            worker = self._workers[device] = _Worker(device, self.worker)
         return worker
 
     def gpu_name(self) -> str:
@@ -601,7 +627,7 @@ class MeasurementPool:
     def measure(self, task: MeasureTask, device: int | None = None) -> Measurement:
         """Verify and time one candidate; failures come back as a Measurement too."""
         device = self.devices[0] if device is None else device
-        kind, answer = self._worker(device).request("measure", task, self.timeout_s)
+        kind, answer = self._request(device, "measure", task, self.timeout_s)
         if kind == "measure":
             if answer.status == "ok":
                 median = sorted(answer.times_ms)[len(answer.times_ms) // 2]
@@ -648,8 +674,17 @@ class MeasurementPool:
 
     def references(self, problem: AttentionProblem) -> dict[str, float]:
         """Median ms of PyTorch's SDPA backends on ``problem`` (on the first GPU)."""
-        kind, answer = self._worker(self.devices[0]).request("references", problem, 10 * self.timeout_s)
+        kind, answer = self._request(self.devices[0], "references", problem, 10 * self.timeout_s)
         return answer if kind == "references" else {}
+
+    def _request(self, device: int, kind: str, payload: Any, timeout_s: float) -> tuple[str, Any]:
+        """One request to the device's worker; where that worker had already closed its end (the
+        last request poisoned its CUDA context), once more to a fresh one: this request never ran."""
+        answer = self._worker(device).request(kind, payload, timeout_s)
+        if answer[0] == "unreachable":
+            log.info("GPU %d: %s; starting a fresh worker", device, answer[1])
+            answer = self._worker(device).request(kind, payload, timeout_s)
+        return answer
 
     def close(self) -> None:
         for worker in self._workers.values():

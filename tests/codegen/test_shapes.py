@@ -1,4 +1,4 @@
-"""Attention for every shape the benchmark names (issue 22), on the CPU: decode, short
+"""Attention for every shape the benchmark names (issue 22, and its sliding windows), on the CPU: decode, short
 queries, head dims 32-256 and D_v != D derive flash-attention plans — never the unfused
 kernels, never a pointwise loop — on sm_80, sm_90, sm_90a and sm_120; decode gets split-KV
 plans through the rule ``flash-split-kv``; the plan the cost model ranks first compiles
@@ -43,17 +43,17 @@ def benchmark():
     return module
 
 
-ROWS = ("seed", *benchmark().ISSUE_22)
+ROWS = ("seed", *benchmark().ISSUE_22, *benchmark().WINDOWS)
 
 
 @functools.cache
 def derivation(name: str) -> ck.Derivation:
     bench = benchmark()
     s = bench.SHAPES[name]
-    if s.DV is None:
+    if s.DV is None and s.window is None:
         graph = bench.load_example().build(shape=(s.B, s.H, s.H_KV, s.SQ, s.SKV, s.D), causal=s.causal, dtype=s.dtype)
     else:
-        graph = bench.value_dim_graph(s)
+        graph = bench.nn_attention_graph(s)
     return ck.derive(graph)
 
 

@@ -6,9 +6,9 @@ attention (its query and key heads assembled in place, head dims 48 and 32), Blo
 XGLM's clamped causal mask, BERT with a padding mask, BART, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
-sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``), Bloom's ALiBi (a computed bias, under the
-causal mask) and a sliding window (the causal mask, and the window's lower edge a computed bias)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Thirteen of them also train
+sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
+causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Fourteen of them also train
 a step like eager, a flash backward an attention layer (BERT's padded SDPA backward stays torch's),
 and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
 like eager at width 1024."""
@@ -98,12 +98,14 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     "qwen2": (_decoder("Qwen2ForCausalLM", "Qwen2Config"), 1),
     "qwen3": (_decoder("Qwen3ForCausalLM", "Qwen3Config", head_dim=32), 1),
     "mistral": (_decoder("MistralForCausalLM", "MistralConfig", sliding_window=None), 1),
-    # a window of 16 keys over 64 tokens: the causal mask, and the window's lower edge stored by an elementwise kernel
+    # a window of 16 keys over 64 tokens: the causal mask, and the window the kernel's own key range (no stored edge)
     "mistral_window": (_decoder("MistralForCausalLM", "MistralConfig", sliding_window=16), 1),
     "gemma_d256": (_decoder("GemmaForCausalLM", "GemmaConfig", head_dim=256), 1),
     "gemma3_sliding_and_full": (_decoder("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=64, num_hidden_layers=2,
                                          sliding_window=16, layer_types=["sliding_attention", "full_attention"]), 2),
     "gemma2_softcap": (_decoder("Gemma2ForCausalLM", "Gemma2Config", head_dim=64), 1),
+    # its sliding layer with a window of 16 keys over 64 tokens: the capped scores under the kernel's window
+    "gemma2_window": (_decoder("Gemma2ForCausalLM", "Gemma2Config", head_dim=64, sliding_window=16), 1),
     "gemma_mqa": (_decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=1, head_dim=64), 1),  # Gemma 2B's MQA
     "falcon_mqa": (lambda: (transformers.FalconForCausalLM(transformers.FalconConfig(
         num_hidden_layers=1, hidden_size=128, num_attention_heads=4, vocab_size=256, multi_query=True,
@@ -161,7 +163,7 @@ def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_f
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),
            "gemma2_softcap": (1, 1), "bart": (3, 3), "bert_padded": (1, 0), "gemma_mqa": (1, 1),
-           "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2)}  # fmt: skip
+           "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
@@ -252,9 +254,13 @@ WIDE = {
     # name: a 2-layer LM of width 1024 (16 heads of 64), bf16, on CUDA
     "xglm": lambda: transformers.XGLMForCausalLM(transformers.XGLMConfig(
         num_layers=2, d_model=1024, attention_heads=16, ffn_dim=4096, vocab_size=1024, dropout=0.0)),
-    # a window of 128 keys over 512 tokens: causal tiles skipped, the window's lower edge read from a stored buffer
+    # a window of 128 keys over 512 tokens: the kernel skips the tiles past the diagonal and below the window
     "mistral_window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=2048, vocab_size=1024, sliding_window=128)),
+    # Gemma 2's soft-capped scores, its sliding layer (the first) with a window of 128 keys
+    "gemma2_window": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
         intermediate_size=2048, vocab_size=1024, sliding_window=128)),
     # xIELU's softplus and expm1 in the MLP
     "apertus": lambda: transformers.ApertusForCausalLM(transformers.ApertusConfig(
@@ -266,10 +272,10 @@ WIDE = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(WIDE))
 def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: str, tmp_path) -> None:
-    """XGLM (its clamped causal mask), Mistral with a window of 128 keys and Apertus (its xIELU activation) at
-    width 1024, B 2, T 512, through
+    """XGLM (its clamped causal mask), Mistral with a window of 128 keys, Gemma 2 (its soft cap, and the window of
+    its sliding layer) and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
     ``torch.compile(backend="cherenkov")`` on the GPU: eager's logits within bf16 tolerance, and a flash kernel
-    launched for each of the two attention layers."""
+    launched for each of the two attention layers, the windows the kernels' own (no bias tensor)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     import functools
@@ -290,7 +296,7 @@ def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: 
                for call in function.prepared.values() if call.result is not None]  # fmt: skip
     kinds = [k.kind for result in results for k in result.launched]
     assert kinds.count("flash_attention") == 2, kinds
-    if family == "mistral_window":  # the window folded to a band: causal tiles skipped, its lower edge a stored bias
-        problems = [result.kernels[k.output].plan.problem for result in results for k in result.launched
-                    if k.kind == "flash_attention"]  # fmt: skip
-        assert all(p.causal and p.bias is not None and p.bias.batch == p.bias.head == 0 for p in problems), problems
+    problems = [result.kernels[k.output].plan.problem for result in results for k in result.launched
+                if k.kind == "flash_attention"]  # fmt: skip
+    windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128]}.get(family, [0, 0])  # the kernels' own
+    assert sorted(p.window for p in problems) == windows and all(p.bias is None for p in problems), problems

@@ -70,9 +70,11 @@ def emit_soft_cap(problem: AttentionProblem, scale: float) -> str:
 
 
 def mask_clause(problem: AttentionProblem) -> str:
-    """The mask in a kernel header's formula: `` + <bias>``, `` + causal mask``, both or empty."""
+    """The mask in a kernel header's formula: `` + <bias>``, `` + causal mask`` (with any window),
+    both or empty."""
     bias = f" + {identifier(problem.bias.tensor)}" if problem.bias is not None else ""
-    return bias + (" + causal mask" if problem.causal else "")
+    window = f" (window {problem.window})" if problem.window else ""
+    return bias + (f" + causal mask{window}" if problem.causal else "")
 
 
 def emit_mask_constants(problem: AttentionProblem, factor: float, why: str) -> str:

@@ -76,7 +76,7 @@ def problem_summary(problem: AttentionProblem) -> str:
     """The ``Problem:`` line of a flash kernel's header (both flash families)."""
     p = problem
     return (f"Problem: B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv} D={p.head_dim} "
-            f"{f'D_v={p.value_dim} ' if p.value_dim else ''}{p.dtype}{' causal' if p.causal else ''} scale={softmax_scale(p):.9g}.")
+            f"{f'D_v={p.value_dim} ' if p.value_dim else ''}{p.dtype}{' causal' if p.causal else ''}{f' window={p.window}' if p.window else ''} scale={softmax_scale(p):.9g}.")
 
 
 def flash_attention_source(plan: KernelPlan) -> str:
@@ -204,6 +204,7 @@ def _types(dtype: str, tma_kv: bool) -> str:
         typedef unsigned short elem_t;  // the bits of one {dtype} element
 
         __device__ __forceinline__ int imin(int a, int b) {{ return a < b ? a : b; }}
+        __device__ __forceinline__ int imax(int a, int b) {{ return a > b ? a : b; }}
         """
     )
     if not tma_kv:
@@ -235,6 +236,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int HEAD_DIM = {p.head_dim};  // of q and k
         constexpr int VALUE_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
+        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j <= i
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
         @MASK_CONSTANTS@
 
@@ -268,9 +270,40 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         static_assert(HEAD_DIM == 16 * D_STEPS && VALUE_DIM == 8 * D_NTILES && ROW_HEADS * GROUP >= HEADS,
                       "head dims and row spaces");
 
+        // The query tile of a long-query block. The grid is (Q_TILES, HEADS, BATCH), issued x fastest;
+        // HEAD_MAJOR reads the linear block index heads-fastest instead, so that one query tile of every
+        // head runs before the next. Causal: query tiles are counted from the end, longest first.
+        __device__ __forceinline__ int long_query_tile() {{
+            const int tile_index = HEAD_MAJOR ? (int(blockIdx.x) + Q_TILES * (int(blockIdx.y) + HEADS * int(blockIdx.z)))
+                                                / (HEADS * BATCH)
+                                              : int(blockIdx.x);
+            return CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
+        }}
+
+        // A windowed block's key tiles (causal, long-query): [first, end), from that of its first row's
+        // first key (the tiles below it are never loaded) to the diagonal; those below lower_end hold
+        // keys that some row's window leaves out (they need the mask, as the diagonal ones do).
+        struct WindowTiles {{
+            int first, lower_end, end;
+        }};
+
+        __device__ __forceinline__ WindowTiles window_tiles() {{
+            const int q0 = long_query_tile() * BLOCK_Q;
+            const int end = imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV);
+            const int first = q0 >= WINDOW ? (q0 - (WINDOW - 1)) / BLOCK_KV : 0;
+            const int edge = q0 + BLOCK_Q - WINDOW;  // keys below it are outside the last row's window
+            return {{first, edge > 0 ? imin(end, (edge + BLOCK_KV - 1) / BLOCK_KV) : first, end}};
+        }}
+
         // The key tile of the sequence that the block's key tile `tile` is: with key splits, block
         // x % KV_SPLITS folds tiles [split * TILES_PER_SPLIT, +TILES_PER_SPLIT), counted from 0 in its loop.
+        // With a window, the block's tiles rotated so that those wholly inside every row's window come
+        // first: [lower_end, end) (the unmasked ones, then the diagonal's), then [first, lower_end).
         __device__ __forceinline__ int kv_tile(int tile) {{
+            if constexpr (WINDOW > 0) {{
+                const WindowTiles w = window_tiles();
+                return w.first + (tile + w.lower_end - w.first) % (w.end - w.first);
+            }}
             return KV_SPLITS == 1 ? tile : int(blockIdx.x) % KV_SPLITS * TILES_PER_SPLIT + tile;
         }}
 
@@ -575,7 +608,8 @@ def _mask_scores(bias: bool) -> str:
     (``bias``) every other score gains its bias, on every tile."""
     text = block(
         """
-        // -inf for keys past SEQ_KV and, when causal, keys after the query (key > row).@BIAS_NOTE@
+        // -inf for keys past SEQ_KV and, when causal, keys after the query (key > row) and (WINDOW)
+        // keys at least WINDOW before it.@BIAS_NOTE@
         // Called only for the @WHICH@. Element e of n8 tile n of m16 tile m
         // is (row0 + 16m + lane/4 + 8(e/2), key0 + 8n + 2(lane%4) + e%2): the lane's part is
         // folded into two per-thread values, the rest are compile-time offsets.
@@ -590,8 +624,10 @@ def _mask_scores(bias: bool) -> str:
                     for (int e = 0; e < 4; ++e) {
                         const int key_offset = 8 * n + (e & 1);
                         const bool past_end = KV_TAIL && lane_key + key_offset >= SEQ_KV;
-                        const bool future = CAUSAL && lane_key_minus_row + key_offset - 16 * m - 8 * (e >> 1) > 0;
-                        if (past_end || future) {
+                        const int key_minus_row = lane_key_minus_row + key_offset - 16 * m - 8 * (e >> 1);
+                        const bool future = CAUSAL && key_minus_row > 0;
+                        const bool outside = WINDOW > 0 && key_minus_row <= -WINDOW;
+                        if (past_end || future || outside) {
                             s[m][n][e] = neg_inf();
                         }@BIAS@
                     }
@@ -600,7 +636,7 @@ def _mask_scores(bias: bool) -> str:
         }
         """
     )
-    values = {"@BIAS_NOTE@": "", "@WHICH@": "diagonal and Skv-tail tiles", "@PARAM@": "", "@BIAS@": ""}
+    values = {"@BIAS_NOTE@": "", "@WHICH@": "diagonal, window-edge and Skv-tail tiles", "@PARAM@": "", "@BIAS@": ""}
     if bias:
         values = {
             "@BIAS_NOTE@": "\n// Every other score gains its bias (rows past Q_ROWS read nothing).",
@@ -734,7 +770,7 @@ def _unit_phases(bias: bool) -> str:
                                                       u32 (&p)[M_TILES][KV_STEPS][4], int t, int n_unmasked,
                                                       int row0, int lane) {
             if (NEEDS_MASK && t >= n_unmasked) {
-                mask_scores(s, row0, t * BLOCK_KV, lane@BIAS_ARG@);
+                mask_scores(s, row0, kv_tile(t) * BLOCK_KV, lane@BIAS_ARG@);
             }
             online_softmax(s, state.o, state.row_max, state.row_sum);
             pack_probabilities(s, p);
@@ -897,33 +933,31 @@ _LSE_BLOCK = " lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head * LSE_HEAD_STR
 
 _LONG_QUERY_INDEX = block(
     """
-    // This block's query tile, head and batch. The grid is (Q_TILES, HEADS, BATCH), issued
-    // x fastest; HEAD_MAJOR reads the linear block index heads-fastest instead, so that one
-    // query tile of every head runs before the next. Causal: query tiles are counted from
-    // the end, longest first. Query head h reads K/V head h / GROUP.
-    int tile_index, head, batch;
+    // This block's query tile (long_query_tile), head and batch, in the same grid order. Query
+    // head h reads K/V head h / GROUP.
+    int head, batch;
     if constexpr (HEAD_MAJOR) {
         const int linear = int(blockIdx.x) + Q_TILES * (int(blockIdx.y) + HEADS * int(blockIdx.z));
-        tile_index = linear / (HEADS * BATCH);
         head = linear % HEADS;
         batch = (linear / HEADS) % BATCH;
     } else {
-        tile_index = int(blockIdx.x);
         head = int(blockIdx.y);
         batch = int(blockIdx.z);
     }
-    const int q_tile = CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
+    const int q_tile = long_query_tile();
     const int kv_head = head / GROUP;
     const int q0 = q_tile * BLOCK_Q;
     const elem_t* q_block = q + Q_OFFSET + batch * Q_BATCH_STRIDE + head * Q_HEAD_STRIDE + size_t(q0) * Q_ROW_STRIDE;
     elem_t* o_block = o + O_OFFSET + batch * O_BATCH_STRIDE + head * O_HEAD_STRIDE + size_t(q0) * O_ROW_STRIDE;
     @KV_SOURCES@
 
-    // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded) and
-    // how many of them need no mask (wholly below the diagonal and inside SEQ_KV; none with a
-    // bias tensor).
-    const int n_tiles = CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
-    const int n_unmasked = BIAS ? 0 : CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
+    // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded; a window:
+    // from its first, kv_tile's order) and how many of them need no mask (wholly below the diagonal,
+    // inside SEQ_KV and, with a window, inside every row's; none with a bias tensor).
+    const int n_tiles = WINDOW ? window_tiles().end - window_tiles().first
+                        : CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+    const int below_diagonal = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
+    const int n_unmasked = BIAS ? 0 : WINDOW ? imax(0, below_diagonal - window_tiles().lower_end) : below_diagonal;
 
     // Prologue: Q tile (first group), then the pipeline's prefetch.
     load_tile<BLOCK_Q, Q_TAIL, Q_ROW_STRIDE>(smem + Q_SMEM, q_block, SEQ_Q - q0);

@@ -213,6 +213,26 @@ def _types() -> str:
 def _helpers() -> str:
     return block(
         """
+        // Whether a causal problem's query does not see a key: one after it, or (WINDOW) one at least
+        // WINDOW before it.
+        __device__ __forceinline__ bool causally_hidden(int key, int query) {
+            return CAUSAL && (key > query || (WINDOW > 0 && query - key >= WINDOW));
+        }
+
+        // The first key of a pass over keys in steps of `step` for the rows from q0: with a window, the
+        // step of the first row's first key (the steps below it are never loaded); else 0.
+        __device__ __forceinline__ int first_key_step(int q0, int step) {
+            return WINDOW > 0 && q0 >= WINDOW ? (q0 - (WINDOW - 1)) / step * step : 0;
+        }
+
+        // The query tiles (of BLOCK_Q) up to the last that sees a key of the tile from k0: every tile, or
+        // with a window those up to the one of key k0 + BLOCK_KV - 1's last query.
+        __device__ __forceinline__ int query_tiles_end(int k0) {
+            constexpr int TILES = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q;
+            if constexpr (WINDOW == 0) return TILES;
+            return min(TILES, (k0 + BLOCK_KV + WINDOW - 2) / BLOCK_Q + 1);
+        }
+
         // A one-tile main-pass block's key tile. The grid is (CHUNK * KV_TILES, chunks): in launch order the
         // blocks take CHUNK slabs at a time, key tile by key tile, so with a causal mask the longest (key tile 0
         // sees every query) start first and the last to start are short. `valid`: false for the blocks of the
@@ -378,6 +398,7 @@ def _constants(plan: BackwardPlan) -> str:
         "constexpr int KV_HEADS = HEADS / GROUP, SLABS = BATCH * KV_HEADS;  // slab: one (batch, K/V head)",
         f"constexpr int SEQ_Q = {a.seq_q}, SEQ_KV = {a.seq_kv}, D = {a.head_dim}, DV = {a.v_dim};  // q, k; v, o, dO",
         f"constexpr bool CAUSAL = {bool_literal(a.causal)};  // query i sees keys j <= i",
+        f"constexpr int WINDOW = {a.window};  // 0: none; else (causal) query i sees keys i - WINDOW < j <= i",
         f"constexpr float SCALE = {float_literal(scale)};  // of the scores",
         f"constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scores to log2 units",
         *(f"constexpr bool WANT_{role.upper()} = {bool_literal(gradient[role] is not None)};" for role in gradient),
@@ -521,7 +542,7 @@ def _statistics_source(name: str) -> str:
             for (int n = 0; n < DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
             const int row[2] = {q0 + 16 * warp + g, q0 + 16 * warp + g + 8};@BIAS_ROWS@
             const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
-            for (int k0 = 0; k0 < keys; k0 += STAT_KEYS) {
+            for (int k0 = first_key_step(q0, STAT_KEYS); k0 < keys; k0 += STAT_KEYS) {
                 __syncthreads();  // every warp is done with the previous K and V tiles
                 load_rows<STAT_KEYS, STAT_THREADS>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
                 load_rows<STAT_KEYS, STAT_THREADS, DV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
@@ -549,7 +570,7 @@ def _statistics_source(name: str) -> str:
                     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int key = k0 + 8 * n + 2 * t + (e & 1);
-                        const bool masked = key >= SEQ_KV || (CAUSAL && key > row[e >> 1]);
+                        const bool masked = key >= SEQ_KV || causally_hidden(key, row[e >> 1]);
                         s[n][e] = masked ? -INFINITY : @SCORE@ * SCALE_LOG2@BIAS_TERM@;
                         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
                     }
@@ -664,7 +685,7 @@ for (int n = 0; n < BLOCK_Q / 8; ++n) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int column = 8 * n + 2 * t + (e & 1), query = q0 + column;
-        const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || (CAUSAL && key[e >> 1] > query);
+        const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || causally_hidden(key[e >> 1], query);
         s[n][e] = masked ? 0.0f : fast_exp2(@P_EXPONENT@);
     }
 }
@@ -788,7 +809,7 @@ _MAIN_KERNEL = """
             load_rows<BLOCK_KV, THREADS, DV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
             // the query tiles that see these keys, for each query head of the group: the steps
             const int first = CAUSAL ? k0 / BLOCK_Q : 0;
-            const int tiles = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q - first;
+            const int tiles = query_tiles_end(k0) - first;
             const int steps = tiles > 0 ? GROUP * tiles : 0;
             const float* lse2 = workspace;
             const float* deltas = workspace + ROWS_TOTAL;

@@ -295,7 +295,7 @@ _ONE_TILE_KERNEL = """
             load_swizzled<BLOCK_KV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
             // the query tiles that see these keys, for each query head of the group: the steps
             const int first = CAUSAL ? k0 / BLOCK_Q : 0;
-            const int tiles = (SEQ_Q + BLOCK_Q - 1) / BLOCK_Q - first;
+            const int tiles = query_tiles_end(k0) - first;
             const int steps = tiles > 0 ? GROUP * tiles : 0;
             const float* lse2 = workspace;
             const float* deltas = workspace + ROWS_TOTAL;
@@ -354,7 +354,7 @@ _KEY_TILE = """
             kt.kv_head = slab % KV_HEADS;
             kt.batch = slab / KV_HEADS;
             kt.first = CAUSAL ? kt.k0 / BLOCK_Q : 0;
-            kt.tiles = Q_TILES - kt.first;
+            kt.tiles = query_tiles_end(kt.k0) - kt.first;
             kt.steps = kt.store && kt.tiles > 0 ? GROUP * kt.tiles : 0;
             return kt;
         }
@@ -449,7 +449,7 @@ _P_UNCAPPED = """// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked (tiles on th
 #pragma unroll
 for (int i = 0; i < BLOCK_Q / 2; ++i) {
     const int column = 8 * (i >> 2) + 2 * t + (i & 1), query = q0 + column, kr = key[(i >> 1) & 1];
-    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
+    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || causally_hidden(kr, query));
     s[i] = masked ? 0.0f : fast_exp2(s[i] * SCALE_LOG2 - tlse[column]);
 }
 #pragma unroll
@@ -464,7 +464,7 @@ for (int i = 0; i < BLOCK_Q / 4; ++i) {
     #pragma unroll
     for (int c = 0; c < 2; ++c) {
         const int e = 2 * i + c, column = 8 * (e >> 2) + 2 * t + c, query = q0 + column, kr = key[i & 1];
-        const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || (CAUSAL && kr > query));
+        const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || causally_hidden(kr, query));
         const float capped = soft_cap(s[e]);
         p[c] = masked ? 0.0f : fast_exp2(capped * SCALE_LOG2 - tlse[column]);
         s[e] = p[c] * soft_cap_slope(capped);
@@ -487,7 +487,8 @@ head_dim_product_n@BLOCK_Q@<KV_BOX_BYTES, Q_BOX_BYTES>(dp, v_rows, tdo);
 wgmma_commit();
 wgmma_wait<1>();
 fence_operands(s);
-const bool edge = (CAUSAL && q0 < k0 + BLOCK_KV) || q0 + BLOCK_Q > SEQ_Q || k0 + BLOCK_KV > SEQ_KV;
+const bool edge = (CAUSAL && q0 < k0 + BLOCK_KV) || (WINDOW > 0 && q0 + BLOCK_Q - 1 - k0 >= WINDOW)
+                  || q0 + BLOCK_Q > SEQ_Q || k0 + BLOCK_KV > SEQ_KV;
 u32 pa[BLOCK_Q / 4];  // P^T as A fragments: pairs of adjacent columns
 @PROBABILITIES@
 wgmma_wait<0>();
@@ -602,13 +603,14 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
             const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
             const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
             const int steps = (keys + STAT_BLOCK_KEYS - 1) / STAT_BLOCK_KEYS;
+            const int first_step = first_key_step(q0, STAT_BLOCK_KEYS) / STAT_BLOCK_KEYS;  // a window's first
             auto load_keys = [&](int step) {  // K and V of step `step` into its buffer
                 const int k0 = step * STAT_BLOCK_KEYS, buffer = step % STAT_BUFFERS;
                 load_swizzled<STAT_BLOCK_KEYS>(sK + buffer * STAT_KV_TILE_BYTES, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
                 load_swizzled<STAT_BLOCK_KEYS>(sV + buffer * STAT_KV_TILE_BYTES, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
             };
             load_swizzled<STAT_ROWS>(sQ, qh + q0 * Q_SEQ, Q_SEQ, SEQ_Q - q0);
-            if (steps > 0) load_keys(0);
+            if (steps > first_step) load_keys(first_step);
             cp_async_commit();
             const int row[2] = {q0 + 64 * warpgroup + 16 * warp + g, q0 + 64 * warpgroup + 16 * warp + g + 8};
             const u32 q_rows = sQ + 64 * warpgroup * 128;
@@ -627,7 +629,7 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                              v_desc + ((kk * K_STEP_ROWS_BYTES) >> 4), 1);
                 }
             };
-            for (int step = 0; step < steps; ++step) {
+            for (int step = first_step; step < steps; ++step) {
                 const int k0 = step * STAT_BLOCK_KEYS;
                 cp_async_wait<0>();
                 fence_proxy_async();  // this thread's copies, visible to the wgmmas (async proxy)
@@ -641,18 +643,19 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                 head_dim_product_n@STAT_KEYS@<STAT_Q_BOX_BYTES, STAT_KV_BOX_BYTES>(
                     s, q_rows, sK + step % STAT_BUFFERS * STAT_KV_TILE_BYTES);
                 wgmma_commit();
-                // (step 0 adds its zero P times V of step 0: a wgmma under a branch makes ptxas fence around it)
-                issue_pv(max(step - 1, 0));
+                // (the first step adds its zero P times its own V: a wgmma under a branch makes ptxas fence around it)
+                issue_pv(max(step - 1, first_step));
                 wgmma_commit();
                 wgmma_wait<1>();  // S (the last step's P V may still run)
                 fence_operands(s);
                 // in log2 units (soft-capped first where the problem caps), masked
-                const bool edge = k0 + STAT_BLOCK_KEYS > SEQ_KV || (CAUSAL && k0 + STAT_BLOCK_KEYS - 1 > q0);
+                const bool edge = k0 + STAT_BLOCK_KEYS > SEQ_KV || (CAUSAL && k0 + STAT_BLOCK_KEYS - 1 > q0)
+                                  || (WINDOW > 0 && q0 + STAT_ROWS - 1 - k0 >= WINDOW);
                 float tile_max[2] = {-INFINITY, -INFINITY};
                 #pragma unroll
                 for (int i = 0; i < STAT_BLOCK_KEYS / 2; ++i) {
                     const int key = k0 + 8 * (i >> 2) + 2 * t + (i & 1), h = (i >> 1) & 1;
-                    const bool masked = edge && (key >= SEQ_KV || (CAUSAL && key > row[h]));
+                    const bool masked = edge && (key >= SEQ_KV || causally_hidden(key, row[h]));
                     s[i] = masked ? -INFINITY : @SCORE@ * SCALE_LOG2;
                     tile_max[h] = fmaxf(tile_max[h], s[i]);
                 }
@@ -674,7 +677,7 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                 #pragma unroll
                 for (int i = 0; i < STAT_BLOCK_KEYS / 4; ++i) pa[i] = p_next[i];
             }
-            if (steps > 0) {  // the last step's O += P V
+            if (steps > first_step) {  // the last step's O += P V
                 wgmma_fence();
                 issue_pv(steps - 1);
                 wgmma_commit();

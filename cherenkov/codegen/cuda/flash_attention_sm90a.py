@@ -194,6 +194,7 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule, row_byt
         constexpr int HEAD_DIM = {p.head_dim};  // of q and k
         constexpr int V_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
+        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j <= i
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
         @MASK_CONSTANTS@
 
@@ -281,7 +282,8 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
             float sum[2];  // this thread's partial row sum; the quad's partials are added at the end
         };
 
-        // Mask of one key tile: scores of keys after the query (causal) or past SEQ_KV become -inf.@BIAS_NOTE@
+        // Mask of one key tile: scores of keys after the query (causal), at least WINDOW before it
+        // (a window) or past SEQ_KV become -inf.@BIAS_NOTE@
         __device__ __forceinline__ void mask_scores(float (&s)[S_REGS], int row0, int kv0, int t@BIAS_PARAM@) {
             #pragma unroll
             for (int c = 0; c < BLOCK_KV / 8; ++c) {
@@ -289,14 +291,16 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + (e >> 1) * 8;
                     const int col = kv0 + 8 * c + 2 * t + (e & 1);
-                    if ((CAUSAL && col > row) || (KV_TAIL && col >= SEQ_KV)) s[4 * c + e] = neg_inf();@BIAS@
+                    if ((CAUSAL && col > row) || (WINDOW > 0 && row - col >= WINDOW) || (KV_TAIL && col >= SEQ_KV))
+                        s[4 * c + e] = neg_inf();@BIAS@
                 }
             }
         }
 
         // Whether key tile kv0 needs the mask for the warpgroup whose first row is first_row.
         __device__ __forceinline__ bool needs_mask(int kv0, int first_row) {
-            return BIAS || (CAUSAL && kv0 + BLOCK_KV - 1 > first_row) || (KV_TAIL && kv0 + BLOCK_KV > SEQ_KV);
+            return BIAS || (CAUSAL && kv0 + BLOCK_KV - 1 > first_row) || (WINDOW > 0 && first_row + 63 - kv0 >= WINDOW)
+                   || (KV_TAIL && kv0 + BLOCK_KV > SEQ_KV);
         }
 
         // This thread's part of row r's maximum (from `start`) and of its sum: four independent
@@ -460,7 +464,8 @@ def _work_tiles() -> str:
             int head;      // (first) query head (of q and o)
             int kv_head;   // K/V head (of k and v; GQA: GROUP query heads share it)
             int batch;
-            int kv_tiles;  // key tiles visited
+            int kv_first;  // the first key tile visited (a window's; else 0)
+            int kv_tiles;  // key tiles visited, from kv_first
         };
 
         // The query tiles of one head are consecutive, so concurrent blocks share its K and V in L2;
@@ -477,7 +482,9 @@ def _work_tiles() -> str:
             w.kv_head = w.head / GROUP;
             w.batch = slab / (HEADS / TILE_HEADS);
             // Causal: keys up to the tile's last row (top-left aligned, key j <= query i).
-            w.kv_tiles = CAUSAL ? min(KV_TILES, (w.q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
+            // A window: from the tile of the first row's first key (the tiles below it are never loaded).
+            w.kv_first = WINDOW > 0 ? max(0, w.q0 - (WINDOW - 1)) / BLOCK_KV : 0;
+            w.kv_tiles = (CAUSAL ? min(KV_TILES, (w.q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES) - w.kv_first;
             return w;
         }
 
@@ -513,12 +520,12 @@ def _producer(eight_bit: bool = False, l2_prefetch: int = 0) -> str:
     ``l2_prefetch``: before it waits for a slot, the producer asks L2 for K and V of the key tile
     that many ahead (at a work tile's first key tile: of every tile up to that one)."""
     v_copy = (
-        "tma_load_4d(smem + V_SMEM + stage * V_STAGE_BYTES, v_map, v_bar, j * BLOCK_KV, 0, w.kv_head, w.batch);"
+        "tma_load_4d(smem + V_SMEM + stage * V_STAGE_BYTES, v_map, v_bar, (w.kv_first + j) * BLOCK_KV, 0, w.kv_head, w.batch);"
         if eight_bit else
         "#pragma unroll\n"
         "for (int b = 0; b < V_BOXES; ++b)\n"
         "    tma_load_4d(smem + V_SMEM + stage * V_STAGE_BYTES + b * KV_BOX_BYTES, v_map, v_bar, BOX_COLUMNS * b,\n"
-        "                j * BLOCK_KV, w.kv_head, w.batch);"
+        "                (w.kv_first + j) * BLOCK_KV, w.kv_head, w.batch);"
     )
     prefetch, prefetch_call = "", ""
     if l2_prefetch:
@@ -532,10 +539,10 @@ def _producer(eight_bit: bool = False, l2_prefetch: int = 0) -> str:
                 if (j >= w.kv_tiles) return;
                 #pragma unroll
                 for (int b = 0; b < QK_BOXES; ++b)
-                    tma_prefetch_l2_4d(k_map, BOX_COLUMNS * b, j * BLOCK_KV, w.kv_head, w.batch);
+                    tma_prefetch_l2_4d(k_map, BOX_COLUMNS * b, (w.kv_first + j) * BLOCK_KV, w.kv_head, w.batch);
                 #pragma unroll
                 for (int b = 0; b < V_BOXES; ++b)
-                    tma_prefetch_l2_4d(v_map, BOX_COLUMNS * b, j * BLOCK_KV, w.kv_head, w.batch);
+                    tma_prefetch_l2_4d(v_map, BOX_COLUMNS * b, (w.kv_first + j) * BLOCK_KV, w.kv_head, w.batch);
             }}
             """
         ) + "\n\n"
@@ -547,7 +554,7 @@ def _producer(eight_bit: bool = False, l2_prefetch: int = 0) -> str:
         )
     return prefetch + block(
         """
-        // K_j and V_j of one work tile into the ring's next slot, once every consumer warp has
+        // K and V of key tile kv_first + j of one work tile into the ring's next slot, once every consumer warp has
         // released that slot's previous use (split release: K after its scores, V after its P V).
         __device__ __forceinline__ void produce_key_tile(const TensorMap* k_map, const TensorMap* v_map, u32 smem,
                                                          const WorkTile& w, int j, int& stage, u32& phase) {@PREFETCH@
@@ -557,7 +564,7 @@ def _producer(eight_bit: bool = False, l2_prefetch: int = 0) -> str:
             #pragma unroll
             for (int b = 0; b < QK_BOXES; ++b)
                 tma_load_4d(smem + K_SMEM + stage * K_TILE_BYTES + b * KV_BOX_BYTES, k_map, k_bar, BOX_COLUMNS * b,
-                            j * BLOCK_KV, w.kv_head, w.batch);
+                            (w.kv_first + j) * BLOCK_KV, w.kv_head, w.batch);
             if (SPLIT_RELEASE) mbar_wait(smem + V_EMPTY + 8 * stage, phase ^ 1);
             mbar_arrive_expect_tx(v_bar, V_TILE_BYTES);
             @V_COPY@
@@ -726,7 +733,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             #pragma unroll
             for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.0f;
 
-            // Key tile 0: scores only.
+            // The work tile's first key tile (kv_first): scores only.
             mbar_wait(smem + Q_FULL + 8 * q_slot, q_phase);
             mbar_wait(smem + K_FULL + 8 * stage, phase);
             matmul_turn_begin(consumer);
@@ -737,7 +744,8 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             wgmma_wait<0>();
             fence_operands(s);
             if (SPLIT_RELEASE) release(smem + K_EMPTY + 8 * stage, lane);
-            if (needs_mask(0, first_row)) mask_scores(s, row0, 0, t@BIAS_ARG@);
+            const int kv_first = w.kv_first * BLOCK_KV;
+            if (needs_mask(kv_first, first_row)) mask_scores(s, row0, kv_first, t@BIAS_ARG@);
             online_softmax(s, st, alpha, scale_log2);
             pack_probabilities(s, p);
 
@@ -745,7 +753,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             u32 prev_phase = phase;
             advance<STAGES>(stage, phase);
             for (int j = 1; j < w.kv_tiles; ++j) {
-                const int kv0 = j * BLOCK_KV;
+                const int kv0 = (w.kv_first + j) * BLOCK_KV;
                 mbar_wait(smem + K_FULL + 8 * stage, phase);
                 matmul_turn_begin(consumer);
                 fence_operands(o_acc);

@@ -1,0 +1,224 @@
+"""Flash attention under a sliding window (causal, query ``i`` sees keys ``i − W < j ≤ i``): the window is
+the problem's own, no bias tensor (under Gemma 2's soft cap too), and the kernels bound their key (or
+query) tile ranges by it. The ``mma.sync`` forward and the backward's passes run emulated on the CPU
+against the graph's float64 values (windows narrower than a tile, wider than the sequence, and
+between), plans of every family compile without spills for sm_80, sm_90, sm_90a and sm_120, and on
+the GPU the forward plans of both families and every backward plan match float32 attention under
+the band."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+
+import cherenkov as ck
+from cherenkov.codegen import compile_plans, cuda_source, load_kernel
+from cherenkov.rewrites.plan import AttentionProblem
+from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+
+from .backward_emulator import emulate_backward
+from .emulator import rounded
+from .flash_emulator import emulate_flash, supported
+from .test_flash_backward import _check_against_autograd, assert_gradients_match
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
+
+
+def window_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: int, window: int, softcap: float | None = None,
+                 gradients: bool = False) -> ck.Graph:  # fmt: skip
+    """``ck.nn.attention`` under a causal window of ``window`` keys, its scores soft-capped at ``softcap``
+    (Gemma 2's sliding layers; None: not capped); ``gradients``: ``ck.grad`` of it."""
+    g = ck.Graph("windowed")
+    q = g.input("q", (batch, heads, seq, dim), "bf16")
+    k, v = (g.input(n, (batch, kv_heads, seq, dim), "bf16") for n in "kv")
+    g.output(ck.nn.attention(q, k, v, causal=True, window=window, softcap=softcap), "o")
+    return ck.grad(g, wrt=("q", "k", "v")) if gradients else g
+
+
+def _inputs(g: ck.Graph) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {n: rounded(rng.standard_normal(x.shape), "bf16") for n, x in g.inputs.items()}
+
+
+def test_a_window_is_the_problems_own_in_every_family() -> None:
+    """One flash kernel forward and one flash backward, each problem with the window and no bias
+    tensor; the backward plans every main pass on sm_90a (no row is wholly masked: each sees its own
+    key), and the 8-bit families say why they take no window."""
+    for softcap in (None, 30.0):
+        forward = ck.derive(window_graph(1, 4, 2, 200, 64, 50, softcap))
+        assert [k.kind for k in forward.kernels] == ["flash_attention"], softcap
+        for target in ("sm_80", "sm_90a", "sm_120"):
+            problems = {p.problem for p in forward.plans(target)}
+            assert {(p.causal, p.window, p.bias, p.softcap) for p in problems} == {(True, 50, None, softcap or 0.0)}
+    backward = ck.derive(window_graph(1, 4, 2, 200, 64, 50, gradients=True))
+    assert [k.kind for k in backward.kernels] == ["flash_attention_backward"]
+    plans = backward.plans("sm_90a")
+    assert {p.problem.attention.window for p in plans} == {50}
+    assert any(p.schedule.wgmma for p in plans) and any(p.schedule.warp_pairs for p in plans)
+    from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule, fp8_schedule_problems
+
+    eight_bit = AttentionProblem(1, 4, 2, 200, 200, 128, "fp8_e4m3", causal=True, window=50, out_dtype="bf16")
+    assert any("window" in r for r in fp8_schedule_problems(Fp8FlashSchedule(), eight_bit, plans[0].target))
+
+
+def test_a_window_needs_a_causal_problem() -> None:
+    with pytest.raises(ValueError, match="window"):
+        AttentionProblem(1, 4, 4, 64, 64, 64, window=8)
+    g = ck.Graph("bad")
+    q, k, v = (g.input(n, (1, 2, 16, 32), "bf16") for n in "qkv")
+    with pytest.raises(ck.GraphError, match="window"):
+        ck.nn.attention(q, k, v, window=4)
+    with pytest.raises(ck.GraphError, match="window"):
+        ck.nn.attention(q, k, v, causal=True, window=0)
+
+
+def test_the_flops_of_a_window_count_its_live_scores() -> None:
+    for seq, window in ((200, 50), (100, 300), (64, 1)):
+        problem = AttentionProblem(2, 4, 2, seq, seq, 64, causal=True, window=window)
+        live = np.tril(np.ones((seq, seq))) - np.tril(np.ones((seq, seq)), -window)
+        assert problem.flops == pytest.approx(2 * 2 * 4 * live.sum() * 128), (seq, window)
+
+
+def test_the_window_reaches_every_source() -> None:
+    """The window's constant, the forward's first key tile and the backward's tile ranges."""
+    forward = ck.derive(window_graph(1, 4, 2, 200, 64, 50)).plans("sm_90a")
+    hopper = next(p for p in forward if isinstance(p.schedule, HopperFlashSchedule))
+    warps = next(p for p in forward if not isinstance(p.schedule, HopperFlashSchedule))
+    for plan in (hopper, warps):
+        source = cuda_source(plan)
+        assert "constexpr int WINDOW = 50;" in source and "window=50" in source, plan.name
+    assert "w.kv_first = WINDOW > 0" in cuda_source(hopper) and "w.first + (tile + w.lower_end - w.first)" in cuda_source(warps)
+    backward = ck.derive(window_graph(1, 4, 2, 200, 64, 50, gradients=True)).plans("sm_90a")
+    for plan in {p.schedule.wgmma: p for p in backward}.values():
+        source = cuda_source(plan)
+        assert "constexpr int WINDOW = 50;" in source and "query_tiles_end(" in source, plan.name
+    plain = cuda_source(ck.derive(window_graph(1, 4, 2, 200, 64, 50)).plans("sm_80")[0])
+    assert "const bias_t" not in plain, "no bias tensor"
+
+
+WINDOWS = [
+    ((2, 4, 2, 200, 64), 7, None),  # narrower than any key tile: most tiles are skipped, every visited one masked
+    ((1, 2, 2, 333, 128), 180, None),  # between: tiles below it skipped, those inside every row's unmasked, ragged
+    ((1, 2, 1, 150, 64), 400, None),  # wider than the sequence: the causal mask alone, through the window's path
+    ((1, 4, 2, 260, 64), 90, 2.0),  # Gemma 2's sliding layers: scores soft-capped (at 2: the cap bends them)
+]
+WINDOW_IDS = ["narrow_gqa", "d128_ragged", "wide_mqa", "soft_capped_gqa"]
+
+
+@needs_gxx
+@pytest.mark.parametrize(("sizes", "window", "softcap"), WINDOWS, ids=WINDOW_IDS)
+def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap) -> None:
+    """``mma.sync`` plans of several knob families (plain, lazy rescale, head-major, pingpong, overlap,
+    32-row warps) within bf16 rounding of the graph's float64 output."""
+    g = window_graph(*sizes, window, softcap)
+    inputs = _inputs(g)
+    expected = ck.evaluate(g, inputs)["o"]
+    picked: dict[tuple, object] = {}
+    for plan in ck.derive(g).plans("sm_80"):
+        if supported(plan):
+            s = plan.schedule
+            picked.setdefault((s.pingpong, s.overlap, s.lazy_rescale, s.rows_per_warp, s.head_major), plan)
+    assert len(picked) >= 4
+    for plan in list(picked.values())[:5]:
+        got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])["o"]
+        error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
+
+
+@needs_gxx
+@pytest.mark.parametrize(("sizes", "window", "softcap"), [WINDOWS[i] for i in (0, 1, 3)],
+                         ids=[WINDOW_IDS[i] for i in (0, 1, 3)])  # fmt: skip
+def test_emulated_backward_matches_the_gradient_graph(sizes, window, softcap) -> None:
+    """Each ``mma.sync`` main pass (16-key warps, warp pairs where they fit), its statistics pass
+    running the forward from the window's first key, every gradient within 1e-2 of ``ck.grad``'s."""
+    gg = window_graph(*sizes, window, softcap, gradients=True)
+    inputs = _inputs(gg)
+    expected = ck.evaluate(gg, inputs)
+    plans = ck.derive(gg).plans("sm_80")
+    chosen = list({(p.schedule.warp_pairs, p.schedule.block_q): p for p in plans}.values())[:3]
+    for plan in chosen:
+        for sms in (None, 5):
+            got = emulate_backward(plan, inputs["q"], inputs["k"], inputs["v"], inputs["d_o"], sms=sms)
+            assert_gradients_match(got, expected, ("q", "k", "v"), f"{plan.schedule.key()} ({sms} SMs)")
+
+
+def _without_window(plan):
+    """The same plan for the causal problem without the window."""
+    if plan.kind == "flash_attention":
+        return dataclasses.replace(plan, problem=dataclasses.replace(plan.problem, window=0))
+    attention = dataclasses.replace(plan.problem.attention, window=0)
+    return dataclasses.replace(plan, problem=dataclasses.replace(plan.problem, attention=attention))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_90a", "sm_120"])
+def test_window_plans_compile_without_spills(target: str, compiler, kernel_cache) -> None:
+    """One forward plan of each knob family (every Hopper schedule on sm_90a) and one backward plan of
+    each main pass build for the target; none spills where the same schedule without the window keeps
+    under 240 registers (32-row warps over 128-key tiles sit at 255 either way, and ptxas's spills
+    there vary with any change)."""
+    picked: dict[tuple, object] = {}
+    for plan in ck.derive(window_graph(2, 4, 2, 300, 64, 100)).plans(target):
+        s = plan.schedule
+        key = ((type(s).__name__, s.key()) if isinstance(s, HopperFlashSchedule) else
+               (s.tma_kv, s.mbarrier_ring, s.pingpong, s.overlap, s.lazy_rescale, s.q_prescaled, s.rows_per_warp))
+        picked.setdefault(key, plan)
+    for plan in ck.derive(window_graph(2, 4, 2, 300, 64, 100, gradients=True)).plans(target):
+        picked.setdefault((plan.schedule.wgmma, plan.schedule.warp_pairs), plan)
+    plans = list(picked.values())
+    builds = compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)
+    twins = compile_plans([_without_window(p) for p in plans], compiler=compiler, cache_dir=kernel_cache)
+    for plan, build, twin in zip(plans, builds, twins):
+        assert not isinstance(build, Exception), f"{plan.name}: {build}"
+        assert build.report.spill_bytes == 0 or twin.report.registers >= 240, (plan.name, build.report, twin.report)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+GPU_WINDOWS = [((2, 8, 2, 1000, 128), 256, None), ((1, 4, 4, 777, 64), 33, None), ((2, 4, 2, 300, 64), 1000, None),
+               ((2, 8, 4, 700, 128), 200, 2.0)]  # fmt: skip
+GPU_IDS = ["d128_gqa", "d64_narrow_ragged", "wide", "soft_capped_d128_gqa"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "window", "softcap"), GPU_WINDOWS, ids=GPU_IDS)
+def test_gpu_window_forward_matches_float32_attention(sizes, window, softcap, cuda_device, kernel_cache) -> None:
+    """Every Hopper schedule and a sample of ``mma.sync`` ones (sm_90a on an H100/H200, else sm_90), into
+    NaN-poisoned outputs, against float32 attention under the band."""
+    import torch
+
+    from cherenkov.codegen.launch import operand_view
+    from cherenkov.search.measure import TOLERANCE, float32_attention
+
+    target = "sm_90a" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"
+    plans = ck.derive(window_graph(*sizes, window, softcap)).plans(target)
+    chosen = [p for p in plans if isinstance(p.schedule, HopperFlashSchedule)] + [
+        p for p in plans if not isinstance(p.schedule, HopperFlashSchedule)][::25]  # fmt: skip
+    problem = chosen[0].problem
+    generator = torch.Generator(device=cuda_device).manual_seed(0)
+    stored = {n: torch.randn(s, generator=generator, device=cuda_device).to(torch.bfloat16)
+              for n, s in problem.stored_shapes().items()}  # fmt: skip
+    reference = float32_attention(problem, *(operand_view(problem, r, stored[problem.name(r)]) for r in "qkv"))
+    failures = []
+    for plan, build in zip(chosen, compile_plans(chosen, cache_dir=kernel_cache)):
+        assert not isinstance(build, Exception), build
+        out = torch.full(problem.layout("o").shape, float("nan"), dtype=torch.bfloat16, device=cuda_device)
+        load_kernel(build, 0)(stored["q"], stored["k"], stored["v"], out)
+        torch.cuda.synchronize()
+        error = float((out.float() - reference).norm() / reference.norm())
+        if not error <= TOLERANCE["bf16"]:
+            failures.append((plan.name, error))
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "window", "softcap"), [GPU_WINDOWS[i] for i in (0, 1, 3)],
+                         ids=[GPU_IDS[i] for i in (0, 1, 3)])  # fmt: skip
+def test_gpu_window_backward_matches_float32_autograd(sizes, window, softcap, cuda_device, kernel_cache) -> None:
+    """Every backward plan on sm_90a (16-key warps, warp pairs at D 64, the wgmma passes), every gradient
+    against float32 autograd through the band, launched twice."""
+    plans = ck.derive(window_graph(*sizes, window, softcap, gradients=True)).plans("sm_90a")
+    _check_against_autograd(plans, "bf16", cuda_device, kernel_cache)

@@ -1,0 +1,46 @@
+"""The measurement pool's workers, on the CPU with a stand-in for :func:`worker_main`: a worker that
+reports a poisoned CUDA context and closes its end is replaced, and the request that found it
+leaving runs on the fresh worker instead of being recorded as a crash of its candidate (a 16k
+benchmark row once left every candidate of the next search "worker unreachable")."""
+
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from cherenkov.search.measure import Measurement, MeasurementPool, MeasureTask
+
+MARKER = "CK_TEST_WORKER_MARKER"
+
+
+def poisoned_once_worker(conn: Connection, device: int) -> None:
+    """Its first life answers one request with a CUDA error, closes its end and lingers before it
+    exits, as :func:`~cherenkov.search.measure.worker_main` does after a poisoned context; later
+    lives time every candidate at 1 ms."""
+    marker = Path(os.environ[MARKER])
+    conn.send(("ready", f"stand-in GPU {device}"))
+    first_life = not marker.exists()
+    marker.touch()
+    while True:
+        kind, task = conn.recv()
+        if kind == "stop":
+            return
+        if first_life:
+            conn.send(("error", "AcceleratorError: CUDA error: an illegal memory access was encountered"))
+            conn.close()
+            time.sleep(1.0)  # on its way out: still alive when the next request is sent
+            os._exit(70)
+        conn.send(("measure", Measurement(task.candidate, "ok", times_ms=(1.0, 1.0, 1.0))))
+
+
+def test_a_worker_that_closed_its_end_is_replaced_and_the_request_runs_again(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(MARKER, str(tmp_path / "first-life-over"))
+    with MeasurementPool(timeout_s=20.0, worker=poisoned_once_worker) as pool:
+        first = pool.measure(MeasureTask("a", compiled=None))
+        assert (first.status, first.reason) == ("crash", "AcceleratorError: CUDA error: an illegal memory access was "
+                                                         "encountered")  # fmt: skip
+        second = pool.measure(MeasureTask("b", compiled=None))
+        assert (second.candidate, second.status, second.times_ms) == ("b", "ok", (1.0, 1.0, 1.0)), second
+        assert pool.best_ms[""] == 1.0
