@@ -20,10 +20,11 @@ mma.sync and 989 TFLOP/s wgmma peaks, and each contender's ``tbps``: q, k, v and
 moved a second). ``--target auto`` searches both kernel families on a Hopper GPU (sm_90a),
 ``--target sm_90`` the mma.sync family only.
 
-    python3 benchmarks/attention.py [--shapes seed,...|issue22|windows] [--out DIR] [--budget S] [--target T] [--suffix S]
+    python3 benchmarks/attention.py [--shapes seed,...|issue22|windows] [--out DIR] [--budget S] [--target T]
+                                    [--suffix S]
 
-FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (with a window: those of the scores it keeps) (the convention of FlashAttention's and
-PyTorch's benchmarks). The budget bounds each search (compile + measure), so the winner is
+FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (the convention of FlashAttention's and
+PyTorch's benchmarks; with a window, those of the scores it keeps). The budget bounds each search (compile + measure), so the winner is
 the best of the candidates the cost model ranked first and the search reached in time.
 """
 

@@ -75,8 +75,9 @@ def softmax_scale(problem: AttentionProblem) -> float:
 def problem_summary(problem: AttentionProblem) -> str:
     """The ``Problem:`` line of a flash kernel's header (both flash families)."""
     p = problem
+    mask = (" causal" if p.causal else "") + (f" window={p.window}" if p.window else "")
     return (f"Problem: B={p.batch} H={p.heads} Hkv={p.kv_heads} Sq={p.seq_q} Skv={p.seq_kv} D={p.head_dim} "
-            f"{f'D_v={p.value_dim} ' if p.value_dim else ''}{p.dtype}{' causal' if p.causal else ''}{f' window={p.window}' if p.window else ''} scale={softmax_scale(p):.9g}.")
+            f"{f'D_v={p.value_dim} ' if p.value_dim else ''}{p.dtype}{mask} scale={softmax_scale(p):.9g}.")
 
 
 def flash_attention_source(plan: KernelPlan) -> str:
@@ -274,9 +275,8 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         // HEAD_MAJOR reads the linear block index heads-fastest instead, so that one query tile of every
         // head runs before the next. Causal: query tiles are counted from the end, longest first.
         __device__ __forceinline__ int long_query_tile() {{
-            const int tile_index = HEAD_MAJOR ? (int(blockIdx.x) + Q_TILES * (int(blockIdx.y) + HEADS * int(blockIdx.z)))
-                                                / (HEADS * BATCH)
-                                              : int(blockIdx.x);
+            const int linear = int(blockIdx.x) + Q_TILES * (int(blockIdx.y) + HEADS * int(blockIdx.z));
+            const int tile_index = HEAD_MAJOR ? linear / (HEADS * BATCH) : int(blockIdx.x);
             return CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
         }}
 
