@@ -28,13 +28,16 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to em
 
 
 def window_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: int, window: int, softcap: float | None = None,
-                 gradients: bool = False) -> ck.Graph:  # fmt: skip
+                 gradients: bool = False, lse: bool = False) -> ck.Graph:  # fmt: skip
     """``ck.nn.attention`` under a causal window of ``window`` keys, its scores soft-capped at ``softcap``
-    (Gemma 2's sliding layers; None: not capped); ``gradients``: ``ck.grad`` of it."""
+    (Gemma 2's sliding layers; None: not capped); ``gradients``: ``ck.grad`` of it; ``lse``: the rows'
+    log-sum-exp a second output (what a training forward saves)."""
     g = ck.Graph("windowed")
     q = g.input("q", (batch, heads, seq, dim), "bf16")
     k, v = (g.input(n, (batch, kv_heads, seq, dim), "bf16") for n in "kv")
-    g.output(ck.nn.attention(q, k, v, causal=True, window=window, softcap=softcap), "o")
+    attention = ck.nn.attention(q, k, v, causal=True, window=window, softcap=softcap, return_lse=lse)
+    for name, value in zip(("o", "lse"), attention if lse else (attention,)):
+        g.output(value, name)
     return ck.grad(g, wrt=("q", "k", "v")) if gradients else g
 
 
@@ -112,10 +115,11 @@ WINDOW_IDS = ["narrow_gqa", "d128_ragged", "wide_mqa", "soft_capped_gqa"]
 @pytest.mark.parametrize(("sizes", "window", "softcap"), WINDOWS, ids=WINDOW_IDS)
 def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap) -> None:
     """``mma.sync`` plans of several knob families (plain, lazy rescale, head-major, pingpong, overlap,
-    32-row warps) within bf16 rounding of the graph's float64 output."""
-    g = window_graph(*sizes, window, softcap)
+    32-row warps) within bf16 rounding of the graph's float64 output, the rows' log-sum-exp (the side
+    output a training forward saves) within 1e-5."""
+    g = window_graph(*sizes, window, softcap, lse=True)
     inputs = _inputs(g)
-    expected = ck.evaluate(g, inputs)["o"]
+    expected = ck.evaluate(g, inputs)
     picked: dict[tuple, object] = {}
     for plan in ck.derive(g).plans("sm_80"):
         if supported(plan):
@@ -123,9 +127,10 @@ def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap) -> Non
             picked.setdefault((s.pingpong, s.overlap, s.lazy_rescale, s.rows_per_warp, s.head_major), plan)
     assert len(picked) >= 4
     for plan in list(picked.values())[:5]:
-        got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])["o"]
-        error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])
+        error = np.linalg.norm(got["o"] - expected["o"]) / np.linalg.norm(expected["o"])
         assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
+        assert np.abs(got["lse"] - expected["lse"]).max() <= 1e-5, plan.schedule.key()
 
 
 @needs_gxx
