@@ -1069,13 +1069,13 @@ def attention_problem(
     if causal is not None and (query_axis is None or causal != t.ax(query_axis)):
         raise KernelError("flash attention: the causal mask does not compare the query axis with the key axis")
     roles = {"batch": batch, "head": head, "row": query_axis, "key": key}
-    bias_term, window = t.mask_bias(mask), sliding_window(mask) or 0
+    bias_term, (window, ahead) = t.mask_bias(mask), sliding_window(mask) or (0, 0)
     if window:  # the kernel bounds its key range itself: no bias tensor
-        if bias_term[1][1] != ("Iota", t.ax(key)):
-            raise KernelError(f"flash attention: the window {t.show(bias_term)} does not bound the key axis {key}")
-        if t.extent(query_axis) > n_keys:
-            raise KernelError(f"flash attention: a sliding window over {t.extent(query_axis)} queries and {n_keys} "
-                              "keys (valid: no more queries than keys, so that every row sees its own key)")
+        row = t.ax(query_axis) if query_axis is not None else None
+        keys = {s for s in t.subterms(bias_term) if s[0] == "Iota" and s[1][0] == "Ax" and s[1] != row}
+        if row is None or keys != {("Iota", t.ax(key))}:
+            raise KernelError(f"flash attention: the window {t.show(bias_term)} does not bound the key axis {key} "
+                              f"by the query axis {query_axis}")
         bias_term = None
     bias = _attention_bias(bias_term, roles, shapes, dtypes) if bias_term is not None else None
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
@@ -1128,6 +1128,7 @@ def attention_problem(
         dtype=operand_dtypes.pop(),
         causal=causal is not None,
         window=window,
+        window_ahead=ahead,
         scale=scale,
         softcap=softcap,
         q=q[1],

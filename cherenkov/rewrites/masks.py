@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cherenkov.rewrites.casts import HALF_ROUNDING
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
-from cherenkov.rewrites.terms import Term, ax, tensor
+from cherenkov.rewrites.terms import Term, ax, extent, tensor
 
 s = tensor("s", "i:3", "j:4")
 t = tensor("t", "i:3", "j:4")
@@ -38,17 +38,35 @@ WINDOW_EDGE = ("Lt", ("Iota", ax("j:7")), ("Add", ("Iota", ax("i:3")), ("Num", -
 """An example of it over the examples' ``i:3, j:7``: keys ``j < i − 1``."""
 
 
-def sliding_window(mask: Term) -> int | None:
-    """The window ``W`` of a causal flash-attention mask (after any soft cap) whose bias is a sliding
-    window's lower edge ``where(j < i + w, m, 0)``, ``w ≤ 0`` whole and ``m ≤ −2¹⁵`` (the ``-band``
-    bias form): query ``i`` sees keys ``i − W < j ≤ i``, ``W = 1 − w``, the masked scores' exponentials
-    underflowing as the causal ones do. None for any other mask. A kernel applies such a window
-    itself, skipping the key tiles below it, where any other bias is a tensor it reads."""
-    if mask[0] != "CausalBiasMask":
+def sliding_window(mask: Term) -> tuple[int, int] | None:
+    """``(W, ahead)`` of a flash-attention mask (after any soft cap) that is a sliding window: the
+    causal mask plus the window's lower edge ``where(j < i + w, m, 0)`` (query ``i`` sees keys
+    ``i − W < j ≤ i``, ``W = 1 − w``, ahead 0: the ``-band`` bias form), or a bias that is a window
+    about the query, ``where(i + o < j, m, where(j < i + w, m₂, 0))`` (keys ``i − W < j ≤ i + o``,
+    ahead ``o``: ``-band2``); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹⁵`` (the masked scores'
+    exponentials underflow as the causal ones do), over at least two queries and no more queries than
+    keys (every row sees its own key). None for any other mask. A kernel applies such a window itself,
+    skipping the key tiles outside it, where any other bias is a tensor it reads."""
+    if mask[0] == "CausalBiasMask":
+        window = _lower_edge(mask[2], mask[1])
+        return None if window is None else (window, 0)
+    if mask[0] != "BiasMask":
         return None
-    match mask[2]:
-        case ("Where", ("Lt", ("Iota", ("Ax", _)), ("Add", ("Iota", query), ("Num", w))), ("Num", m), ("Num", 0.0)):
-            if query == mask[1] and float(w).is_integer() and w <= 0 and m <= -32768.0:
+    match mask[1]:
+        case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", _))), ("Num", m), lower):
+            window = _lower_edge(lower, query)
+            if window is not None and float(o).is_integer() and o >= 0 and m <= -32768.0:
+                return window, int(o)
+    return None
+
+
+def _lower_edge(bias: Term, query: Term) -> int | None:
+    """``W`` of a window's lower edge ``where(j < i + w, m, 0)`` over the query axis ``query`` (``w ≤ 0``
+    whole, ``m ≤ −2¹⁵``; 2 to as many queries as keys), else None."""
+    match bias:
+        case ("Where", ("Lt", ("Iota", ("Ax", key)), ("Add", ("Iota", q), ("Num", w))), ("Num", m), ("Num", 0.0)):
+            rows = extent(q[1]) if q == query and q[0] == "Ax" else 0
+            if 1 < rows <= extent(key) and float(w).is_integer() and w <= 0 and m <= -32768.0:
                 return 1 - int(w)
     return None
 

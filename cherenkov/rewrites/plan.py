@@ -198,8 +198,9 @@ class AttentionProblem:
 
     ``kv_heads`` divides ``heads``; query head ``h`` reads K/V head ``h // (heads //
     kv_heads)`` (GQA/MQA). Causal follows PyTorch's ``is_causal``: query ``i`` sees keys
-    ``j <= i``; with a sliding ``window`` W > 0 (only with ``causal``) it sees keys ``i − W < j ≤ i``, the
-    kernel skipping the key tiles below the window (0: no window). ``scale`` 0 means ``head_dim ** -0.5``; a negative scale is not supported.
+    ``j <= i``; with a sliding ``window`` W > 0 it sees keys ``i − W < j ≤ i``, or without ``causal`` (a
+    window about the query, ModernBERT's local attention) ``i − W < j ≤ i + window_ahead``; the kernels
+    skip the key tiles outside it (``window`` 0: none). ``scale`` 0 means ``head_dim ** -0.5``; a negative scale is not supported.
     ``head_dim`` is the extent of the q·k contraction, ``value_dim`` that of v and o (0: the
     same as ``head_dim``; MLA-style models use 192 and 128).
     The tensor names are validated identifiers of the user's graph (q, k and v may name
@@ -239,11 +240,20 @@ class AttentionProblem:
     lse: LseOutput | None = None
     softcap: float = 0.0
     window: int = 0
+    window_ahead: int = 0
 
     def __post_init__(self) -> None:
-        if self.window < 0 or (self.window and not self.causal):
-            raise ValueError(f"a sliding window of {self.window} keys (valid: 0 for none, or a positive window "
-                             "of a causal problem)")
+        if self.window < 0 or self.window_ahead < 0 or (self.window_ahead and (self.causal or not self.window)):
+            raise ValueError(f"a sliding window of {self.window} keys, {self.window_ahead} ahead (valid: 0 for "
+                             "none, or a positive window; keys ahead only in a window without the causal mask)")
+
+    @property
+    def upper_edge(self) -> int | None:
+        """The last key query ``i`` sees is ``i`` plus this (0: causal; a window's keys ahead), None
+        where every key is (no causal mask, no window)."""
+        if self.causal:
+            return 0
+        return self.window_ahead if self.window else None
 
     @property
     def output_dtype(self) -> str:
@@ -344,14 +354,23 @@ class AttentionProblem:
         return cls(**values)
 
     @property
+    def window_scores(self) -> int:
+        """The scores a window keeps, over every row of one head: keys ``i − W < j ≤ i + ahead`` of the
+        sequence (0 without a window): ``Σ_i min(Skv, i + ahead + 1) − Σ_i max(0, i − W + 1)``."""
+        if not self.window:
+            return 0
+        short = min(max(self.seq_kv - self.window_ahead, 0), self.seq_q)  # rows whose last key is i + ahead
+        ends = short * (short - 1) // 2 + short * (self.window_ahead + 1) + (self.seq_q - short) * self.seq_kv
+        cut = max(0, self.seq_q - self.window + 1)  # rows whose window starts past key 0
+        return ends - cut * (cut - 1) // 2
+
+    @property
     def flops(self) -> float:
         """Matmul FLOPs, ``2·B·H·Sq·Skv·(D + D_v)`` (``4·B·H·Sq·Skv·D`` when ``D_v = D``), halved
         for causal (the usual convention); with a window, those of the scores it keeps."""
         full = 2.0 * self.batch * self.heads * self.seq_q * self.seq_kv * (self.head_dim + self.v_dim)
-        if self.window:  # the scores a window keeps: min(i + 1, W) of row i
-            rows, kept = self.seq_q, min(self.seq_q, self.window)
-            band = kept * (kept + 1) / 2 + (rows - kept) * self.window
-            return full * band / (self.seq_q * self.seq_kv)
+        if self.window:  # the scores a window keeps
+            return full * self.window_scores / (self.seq_q * self.seq_kv)
         return full / 2 if self.causal else full
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -734,8 +753,8 @@ def _short_query_problems(schedule: FlashSchedule, problem: AttentionProblem) ->
     if packed_rows(schedule, problem) > SHORT_QUERY_ROWS:
         reasons.append(f"packing, key splits and blocks under 4 warps are for short queries "
                        f"(at most {SHORT_QUERY_ROWS} rows a head or packed group)")
-    if problem.causal:
-        reasons.append("packing, key splits and blocks under 4 warps are for non-causal problems")
+    if problem.causal or problem.window:
+        reasons.append("packing, key splits and blocks under 4 warps are for problems without a causal mask or window")
     if schedule.rows_per_warp != 16 or schedule.pingpong or schedule.overlap or schedule.min_blocks > 1 \
             or schedule.head_major or any(getattr(schedule, knob) for knob in RING_STEP_KNOBS):
         reasons.append("short-query schedules run 16 rows a warp on the plain loop without step knobs")
@@ -770,8 +789,9 @@ class KernelPlan:
             del problem["value_dim"]  # one D for q, k and v: the names plans had before D_v
         if problem["bias"] is None:
             del problem["bias"]  # no bias: the names plans had before biases
-        if not problem["window"]:
-            del problem["window"]  # no window: the names plans had before windows
+        for key in ("window", "window_ahead"):
+            if not problem[key]:
+                del problem[key]  # no window: the names plans had before windows
         for key in ("score_factors", "out_factors", "out_dtype", "q_block_scales", "k_block_scales"):
             if not problem[key]:
                 del problem[key]  # 16-bit operands: the names plans had before 8-bit ones

@@ -314,8 +314,8 @@ def _packing_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
     elif p.group_size % (s.block_q // p.seq_q):
         reasons.append(f"packing {s.block_q // p.seq_q} heads a tile needs them to share a K/V head "
                        f"(group of {p.group_size})")
-    if p.causal or p.bias is not None:
-        reasons.append("packing needs every row to attend to every key (no causal mask, no bias)")
+    if p.causal or p.window or p.bias is not None:
+        reasons.append("packing needs every row to attend to every key (no causal mask, window or bias)")
     if p.dtype not in ATTENTION_DTYPES:
         reasons.append(f"packing with {p.dtype} operands (valid: {', '.join(ATTENTION_DTYPES)})")
     return reasons

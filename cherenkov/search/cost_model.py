@@ -171,8 +171,11 @@ class Prediction:
 
 def window_key_tiles(problem: AttentionProblem, block_q: int, block_kv: int, visited: float) -> float:
     """Key tiles a query tile visits on average, ``visited`` without a window; with one, at most
-    those its rows' windows span (the window and the tile's rows, plus a tile of misalignment)."""
-    return min(visited, (problem.window + block_q) / block_kv + 1) if problem.window else visited
+    those its rows' windows span (the window, its keys ahead and the tile's rows, plus a tile of
+    misalignment)."""
+    if not problem.window:
+        return visited
+    return min(visited, (problem.window + problem.window_ahead + block_q) / block_kv + 1)
 
 def blocks_per_sm(plan: KernelPlan, gpu: GpuSpec, registers: int | None = None) -> int:
     """Resident blocks per SM, limited by shared memory, registers and threads."""

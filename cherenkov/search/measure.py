@@ -136,12 +136,14 @@ def _sdpa_mask(problem: AttentionProblem, stored: Mapping[str, Any], dtype: Any)
 
 
 def hidden_scores(problem: AttentionProblem, rows: int, keys: int, device: Any) -> Any:
-    """The scores a causal problem's mask hides, a ``(rows, keys)`` bool tensor: keys after the
-    query, and with a window, keys at least ``window`` before it."""
+    """The scores a problem's causal mask or window hides, a ``(rows, keys)`` bool tensor: keys after
+    the query (more than ``window_ahead`` after it), and with a window, keys at least ``window``
+    before it."""
     import torch
 
     ones = torch.ones(rows, keys, dtype=torch.bool, device=device)
-    return ones.triu(1) | ones.tril(-problem.window) if problem.window else ones.triu(1)
+    above = ones.triu(1 + problem.window_ahead)
+    return above | ones.tril(-problem.window) if problem.window else above
 
 
 def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
@@ -155,7 +157,7 @@ def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: A
     scale = problem.scale or problem.head_dim**-0.5
     q, k, v = q.float(), k.float(), v.float()
     causal = None
-    if problem.causal and (mask is not None or problem.softcap or problem.window):
+    if problem.window or problem.causal and (mask is not None or problem.softcap):
         causal = hidden_scores(problem, q.shape[-2], k.shape[-2], q.device)
     if problem.softcap:
         if problem.group_size > 1:
@@ -361,7 +363,7 @@ def attention_statistics(a: AttentionProblem, q: Any, k: Any, v: Any, mask: Any 
                 scores = a.softcap * torch.tanh(scores / a.softcap)
             if mask is not None:
                 scores += mask[b, h].float()
-            if a.causal:
+            if a.causal or a.window:
                 scores.masked_fill_(hidden_scores(a, *scores.shape, scores.device), -torch.inf)
             lse[b, h] = torch.logsumexp(scores, dim=-1)
             if out is not None:

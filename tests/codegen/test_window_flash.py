@@ -9,6 +9,7 @@ the band."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 import cherenkov as ck
 from cherenkov.codegen import compile_plans, cuda_source, load_kernel
+from cherenkov.graph.tensor import where
 from cherenkov.rewrites.plan import AttentionProblem
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
@@ -28,14 +30,22 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to em
 
 
 def window_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: int, window: int, softcap: float | None = None,
-                 gradients: bool = False, lse: bool = False) -> ck.Graph:  # fmt: skip
+                 gradients: bool = False, lse: bool = False, ahead: int | None = None) -> ck.Graph:  # fmt: skip
     """``ck.nn.attention`` under a causal window of ``window`` keys, its scores soft-capped at ``softcap``
     (Gemma 2's sliding layers; None: not capped); ``gradients``: ``ck.grad`` of it; ``lse``: the rows'
-    log-sum-exp a second output (what a training forward saves)."""
+    log-sum-exp a second output (what a training forward saves). ``ahead``: no causal mask, a window about
+    the query instead (ModernBERT's local attention: keys ``i − window < j ≤ i + ahead``), as a bias band."""
     g = ck.Graph("windowed")
     q = g.input("q", (batch, heads, seq, dim), "bf16")
     k, v = (g.input(n, (batch, kv_heads, seq, dim), "bf16") for n in "kv")
-    attention = ck.nn.attention(q, k, v, causal=True, window=window, softcap=softcap, return_lse=lse)
+    band = None
+    if ahead is not None:
+        query, key = ck.arange(seq, graph=g).unsqueeze(-1), ck.arange(seq, graph=g)
+        hidden, live = g.constant(-math.inf, "bf16"), g.constant(0.0, "bf16")
+        band = where(query + float(ahead) < key, hidden, where(key < query + float(1 - window), hidden, live))
+    causal = ahead is None
+    attention = ck.nn.attention(q, k, v, causal=causal, window=window if causal else None, softcap=softcap,
+                                return_lse=lse, bias=band)  # fmt: skip
     for name, value in zip(("o", "lse"), attention if lse else (attention,)):
         g.output(value, name)
     return ck.grad(g, wrt=("q", "k", "v")) if gradients else g
@@ -50,12 +60,14 @@ def test_a_window_is_the_problems_own_in_every_family() -> None:
     """One flash kernel forward and one flash backward, each problem with the window and no bias
     tensor; the backward plans every main pass on sm_90a (no row is wholly masked: each sees its own
     key), and the 8-bit families say why they take no window."""
-    for softcap in (None, 30.0):
-        forward = ck.derive(window_graph(1, 4, 2, 200, 64, 50, softcap))
-        assert [k.kind for k in forward.kernels] == ["flash_attention"], softcap
+    for softcap, ahead in ((None, None), (30.0, None), (None, 20)):
+        forward = ck.derive(window_graph(1, 4, 2, 200, 64, 50, softcap, ahead=ahead))
+        assert [k.kind for k in forward.kernels] == ["flash_attention"], (softcap, ahead)
+        expected = {(ahead is None, 50, ahead or 0, None, softcap or 0.0)}
         for target in ("sm_80", "sm_90a", "sm_120"):
             problems = {p.problem for p in forward.plans(target)}
-            assert {(p.causal, p.window, p.bias, p.softcap) for p in problems} == {(True, 50, None, softcap or 0.0)}
+            assert {(p.causal, p.window, p.window_ahead, p.bias, p.softcap) for p in problems} == expected, target
+            assert not any(getattr(p.schedule, "short_query", False) for p in forward.plans(target))
     backward = ck.derive(window_graph(1, 4, 2, 200, 64, 50, gradients=True))
     assert [k.kind for k in backward.kernels] == ["flash_attention_backward"]
     plans = backward.plans("sm_90a")
@@ -67,9 +79,11 @@ def test_a_window_is_the_problems_own_in_every_family() -> None:
     assert any("window" in r for r in fp8_schedule_problems(Fp8FlashSchedule(), eight_bit, plans[0].target))
 
 
-def test_a_window_needs_a_causal_problem() -> None:
+def test_keys_ahead_need_a_window_without_the_causal_mask() -> None:
     with pytest.raises(ValueError, match="window"):
-        AttentionProblem(1, 4, 4, 64, 64, 64, window=8)
+        AttentionProblem(1, 4, 4, 64, 64, 64, causal=True, window=8, window_ahead=2)
+    with pytest.raises(ValueError, match="window"):
+        AttentionProblem(1, 4, 4, 64, 64, 64, window_ahead=2)
     g = ck.Graph("bad")
     q, k, v = (g.input(n, (1, 2, 16, 32), "bf16") for n in "qkv")
     with pytest.raises(ck.GraphError, match="window"):
@@ -79,10 +93,11 @@ def test_a_window_needs_a_causal_problem() -> None:
 
 
 def test_the_flops_of_a_window_count_its_live_scores() -> None:
-    for seq, window in ((200, 50), (100, 300), (64, 1)):
-        problem = AttentionProblem(2, 4, 2, seq, seq, 64, causal=True, window=window)
-        live = np.tril(np.ones((seq, seq))) - np.tril(np.ones((seq, seq)), -window)
-        assert problem.flops == pytest.approx(2 * 2 * 4 * live.sum() * 128), (seq, window)
+    for seq, window, ahead in ((200, 50, 0), (100, 300, 0), (64, 1, 0), (200, 50, 20), (90, 10, 200)):
+        problem = AttentionProblem(2, 4, 2, seq, seq, 64, causal=not ahead, window=window, window_ahead=ahead)
+        ones = np.ones((seq, seq))
+        live = np.tril(ones, ahead) - np.tril(ones, -window)
+        assert problem.flops == pytest.approx(2 * 2 * 4 * live.sum() * 128), (seq, window, ahead)
 
 
 def test_the_window_reaches_every_source() -> None:
@@ -103,21 +118,22 @@ def test_the_window_reaches_every_source() -> None:
 
 
 WINDOWS = [
-    ((2, 4, 2, 200, 64), 7, None),  # narrower than any key tile: most tiles are skipped, every visited one masked
-    ((1, 2, 2, 333, 128), 180, None),  # between: tiles below it skipped, those inside every row's unmasked, ragged
-    ((1, 2, 1, 150, 64), 400, None),  # wider than the sequence: the causal mask alone, through the window's path
-    ((1, 4, 2, 260, 64), 90, 2.0),  # Gemma 2's sliding layers: scores soft-capped (at 2: the cap bends them)
+    ((2, 4, 2, 200, 64), 7, None, None),  # narrower than any key tile: most tiles skipped, every visited one masked
+    ((1, 2, 2, 333, 128), 180, None, None),  # between: tiles below it skipped, those inside every row's unmasked
+    ((1, 2, 1, 150, 64), 400, None, None),  # wider than the sequence: the causal mask alone, the window's path
+    ((1, 4, 2, 260, 64), 90, 2.0, None),  # Gemma 2's sliding layers: scores soft-capped (at 2: the cap bends them)
+    ((1, 4, 2, 300, 64), 65, None, 64),  # ModernBERT's local attention: 64 keys either side, no causal mask
 ]
-WINDOW_IDS = ["narrow_gqa", "d128_ragged", "wide_mqa", "soft_capped_gqa"]
+WINDOW_IDS = ["narrow_gqa", "d128_ragged", "wide_mqa", "soft_capped_gqa", "about_the_query"]
 
 
 @needs_gxx
-@pytest.mark.parametrize(("sizes", "window", "softcap"), WINDOWS, ids=WINDOW_IDS)
-def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap) -> None:
+@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), WINDOWS, ids=WINDOW_IDS)
+def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap, ahead) -> None:
     """``mma.sync`` plans of several knob families (plain, lazy rescale, head-major, pingpong, overlap,
     32-row warps) within bf16 rounding of the graph's float64 output, the rows' log-sum-exp (the side
     output a training forward saves) within 1e-5."""
-    g = window_graph(*sizes, window, softcap, lse=True)
+    g = window_graph(*sizes, window, softcap, lse=True, ahead=ahead)
     inputs = _inputs(g)
     expected = ck.evaluate(g, inputs)
     picked: dict[tuple, object] = {}
@@ -134,13 +150,13 @@ def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap) -> Non
 
 
 @needs_gxx
-@pytest.mark.parametrize(("sizes", "window", "softcap"), [WINDOWS[i] for i in (0, 1, 3)],
-                         ids=[WINDOW_IDS[i] for i in (0, 1, 3)])  # fmt: skip
-def test_emulated_backward_matches_the_gradient_graph(sizes, window, softcap) -> None:
+@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), [WINDOWS[i] for i in (0, 1, 3, 4)],
+                         ids=[WINDOW_IDS[i] for i in (0, 1, 3, 4)])  # fmt: skip
+def test_emulated_backward_matches_the_gradient_graph(sizes, window, softcap, ahead) -> None:
     """Each ``mma.sync`` main pass (16-key warps, warp pairs where they fit), its statistics pass
     running the forward from the window's first key, every gradient within 1e-2 of ``ck.grad``'s; the
     first plan also as a device of 5 multiprocessors launches it (the causal grid's chunks of slabs)."""
-    gg = window_graph(*sizes, window, softcap, gradients=True)
+    gg = window_graph(*sizes, window, softcap, gradients=True, ahead=ahead)
     inputs = _inputs(gg)
     expected = ck.evaluate(gg, inputs)
     plans = ck.derive(gg).plans("sm_80")
@@ -152,10 +168,10 @@ def test_emulated_backward_matches_the_gradient_graph(sizes, window, softcap) ->
 
 
 def _without_window(plan):
-    """The same plan for the causal problem without the window."""
+    """The same plan for the problem without the window."""
     if plan.kind == "flash_attention":
-        return dataclasses.replace(plan, problem=dataclasses.replace(plan.problem, window=0))
-    attention = dataclasses.replace(plan.problem.attention, window=0)
+        return dataclasses.replace(plan, problem=dataclasses.replace(plan.problem, window=0, window_ahead=0))
+    attention = dataclasses.replace(plan.problem.attention, window=0, window_ahead=0)
     return dataclasses.replace(plan, problem=dataclasses.replace(plan.problem, attention=attention))
 
 
@@ -163,17 +179,18 @@ def _without_window(plan):
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_90a", "sm_120"])
 def test_window_plans_compile_without_spills(target: str, compiler, kernel_cache) -> None:
     """One forward plan of each knob family (every Hopper schedule on sm_90a) and one backward plan of
-    each main pass build for the target; none spills where the same schedule without the window keeps
-    under 240 registers (32-row warps over 128-key tiles sit at 255 either way, and ptxas's spills
-    there vary with any change)."""
+    each main pass build for the target, causal windows and windows about the query; none spills where
+    the same schedule without the window keeps under 240 registers (32-row warps over 128-key tiles sit
+    at 255 either way, and ptxas's spills there vary with any change)."""
     picked: dict[tuple, object] = {}
-    for plan in ck.derive(window_graph(2, 4, 2, 300, 64, 100)).plans(target):
-        s = plan.schedule
-        key = ((type(s).__name__, s.key()) if isinstance(s, HopperFlashSchedule) else
-               (s.tma_kv, s.mbarrier_ring, s.pingpong, s.overlap, s.lazy_rescale, s.q_prescaled, s.rows_per_warp))
-        picked.setdefault(key, plan)
-    for plan in ck.derive(window_graph(2, 4, 2, 300, 64, 100, gradients=True)).plans(target):
-        picked.setdefault((plan.schedule.wgmma, plan.schedule.warp_pairs), plan)
+    for ahead in (None, 40):
+        for plan in ck.derive(window_graph(2, 4, 2, 300, 64, 100, ahead=ahead)).plans(target):
+            s = plan.schedule
+            key = ((type(s).__name__, s.key()) if isinstance(s, HopperFlashSchedule) else
+                   (s.tma_kv, s.mbarrier_ring, s.pingpong, s.overlap, s.lazy_rescale, s.q_prescaled, s.rows_per_warp))
+            picked.setdefault((ahead, key), plan)
+        for plan in ck.derive(window_graph(2, 4, 2, 300, 64, 100, gradients=True, ahead=ahead)).plans(target):
+            picked.setdefault((ahead, plan.schedule.wgmma, plan.schedule.warp_pairs), plan)
     plans = list(picked.values())
     builds = compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)
     twins = compile_plans([_without_window(p) for p in plans], compiler=compiler, cache_dir=kernel_cache)
@@ -184,14 +201,16 @@ def test_window_plans_compile_without_spills(target: str, compiler, kernel_cache
 
 # ------------------------------------------------------------------------------ GPU
 
-GPU_WINDOWS = [((2, 8, 2, 1000, 128), 256, None), ((1, 4, 4, 777, 64), 33, None), ((2, 4, 2, 300, 64), 1000, None),
-               ((2, 8, 4, 700, 128), 200, 2.0)]  # fmt: skip
-GPU_IDS = ["d128_gqa", "d64_narrow_ragged", "wide", "soft_capped_d128_gqa"]
+GPU_WINDOWS = [((2, 8, 2, 1000, 128), 256, None, None), ((1, 4, 4, 777, 64), 33, None, None),
+               ((2, 4, 2, 300, 64), 1000, None, None), ((2, 8, 4, 700, 128), 200, 2.0, None),
+               ((2, 8, 8, 900, 64), 129, None, 128)]  # fmt: skip
+GPU_IDS = ["d128_gqa", "d64_narrow_ragged", "wide", "soft_capped_d128_gqa", "about_the_query"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("sizes", "window", "softcap"), GPU_WINDOWS, ids=GPU_IDS)
-def test_gpu_window_forward_matches_float32_attention(sizes, window, softcap, cuda_device, kernel_cache) -> None:
+@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), GPU_WINDOWS, ids=GPU_IDS)
+def test_gpu_window_forward_matches_float32_attention(sizes, window, softcap, ahead, cuda_device,
+                                                      kernel_cache) -> None:  # fmt: skip
     """Every Hopper schedule and a sample of ``mma.sync`` ones (sm_90a on an H100/H200, else sm_90), into
     NaN-poisoned outputs, against float32 attention under the band."""
     import torch
@@ -200,7 +219,7 @@ def test_gpu_window_forward_matches_float32_attention(sizes, window, softcap, cu
     from cherenkov.search.measure import TOLERANCE, float32_attention
 
     target = "sm_90a" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"
-    plans = ck.derive(window_graph(*sizes, window, softcap)).plans(target)
+    plans = ck.derive(window_graph(*sizes, window, softcap, ahead=ahead)).plans(target)
     chosen = [p for p in plans if isinstance(p.schedule, HopperFlashSchedule)] + [
         p for p in plans if not isinstance(p.schedule, HopperFlashSchedule)][::25]  # fmt: skip
     problem = chosen[0].problem
@@ -221,10 +240,11 @@ def test_gpu_window_forward_matches_float32_attention(sizes, window, softcap, cu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("sizes", "window", "softcap"), [GPU_WINDOWS[i] for i in (0, 1, 3)],
-                         ids=[GPU_IDS[i] for i in (0, 1, 3)])  # fmt: skip
-def test_gpu_window_backward_matches_float32_autograd(sizes, window, softcap, cuda_device, kernel_cache) -> None:
+@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), [GPU_WINDOWS[i] for i in (0, 1, 3, 4)],
+                         ids=[GPU_IDS[i] for i in (0, 1, 3, 4)])  # fmt: skip
+def test_gpu_window_backward_matches_float32_autograd(sizes, window, softcap, ahead, cuda_device,
+                                                      kernel_cache) -> None:  # fmt: skip
     """Every backward plan on sm_90a (16-key warps, warp pairs at D 64, the wgmma passes), every gradient
     against float32 autograd through the band, launched twice."""
-    plans = ck.derive(window_graph(*sizes, window, softcap, gradients=True)).plans("sm_90a")
+    plans = ck.derive(window_graph(*sizes, window, softcap, gradients=True, ahead=ahead)).plans("sm_90a")
     _check_against_autograd(plans, "bf16", cuda_device, kernel_cache)

@@ -226,12 +226,12 @@ WINDOW_MASKS = {
 
 
 @pytest.mark.parametrize("mask", WINDOW_MASKS)
-def test_a_sliding_window_is_the_causal_mask_and_the_kernels_window(mask: str) -> None:
+def test_a_sliding_window_is_the_kernels_own(mask: str) -> None:
     """A sliding window's mask buffer (keys ``i − 3 < j <= i``; ``symmetric``: ``|i − j| < 3``), spelled
     as transformers does for eager attention (−∞ or bf16's lowest) and for SDPA (a bool mask), is
     captured as a band and derives one flash kernel, equal to the graph in float64. A causal window is
     the problem's ``window``: the kernel skips the tiles past the diagonal and below the window and
-    reads no bias. The symmetric one keeps its edges in a buffer an elementwise kernel stores."""
+    reads no bias; a symmetric one's (no causal mask) keys ahead of the query bound it too."""
     torch = pytest.importorskip("torch")
     spell, causal = WINDOW_MASKS[mask]
     ones = torch.ones(SQ, SQ, dtype=torch.bool)
@@ -253,16 +253,12 @@ def test_a_sliding_window_is_the_causal_mask_and_the_kernels_window(mask: str) -
     g = ck.from_torch(Windowed(), q, k, v)
     assert "mask" not in g.inputs, "a band, not an input"
     d = ck.derive(g)
-    kinds = ["flash_attention"] if causal else ["elementwise", "flash_attention"]
-    assert [k.kind for k in d.kernels] == kinds, [k.describe() for k in d.kernels]
+    assert [k.kind for k in d.kernels] == ["flash_attention"], [k.describe() for k in d.kernels]
     assert_derived_program_matches(g, d)
     for target in ("sm_80", "sm_90a", "sm_120"):
         problem = d.plans(target)[0].problem
-        if causal:
-            assert (problem.causal, problem.window, problem.bias) == (True, 3, None), (target, problem)
-            continue
-        assert not problem.causal and problem.bias is not None and problem.bias.shape == (SQ, SQ), target
-        assert (problem.bias.batch, problem.bias.head) == (0, 0), "one edge for every batch and head"
+        window = (problem.causal, problem.window, problem.window_ahead, problem.bias)
+        assert window == ((True, 3, 0, None) if causal else (False, 3, 2, None)), (target, problem)
 
 
 def test_only_a_bias_that_computes_is_stored_in_fp32() -> None:

@@ -155,10 +155,19 @@ def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_f
             got = compiled(**inputs)[0].float()
     error = float((got - expected).norm() / expected.norm())
     assert error < 2e-2, f"{family}: {error:.3g} from eager"
-    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
-                                for prepared in region.prepared.values()
-                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    derivations = [ck.derive(prepared.graph) for split in splits for region in split.compiled
+                   for prepared in region.prepared.values()]  # fmt: skip
+    kinds = collections.Counter(kernel.kind for d in derivations for kernel in d.kernels_for("sm_90a"))
     assert kinds["flash_attention"] == flash_kernels, f"{family}: {dict(kinds)}"
+    if family in WINDOWED:  # the kernels' own windows, no bias tensor
+        problems = {p.problem.out: p.problem for d in derivations for p in d.plans("sm_90a")}.values()
+        assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == WINDOWED[family], problems
+
+
+WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
+            "gemma3_sliding_and_full": [(0, 0, True), (16, 0, True)],
+            "modernbert_local_and_global": [(0, 0, True), (9, 8, True)]}  # fmt: skip
+"""Family: its attention layers' windows (keys, keys ahead), and whether each reads no bias tensor."""
 
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),

@@ -237,7 +237,9 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int HEAD_DIM = {p.head_dim};  // of q and k
         constexpr int VALUE_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
-        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j <= i
+        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)
+        constexpr int AHEAD = {p.window_ahead};  // keys after the query a window without the causal mask sees
+        constexpr bool UPPER_EDGE = {bool_literal(p.upper_edge is not None)};  // causal or a window: keys j > i + AHEAD hidden
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
         @MASK_CONSTANTS@
 
@@ -265,7 +267,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int TILES_PER_SPLIT = {tiling.tiles_per_split};
         constexpr bool Q_TAIL = Q_ROWS % BLOCK_Q != 0;
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;
-        constexpr bool NEEDS_MASK = CAUSAL || KV_TAIL || BIAS;  // a bias tensor masks every tile
+        constexpr bool NEEDS_MASK = CAUSAL || WINDOW || KV_TAIL || BIAS;  // a bias tensor masks every tile
         static_assert(THREADS == 32 * WARPS && (WARP_KEYS ? ROWS_PER_WARP : ROWS_PER_WARP * WARPS) == BLOCK_Q,
                       "warps split the query tile (or, WARP_KEYS, each key tile)");
         static_assert(HEAD_DIM == 16 * D_STEPS && VALUE_DIM == 8 * D_NTILES && ROW_HEADS * GROUP >= HEADS,
@@ -280,16 +282,17 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
             return CAUSAL ? Q_TILES - 1 - tile_index : tile_index;
         }}
 
-        // A windowed block's key tiles (causal, long-query): [first, end), from that of its first row's
-        // first key (the tiles below it are never loaded) to the diagonal; those below lower_end hold
-        // keys that some row's window leaves out (they need the mask, as the diagonal ones do).
+        // A windowed block's key tiles (long-query): [first, end), from that of its first row's first key
+        // (the tiles below it are never loaded) to that of its last row's last (the diagonal, or AHEAD
+        // past it); those below lower_end hold keys that some row's window leaves out (they need the
+        // mask, as the diagonal ones do).
         struct WindowTiles {{
             int first, lower_end, end;
         }};
 
         __device__ __forceinline__ WindowTiles window_tiles() {{
             const int q0 = long_query_tile() * BLOCK_Q;
-            const int end = imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV);
+            const int end = imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + AHEAD + BLOCK_KV - 1) / BLOCK_KV);
             const int first = q0 >= WINDOW ? (q0 - (WINDOW - 1)) / BLOCK_KV : 0;
             const int edge = q0 + BLOCK_Q - WINDOW;  // keys below it are outside the last row's window
             return {{first, edge > 0 ? imin(end, (edge + BLOCK_KV - 1) / BLOCK_KV) : first, end}};
@@ -608,8 +611,8 @@ def _mask_scores(bias: bool) -> str:
     (``bias``) every other score gains its bias, on every tile."""
     text = block(
         """
-        // -inf for keys past SEQ_KV and, when causal, keys after the query (key > row) and (WINDOW)
-        // keys at least WINDOW before it.@BIAS_NOTE@
+        // -inf for keys past SEQ_KV and, when causal, keys after the query (key > row; a window about
+        // the query: key > row + AHEAD) and (WINDOW) keys at least WINDOW before it.@BIAS_NOTE@
         // Called only for the @WHICH@. Element e of n8 tile n of m16 tile m
         // is (row0 + 16m + lane/4 + 8(e/2), key0 + 8n + 2(lane%4) + e%2): the lane's part is
         // folded into two per-thread values, the rest are compile-time offsets.
@@ -625,7 +628,7 @@ def _mask_scores(bias: bool) -> str:
                         const int key_offset = 8 * n + (e & 1);
                         const bool past_end = KV_TAIL && lane_key + key_offset >= SEQ_KV;
                         const int key_minus_row = lane_key_minus_row + key_offset - 16 * m - 8 * (e >> 1);
-                        const bool future = CAUSAL && key_minus_row > 0;
+                        const bool future = UPPER_EDGE && key_minus_row > AHEAD;
                         const bool outside = WINDOW > 0 && key_minus_row <= -WINDOW;
                         if (past_end || future || outside) {
                             s[m][n][e] = neg_inf();
@@ -956,7 +959,7 @@ _LONG_QUERY_INDEX = block(
     // inside SEQ_KV and, with a window, inside every row's; none with a bias tensor).
     const int n_tiles = WINDOW ? window_tiles().end - window_tiles().first
                         : CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
-    const int below_diagonal = CAUSAL ? imin(SEQ_KV / BLOCK_KV, (q0 + 1) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
+    const int below_diagonal = UPPER_EDGE ? imin(SEQ_KV / BLOCK_KV, (q0 + 1 + AHEAD) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
     const int n_unmasked = BIAS ? 0 : WINDOW ? imax(0, below_diagonal - window_tiles().lower_end) : below_diagonal;
 
     // Prologue: Q tile (first group), then the pipeline's prefetch.

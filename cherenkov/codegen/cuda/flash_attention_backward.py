@@ -213,10 +213,22 @@ def _types() -> str:
 def _helpers() -> str:
     return block(
         """
-        // Whether a causal problem's query does not see a key: one after it, or (WINDOW) one at least
-        // WINDOW before it.
-        __device__ __forceinline__ bool causally_hidden(int key, int query) {
-            return CAUSAL && (key > query || (WINDOW > 0 && query - key >= WINDOW));
+        // Whether a query does not see a key under the causal mask or a window: a key after it (more than
+        // AHEAD after it), or (WINDOW) one at least WINDOW before it.
+        __device__ __forceinline__ bool hidden_key(int key, int query) {
+            return UPPER_EDGE && (key > query + AHEAD || (WINDOW > 0 && query - key >= WINDOW));
+        }
+
+        // The first query tile (of BLOCK_Q) that sees a key of the tile from k0: that of key k0's query
+        // (AHEAD before it) under the causal mask or a window; else 0.
+        __device__ __forceinline__ int query_tiles_begin(int k0) {
+            return UPPER_EDGE ? (k0 > AHEAD ? k0 - AHEAD : 0) / BLOCK_Q : 0;
+        }
+
+        // The keys the rows from q0 of a block of `rows` see, up to: the last row's last key (causal mask
+        // or window), or every key.
+        __device__ __forceinline__ int keys_end(int q0, int rows) {
+            return UPPER_EDGE ? min(SEQ_KV, q0 + rows + AHEAD) : SEQ_KV;
         }
 
         // The first key of a pass over keys in steps of `step` for the rows from q0: with a window, the
@@ -398,7 +410,9 @@ def _constants(plan: BackwardPlan) -> str:
         "constexpr int KV_HEADS = HEADS / GROUP, SLABS = BATCH * KV_HEADS;  // slab: one (batch, K/V head)",
         f"constexpr int SEQ_Q = {a.seq_q}, SEQ_KV = {a.seq_kv}, D = {a.head_dim}, DV = {a.v_dim};  // q, k; v, o, dO",
         f"constexpr bool CAUSAL = {bool_literal(a.causal)};  // query i sees keys j <= i",
-        f"constexpr int WINDOW = {a.window};  // 0: none; else (causal) query i sees keys i - WINDOW < j <= i",
+        f"constexpr int WINDOW = {a.window};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)",
+        f"constexpr int AHEAD = {a.window_ahead};  // keys after the query a window without the causal mask sees",
+        f"constexpr bool UPPER_EDGE = {bool_literal(a.upper_edge is not None)};  // causal or a window",
         f"constexpr float SCALE = {float_literal(scale)};  // of the scores",
         f"constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scores to log2 units",
         *(f"constexpr bool WANT_{role.upper()} = {bool_literal(gradient[role] is not None)};" for role in gradient),
@@ -541,7 +555,7 @@ def _statistics_source(name: str) -> str:
             #pragma unroll
             for (int n = 0; n < DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
             const int row[2] = {q0 + 16 * warp + g, q0 + 16 * warp + g + 8};@BIAS_ROWS@
-            const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
+            const int keys = keys_end(q0, STAT_ROWS);  // the keys these rows see
             for (int k0 = first_key_step(q0, STAT_KEYS); k0 < keys; k0 += STAT_KEYS) {
                 __syncthreads();  // every warp is done with the previous K and V tiles
                 load_rows<STAT_KEYS, STAT_THREADS>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
@@ -570,7 +584,7 @@ def _statistics_source(name: str) -> str:
                     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int key = k0 + 8 * n + 2 * t + (e & 1);
-                        const bool masked = key >= SEQ_KV || causally_hidden(key, row[e >> 1]);
+                        const bool masked = key >= SEQ_KV || hidden_key(key, row[e >> 1]);
                         s[n][e] = masked ? -INFINITY : @SCORE@ * SCALE_LOG2@BIAS_TERM@;
                         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
                     }
@@ -685,7 +699,7 @@ for (int n = 0; n < BLOCK_Q / 8; ++n) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int column = 8 * n + 2 * t + (e & 1), query = q0 + column;
-        const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || causally_hidden(key[e >> 1], query);
+        const bool masked = key[e >> 1] >= SEQ_KV || query >= SEQ_Q || hidden_key(key[e >> 1], query);
         s[n][e] = masked ? 0.0f : fast_exp2(@P_EXPONENT@);
     }
 }
@@ -808,7 +822,7 @@ _MAIN_KERNEL = """
             load_rows<BLOCK_KV, THREADS>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
             load_rows<BLOCK_KV, THREADS, DV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
             // the query tiles that see these keys, for each query head of the group: the steps
-            const int first = CAUSAL ? k0 / BLOCK_Q : 0;
+            const int first = query_tiles_begin(k0);
             const int tiles = query_tiles_end(k0) - first;
             const int steps = tiles > 0 ? GROUP * tiles : 0;
             const float* lse2 = workspace;

@@ -143,7 +143,7 @@ for (int i = 0; i < 2; ++i) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int column = qc0 + 8 * n + 2 * t + (e & 1), query = q0 + column, row = key0 + 16 * i + 8 * (e >> 1);
-            const bool masked = row >= SEQ_KV || query >= SEQ_Q || causally_hidden(row, query);
+            const bool masked = row >= SEQ_KV || query >= SEQ_Q || hidden_key(row, query);
             s[i][n][e] = masked ? 0.0f : fast_exp2(s[i][n][e] * SCALE_LOG2 - tlse[column]);
         }
     }
@@ -163,7 +163,7 @@ for (int i = 0; i < 2; ++i) {
             #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int query = q0 + column + c;
-                const bool masked = row >= SEQ_KV || query >= SEQ_Q || causally_hidden(row, query);
+                const bool masked = row >= SEQ_KV || query >= SEQ_Q || hidden_key(row, query);
                 const float capped = soft_cap(s[i][n][2 * h + c]);
                 s[i][n][2 * h + c] = masked ? 0.0f : fast_exp2(capped * SCALE_LOG2 - tlse[column + c]);
                 sloped[c] = masked ? 0.0f : s[i][n][2 * h + c] * soft_cap_slope(capped);

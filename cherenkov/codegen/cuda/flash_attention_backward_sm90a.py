@@ -294,7 +294,7 @@ _ONE_TILE_KERNEL = """
             load_swizzled<BLOCK_KV>(sK, kh + k0 * K_SEQ, K_SEQ, SEQ_KV - k0);
             load_swizzled<BLOCK_KV>(sV, vh + k0 * V_SEQ, V_SEQ, SEQ_KV - k0);
             // the query tiles that see these keys, for each query head of the group: the steps
-            const int first = CAUSAL ? k0 / BLOCK_Q : 0;
+            const int first = query_tiles_begin(k0);
             const int tiles = query_tiles_end(k0) - first;
             const int steps = tiles > 0 ? GROUP * tiles : 0;
             const float* lse2 = workspace;
@@ -353,7 +353,7 @@ _KEY_TILE = """
             kt.k0 = tile * BLOCK_KV;
             kt.kv_head = slab % KV_HEADS;
             kt.batch = slab / KV_HEADS;
-            kt.first = CAUSAL ? kt.k0 / BLOCK_Q : 0;
+            kt.first = query_tiles_begin(kt.k0);
             kt.tiles = query_tiles_end(kt.k0) - kt.first;
             kt.steps = kt.store && kt.tiles > 0 ? GROUP * kt.tiles : 0;
             return kt;
@@ -449,7 +449,7 @@ _P_UNCAPPED = """// P^T = 2^(S^T SCALE_LOG2 - LSE2), 0 where masked (tiles on th
 #pragma unroll
 for (int i = 0; i < BLOCK_Q / 2; ++i) {
     const int column = 8 * (i >> 2) + 2 * t + (i & 1), query = q0 + column, kr = key[(i >> 1) & 1];
-    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || causally_hidden(kr, query));
+    const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || hidden_key(kr, query));
     s[i] = masked ? 0.0f : fast_exp2(s[i] * SCALE_LOG2 - tlse[column]);
 }
 #pragma unroll
@@ -464,7 +464,7 @@ for (int i = 0; i < BLOCK_Q / 4; ++i) {
     #pragma unroll
     for (int c = 0; c < 2; ++c) {
         const int e = 2 * i + c, column = 8 * (e >> 2) + 2 * t + c, query = q0 + column, kr = key[i & 1];
-        const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || causally_hidden(kr, query));
+        const bool masked = edge && (kr >= SEQ_KV || query >= SEQ_Q || hidden_key(kr, query));
         const float capped = soft_cap(s[e]);
         p[c] = masked ? 0.0f : fast_exp2(capped * SCALE_LOG2 - tlse[column]);
         s[e] = p[c] * soft_cap_slope(capped);
@@ -487,7 +487,7 @@ head_dim_product_n@BLOCK_Q@<KV_BOX_BYTES, Q_BOX_BYTES>(dp, v_rows, tdo);
 wgmma_commit();
 wgmma_wait<1>();
 fence_operands(s);
-const bool edge = (CAUSAL && q0 < k0 + BLOCK_KV) || (WINDOW > 0 && q0 + BLOCK_Q - 1 - k0 >= WINDOW)
+const bool edge = (UPPER_EDGE && q0 + AHEAD < k0 + BLOCK_KV) || (WINDOW > 0 && q0 + BLOCK_Q - 1 - k0 >= WINDOW)
                   || q0 + BLOCK_Q > SEQ_Q || k0 + BLOCK_KV > SEQ_KV;
 u32 pa[BLOCK_Q / 4];  // P^T as A fragments: pairs of adjacent columns
 @PROBABILITIES@
@@ -601,7 +601,7 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
             const elem_t* doh = dout + DO_OFFSET + batch * DO_BATCH + head * DO_HEAD;
             const elem_t* kh = k + K_OFFSET + batch * K_BATCH + kv_head * K_HEAD;
             const elem_t* vh = v + V_OFFSET + batch * V_BATCH + kv_head * V_HEAD;
-            const int keys = CAUSAL ? min(SEQ_KV, q0 + STAT_ROWS) : SEQ_KV;  // the keys these rows see
+            const int keys = keys_end(q0, STAT_ROWS);  // the keys these rows see
             const int steps = (keys + STAT_BLOCK_KEYS - 1) / STAT_BLOCK_KEYS;
             const int first_step = first_key_step(q0, STAT_BLOCK_KEYS) / STAT_BLOCK_KEYS;  // a window's first
             auto load_keys = [&](int step) {  // K and V of step `step` into its buffer
@@ -649,13 +649,13 @@ def statistics_kernel(plan: BackwardPlan, name: str) -> str:
                 wgmma_wait<1>();  // S (the last step's P V may still run)
                 fence_operands(s);
                 // in log2 units (soft-capped first where the problem caps), masked
-                const bool edge = k0 + STAT_BLOCK_KEYS > SEQ_KV || (CAUSAL && k0 + STAT_BLOCK_KEYS - 1 > q0)
+                const bool edge = k0 + STAT_BLOCK_KEYS > SEQ_KV || (UPPER_EDGE && k0 + STAT_BLOCK_KEYS - 1 > q0 + AHEAD)
                                   || (WINDOW > 0 && q0 + STAT_ROWS - 1 - k0 >= WINDOW);
                 float tile_max[2] = {-INFINITY, -INFINITY};
                 #pragma unroll
                 for (int i = 0; i < STAT_BLOCK_KEYS / 2; ++i) {
                     const int key = k0 + 8 * (i >> 2) + 2 * t + (i & 1), h = (i >> 1) & 1;
-                    const bool masked = edge && (key >= SEQ_KV || causally_hidden(key, row[h]));
+                    const bool masked = edge && (key >= SEQ_KV || hidden_key(key, row[h]));
                     s[i] = masked ? -INFINITY : @SCORE@ * SCALE_LOG2;
                     tile_max[h] = fmaxf(tile_max[h], s[i]);
                 }

@@ -194,7 +194,9 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule, row_byt
         constexpr int HEAD_DIM = {p.head_dim};  // of q and k
         constexpr int V_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
-        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j <= i
+        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)
+        constexpr int AHEAD = {p.window_ahead};  // keys after the query a window without the causal mask sees
+        constexpr bool UPPER_EDGE = {bool_literal(p.upper_edge is not None)};  // causal or a window: keys j > i + AHEAD hidden
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
         @MASK_CONSTANTS@
 
@@ -282,8 +284,8 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
             float sum[2];  // this thread's partial row sum; the quad's partials are added at the end
         };
 
-        // Mask of one key tile: scores of keys after the query (causal), at least WINDOW before it
-        // (a window) or past SEQ_KV become -inf.@BIAS_NOTE@
+        // Mask of one key tile: scores of keys after the query (causal; a window about the query: more
+        // than AHEAD after it), at least WINDOW before it (a window) or past SEQ_KV become -inf.@BIAS_NOTE@
         __device__ __forceinline__ void mask_scores(float (&s)[S_REGS], int row0, int kv0, int t@BIAS_PARAM@) {
             #pragma unroll
             for (int c = 0; c < BLOCK_KV / 8; ++c) {
@@ -291,7 +293,7 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + (e >> 1) * 8;
                     const int col = kv0 + 8 * c + 2 * t + (e & 1);
-                    if ((CAUSAL && col > row) || (WINDOW > 0 && row - col >= WINDOW) || (KV_TAIL && col >= SEQ_KV))
+                    if ((UPPER_EDGE && col > row + AHEAD) || (WINDOW > 0 && row - col >= WINDOW) || (KV_TAIL && col >= SEQ_KV))
                         s[4 * c + e] = neg_inf();@BIAS@
                 }
             }
@@ -299,7 +301,7 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
 
         // Whether key tile kv0 needs the mask for the warpgroup whose first row is first_row.
         __device__ __forceinline__ bool needs_mask(int kv0, int first_row) {
-            return BIAS || (CAUSAL && kv0 + BLOCK_KV - 1 > first_row) || (WINDOW > 0 && first_row + 63 - kv0 >= WINDOW)
+            return BIAS || (UPPER_EDGE && kv0 + BLOCK_KV - 1 > first_row + AHEAD) || (WINDOW > 0 && first_row + 63 - kv0 >= WINDOW)
                    || (KV_TAIL && kv0 + BLOCK_KV > SEQ_KV);
         }
 
@@ -484,7 +486,8 @@ def _work_tiles() -> str:
             // Causal: keys up to the tile's last row (top-left aligned, key j <= query i).
             // A window: from the tile of the first row's first key (the tiles below it are never loaded).
             w.kv_first = WINDOW > 0 ? max(0, w.q0 - (WINDOW - 1)) / BLOCK_KV : 0;
-            w.kv_tiles = (CAUSAL ? min(KV_TILES, (w.q0 + BLOCK_Q + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES) - w.kv_first;
+            w.kv_tiles = (UPPER_EDGE ? min(KV_TILES, (w.q0 + BLOCK_Q + AHEAD + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES)
+                         - w.kv_first;
             return w;
         }
 
