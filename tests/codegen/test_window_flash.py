@@ -1,10 +1,10 @@
-"""Flash attention under a sliding window (causal, query ``i`` sees keys ``i − W < j ≤ i``): the window is
-the problem's own, no bias tensor (under Gemma 2's soft cap too), and the kernels bound their key (or
-query) tile ranges by it. The ``mma.sync`` forward and the backward's passes run emulated on the CPU
-against the graph's float64 values (windows narrower than a tile, wider than the sequence, and
-between), plans of every family compile without spills for sm_80, sm_90, sm_90a and sm_120, and on
-the GPU the forward plans of both families and every backward plan match float32 attention under
-the band."""
+"""Flash attention under a sliding window (causal, query ``i`` sees keys ``i − W < j ≤ i``; or about the
+query, ModernBERT's, ``i − W < j ≤ i + ahead``): the window is the problem's own, no bias tensor (under
+Gemma 2's soft cap too), and the kernels bound their key (or query) tile ranges by it. The
+``mma.sync`` forward and the backward's passes run emulated on the CPU against the graph's float64
+values (windows narrower than a tile, wider than the sequence, and between), plans of every family
+compile without spills for sm_80, sm_90, sm_90a and sm_120, and on the GPU the forward plans of both
+families and every backward plan match float32 attention under the band."""
 
 from __future__ import annotations
 
