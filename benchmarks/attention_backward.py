@@ -20,8 +20,10 @@ again, as a gradient graph without saved values must) and its dq conversion.
 ``--target sm_90a`` adds the Hopper ``wgmma`` schedule to the ``mma.sync`` ones. Each row also
 records the winner's three launches timed alone (``cherenkov_launch_ms``).
 
-TFLOP/s count the backward as 2.5× the forward's ``4·B·H·Sq·Skv·D`` (halved for causal), as
-FlashAttention's benchmarks do. Writes ``<out>/backward-<gpu>-<date><suffix>.json``.
+TFLOP/s count the backward as 2.5× the forward's ``4·B·H·Sq·Skv·D`` (halved for causal; with a
+window, those of the scores it keeps), as FlashAttention's benchmarks do. The default runs issue
+24's rows; ``mistral_window4k_s8k`` is a causal sliding window, which SDPA takes as a bool band with
+K/V repeated over the query heads (as transformers hands it). Writes ``<out>/backward-<gpu>-<date><suffix>.json``.
 """
 
 from __future__ import annotations
@@ -42,24 +44,27 @@ from gpu_label import gpu_label  # noqa: E402
 from timing import L2Flush, time_interleaved  # noqa: E402
 
 TOLERANCE = 2e-2
-# name: (B, H, H_kv, Sq, Skv, D, causal) — the issue's rows
+# name: (B, H, H_kv, Sq, Skv, D, causal[, window]) — the issue's rows, and a causal sliding window (no issue)
 SHAPES = {
     "seed": (1, 8, 8, 4096, 8192, 128, False),
     "b4h16s4k_causal": (4, 16, 16, 4096, 4096, 128, True),
     "seed_d64": (1, 8, 8, 4096, 8192, 64, False),
     "b2h32_8_s2k_causal_gqa": (2, 32, 8, 2048, 2048, 128, True),
+    "mistral_window4k_s8k": (1, 32, 8, 8192, 8192, 128, True, 4096),
 }
+ISSUE_24 = ("seed", "b4h16s4k_causal", "seed_d64", "b2h32_8_s2k_causal_gqa")
 BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 
 
-def gradient_graph(b: int, h: int, hkv: int, sq: int, skv: int, d: int, causal: bool, saved: bool) -> ck.Graph:
+def gradient_graph(b: int, h: int, hkv: int, sq: int, skv: int, d: int, causal: bool, saved: bool,
+                   window: int | None = None) -> ck.Graph:  # fmt: skip
     g = ck.Graph("attention")
     q = g.input("q", (b, h, sq, d), "bf16")
     k, v = (g.input(n, (b, hkv, skv, d), "bf16") for n in "kv")
     if not saved:
-        g.output(ck.nn.attention(q, k, v, causal=causal), "o")
+        g.output(ck.nn.attention(q, k, v, causal=causal, window=window), "o")
         return ck.grad(g, wrt=("q", "k", "v"))
-    o, lse = ck.nn.attention(q, k, v, causal=causal, return_lse=True)
+    o, lse = ck.nn.attention(q, k, v, causal=causal, window=window, return_lse=True)
     g.output(o, "o")
     g.output(lse, "lse")
     return ck.grad(g, wrt=("q", "k", "v"), saved=("o", "lse"), outputs=("o",))
@@ -70,8 +75,9 @@ def run_shape(name: str, torch, flush, args) -> dict:
 
     from cherenkov.search.measure import backward_reference, fill_saved_statistics
 
-    b, h, hkv, sq, skv, d, causal = SHAPES[name]
-    derivation = ck.derive(gradient_graph(b, h, hkv, sq, skv, d, causal, args.statistics == "saved"))
+    b, h, hkv, sq, skv, d, causal, *window = SHAPES[name]
+    window = window[0] if window else None
+    derivation = ck.derive(gradient_graph(b, h, hkv, sq, skv, d, causal, args.statistics == "saved", window))
     plans = [p for p in derivation.plans(args.target) if p.kind == "flash_attention_backward"]
     if not plans:
         raise RuntimeError(f"no backward plan on {args.target}")
@@ -107,11 +113,17 @@ def run_shape(name: str, torch, flush, args) -> dict:
         raise RuntimeError(f"{name}: cherenkov's gradients are wrong ({errors})")
 
     launches = {"cherenkov": lambda: kernel(q, k, v, do, **extra)}
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    # SDPA takes a window as its bool band, with K/V repeated over the query heads (as transformers hands it)
+    band, operands = None, (q, k, v)
+    if window:
+        ones = torch.ones(sq, skv, dtype=torch.bool, device="cuda")
+        band, operands = ones.tril(0) & ~ones.tril(-window), (q, *(x.repeat_interleave(h // hkv, dim=1) for x in (k, v)))
+    leaves = [x.detach().requires_grad_(True) for x in operands]
     for key, backend in BACKENDS.items():
         try:
             with sdpa_kernel(getattr(SDPBackend, backend)):
-                o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=h != hkv)
+                o = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=band, is_causal=causal and band is None,
+                                                                     enable_gqa=h != hkv and band is None)  # fmt: skip
 
             def launch(o=o):
                 return torch.autograd.grad(o, leaves, do, retain_graph=True)
@@ -128,7 +140,8 @@ def run_shape(name: str, torch, flush, args) -> dict:
     tflops = {key: problem.flops / (t * 1e9) for key, t in ms.items()}
     return {
         "name": name,
-        "shape": {"B": b, "H": h, "H_KV": hkv, "SQ": sq, "SKV": skv, "D": d, "causal": causal, "dtype": "bf16"},
+        "shape": {"B": b, "H": h, "H_KV": hkv, "SQ": sq, "SKV": skv, "D": d, "causal": causal, "window": window,
+                  "dtype": "bf16"},
         "ms": ms,
         "tflops": tflops,
         "ratios": {f"cherenkov/{key}": tflops["cherenkov"] / tflops[key] for key in tflops if key != "cherenkov"},
@@ -143,7 +156,7 @@ def run_shape(name: str, torch, flush, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(ISSUE_24), help=f"comma-separated, of: {', '.join(SHAPES)}")
     parser.add_argument("--target", default="sm_90",
                         help="the backward's target: sm_90 the mma.sync family on an H200, sm_90a with the wgmma main pass")
     parser.add_argument("--statistics", choices=("saved", "recomputed"), default="saved",
