@@ -200,7 +200,8 @@ class AttentionProblem:
     kv_heads)`` (GQA/MQA). Causal follows PyTorch's ``is_causal``: query ``i`` sees keys
     ``j <= i``; with a sliding ``window`` W > 0 it sees keys ``i − W < j ≤ i``, or without ``causal`` (a
     window about the query, ModernBERT's local attention) ``i − W < j ≤ i + window_ahead``; the kernels
-    skip the key tiles outside it (``window`` 0: none). ``scale`` 0 means ``head_dim ** -0.5``; a negative scale is not supported.
+    skip the key tiles outside it (``window`` 0: none). ``scale`` 0 means ``head_dim ** -0.5``; a
+    negative scale is not supported.
     ``head_dim`` is the extent of the q·k contraction, ``value_dim`` that of v and o (0: the
     same as ``head_dim``; MLA-style models use 192 and 128).
     The tensor names are validated identifiers of the user's graph (q, k and v may name

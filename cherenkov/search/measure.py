@@ -148,26 +148,27 @@ def hidden_scores(problem: AttentionProblem, rows: int, keys: int, device: Any) 
 
 def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
                       backends: tuple[str, ...] = ("EFFICIENT_ATTENTION", "MATH")) -> Any:  # fmt: skip
-    """softmax(scale·q kᵀ [soft-capped] [+ mask] [causal]) v in float32 from BHSD views (``mask``: SDPA's
-    additive one): SDPA on ``backends``, its causal flag folded into a mask tensor where there is one
-    (SDPA takes one or the other); with a soft cap, which SDPA lacks, the scores materialised."""
+    """softmax(scale·q kᵀ [soft-capped] [+ mask] [causal] [window]) v in float32 from BHSD views
+    (``mask``: SDPA's additive one): SDPA on ``backends``, its causal flag folded into a mask tensor
+    where there is one (SDPA takes one or the other) or a window (which SDPA lacks); with a soft cap,
+    which SDPA lacks too, the scores materialised."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     scale = problem.scale or problem.head_dim**-0.5
     q, k, v = q.float(), k.float(), v.float()
-    causal = None
+    hidden = None  # the causal mask and any window, where SDPA's causal flag cannot stand for them
     if problem.window or problem.causal and (mask is not None or problem.softcap):
-        causal = hidden_scores(problem, q.shape[-2], k.shape[-2], q.device)
+        hidden = hidden_scores(problem, q.shape[-2], k.shape[-2], q.device)
     if problem.softcap:
         if problem.group_size > 1:
             k, v = (x.repeat_interleave(problem.group_size, dim=1) for x in (k, v))
         scores = problem.softcap * torch.tanh((q @ k.transpose(-1, -2)) * (scale / problem.softcap))
         scores = scores if mask is None else scores + mask
-        scores = scores if causal is None else scores.masked_fill(causal, -torch.inf)
+        scores = scores if hidden is None else scores.masked_fill(hidden, -torch.inf)
         return torch.softmax(scores, dim=-1) @ v
-    if causal is not None:
-        mask = (torch.zeros(causal.shape, device=q.device) if mask is None else mask).masked_fill(causal, -torch.inf)
+    if hidden is not None:
+        mask = (torch.zeros(hidden.shape, device=q.device) if mask is None else mask).masked_fill(hidden, -torch.inf)
     grouped = problem.group_size > 1
     if grouped and problem.window and problem.bias is None:
         # SDPA's memory-efficient kernel takes the band only with K/V repeated (its math path would
@@ -176,7 +177,7 @@ def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: A
         grouped = False
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends]):
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=problem.causal and causal is None, scale=scale, enable_gqa=grouped,
+            q, k, v, attn_mask=mask, is_causal=problem.causal and hidden is None, scale=scale, enable_gqa=grouped,
         )
 
 
