@@ -538,12 +538,13 @@ def worker_main(conn: Connection, device: int) -> None:
             answer = _measure(payload, device, flush) if kind == "measure" else _references(payload, device, flush)
         except Exception as error:  # noqa: BLE001 - everything a kernel can do wrong is reported
             message = f"{type(error).__name__}: {error}".splitlines()[0]
-            conn.send(("error", message))
             if "CUDA" in message or isinstance(error, torch.cuda.OutOfMemoryError):
-                # the CUDA context is poisoned: leave at once (finalisers would only fail
+                # the CUDA context is poisoned: say so, leave at once (finalisers would only fail
                 # again) and let the parent start a fresh worker
+                conn.send(("fatal", message))
                 conn.close()
                 os._exit(70)
+            conn.send(("error", message))
             log.debug("worker error: %s", traceback.format_exc())
             continue
         conn.send((kind, answer))
@@ -568,9 +569,10 @@ class _Worker:
         _, self.gpu_name = self.conn.recv()
 
     def request(self, kind: str, payload: Any, timeout_s: float) -> tuple[str, Any]:
-        """Send one request; ("timeout", seconds) or ("crash", reason) when it goes wrong, and
-        ("unreachable", reason) when the worker had already closed its end (leaving after a
-        poisoned CUDA context): the request never ran, and the process is gone once this returns."""
+        """Send one request; ("timeout", seconds) or ("crash", reason) when it goes wrong (a worker
+        that answers "fatal", its CUDA context poisoned, is gone once this returns), and
+        ("unreachable", reason) when the worker had already closed its end: the request never ran,
+        and the process is gone once this returns."""
         try:
             self.conn.send((kind, payload))
         except (BrokenPipeError, OSError) as error:
@@ -582,10 +584,16 @@ class _Worker:
             self.kill()
             return "timeout", f"no answer within {timeout_s:.0f} s (a kernel that never finishes)"
         try:
-            return self.conn.recv()
+            answer = self.conn.recv()
         except (EOFError, OSError):
             self.process.join(5)
             return "crash", f"worker process died (exit code {self.process.exitcode})"
+        if answer[0] == "fatal":  # the worker is leaving: wait for it, so that the next request starts a fresh one
+            self.process.join(UNREACHABLE_EXIT_S)
+            if self.alive:
+                self.kill()
+            return "crash", answer[1]
+        return answer
 
     @property
     def alive(self) -> bool:

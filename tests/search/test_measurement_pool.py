@@ -1,7 +1,8 @@
 """The measurement pool's workers, on the CPU with a stand-in for :func:`worker_main`: a worker that
-reports a poisoned CUDA context and closes its end is replaced, and the request that found it
-leaving runs on the fresh worker instead of being recorded as a crash of its candidate (a 16k
-benchmark row once left every candidate of the next search "worker unreachable")."""
+reports a poisoned CUDA context ("fatal") and closes its end is waited for and replaced, so the next
+request runs on a fresh worker instead of reaching the leaving one and being recorded as a crash of
+its candidate (a 16k benchmark row once left every candidate of the next search "worker
+unreachable")."""
 
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ def poisoned_once_worker(conn: Connection, device: int) -> None:
         if kind == "stop":
             return
         if first_life:
-            conn.send(("error", "AcceleratorError: CUDA error: an illegal memory access was encountered"))
+            conn.send(("fatal", "AcceleratorError: CUDA error: an illegal memory access was encountered"))
             conn.close()
             time.sleep(1.0)  # on its way out: still alive when the next request is sent
             os._exit(70)
         conn.send(("measure", Measurement(task.candidate, "ok", times_ms=(1.0, 1.0, 1.0))))
 
 
-def test_a_worker_that_closed_its_end_is_replaced_and_the_request_runs_again(tmp_path, monkeypatch) -> None:
+def test_a_worker_with_a_poisoned_context_is_replaced_before_the_next_request(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(MARKER, str(tmp_path / "first-life-over"))
     with MeasurementPool(timeout_s=20.0, worker=poisoned_once_worker) as pool:
         first = pool.measure(MeasureTask("a", compiled=None))

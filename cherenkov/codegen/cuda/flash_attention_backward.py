@@ -222,7 +222,7 @@ def _helpers() -> str:
         // The first query tile (of BLOCK_Q) that sees a key of the tile from k0: that of key k0's query
         // (AHEAD before it) under the causal mask or a window; else 0.
         __device__ __forceinline__ int query_tiles_begin(int k0) {
-            return UPPER_EDGE ? (k0 > AHEAD ? k0 - AHEAD : 0) / BLOCK_Q : 0;
+            return UPPER_EDGE ? (AHEAD > 0 && k0 < AHEAD ? 0 : k0 - AHEAD) / BLOCK_Q : 0;
         }
 
         // The keys the rows from q0 of a block of `rows` see, up to: the last row's last key (causal mask
