@@ -80,6 +80,26 @@ def supported(plan) -> bool:
     return not (s.mbarrier_ring or s.tma_kv or s.kv_splits > 1 or s.warp_keys) and s.ldmatrix_x == 4
 
 
+def knob_family_plans(plans) -> list:
+    """One plan the emulator runs of each ``mma.sync`` knob family (pingpong, overlap, lazy rescale,
+    rows a warp, head-major), in the order ``plans`` come."""
+    picked: dict[tuple, object] = {}
+    for plan in plans:
+        if supported(plan):
+            s = plan.schedule
+            picked.setdefault((s.pingpong, s.overlap, s.lazy_rescale, s.rows_per_warp, s.head_major), plan)
+    return list(picked.values())
+
+
+def assert_emulated_output_and_lse(plan, inputs: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    """The emulated plan's ``o`` within 1e-2 (relative) of ``expected["o"]``, its rows' log-sum-exp
+    within 1e-5 of ``expected["lse"]``."""
+    got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])
+    error = np.linalg.norm(got["o"] - expected["o"]) / np.linalg.norm(expected["o"])
+    assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
+    assert np.abs(got["lse"] - expected["lse"]).max() <= 1e-5, plan.schedule.key()
+
+
 def host_source(plan) -> str:
     """The plan's source as host C++ (helpers emulated, shared memory mapped below 4 GB)."""
     source = cuda_source(plan).replace("template <int N>\n__device__ __forceinline__ void cp_async_wait()",
