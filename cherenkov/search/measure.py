@@ -146,29 +146,37 @@ def hidden_scores(problem: AttentionProblem, rows: int, keys: int, device: Any) 
     return above | ones.tril(-problem.window) if problem.window else above
 
 
+def sdpa_masking(problem: AttentionProblem, mask: Any, q: Any, k: Any, fold_causal: bool = False) -> tuple[Any, bool]:
+    """SDPA's ``(attn_mask, is_causal)`` for a problem with the additive ``mask`` (None: none) on BHSD
+    ``q`` and ``k``: the causal edge and any window folded into a mask (of q's dtype where there was
+    none) where SDPA's causal flag cannot stand for them (it takes a mask or the flag, and no window;
+    ``fold_causal``: always), else the flag."""
+    import torch
+
+    if not (problem.window or problem.causal and (mask is not None or fold_causal)):
+        return mask, problem.causal
+    hidden = hidden_scores(problem, q.shape[-2], k.shape[-2], q.device)
+    base = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device) if mask is None else mask
+    return base.masked_fill(hidden, -torch.inf), False
+
+
 def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: Any = None,
                       backends: tuple[str, ...] = ("EFFICIENT_ATTENTION", "MATH")) -> Any:  # fmt: skip
     """softmax(scale·q kᵀ [soft-capped] [+ mask] [causal] [window]) v in float32 from BHSD views
-    (``mask``: SDPA's additive one): SDPA on ``backends``, its causal flag folded into a mask tensor
-    where there is one (SDPA takes one or the other) or a window (which SDPA lacks); with a soft cap,
-    which SDPA lacks too, the scores materialised."""
+    (``mask``: SDPA's additive one): SDPA on ``backends``, the causal edge and any window as
+    :func:`sdpa_masking` folds them; with a soft cap, which SDPA lacks, the scores materialised."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     scale = problem.scale or problem.head_dim**-0.5
     q, k, v = q.float(), k.float(), v.float()
-    hidden = None  # the causal mask and any window, where SDPA's causal flag cannot stand for them
-    if problem.window or problem.causal and (mask is not None or problem.softcap):
-        hidden = hidden_scores(problem, q.shape[-2], k.shape[-2], q.device)
     if problem.softcap:
+        mask, _ = sdpa_masking(problem, mask, q, k, fold_causal=True)
         if problem.group_size > 1:
             k, v = (x.repeat_interleave(problem.group_size, dim=1) for x in (k, v))
         scores = problem.softcap * torch.tanh((q @ k.transpose(-1, -2)) * (scale / problem.softcap))
-        scores = scores if mask is None else scores + mask
-        scores = scores if hidden is None else scores.masked_fill(hidden, -torch.inf)
-        return torch.softmax(scores, dim=-1) @ v
-    if hidden is not None:
-        mask = (torch.zeros(hidden.shape, device=q.device) if mask is None else mask).masked_fill(hidden, -torch.inf)
+        return torch.softmax(scores if mask is None else scores + mask, dim=-1) @ v
+    mask, causal = sdpa_masking(problem, mask, q, k)
     grouped = problem.group_size > 1
     if grouped and problem.window and problem.bias is None:
         # SDPA's memory-efficient kernel takes the band only with K/V repeated (its math path would
@@ -177,7 +185,7 @@ def float32_attention(problem: AttentionProblem, q: Any, k: Any, v: Any, mask: A
         grouped = False
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends]):
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=problem.causal and hidden is None, scale=scale, enable_gqa=grouped,
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=grouped,
         )
 
 
@@ -501,17 +509,13 @@ def _references(problem: AttentionProblem, device: int, flush: L2Flush) -> dict[
         return {}  # SDPA takes no 8-bit operands
     stored = _inputs(problem, 0, device)
     q, k, v = (operand_view(problem, role, stored[problem.name(role)]).contiguous() for role in "qkv")
-    mask = _sdpa_mask(problem, stored, q.dtype)
-    if problem.window:  # SDPA takes no window: the band as its mask, the causal flag folded in
-        hidden = hidden_scores(problem, problem.seq_q, problem.seq_kv, q.device)
-        mask = (torch.zeros(hidden.shape, dtype=q.dtype, device=q.device) if mask is None else mask)
-        mask = mask.masked_fill(hidden, -torch.inf)
+    mask, causal = sdpa_masking(problem, _sdpa_mask(problem, stored, q.dtype), q, k)
     result = {}
     for name, backend in SDPA_BACKENDS.items():
         def launch(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=problem.causal and not problem.window, scale=problem.scale,
+                    q, k, v, attn_mask=mask, is_causal=causal, scale=problem.scale,
                     enable_gqa=problem.group_size > 1,
                 )
         try:
