@@ -304,8 +304,9 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         // first: [lower_end, end) (the unmasked ones, then the diagonal's), then [first, lower_end).
         __device__ __forceinline__ int kv_tile(int tile) {{
             if constexpr (WINDOW > 0) {{
-                const WindowTiles w = window_tiles();
-                return w.first + (tile + w.lower_end - w.first) % (w.end - w.first);
+                const WindowTiles w = window_tiles();  // block-uniform: one evaluation once inlined
+                const int rotated = tile + w.lower_end - w.first;  // < 2 (end - first): one wrap at most
+                return w.first + (rotated < w.end - w.first ? rotated : rotated - (w.end - w.first));
             }}
             return KV_SPLITS == 1 ? tile : int(blockIdx.x) % KV_SPLITS * TILES_PER_SPLIT + tile;
         }}
@@ -957,10 +958,11 @@ _LONG_QUERY_INDEX = block(
     // Key tiles to visit (causal: up to the diagonal; tiles above it are never loaded; a window:
     // from its first, kv_tile's order) and how many of them need no mask (wholly below the diagonal,
     // inside SEQ_KV and, with a window, inside every row's; none with a bias tensor).
-    const int n_tiles = WINDOW ? window_tiles().end - window_tiles().first
+    const WindowTiles window = window_tiles();
+    const int n_tiles = WINDOW ? window.end - window.first
                         : CAUSAL ? imin(KV_TILES, (imin(q0 + BLOCK_Q, SEQ_Q) + BLOCK_KV - 1) / BLOCK_KV) : KV_TILES;
     const int below_diagonal = UPPER_EDGE ? imin(SEQ_KV / BLOCK_KV, (q0 + 1 + AHEAD) / BLOCK_KV) : SEQ_KV / BLOCK_KV;
-    const int n_unmasked = BIAS ? 0 : WINDOW ? imax(0, below_diagonal - window_tiles().lower_end) : below_diagonal;
+    const int n_unmasked = BIAS ? 0 : WINDOW ? imax(0, below_diagonal - window.lower_end) : below_diagonal;
 
     // Prologue: Q tile (first group), then the pipeline's prefetch.
     load_tile<BLOCK_Q, Q_TAIL, Q_ROW_STRIDE>(smem + Q_SMEM, q_block, SEQ_Q - q0);
