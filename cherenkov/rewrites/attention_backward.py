@@ -115,7 +115,7 @@ def joined_backward(kernels: list[FusedKernel]) -> list[FusedKernel]:
         ordered = sorted(members, key=lambda m: GRADIENT_ROLES.index(gradient_form(m.core).role))
         first, rest = ordered[0], ordered[1:]
         reads = tuple(sorted({name for m in members for name in m.reads}))
-        sides = tuple(SideOutput(m.output, m.term, m.axes) for m in rest)
+        sides = tuple(SideOutput(m.output, m.term, m.axes, m.dtype) for m in rest)
         trace = tuple(dict.fromkeys(rule for m in ordered for rule in m.trace))
         joined = replace(first, reads=reads, side_outputs=sides, trace=trace)
         between = [k for k in result[positions[0] : positions[-1]]

@@ -396,7 +396,7 @@ class Derivation:
             dtypes[kernel.output] = kernel.dtype or stored(kernel.output)
             for side in kernel.side_outputs:
                 shapes[side.output] = side.shape
-                dtypes[side.output] = stored(side.output)
+                dtypes[side.output] = side.dtype or stored(side.output)
         return shapes, dtypes
 
     def _attention_problem(self, form: Term, kernels: list[FusedKernel],

@@ -123,6 +123,8 @@ class SideOutput:
     output: str
     term: Term
     axes: tuple[str, ...]
+    dtype: str = ""
+    """The buffer's dtype (empty: as its tensor is stored), as :attr:`FusedKernel.dtype`."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -262,6 +264,12 @@ def bias_buffer_dtype(bias: Term) -> str:
     return COMPUTED_BIAS_DTYPE if computes else ""
 
 
+def gradient_tensors(core: Term) -> tuple[Term, ...]:
+    """A backward form's tensor operands (q, k, v, dO, the operand read again): its masks left out."""
+    operands = (core[p] for p in GRADIENT_OPERANDS[core[0]])
+    return tuple(operand for operand in operands if operand[0] not in (*t.MASK_HEADS, "SoftcapMask"))
+
+
 class _Partition:
     def __init__(self, lowered: Lowered) -> None:
         self.lowered = lowered
@@ -310,6 +318,11 @@ class _Partition:
             term = t.replace(term, extra, access)
             primary = t.replace(primary, extra, access) if primary is not None else None
             extras = [t.replace(other, extra, access) for other in extras]
+        if primary is not None and primary[0] in GRADIENT_OPERANDS and not dtype:
+            half = self.half_dtype(gradient_tensors(primary))
+            if half and self.lowered.root_dtypes.get(output) == "fp32":  # the kernels write 16-bit gradients
+                term = t.replace(term, primary, self.materialise(primary, axes, dtype=half))
+                primary = None
         if primary is not None:
             term = t.replace(term, primary, self.prepare(primary))
         kind = KIND_OF_CORE[_core_head(primary)] if primary is not None else "elementwise"
@@ -325,7 +338,7 @@ class _Partition:
         if head in GRADIENT_OPERANDS:
             return self.prepare_flash_gradient(core)
         if head == "AttentionLse":  # q and k as flash attention reads them
-            prepared = self.prepare_flash(lse_as_flash(core))
+            prepared = self.prepare_flash(lse_as_flash(core), statistics=True)
             return ("AttentionLse", *prepared[1:7], *prepared[8:10])
         operands = [i for i, a in enumerate(core[1:], start=1) if isinstance(a, tuple) and a[0] not in ("Ax",)]
         result = list(core)
@@ -340,13 +353,15 @@ class _Partition:
             result[position] = operand
         return tuple(result)
 
-    def prepare_flash(self, core: Term) -> Term:
+    def prepare_flash(self, core: Term, statistics: bool = False) -> Term:
         """Flash attention reads q, k and v in place where they are affine views of stored
         tensors (:func:`~cherenkov.rewrites.access.strided_read`: transposes, head splits,
         slices of a fused projection, repeated K/V heads); anything else feeding them (a
         computation such as RoPE) is materialised in BHSD order — k and v over their K/V
-        heads where they vary along the query head only as ``h // G``. A bias that is no
-        affine view is materialised over its own axes, the key axis last."""
+        heads where they vary along the query head only as ``h // G``. An operand stored in fp32
+        beside 16-bit ones is rounded into a 16-bit copy (:meth:`half_dtype`;
+        ``statistics``: the core is a log-sum-exp's, its operand along the keys k again). A bias
+        that is no affine view is materialised over its own axes, the key axis last."""
         core = canonical_flash(core)
         key, _, dim, _, q, k, v = core[1:8]
         batch = (t.free_axes(q) & t.free_axes(k)) - {dim, key}
@@ -362,11 +377,17 @@ class _Partition:
         }
         cap, mask = t.soft_capped(core[9])
         bias = None if sliding_window(mask) else t.mask_bias(mask)  # a window: the kernel's own key range
+        rounded = self.half_dtype((q, k) if statistics else (q, k, v), statistics)
         if bias is not None and not self.readable_in_place(bias):
             axes = t.free_axes(bias)
             layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), bias)
         result = list(core)
         for position, (layout, operand) in layouts.items():
+            if rounded and position < 8 and self.stored_dtype(operand) == "fp32":
+                # an fp32 operand beside 16-bit ones (q and k after an fp32 rotary embedding): the
+                # tensor cores round it anyway (rule contract-rounded-operand), so a copy rounds it first
+                result[position] = self.materialise(operand, layout, dtype=rounded)
+                continue
             # an 8-bit q or k times its MX scales is read in place too (the block-scaled mma)
             if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
                 continue
@@ -390,11 +411,15 @@ class _Partition:
 
     def prepare_flash_gradient(self, core: Term) -> Term:
         """A backward form's tensor operands (q, k, v, dO, the operand read again, a bias) as
-        reads of stored tensors: each that is not an affine view of one is materialised."""
+        reads of stored tensors: each that is not an affine view of one is materialised, and one
+        stored in fp32 beside 16-bit ones rounded into a 16-bit copy, as :meth:`prepare_flash` does."""
         result = list(core)
+        rounded = self.half_dtype(gradient_tensors(core))
         for position in GRADIENT_OPERANDS[core[0]]:
             operand = core[position]
-            if operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
+            if rounded and self.stored_dtype(operand) == "fp32":
+                result[position] = self.materialise(operand, self.stored_axis_order(operand), dtype=rounded)
+            elif operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
                 cap, mask = t.soft_capped(operand)
                 bias = None if sliding_window(mask) else t.mask_bias(mask)
                 if bias is not None and not self.readable_in_place(bias):
@@ -403,6 +428,33 @@ class _Partition:
             elif not self.readable_in_place(operand):
                 result[position] = self.materialise(operand)
         return tuple(result)
+
+    def stored_dtype(self, operand: Term) -> str:
+        """The dtype a read's tensor is stored in (an input's, a root's), or "" for a computed operand."""
+        if not self.readable_in_place(operand):
+            return ""
+        lowered = self.lowered
+        return lowered.input_dtypes.get(operand[1]) or lowered.root_dtypes.get(operand[1]) or lowered.buffer_dtype
+
+    def stored_axis_order(self, operand: Term) -> tuple[str, ...] | None:
+        """The free axes of a read in its stored tensor's order (largest stride first), so that a copy
+        of it is laid out as the tensor is; None (the default order) where an index is no plain axis."""
+        read = strided_read(operand, self.stored_shapes()[operand[1]])
+        if read is None or any(atom[0] != "Ax" for atom in read.strides):
+            return None
+        return tuple(atom[1] for atom in sorted(read.strides, key=lambda atom: -read.strides[atom]))
+
+    def half_dtype(self, operands: tuple[Term, ...], statistics: bool = False) -> str:
+        """The 16-bit dtype of attention operands (stored, or computed into the buffer dtype) beside
+        which any stored in fp32 are rounded, the tensor cores rounding them anyway (rule
+        ``contract-rounded-operand``), and gradients the graph keeps in fp32 widened: the one they
+        have; for a log-sum-exp's q and k (``statistics``) both in fp32, the buffer dtype where it
+        is 16-bit, as the flash kernel that writes it as a side output rounds them. Else ""."""
+        stored = {self.stored_dtype(operand) or self.lowered.buffer_dtype for operand in operands}
+        halves = stored & {"bf16", "fp16"}
+        if statistics and stored == {"fp32"} and self.lowered.buffer_dtype in ("bf16", "fp16"):
+            return self.lowered.buffer_dtype
+        return halves.pop() if len(halves) == 1 and stored <= halves | {"fp32"} else ""
 
     def block_scaled_in_place(self, operand: Term) -> bool:
         """Whether ``operand`` is a stored tensor read times a read of an input's MX scales (``e8m0``)."""

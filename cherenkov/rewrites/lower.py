@@ -525,14 +525,17 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
         return parts
 
     recomputed: set[str] = set()  # the softmax's: what the rules below grow from
+    leaves: set[str] = set()  # elementwise functions of the inputs: no reader grows from them
     for name in order:
         recomputed |= softmax_parts(name)
         if not (reads[name] or any(s[0] in t.BINDERS for s in subterms[name])):  # elementwise, of the inputs
-            recomputed.add(name)
+            leaves.add(name)
+    leaves -= recomputed
+    recomputed |= leaves
     while True:
         grown = {name for name in order if name not in recomputed and (
-            (reads[name] and {s[1] for s in subterms[name] if s[0] == "Tensor"} <= recomputed)
-            or any(s[1] in recomputed and at_own_indices(name, s) for s in reads[name])
+            (reads[name] and {s[1] for s in subterms[name] if s[0] == "Tensor"} <= recomputed - leaves)
+            or any(s[1] in recomputed - leaves and at_own_indices(name, s) for s in reads[name])
             or any(s[1] == name and at_own_indices(other, s) for other in recomputed for s in reads[other]))}  # fmt: skip
         if not grown:
             break

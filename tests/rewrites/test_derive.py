@@ -709,3 +709,36 @@ def test_multi_query_attention_is_one_flash_kernel_of_one_kv_head(batch: int, ca
     assert_derived_program_matches(gg, d)
     backward = d.plans("sm_90")[0].problem
     assert backward.attention.kv_heads == 1 and {g.role: g.layout.head for g in backward.gradients}["dk"] == 0
+
+
+def test_fp32_operands_beside_16_bit_ones_are_rounded_into_copies() -> None:
+    """ModernBERT's rotary embedding runs in fp32: its training forward keeps q and k in fp32 (saved for
+    the backward) and rounds them for the attention. The flash kernel reads 16-bit copies of them
+    (its log-sum-exp too, a side output), and the gradient of the attention of fp32 q and k (the
+    backward graph) is one flash backward reading those copies, whose 16-bit dq and dk a copy widens
+    to the fp32 gradients the graph keeps."""
+    g = ck.Graph("fp32_rotary")
+    q, k, v = (g.input(n, (B, H, SQ, D), "bf16") for n in "qkv")
+    cos = g.input("cos", (SQ, D), "fp32")
+    q32, k32 = q.cast("fp32") * cos, k.cast("fp32") * cos
+    o, lse = ck.nn.attention(q32.cast("bf16"), k32.cast("bf16"), v, return_lse=True)
+    for value, name in ((q32, "q32"), (k32, "k32"), (o, "o"), (lse, "lse")):
+        g.output(value, name)
+    d = ck.derive(g)
+    flash = [kernel for kernel in d.kernels if kernel.kind == "flash_attention"]
+    assert len(flash) == 1 and [side.output for side in flash[0].side_outputs] == ["lse"], d.kernels
+    problem = d.plans("sm_90a")[0].problem
+    assert problem.dtype == "bf16" and {problem.q, problem.k}.isdisjoint({"q32", "k32"}), problem
+    dtypes = d.tensor_types()[1]
+    assert dtypes[problem.q] == dtypes[problem.k] == "bf16"
+
+    b = ck.Graph("fp32_rotary_backward")
+    q32, k32 = (b.input(n, (B, H, SQ, D), "fp32") for n in ("q32", "k32"))
+    v = b.input("v", (B, H, SQ, D), "bf16")
+    b.output(ck.nn.attention(q32.cast("bf16"), k32.cast("bf16"), v), "o")
+    backward = ck.derive(ck.grad(b, wrt=("q32", "k32", "v")))
+    assert [kernel.kind for kernel in backward.kernels].count("flash_attention_backward") == 1, backward.kernels
+    gradient = backward.plans("sm_90a")[0].problem
+    dtypes = backward.tensor_types()[1]
+    assert {dtypes[gradient.attention.q], dtypes[gradient.attention.k]} == {"bf16"}, gradient
+    assert {dtypes[output.tensor] for output in gradient.gradients} == {"bf16"}, gradient
