@@ -471,12 +471,14 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
 
     The softmax's parts first: an intermediate that sums exponentials alone (the row sums, the
     probabilities), the exponentials it sums, or one that exponentiates scores less their row
-    maximum; a GELU's or SiLU's exponentials are none of these. Then, to a fixed point: an
-    elementwise function of the inputs (``q·c``), one that reads recomputed intermediates and
-    nothing else (no input either: in a backward graph of its own, AOTAutograd's, q is an input,
-    and the product of the score gradient with it is dk), one that reads a recomputed one element
-    by element at its own indices (a score gradient from stored probabilities), and one that a
-    recomputed one reads so (the scores under the exponential). Last, a gradient per query head that its readers only sum over the GQA group
+    maximum; a GELU's or SiLU's exponentials are none of these. An elementwise function of the
+    inputs (``q·c``, a rounding of q, a norm's normalised input) is recomputed too, but nothing
+    grows from it (else a model's residual stream, read at its own indices, would join every
+    layer's attention in one group). Then, to a fixed point: one that reads recomputed
+    intermediates and nothing else (no input either: in a backward graph of its own,
+    AOTAutograd's, q is an input, and the product of the score gradient with it is dk), one that
+    reads a recomputed one element by element at its own indices (a score gradient from stored
+    probabilities), and one that a recomputed one reads so (the scores under the exponential). Last, a gradient per query head that its readers only sum over the GQA group
     (the grouped form is derived where each sum reads it). One that reduces a recomputed
     intermediate together with another tensor (attention's output, read by the output
     projection's gradient; q's gradient, read by the concatenation into the projection's) is what
