@@ -386,7 +386,7 @@ class _Partition:
             if rounded and position < 8 and self.stored_dtype(operand) == "fp32":
                 # an fp32 operand beside 16-bit ones (q and k after an fp32 rotary embedding): the
                 # tensor cores round it anyway (rule contract-rounded-operand), so a copy rounds it first
-                result[position] = self.materialise(operand, layout, dtype=rounded)
+                result[position] = self.rounded_copy(operand, rounded)
                 continue
             # an 8-bit q or k times its MX scales is read in place too (the block-scaled mma)
             if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
@@ -418,7 +418,7 @@ class _Partition:
         for position in GRADIENT_OPERANDS[core[0]]:
             operand = core[position]
             if rounded and self.stored_dtype(operand) == "fp32":
-                result[position] = self.materialise(operand, self.stored_axis_order(operand), dtype=rounded)
+                result[position] = self.rounded_copy(operand, rounded)
             elif operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
                 cap, mask = t.soft_capped(operand)
                 bias = None if sliding_window(mask) else t.mask_bias(mask)
@@ -436,13 +436,14 @@ class _Partition:
         lowered = self.lowered
         return lowered.input_dtypes.get(operand[1]) or lowered.root_dtypes.get(operand[1]) or lowered.buffer_dtype
 
-    def stored_axis_order(self, operand: Term) -> tuple[str, ...] | None:
-        """The free axes of a read in its stored tensor's order (largest stride first), so that a copy
-        of it is laid out as the tensor is; None (the default order) where an index is no plain axis."""
-        read = strided_read(operand, self.stored_shapes()[operand[1]])
-        if read is None or any(atom[0] != "Ax" for atom in read.strides):
-            return None
-        return tuple(atom[1] for atom in sorted(read.strides, key=lambda atom: -read.strides[atom]))
+    def rounded_copy(self, operand: Term, dtype: str) -> Term:
+        """``operand``, a read of a stored tensor, reading a ``dtype`` copy of the whole tensor (its
+        shape, row-major) at the same indices: every form that reads the tensor, however it indexes
+        it (a grouped gradient's query heads as K/V head and group), reads the one copy."""
+        shape = self.stored_shapes()[operand[1]]
+        axes = tuple(f"i{i}:{n}" for i, n in enumerate(shape))
+        copy = self.materialise(t.access(operand[1], (t.ax(a) for a in axes)), axes, dtype=dtype)
+        return ("Tensor", copy[1], operand[2])
 
     def half_dtype(self, operands: tuple[Term, ...], statistics: bool = False) -> str:
         """The 16-bit dtype of attention operands (stored, or computed into the buffer dtype) beside

@@ -8,7 +8,7 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Fifteen of them also train
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Sixteen of them also train
 a step like eager, a flash backward an attention layer (BERT's padded SDPA backward stays torch's),
 and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
 like eager at width 1024."""
@@ -173,14 +173,14 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),
            "gemma2_softcap": (1, 1), "bart": (3, 3), "bert_padded": (1, 0), "gemma_mqa": (1, 1),
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1),
-           "modernbert_local_and_global": (2, 2)}  # fmt: skip
+           "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
 torch's fused kernel in the backend; Bloom's and MPT's ALiBi, a bias the backward recomputes with the scores (Bloom
 adds it in ``baddbmm``) and reads stored, trains on a flash backward; ModernBERT's rotary embedding, in fp32, hands the
 kernels fp32 q and k and takes fp32 gradients back: each is rounded into a 16-bit copy, each gradient written in 16 bits
-and widened)."""
+and widened; Cohere's interleaved one too, its grouped gradients reading the one copy of q)."""
 
 
 @pytest.mark.parametrize("family", list(TRAINED))
