@@ -294,7 +294,10 @@ def verify_term(launch: Callable[[dict[str, Any], Any], Any], plan: TermKernelPl
                 device: str) -> tuple[float, str | None, dict[str, Any], Any]:  # fmt: skip
     """Run ``launch(inputs, out)`` on fresh random inputs into a poisoned output and compare
     with the term's torch reference: ``(error, failure or None, inputs, out)``. The
-    reference runs in float32 for 16-bit outputs and in float64 otherwise."""
+    reference runs in float32 for floating outputs (an fp32 one: the graph's own arithmetic, as
+    eager runs it; in float64, the cosine of an fp32 product of positions and frequencies, RoPE's,
+    differs from it by the argument's fp32 rounding, ~3e-5 at position 512) and in float64 for
+    integer and bool ones."""
     import torch
 
     from cherenkov.codegen.launch import TORCH_DTYPES
@@ -307,7 +310,7 @@ def verify_term(launch: Callable[[dict[str, Any], Any], Any], plan: TermKernelPl
     out = launch(inputs, out)
     if out.is_cuda:
         torch.cuda.synchronize(out.device)
-    working = torch.float32 if plan.output.dtype in ("bf16", "fp16") else torch.float64
+    working = torch.float32 if plan.output.dtype in ("bf16", "fp16", "fp32") else torch.float64
     reference = evaluate_kernel_torch(plan.kernel, {n: x.to(working) for n, x in inputs.items()}, working)
     error, failure = term_error(out, reference)
     return error, failure, inputs, out

@@ -51,3 +51,28 @@ def test_float32_attention_applies_the_cap_the_bias_the_causal_mask_and_the_wind
     if softcap:
         uncapped = written_out(AttentionProblem(2, 4, 2, 24, 24, 16, causal=causal, window=window), q, k, v, mask)
         assert float((uncapped - expected).norm() / expected.norm()) > 1e-2
+
+
+def test_an_fp32_term_kernel_is_checked_against_the_graphs_own_fp32_arithmetic() -> None:
+    """A kernel computing ``cos(500·x·y)`` in fp32, as the graph (and eager) does, is within the 1e-5 of an
+    fp32 output: the product's fp32 rounding, times arguments in the hundreds (RoPE's cosines of positions
+    times frequencies), moves the cosine by ~1e-4, which a float64 reference counted as the kernel's error."""
+    import cherenkov as ck
+    from cherenkov.codegen.term_plan import term_plans
+    from cherenkov.rewrites.plan import TARGETS
+    from cherenkov.search.measure import TERM_TOLERANCE, verify_term
+
+    g = ck.Graph("rotary_cosines")
+    x, y = g.input("x", (64, 1), "fp32"), g.input("y", (1, 32), "fp32")
+    g.output((x * 500.0 * y).cos(), "c")
+    d = ck.derive(g)
+    (kernel,) = d.kernels
+    plan = term_plans(kernel, *d.tensor_types(), TARGETS["sm_90"])[0]
+
+    def in_fp32(inputs, out):
+        return torch.cos(inputs["x"] * 500.0 * inputs["y"]).to(out.dtype)
+
+    error, failure, inputs, _ = verify_term(in_fp32, plan, seed=3, device="cpu")
+    assert failure is None and error <= TERM_TOLERANCE["fp32"], error
+    exact = torch.cos(inputs["x"].double() * 500.0 * inputs["y"].double())
+    assert float((in_fp32(inputs, exact) - exact).norm() / exact.norm()) > TERM_TOLERANCE["fp32"]
