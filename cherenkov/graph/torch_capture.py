@@ -299,6 +299,29 @@ def is_sdpa_kernel(node: Any) -> bool:
     return schema is not None and schema.name.removeprefix("aten::") in SDPA_KERNELS
 
 
+SDPA_RNG_STATE = frozenset({"rng_state", "unused", "philox_seed", "philox_offset"})
+"""The names SDPA's kernels give the random-number state their dropout drew from (outputs of
+the forward kernels, arguments of their backward kernels)."""
+
+
+def unused_sdpa_rng_state(node: Any) -> tuple[list[Any], list[Any]]:
+    """For an SDPA kernel or its backward called without dropout, the random-number state it
+    passes on but never draws from: the forward's ``getitem`` nodes of those outputs that are
+    read, and the backward's arguments holding them (FX nodes); else two empty lists."""
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    if schema is None or _schema_arguments(node).get("dropout_p"):
+        return [], []
+    if is_sdpa_kernel(node):
+        names = [r.name for r in schema.returns]
+        reads = [user for user in node.users if user.target is operator.getitem and user.users
+                 and names[user.args[1]] in SDPA_RNG_STATE]  # fmt: skip
+        return reads, []
+    if schema.name.removeprefix("aten::") in SDPA_BACKWARD_KERNELS:
+        arguments = _schema_arguments(node)
+        return [], [arguments[name] for name in SDPA_RNG_STATE if hasattr(arguments.get(name), "meta")]
+    return [], []
+
+
 def _source_location(node: Any, function: Callable[..., Any] | None = None) -> str:
     """`` at file:line in function (code)`` from the node's stack trace. torch.export keeps
     only ``forward`` frames, so for a plain function (called from our wrapper's

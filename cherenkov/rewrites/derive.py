@@ -377,17 +377,7 @@ class Derivation:
         (of ``kernels``, by default :attr:`kernels`)."""
         shapes = dict(self.lowered.input_shapes)
         dtypes = dict(self.lowered.input_dtypes)
-        outputs = self.graph.outputs
-
-        buffer_dtype = self.lowered.buffer_dtype
-
-        def stored(name: str) -> str:
-            # a graph output in its own dtype (what a caller, or inductor after a region, reads it
-            # as); a root in its graph node's; other intermediates in the buffer dtype
-            if name in outputs:
-                return outputs[name].dtype
-            return self.lowered.root_dtypes.get(name, buffer_dtype)
-
+        stored = self.lowered.stored_dtype
         for name in self.lowered.roots:
             shapes[name] = self.lowered.shape(name)
             dtypes[name] = stored(name)

@@ -433,8 +433,7 @@ class _Partition:
         """The dtype a read's tensor is stored in (an input's, a root's), or "" for a computed operand."""
         if not self.readable_in_place(operand):
             return ""
-        lowered = self.lowered
-        return lowered.input_dtypes.get(operand[1]) or lowered.root_dtypes.get(operand[1]) or lowered.buffer_dtype
+        return self.lowered.stored_dtype(operand[1])
 
     def rounded_copy(self, operand: Term, dtype: str) -> Term:
         """``operand``, a read of a stored tensor, reading a ``dtype`` copy of the whole tensor (its

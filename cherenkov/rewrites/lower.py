@@ -79,6 +79,12 @@ class Lowered:
     def shape(self, root: str) -> tuple[int, ...]:
         return tuple(t.extent(a) for a in self.root_axes[root])
 
+    def stored_dtype(self, name: str) -> str:
+        """The dtype tensor ``name`` is stored in: an input's; a root's, its graph node's (what a
+        caller, or inductor after a region, reads an output as); else, an intermediate buffer a
+        kernel writes, :attr:`buffer_dtype`."""
+        return self.input_dtypes.get(name) or self.root_dtypes.get(name) or self.buffer_dtype
+
 
 def root_axes(shape: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(f"i{k}:{size}" for k, size in enumerate(shape))

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cherenkov.graph.errors import GraphError
-from cherenkov.graph.torch_capture import is_band, is_sdpa_kernel, lowers_node, sdpa_backward_mask, takes_as_input
+from cherenkov.graph.torch_capture import (
+    is_band,
+    is_sdpa_kernel,
+    lowers_node,
+    sdpa_backward_mask,
+    takes_as_input,
+    unused_sdpa_rng_state,
+)
 from cherenkov.search.compiled import CompiledFunction, example_tensor
 from cherenkov.search.internal_writes import functionalise_internal_writes, unordered_writes
 
@@ -64,7 +71,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
             # guard building (2026-12-05, cause not found)
             mask = sdpa_backward_mask(node)
             banded = mask is None or getattr(mask, "target", None) in bands
-            return lowers_node(node) and _graph_holds(node, bands) and banded
+            return lowers_node(node) and _graph_holds(node, baked) and banded
 
     aten = _drop_empty_concatenations(_aten_graph(gm, example_inputs))
     functionalise_internal_writes(aten)
@@ -75,6 +82,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                     unordered[0].format_node())  # fmt: skip
         return SplitGraph(aten, ())
     bands = _folded_bands(aten)
+    baked = bands | _constant_rng_state(aten)
     restrided = _restrided_outputs(aten.graph)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
@@ -84,13 +92,14 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
         if not _is_region(node):
             continue
         region = getattr(fused, node.target)
-        baked = {i: _attribute(fused, a.target) for i, a in enumerate(node.args) if getattr(a, "target", None) in bands}
-        kept = [i for i in range(len(node.args)) if i not in baked]
+        constants = {i: _attribute(fused, a.target) for i, a in enumerate(node.args)
+                     if getattr(a, "target", None) in baked}  # fmt: skip
+        kept = [i for i in range(len(node.args)) if i not in constants]
         if not kept:  # constants only: nothing to search, the fallback folds it
             log.info("cherenkov backend: region %s reads no tensor; it stays ATen ops", node.target)
             continue
         name = f"region_{node.target}"
-        function = CompiledFunction(_positional(region, name, baked), dict(optimize_kwargs), name=name,
+        function = CompiledFunction(_positional(region, name, constants), dict(optimize_kwargs), name=name,
                                     cuda_graphs=cuda_graphs, traced_dtypes=True)  # fmt: skip
         try:
             function.prepare([region_inputs[node.name][i] for i in kept])
@@ -114,7 +123,8 @@ def _positional(region: Any, name: str, baked: dict[int, Any] | None = None) -> 
     names; the graph's name is not part of it), whose search the tuning database then
     answers once for every repetition. The inputs at the positions of ``baked`` become the
     module's constant buffers holding those tensors (a folded band mask: the capture reads
-    its values, and a causal mask becomes iota comparisons)."""
+    its values, and a causal mask becomes iota comparisons; SDPA's unused random-number state,
+    which the capture never reads)."""
     import torch
 
     baked = baked or {}
@@ -165,6 +175,37 @@ def _folded_bands(aten: Any) -> set[str]:
         aten.graph.eliminate_dead_code()
         aten.recompile()
     return folded
+
+
+def _constant_rng_state(aten: Any) -> set[str]:
+    """The random-number state SDPA's kernels pass from forward to backward without dropout
+    (:func:`~cherenkov.graph.torch_capture.unused_sdpa_rng_state`: cuDNN's philox seed and offset,
+    integer scalars no region can take) read as constant zeros instead, buffers of ``aten`` that
+    regions bake in: the kernels and their backward then lower, and a forward graph still returns
+    a tensor there. Returns the buffers' names."""
+    import torch
+
+    names: set[str] = set()
+
+    def constant_for(value: Any, before: Any) -> Any:
+        name = f"ck_rng_state_{len(names)}"
+        aten.register_buffer(name, torch.zeros(value.shape, dtype=value.dtype, device=value.device))
+        with aten.graph.inserting_before(before):
+            attribute = aten.graph.get_attr(name)
+        attribute.meta["val"] = value
+        names.add(name)
+        return attribute
+
+    for node in list(aten.graph.nodes):
+        reads, arguments = unused_sdpa_rng_state(node)
+        for read in reads:
+            read.replace_all_uses_with(constant_for(read.meta["val"], node))
+        for argument in arguments:
+            node.replace_input_with(argument, constant_for(argument.meta["val"], node))
+    if names:
+        aten.graph.eliminate_dead_code()
+        aten.recompile()
+    return names
 
 
 def _constant_nodes(graph: Any) -> list[Any]:
@@ -319,14 +360,14 @@ def _is_empty(node: Any) -> bool:
     return value is not None and value.numel() == 0
 
 
-def _graph_holds(node: Any, bands: set[str]) -> bool:
+def _graph_holds(node: Any, baked: set[str]) -> bool:
     """Whether every tensor ``node`` reads and writes is one a ``ck.Graph`` input can be
     (integer index tensors, bool masks and empty constants stay outside the regions), or a
-    folded band (``bands``: a causal mask, bool ones included, that a region bakes in as a
-    constant: MPT's ``masked_fill`` of its scores)."""
+    constant a region bakes in (``baked``): a folded band (a causal mask, bool ones included:
+    MPT's ``masked_fill`` of its scores), or SDPA's unused random-number state."""
     import torch
 
-    reads = [a for a in node.all_input_nodes if not (a.op == "get_attr" and a.target in bands)]
+    reads = [a for a in node.all_input_nodes if not (a.op == "get_attr" and a.target in baked)]
     values = [node.meta.get("val")] + [a.meta.get("val") for a in reads]
     return all(takes_as_input(v) for v in values if isinstance(v, torch.Tensor))
 

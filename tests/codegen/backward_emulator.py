@@ -1,7 +1,7 @@
 """Running a flash-attention backward plan's three kernels on the CPU: a test helper.
 
 The generated source is compiled as host C++20 with :mod:`.emulator`'s prelude (CUDA threads
-as ``std::thread``, warp collectives and ``mma.sync`` exchanged through per-warp buffers),
+as fibers, warp collectives and ``mma.sync`` exchanged through per-warp buffers),
 its inline-PTX helpers replaced by host emulations (``ldmatrix`` plain and transposed, the
 16-bit packing, ``cp.async``, shared addresses as host pointers) and ``atomicAdd`` (and the
 four-float reduction of sm_90 and later) as atomics on the host. The three launches run in order on the same buffers, exactly as

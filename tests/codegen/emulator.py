@@ -3,8 +3,8 @@
 The generated source is compiled as host C++20 unchanged, except for its device helpers
 that are inline PTX (``cvt`` to/from 16-bit floats, ``mma.sync``, ``ldmatrix``,
 ``cp.async``, the packed ``fma`` of an absorbed norm), which are replaced by host
-emulations. Every CUDA thread of a block is a ``std::thread``; ``__syncthreads`` is a
-block barrier, and the warp collectives
+emulations. Every CUDA thread of a block is a fiber (``ucontext``) on one host thread, run until
+it waits at a barrier; ``__syncthreads`` is a block barrier, and the warp collectives
 (``__shfl_xor_sync``, ``ldmatrix``, ``mma``) exchange their lanes' operands through a
 per-warp buffer between two warp barriers, so the fragment layouts, index arithmetic,
 tails, shared-memory stages and epilogues of the generated kernels run as written. Blocks
@@ -35,17 +35,18 @@ EMULATED = (
 
 PRELUDE = r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <functional>
 #include <vector>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 struct ck_dim3 { unsigned x = 0, y = 0, z = 0; };
-thread_local ck_dim3 threadIdx, blockIdx;
-ck_dim3 gridDim;
+ck_dim3 threadIdx, blockIdx, gridDim;
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 
@@ -57,17 +58,94 @@ struct uint2 { unsigned x, y; };
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
+// A block's CUDA threads are fibers taking turns on the host thread: each runs until it waits at a
+// barrier, and the scheduler resumes the next one (threadIdx set to its own), round after round.
+struct EmuFiber {
+    ucontext_t context;
+    bool done = false;
+};
+struct EmuScheduler {
+    ucontext_t host;
+    EmuFiber* fibers = nullptr;
+    unsigned current = 0;
+    std::function<void()>* body = nullptr;
+};
+static EmuScheduler emu_scheduler;
+
+static inline void emu_yield() {
+    swapcontext(&emu_scheduler.fibers[emu_scheduler.current].context, &emu_scheduler.host);
+}
+
+// std::barrier's contract for fibers: a phase completes when its last member arrives (that one
+// runs on); arrive_and_drop arrives and leaves the later phases.
+struct EmuBarrier {
+    explicit EmuBarrier(int members) : expected(members) {}
+    int expected, arrived = 0;
+    unsigned phase = 0;
+    void arrive_and_wait() {
+        if (++arrived == expected) {
+            arrived = 0;
+            ++phase;
+            return;
+        }
+        for (const unsigned mine = phase; phase == mine;) emu_yield();
+    }
+    void arrive_and_drop() {
+        if (--expected > 0 && arrived == expected) {
+            arrived = 0;
+            ++phase;
+        }
+    }
+};
+
 struct EmuWarp {
-    std::barrier<> bar{32};
+    EmuBarrier bar{32};
     unsigned words[32][8];
     float floats[32][4];
     const void* addr[32];
 };
 struct EmuBlock {
-    std::barrier<>* bar;
+    EmuBarrier* bar;
     EmuWarp* warps;
 };
-thread_local EmuBlock* emu_block;
+static EmuBlock* emu_block;
+
+static void emu_fiber_entry() {
+    (*emu_scheduler.body)();
+    emu_block->warps[threadIdx.x >> 5].bar.arrive_and_drop();
+    emu_block->bar->arrive_and_drop();
+    emu_scheduler.fibers[emu_scheduler.current].done = true;
+}  // returns to the host context (uc_link)
+
+// Run body as `threads` CUDA threads of the current block: each fiber on its own stack, a guard page
+// below it, resumed in turn until every one has returned.
+static void emu_run_threads(unsigned threads, std::function<void()> body) {
+    constexpr size_t STACK = size_t(1) << 21, GUARD = 4096;
+    char* stacks = static_cast<char*>(mmap(nullptr, STACK * threads, PROT_READ | PROT_WRITE,
+                                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (stacks == MAP_FAILED) std::abort();
+    std::vector<EmuFiber> fibers(threads);
+    emu_scheduler.fibers = fibers.data();
+    emu_scheduler.body = &body;
+    for (unsigned t = 0; t < threads; ++t) {
+        mprotect(stacks + t * STACK, GUARD, PROT_NONE);
+        getcontext(&fibers[t].context);
+        fibers[t].context.uc_stack.ss_sp = stacks + t * STACK + GUARD;
+        fibers[t].context.uc_stack.ss_size = STACK - GUARD;
+        fibers[t].context.uc_link = &emu_scheduler.host;
+        makecontext(&fibers[t].context, emu_fiber_entry, 0);
+    }
+    for (unsigned live = threads; live;) {
+        for (unsigned t = 0; t < threads; ++t) {
+            if (fibers[t].done) continue;
+            emu_scheduler.current = t;
+            threadIdx.x = t;
+            swapcontext(&emu_scheduler.host, &fibers[t].context);
+            live -= fibers[t].done;
+        }
+    }
+    munmap(stacks, STACK * threads);
+}
 
 static inline int emu_lane() { return int(threadIdx.x) & 31; }
 static inline EmuWarp& emu_warp() { return emu_block->warps[threadIdx.x >> 5]; }
@@ -228,27 +306,19 @@ static std::vector<unsigned char> read_file(const char* path) {
 
 def launch_blocks(function: str, grid: tuple[int, int, int], threads: int, args: str) -> str:
     """Host C++ running ``function(args)`` over ``grid``: the blocks one after another, each
-    block's ``threads`` CUDA threads as ``std::thread`` s sharing its barriers."""
+    block's ``threads`` CUDA threads as fibers sharing its barriers."""
     gx, gy, gz = grid
     return f"""
     gridDim.x = {gx}; gridDim.y = {gy}; gridDim.z = {gz};
     for (unsigned bz = 0; bz < {gz}; ++bz)
     for (unsigned by = 0; by < {gy}; ++by)
     for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{
-        std::barrier<> bar({threads});
+        EmuBarrier bar({threads});
         std::vector<EmuWarp> warps({(threads + 31) // 32});
         EmuBlock block{{&bar, warps.data()}};
-        std::vector<std::thread> threads;
-        for (unsigned tx = 0; tx < {threads}; ++tx) {{
-            threads.emplace_back([&, tx] {{
-                threadIdx.x = tx; blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
-                emu_block = &block;
-                {function}({args});
-                block.warps[tx >> 5].bar.arrive_and_drop();
-                bar.arrive_and_drop();
-            }});
-        }}
-        for (auto& t : threads) t.join();
+        blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
+        emu_block = &block;
+        emu_run_threads({threads}, [&] {{ {function}({args}); }});
     }}
 """
 

@@ -1,7 +1,7 @@
 """Running a 16-bit ``mma.sync`` flash-attention plan's kernel on the CPU: a test helper.
 
 The generated source is compiled as host C++20 with :mod:`.emulator`'s prelude (CUDA threads
-as ``std::thread``, warp collectives and ``mma.sync`` exchanged through per-warp buffers); its
+as fibers, warp collectives and ``mma.sync`` exchanged through per-warp buffers); its
 inline-PTX helpers are replaced by host emulations: ``ldmatrix`` (plain and transposed), the
 bf16/fp16 packing, ``cp.async`` (a copy, zero-filled out of range), the 32-bit shared-memory
 loads and stores, and ``ex2.approx``. The kernel keeps shared addresses in 32 bits, so its

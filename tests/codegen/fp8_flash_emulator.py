@@ -1,7 +1,7 @@
 """Running an 8-bit flash-attention plan's kernel on the CPU: a test helper.
 
 The generated source is compiled as host C++20 with :mod:`.emulator`'s prelude (CUDA threads as
-``std::thread``, warp collectives exchanged through per-warp buffers); its inline-PTX helpers
+fibers, warp collectives exchanged through per-warp buffers); its inline-PTX helpers
 are replaced by host emulations: ``ldmatrix`` (b16), the ``m16n8k32`` e4m3 mma (each byte
 decoded as PyTorch's ``float8_e4m3fn``), the saturating e4m3 rounding of the probabilities,
 ``cp.async`` (a copy, zero-filled out of range), ``ex2.approx`` and the output conversions.

@@ -375,7 +375,7 @@ int main(int argc, char** argv) {{
     ],
 )
 def test_copy_out_stores_every_element_of_a_box_once_with_aligned_words(tmp_path, m, n, row0, col0) -> None:
-    """The generated ``copy_out`` run on the host (a CUDA thread a ``std::thread``, warp
+    """The generated ``copy_out`` run on the host (a CUDA thread a fiber, warp
     shuffles through the emulator's warp buffers): the box's elements in range land at their
     output elements, nothing else is written, and every 4-byte store is 4-byte aligned."""
     compiler = shutil.which("g++")

@@ -754,3 +754,68 @@ def test_a_region_output_leaves_the_graph_at_the_strides_the_trace_gave_it():
     expected, got = transposed(x, w), compiled(x, w)
     assert got.stride() == expected.stride() == (1, 32)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _cudnn_training_graphs(dropout_p: float = 0.0) -> tuple[Any, Any]:
+    """The forward and backward ATen graphs AOTAutograd records for cuDNN's SDPA kernel under a mask
+    (ModernBERT's on a GPU), built by hand with CPU values in their nodes' metadata: the forward returns
+    the philox seed and offset, the backward takes them back."""
+    aten = torch.ops.aten
+    b, h, s, d = 1, 2, 8, 16
+    q, mask = torch.randn(b, h, s, d, dtype=torch.bfloat16), torch.zeros(b, 1, s, s, dtype=torch.bfloat16)
+    seed, offset = torch.tensor(0, dtype=torch.int64), torch.tensor(0, dtype=torch.int64)
+    lse = torch.zeros(b, h, s, 1)
+
+    forward = torch.fx.Graph()
+    inputs = [forward.placeholder(n) for n in ("q", "k", "v", "mask")]
+    for node, value in zip(inputs, (q, q, q, mask)):
+        node.meta["val"] = value
+    sdpa = forward.call_function(aten._scaled_dot_product_cudnn_attention.default, (*inputs, True), {"dropout_p": dropout_p, "scale": 0.25})
+    sdpa.meta["val"] = (q, lse, None, None, s, s, seed, offset, None)
+    outputs = []
+    for index in (0, 1, 6, 7):
+        outputs.append(forward.call_function(operator.getitem, (sdpa, index)))
+        outputs[-1].meta["val"] = sdpa.meta["val"][index]
+    forward.output(tuple(outputs))
+
+    backward = torch.fx.Graph()
+    names = ("grad_out", "q", "k", "v", "out", "lse", "seed", "offset", "mask")
+    inputs = [backward.placeholder(n) for n in names]
+    for node, value in zip(inputs, (q, q, q, q, q, lse, seed, offset, mask)):
+        node.meta["val"] = value
+    gradients = backward.call_function(aten._scaled_dot_product_cudnn_attention_backward.default,
+                                       (*inputs, None, None, s, s, dropout_p, False), {"scale": 0.25})  # fmt: skip
+    gradients.meta["val"] = (q, q, q)
+    backward.output(tuple(backward.call_function(operator.getitem, (gradients, i)) for i in range(3)))
+    return torch.fx.GraphModule(torch.nn.Module(), forward), torch.fx.GraphModule(torch.nn.Module(), backward)
+
+
+def test_sdpa_random_number_state_without_dropout_becomes_constants_the_kernels_lower_with() -> None:
+    """cuDNN's SDPA kernel returns a philox seed and offset, integer scalars, that its backward takes back: no
+    region can hold them, so on a GPU both kernels stayed torch's (ModernBERT's training, 2026-12-06). Without
+    dropout nothing draws from them: the forward returns zeros there instead, the backward reads those, and
+    both lower."""
+    from cherenkov.graph.torch_capture import lowers_node
+    from cherenkov.search.dynamo import _constant_rng_state, _graph_holds
+
+    forward, backward = _cudnn_training_graphs()
+    sdpa = next(n for n in forward.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+    gradients = next(n for n in backward.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+    assert not lowers_node(sdpa) and not _graph_holds(gradients, set())
+
+    baked = _constant_rng_state(forward)
+    assert lowers_node(sdpa) and len(baked) == 2
+    returned = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+    assert [n.op for n in returned] == ["call_function", "call_function", "get_attr", "get_attr"]
+    assert all(torch.equal(getattr(forward, n.target), torch.tensor(0)) for n in returned[2:])
+
+    baked = _constant_rng_state(backward)
+    assert _graph_holds(gradients, baked) and lowers_node(gradients)
+    assert {a.target for a in gradients.all_input_nodes if a.op == "get_attr"} == baked
+
+
+
+def test_sdpa_random_number_state_with_dropout_is_left_alone() -> None:
+    from cherenkov.search.dynamo import _constant_rng_state
+
+    assert all(_constant_rng_state(graph) == set() for graph in _cudnn_training_graphs(dropout_p=0.1))
