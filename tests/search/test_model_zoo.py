@@ -9,13 +9,15 @@ Each runs like eager in bf16, and each of its attention layers derives one flash
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
 included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Sixteen of them also train
-a step like eager, a flash backward an attention layer (BERT's padded SDPA backward stays torch's),
+a step like eager, a flash backward an attention layer (BERT's padded SDPA backward stays torch's;
+ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
 and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
 like eager at width 1024."""
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -210,6 +212,79 @@ def test_a_model_family_trains_through_the_backend_like_eager_with_a_flash_backw
                                 for prepared in region.prepared.values()
                                 for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
     assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == TRAINED[family], dict(kinds)
+
+
+def _math_attention(q: Any, k: Any, v: Any, bias: Any, scale: float | None) -> tuple[Any, Any, Any]:
+    """Attention's probabilities, output (q's dtype) and rows' log-sum-exp (fp32, a unit axis last), in fp32."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) * (scale or q.shape[-1] ** -0.5)
+    scores = scores if bias is None else scores + bias.float()
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    p = torch.exp(scores - lse)
+    return p, (p @ v.float()).to(q.dtype), lse
+
+
+def _cudnn_forward_on_cpu(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                          return_debug_mask=False, *, scale=None):  # fmt: skip
+    _, out, lse = _math_attention(q, k, v, attn_bias, scale)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)  # cuDNN's (B, S, H, D) memory order
+    empty, zero = torch.empty(0), torch.zeros((), dtype=torch.int64)
+    return out, lse, empty, empty, q.shape[-2], k.shape[-2], zero, zero.clone(), empty
+
+
+def _cudnn_backward_on_cpu(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
+                           cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):  # fmt: skip
+    p, _, _ = _math_attention(q, k, v, attn_bias, scale)
+    do, scale = grad_out.float(), scale or q.shape[-1] ** -0.5
+    dp = do @ v.float().transpose(-2, -1)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq, dk, dv = ds @ k.float() * scale, ds.transpose(-2, -1) @ q.float() * scale, p.transpose(-2, -1) @ do
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+@pytest.fixture
+def cudnn_sdpa_on_cpu(monkeypatch):
+    """SDPA dispatched to cuDNN's kernels, as a GPU's trace records them (the log-sum-exp with a unit axis, and the
+    philox seed and offset the backward takes back), given CPU implementations (math attention): the training
+    graphs of a GPU, on the CPU."""
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_scaled_dot_product_cudnn_attention", _cudnn_forward_on_cpu, "CPU")
+    library.impl("_scaled_dot_product_cudnn_attention_backward", _cudnn_backward_on_cpu, "CPU")
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(~attn_mask, -math.inf)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
+                                                                  scale=scale)[0]  # fmt: skip
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    yield
+    library._destroy()
+
+
+def test_modernbert_trains_through_cudnn_sdpa_kernels_with_flash_kernels(cudnn_sdpa_on_cpu) -> None:
+    """On a GPU, SDPA under ModernBERT's masks runs cuDNN's kernels, whose forward returns the philox state its
+    backward takes back: both stayed torch's kernels (2026-12-06, H100). With that state made constant, the
+    training step is eager's and both layers train on flash kernels."""
+    build, _ = FAMILIES["modernbert_local_and_global"]
+    torch.manual_seed(0)
+    model, inputs = build()
+    model = model.to(torch.bfloat16).train()
+
+    def gradients(run: Callable[..., Any]) -> torch.Tensor:
+        model.zero_grad()
+        out = run(**inputs)[0].float()
+        (out * torch.linspace(-1.0, 1.0, out.shape[-1])).sum().backward()
+        return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+    expected = gradients(model)
+    with recorded_splits() as splits:
+        got = gradients(torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager")))
+    assert float((got - expected).norm() / expected.norm()) < 2e-2
+    assert not [n for split in splits for n in split.module.graph.nodes if "cudnn" in str(n.target)]
+    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
+                                for prepared in region.prepared.values()
+                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == (2, 2), dict(kinds)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3_sliding_and_full", "falcon", "deepseek_v3_mla"])
