@@ -294,10 +294,10 @@ def verify_term(launch: Callable[[dict[str, Any], Any], Any], plan: TermKernelPl
                 device: str) -> tuple[float, str | None, dict[str, Any], Any]:  # fmt: skip
     """Run ``launch(inputs, out)`` on fresh random inputs into a poisoned output and compare
     with the term's torch reference: ``(error, failure or None, inputs, out)``. The
-    reference runs in float32 for floating outputs (an fp32 one: the graph's own arithmetic, as
-    eager runs it; in float64, the cosine of an fp32 product of positions and frequencies, RoPE's,
-    differs from it by the argument's fp32 rounding, ~3e-5 at position 512) and in float64 for
-    integer and bool ones."""
+    reference runs in float32 for floating outputs, without TF32 in a measuring worker (an fp32
+    one: the graph's own arithmetic, as eager runs it; in float64, the cosine of an fp32 product
+    of positions and frequencies, RoPE's, differs from it by the argument's fp32 rounding, ~3e-5
+    at position 512) and in float64 for integer and bool ones."""
     import torch
 
     from cherenkov.codegen.launch import TORCH_DTYPES
@@ -535,6 +535,9 @@ def worker_main(conn: Connection, device: int) -> None:
     import torch
 
     torch.cuda.set_device(device)
+    # the float32 references are IEEE float32, whatever the environment asks of cuBLAS (TF32 would
+    # move a matmul's reference by ~1e-3, past an fp32 term's tolerance)
+    torch.set_float32_matmul_precision("highest")
     flush = L2Flush(torch, device)
     conn.send(("ready", torch.cuda.get_device_name(device)))
     while True:

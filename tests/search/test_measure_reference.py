@@ -76,3 +76,27 @@ def test_an_fp32_term_kernel_is_checked_against_the_graphs_own_fp32_arithmetic()
     assert failure is None and error <= TERM_TOLERANCE["fp32"], error
     exact = torch.cos(inputs["x"].double() * 500.0 * inputs["y"].double())
     assert float((in_fp32(inputs, exact) - exact).norm() / exact.norm()) > TERM_TOLERANCE["fp32"]
+
+
+def test_a_measuring_worker_computes_its_float32_references_without_tf32(monkeypatch) -> None:
+    """A worker sets IEEE float32 matmuls before serving, whatever precision its process started with (TF32
+    moves a float32 matmul by ~1e-3, past an fp32 term's tolerance)."""
+    from cherenkov.search import measure
+
+    class Stopping:
+        def send(self, message) -> None:
+            pass
+
+        def recv(self):
+            return "stop", None
+
+    previous = torch.get_float32_matmul_precision()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(measure, "L2Flush", lambda torch, device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    try:
+        torch.set_float32_matmul_precision("high")
+        measure.worker_main(Stopping(), 0)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(previous)
