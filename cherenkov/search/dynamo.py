@@ -164,10 +164,7 @@ def _folded_bands(aten: Any) -> set[str]:
         if node.op != "call_function" or not feeds or not isinstance(value, torch.Tensor) or not is_band(value):
             continue
         name = f"ck_folded_{len(folded)}"
-        aten.register_buffer(name, value.contiguous())
-        with aten.graph.inserting_before(node):
-            attribute = aten.graph.get_attr(name)
-        attribute.meta["val"] = node.meta.get("val")
+        attribute = _buffer_node(aten, name, value.contiguous(), node.meta.get("val"), node)
         for user in feeds:
             user.replace_input_with(node, attribute)
         folded.add(name)
@@ -189,12 +186,9 @@ def _constant_rng_state(aten: Any) -> set[str]:
 
     def constant_for(value: Any, before: Any) -> Any:
         name = f"ck_rng_state_{len(names)}"
-        aten.register_buffer(name, torch.zeros(value.shape, dtype=value.dtype, device=value.device))
-        with aten.graph.inserting_before(before):
-            attribute = aten.graph.get_attr(name)
-        attribute.meta["val"] = value
         names.add(name)
-        return attribute
+        return _buffer_node(aten, name, torch.zeros(value.shape, dtype=value.dtype, device=value.device), value,
+                            before)  # fmt: skip
 
     for node in list(aten.graph.nodes):
         reads, arguments = unused_sdpa_rng_state(node)
@@ -206,6 +200,16 @@ def _constant_rng_state(aten: Any) -> set[str]:
         aten.graph.eliminate_dead_code()
         aten.recompile()
     return names
+
+
+def _buffer_node(aten: Any, name: str, tensor: Any, val: Any, before: Any) -> Any:
+    """``tensor`` registered as buffer ``name`` of ``aten``, and a node reading it inserted
+    before node ``before`` (its trace value ``val``)."""
+    aten.register_buffer(name, tensor)
+    with aten.graph.inserting_before(before):
+        attribute = aten.graph.get_attr(name)
+    attribute.meta["val"] = val
+    return attribute
 
 
 def _constant_nodes(graph: Any) -> list[Any]:
