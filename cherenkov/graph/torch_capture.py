@@ -589,8 +589,26 @@ def _binary_operands(c: _Capture, a: dict[str, Any]) -> tuple[Any, Any]:
 
 @_op("add")
 def _add(c: _Capture, a: dict[str, Any]) -> Any:
+    kept = _beside_zero_mask(c, a["self"], a["other"])
+    if kept is not None:
+        return kept
     x, y = _binary_operands(c, a)
     return x + _scaled(y, a.get("alpha"))
+
+
+def _beside_zero_mask(c: _Capture, x: Any, y: Any) -> Tensor | None:
+    """``x`` (or ``y``) where the other addend is a folded additive mask that hides nothing (one
+    band value, zero: the mask transformers 5.17 builds for a bidirectional layer without
+    padding) and the sum is that tensor as it is, in shape and dtype; else None."""
+    meta = c.node.meta.get("val")
+    for kept, other in ((x, y), (y, x)):
+        if not (isinstance(other, _Band) and other.dtype != "bool" and other.inside == other.outside == 0):
+            continue
+        tensor = c.operand(kept)
+        if (isinstance(tensor, Tensor) and meta is not None and tuple(tensor.shape) == tuple(meta.shape)
+                and tensor.dtype == _VALUE_DTYPES.get(_dtype_name(meta.dtype))):  # fmt: skip
+            return tensor
+    return None
 
 
 @_op("sub")
@@ -890,9 +908,11 @@ def _unmerged_batch_matmul(x: Tensor, y: Tensor) -> Tensor:
 
 def _merged_batch_source(x: Tensor) -> Tensor | None:
     """The tensor whose leading axes ``x`` (3-D) merges into its first, the last two kept (with
-    ``x``'s last two axes swapped after the merge, the source's swapped too); None for another ``x``."""
-    swapped = x.node.op == "permute" and x.node.attrs[0] == (0, 2, 1)
-    merged = Tensor(x.graph, x.node.inputs[0]) if swapped else x
+    ``x``'s last two axes swapped after the merge, the source's swapped too; swapped twice, as a
+    backward's ``bmm`` reads a transposed operand's transpose, not); None for another ``x``."""
+    swapped, merged = False, x
+    while merged.node.op == "permute" and merged.node.attrs[0] == (0, 2, 1):
+        swapped, merged = not swapped, Tensor(x.graph, merged.node.inputs[0])
     if x.ndim != 3 or merged.node.op != "reshape":
         return None
     source = Tensor(x.graph, merged.node.inputs[0])
@@ -1659,17 +1679,24 @@ def _arange(c: _Capture, a: dict[str, Any]) -> Any:
 # ----------------------------------------------------------------------------- detection
 
 
-def is_band(tensor: Any) -> bool:
+BAKED_BUFFER_PREFIX = "ck_band_"
+"""The names of the buffers holding the constants the Dynamo backend folded and bakes into a
+region (their values are the graph's at every call: one value everywhere is a band too, where a
+module's own buffer of one value, a zeroed KV cache, may change)."""
+
+
+def is_band(tensor: Any, uniform: bool = False) -> bool:
     """Whether ``tensor``'s values are a band (:func:`_detect_band`): a tril/triu mask, or a
-    sliding window's."""
-    return _detect_band(tensor) is not None
+    sliding window's (``uniform``: or one value everywhere)."""
+    return _detect_band(tensor, uniform) is not None
 
 
-def _detect_band(tensor: Any) -> _Band | None:
+def _detect_band(tensor: Any, uniform: bool = False) -> _Band | None:
     """A band if ``tensor``'s values are exactly ``tril``/``triu`` of two values (ones and
     zeros, or an additive mask's zeros and −∞; any diagonal, identical over the leading
     axes), or a sliding window of them (``tril(offset) − tril(lower)``: the inside value
-    between two diagonals), else None."""
+    between two diagonals), or (``uniform``) one value everywhere (the mask transformers 5.17
+    builds for a bidirectional layer without padding: all true, or all zeros), else None."""
     import torch
 
     if tensor.ndim < 2 or tensor.numel() == 0 or tensor.is_complex():
@@ -1680,12 +1707,15 @@ def _detect_band(tensor: Any) -> _Band | None:
     values = tensor.detach().cpu()
     at_first = values == values.reshape(-1)[0]
     others = values[~at_first]
-    if others.numel() == 0 or not bool((others == others[0]).all()):
-        return None  # not two values, each somewhere
     rows, cols = values.shape[-2:]
     dtype = _VALUE_DTYPES[name]
     convert = {"bool": bool, "int32": int}.get(dtype, float)
-    first, second = convert(values.reshape(-1)[0].item()), convert(others[0].item())
+    first = convert(values.reshape(-1)[0].item())
+    if others.numel() == 0:  # one value everywhere (a mask that hides nothing): the band without edges
+        return _Band(tuple(values.shape), cols - 1, first, first, dtype) if uniform else None
+    if not bool((others == others[0]).all()):
+        return None  # not two values, each somewhere
+    second = convert(others[0].item())
     ones = torch.ones(rows, cols, dtype=torch.bool)
     for kept, inside, outside in ((at_first, first, second), (~at_first, second, first)):
         counts = kept.reshape(-1, rows, cols)[0].sum(-1)
@@ -1830,7 +1860,7 @@ def from_torch(fn: Callable[..., Any], *example_tensors: Any, name: str | None =
         if value is None:
             value = exported.constants[spec.target]
         if spec.kind != InputKind.PARAMETER:
-            band = _detect_band(value)
+            band = _detect_band(value, uniform=spec.target.rsplit(".", 1)[-1].startswith(BAKED_BUFFER_PREFIX))
             if band is not None:
                 bands[spec.arg.name] = band
                 continue

@@ -25,7 +25,10 @@ times ``e``), through ``exp2(x·log2 e)`` (times ``ln 2·log2 e``), and through 
 9. SDPA under a float mask, as a captured module spells it, wraps its softmax in
    ``where(max_j s > −∞, P, 0)`` (a row without a live score gives 0): its gradient passes the
    where to ``g`` and to ``P`` before ``dv``, and the flash backward's ``P``, 0 in such a row,
-   stands for both.
+   stands for both;
+10. scores clamped from below under a finite causal mask (XGLM's ``max(s + mask, m₂)``): the clamp's
+    VJP, torch's ``where(x < m₂, 0, where(x == m₂, g/2, g))``, moves only masked entries, whose
+    probability is 0, so the gradient is the causal softmax's.
 
 Every rule is an identity with a small random example (``tests/rewrites/test_rules.py``).
 """
@@ -34,11 +37,11 @@ from __future__ import annotations
 
 import math
 
-from cherenkov.rewrites.masks import finite_causal_mask_rule
+from cherenkov.rewrites.masks import BF16_LOWEST, finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.algebra import HALF_LN2
 from cherenkov.rewrites.casts import HALF_ROUNDING
-from cherenkov.rewrites.streaming import CAP_EXAMPLE, SCALE, score_forms
+from cherenkov.rewrites.streaming import CAP_EXAMPLE, CAUSAL_CONDITION, SCALE, score_forms
 from cherenkov.rewrites.terms import ax, tensor
 
 x = tensor("x", "i:3", "j:7")
@@ -172,6 +175,12 @@ def _live_only(x: tuple) -> tuple:
     return ("Where", ("Lt", ("Num", -math.inf), ("Max", "j:7", 7, s)), x, ("Num", 0.0))
 
 
+_causal = ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7")))
+# XGLM's: scores under a causal mask of bf16's lowest, clamped there (a masked score ties the floor), and the
+# gradient of their causal softmax
+_clamped = ("Add", s, ("Where", _causal, ("Num", BF16_LOWEST), ("Num", 0.0)))
+_causal_gradient = ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", _causal, ("Num", -math.inf), s)), g)
+
 grouped_q, grouped_q2 = tensor("q", "g:2", "i:3", "d:4"), tensor("q", "g:2", "i:3", "f:4")
 grouped_do, grouped_do2 = tensor("do", "g:2", "i:3", "e:2"), tensor("do", "g:2", "i:3", "f:2")
 _exp2 = ("Exp2", ("Mul", x, ("Num", 0.7)))
@@ -230,6 +239,8 @@ RULES = (
     finite_causal_mask_rule("softmax-row-finite-causal-where", "softmax_j({})", "SoftmaxRow", s, spelling="fill"),
     finite_causal_mask_rule("softmax-row-finite-causal-window", "softmax_j({})", "SoftmaxRow", s,
                             spelling="additive-window"),
+    finite_causal_mask_rule("softmax-row-finite-causal-clamped", "softmax_j({})", "SoftmaxRow", s,
+                            spelling="clamped"),
     Rule(
         "masked-softmax-gradient",
         "where(m, 0, softmax_j(where(m, −∞, s))·y) = softmax_j(where(m, −∞, s))·y: a masked score's probability is 0",
@@ -238,6 +249,19 @@ RULES = (
         example=Example(("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", 0.0),
                          ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))),
                                                            ("Num", -math.inf), s)), g))),
+    ),  # fmt: skip
+    Rule(
+        "clamp-gradient-masked-softmax",
+        "where(x < m₂, 0, where(m₂ < x, g, g·½)) = g for x = s + where(i < j, m, 0), g = softmax_j(where(i < j, "
+        "−∞, s))·y and a floor m₂ ≤ −2¹⁵ below every score s: the VJP of the clamp max(x, m₂) (½ at a tie, as "
+        "torch's) moves only masked entries, whose probability is 0",
+        lhs="(Where (Lt x (Num m2)) (Num 0.0) (Where (Lt (Num m2) x) g (Mul g (Num 0.5))))",
+        rhs="g",
+        where=(f"(= x (Add s (Where {CAUSAL_CONDITION} (Num m) (Num 0.0))))",
+               f"(= g (Mul (SoftmaxRow j n (Where {CAUSAL_CONDITION} (Num -inf) s)) y))", "(<= m2 -32768.0)"),
+        example=Example(("Where", ("Lt", _clamped, ("Num", BF16_LOWEST)), ("Num", 0.0),
+                         ("Where", ("Lt", ("Num", BF16_LOWEST), _clamped), _causal_gradient,
+                          ("Mul", _causal_gradient, ("Num", 0.5))))),
     ),  # fmt: skip
     Rule(
         "safe-softmax-gradient",

@@ -386,7 +386,7 @@ class _Partition:
             if rounded and position < 8 and self.stored_dtype(operand) == "fp32":
                 # an fp32 operand beside 16-bit ones (q and k after an fp32 rotary embedding): the
                 # tensor cores round it anyway (rule contract-rounded-operand), so a copy rounds it first
-                result[position] = self.rounded_copy(operand, rounded)
+                result[position] = self.rounded_copy(operand, rounded, layout[-1])
                 continue
             # an 8-bit q or k times its MX scales is read in place too (the block-scaled mma)
             if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
@@ -435,14 +435,23 @@ class _Partition:
             return ""
         return self.lowered.stored_dtype(operand[1])
 
-    def rounded_copy(self, operand: Term, dtype: str) -> Term:
+    def rounded_copy(self, operand: Term, dtype: str, innermost: str | None = None) -> Term:
         """``operand``, a read of a stored tensor, reading a ``dtype`` copy of the whole tensor (its
         shape, row-major) at the same indices: every form that reads the tensor, however it indexes
-        it (a grouped gradient's query heads as K/V head and group), reads the one copy."""
+        it (a grouped gradient's query heads as K/V head and group), reads the one copy. Where the
+        tensor stores the axis that ``operand`` reads by ``innermost`` (a head dim) elsewhere than
+        last, the copy stores it last, the kernels reading a head dim contiguous (CUDA's math SDPA
+        keeps kᵀ, scaled in fp32, for its backward)."""
         shape = self.stored_shapes()[operand[1]]
-        axes = tuple(f"i{i}:{n}" for i, n in enumerate(shape))
-        copy = self.materialise(t.access(operand[1], (t.ax(a) for a in axes)), axes, dtype=dtype)
-        return ("Tensor", copy[1], operand[2])
+        reads = t.ix_items(operand[2])
+        order = list(range(len(shape)))
+        inner = [p for p, ix in enumerate(reads) if innermost is not None and ix == t.ax(innermost)]
+        if len(inner) == 1 and inner[0] != len(shape) - 1:
+            order = [p for p in order if p != inner[0]] + inner
+        axes = tuple(f"i{p}:{shape[p]}" for p in range(len(shape)))
+        copy = self.materialise(t.access(operand[1], (t.ax(a) for a in axes)), tuple(axes[p] for p in order),
+                                dtype=dtype)  # fmt: skip
+        return ("Tensor", copy[1], t.ix_list(reads[p] for p in order))
 
     def half_dtype(self, operands: tuple[Term, ...], statistics: bool = False) -> str:
         """The 16-bit dtype of attention operands (stored, or computed into the buffer dtype) beside

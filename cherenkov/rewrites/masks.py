@@ -157,6 +157,13 @@ RULES = (
         example=Example(("Where", ("Where", condition, ("Flag", False), ("Lt", ("Iota", ax("j:4")), ("Num", 2.0))), s, t)),
     ),
     Rule(
+        "where-same-condition",
+        "where(c, a, where(c, b, d)) = where(c, a, d): the inner where is read only where c is false",
+        lhs="(Where c a (Where c b d))",
+        rhs="(Where c a d)",
+        example=Example(("Where", condition, s, ("Where", condition, t, ("Neg", s)))),
+    ),
+    Rule(
         "window-edge-additive",
         "where(j < i + w, −∞, s) = s + where(j < i + w, −∞, 0): a sliding window's lower edge as an added bias",
         lhs=f"(Where {WINDOW_LOWER} (Num -inf) s)",

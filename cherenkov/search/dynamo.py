@@ -23,6 +23,7 @@ from typing import Any
 
 from cherenkov.graph.errors import GraphError
 from cherenkov.graph.torch_capture import (
+    BAKED_BUFFER_PREFIX,
     is_band,
     is_sdpa_kernel,
     lowers_node,
@@ -60,9 +61,12 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     :class:`CompiledFunction` (prepared for the region's example inputs, ``cuda_graphs`` as in
     ``ck.compile``) and called through its custom op; the other ops stay ATen nodes of the
     returned module, as does a region whose capture or search fails (the log names it and
-    the error)."""
+    the error). A bool mask the graph computes is inside the region that reads it, unless it
+    would cross a region's border: then the ops writing and reading it stay ATen."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
+
+    kept_out: set[Any] = set()
 
     class Lowerable(OperatorSupport):
         def is_node_supported(self, submodules: Any, node: Any) -> bool:
@@ -71,7 +75,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
             # guard building (2026-12-05, cause not found)
             mask = sdpa_backward_mask(node)
             banded = mask is None or getattr(mask, "target", None) in bands
-            return lowers_node(node) and _graph_holds(node, baked) and banded
+            return node not in kept_out and lowers_node(node) and _graph_holds(node, baked) and banded
 
     aten = _drop_empty_concatenations(_aten_graph(gm, example_inputs))
     functionalise_internal_writes(aten)
@@ -85,7 +89,11 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     baked = bands | _constant_rng_state(aten)
     restrided = _restrided_outputs(aten.graph)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
-    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    partitions = partitioner.propose_partitions()
+    while crossing := _masks_crossing(partitions, baked):  # their ops stay ATen, and the regions are proposed again
+        kept_out.update(crossing)
+        partitions = partitioner.propose_partitions()
+    fused = partitioner.fuse_partitions(partitions)
     region_inputs = _region_inputs(fused)
     compiled, region_values = [], set()
     for node in list(fused.graph.nodes):
@@ -133,8 +141,8 @@ def _positional(region: Any, name: str, baked: dict[int, Any] | None = None) -> 
     values, kept = {}, 0
     for i, n in enumerate(placeholders):
         if i in baked:
-            region.register_buffer(f"ck_band_{i}", baked[i])
-            values[n] = graph.get_attr(f"ck_band_{i}")
+            region.register_buffer(f"{BAKED_BUFFER_PREFIX}{i}", baked[i])
+            values[n] = graph.get_attr(f"{BAKED_BUFFER_PREFIX}{i}")
         else:
             values[n] = graph.placeholder(f"in{kept}")
             kept += 1
@@ -145,7 +153,8 @@ def _positional(region: Any, name: str, baked: dict[int, Any] | None = None) -> 
 def _folded_bands(aten: Any) -> set[str]:
     """Values ``aten`` computes from constants alone (no input reaches them) whose values form
     a band (:func:`~cherenkov.graph.torch_capture.is_band`: the causal mask transformers
-    builds from position aranges, as 0/1 or 0/−∞), evaluated once and stored as buffers of
+    builds from position aranges, as 0/1 or 0/−∞, or a mask of one value that hides nothing),
+    evaluated once and stored as buffers of
     ``aten`` that its nodes read instead; returns their attribute names. The shapes they
     depend on are static in a Dynamo specialisation, so the values are too."""
     import torch
@@ -161,7 +170,8 @@ def _folded_bands(aten: Any) -> set[str]:
     for node, value in values.items():
         # the nodes computed per call that read it (a value the graph returns stays computed)
         feeds = [user for user in node.users if user not in values and user.op != "output"]
-        if node.op != "call_function" or not feeds or not isinstance(value, torch.Tensor) or not is_band(value):
+        if (node.op != "call_function" or not feeds or not isinstance(value, torch.Tensor)
+                or not is_band(value, uniform=True)):  # fmt: skip
             continue
         name = f"ck_folded_{len(folded)}"
         attribute = _buffer_node(aten, name, value.contiguous(), node.meta.get("val"), node)
@@ -366,14 +376,38 @@ def _is_empty(node: Any) -> bool:
 
 def _graph_holds(node: Any, baked: set[str]) -> bool:
     """Whether every tensor ``node`` reads and writes is one a ``ck.Graph`` input can be
-    (integer index tensors, bool masks and empty constants stay outside the regions), or a
-    constant a region bakes in (``baked``): a folded band (a causal mask, bool ones included:
-    MPT's ``masked_fill`` of its scores), or SDPA's unused random-number state."""
+    (integer index tensors, bool inputs and empty constants stay outside the regions), a bool
+    mask an op computes (a region keeps it inside: :func:`_masks_crossing`), or a constant a
+    region bakes in (``baked``): a folded band (a causal mask, bool ones included: MPT's
+    ``masked_fill`` of its scores), or SDPA's unused random-number state."""
     import torch
 
     reads = [a for a in node.all_input_nodes if not (a.op == "get_attr" and a.target in baked)]
-    values = [node.meta.get("val")] + [a.meta.get("val") for a in reads]
-    return all(takes_as_input(v) for v in values if isinstance(v, torch.Tensor))
+    return all(takes_as_input(v) or _computed_mask(n) for n in (node, *reads)
+               if isinstance(v := n.meta.get("val"), torch.Tensor))  # fmt: skip
+
+
+def _computed_mask(node: Any) -> bool:
+    """Whether ``node`` is an op's bool result (a comparison's mask: the VJP of ``maximum`` selects
+    its gradient by two), not a graph input or a constant."""
+    import torch
+
+    value = node.meta.get("val")
+    return node.op == "call_function" and isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+def _masks_crossing(partitions: Sequence[Any], baked: set[str]) -> set[Any]:
+    """The nodes of the proposed regions ``partitions`` that would read or write a computed bool
+    mask across their region's border (no ``ck.Graph`` input or output is a bool mask)."""
+    crossing = set()
+    for partition in partitions:
+        inside = partition.nodes
+        for node in inside:
+            reads = [a for a in node.all_input_nodes
+                     if a not in inside and not (a.op == "get_attr" and a.target in baked)]  # fmt: skip
+            if any(map(_computed_mask, reads)) or (_computed_mask(node) and any(u not in inside for u in node.users)):
+                crossing.add(node)
+    return crossing
 
 
 def _is_region(node: Any) -> bool:

@@ -19,6 +19,7 @@ A = torch.ops.aten
 
 import cherenkov as ck  # noqa: E402
 from cherenkov.graph.torch_capture import (  # noqa: E402
+    BAKED_BUFFER_PREFIX,
     SDPA_BACKWARD_KERNELS,
     SDPA_KERNELS,
     sanitize_name,
@@ -372,6 +373,37 @@ def test_tril_buffers_of_any_dtype_are_specialised(dtype: torch.dtype) -> None:
     module = Banded(lambda m, x: x.masked_fill(m.bias[:, :, :4, :4] == 0, -1e4), dtype=dtype)
     g = capture(module, randn(1, 2, 4, 4))
     assert "bias" not in g.inputs
+
+
+class UniformMask(nn.Module):
+    """A mask buffer ``name`` of one value everywhere (transformers 5.17's bidirectional mask: all true,
+    or its additive form, all zeros) used in ``use``."""
+
+    def __init__(self, value: float | bool, use: Callable, name: str) -> None:
+        super().__init__()
+        self.use, self.name = use, name
+        self.register_buffer(name, torch.full((1, 1, 4, 4), value, dtype=torch.bool if value is True else None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.use(getattr(self, self.name), x)
+
+
+@pytest.mark.parametrize("value, use, ops", [
+    (0.0, lambda mask, x: x * 2.0 + mask, 0),  # adding it is nothing: no add
+    (0.0, lambda mask, x: mask + x * 2.0, 0),
+    (True, lambda mask, x: F.softmax(x.masked_fill(~mask, NEG), -1), None),
+    (0.0, lambda mask, x: x.to(torch.float16) + mask, None),  # an fp32 sum of fp16 x: a cast, kept
+])  # fmt: skip
+def test_a_uniform_mask_the_backend_bakes_is_a_band_without_edges(value: float | bool, use: Callable,
+                                                                   ops: int | None) -> None:  # fmt: skip
+    """A constant the Dynamo backend folded and bakes into a region (named so) may hold one value; a
+    module's own float buffer of one value (a zeroed KV cache) may change, and stays an input."""
+    baked = capture(UniformMask(value, use, f"{BAKED_BUFFER_PREFIX}0").eval(), randn(2, 3, 4, 4))
+    assert f"{BAKED_BUFFER_PREFIX}0" not in baked.inputs
+    if ops is not None:
+        assert baked.summary()["ops"].get("add", 0) == ops
+    if value is not True:  # (a bool buffer can be no graph input)
+        assert "mask" in capture(UniformMask(value, use, "mask").eval(), randn(2, 3, 4, 4)).inputs
 
 
 # ----------------------------------------------------------------------------- op coverage
@@ -1066,3 +1098,17 @@ def test_sdpa_backward_kernels_lower_without_dropout_or_packed_sequences() -> No
     assert lowers_node(call(empty))
     assert not lowers_node(call(torch.tensor([0, 64, 128], dtype=torch.int32)))
     assert lowers_node(call(empty, bias=True)) and not lowers_node(call(empty, dropout=0.1))
+
+
+def test_a_batched_product_of_a_transposed_operand_transposed_back_is_taken_unmerged() -> None:
+    """A backward's ``bmm`` over batch·heads reads a transposed operand's transpose (dq = dS·k with
+    ``k`` the forward's ``kᵀ`` transposed again): the capture takes the product of the unmerged
+    tensors, as for the forward's products, so the contraction sums over one axis of 4-D operands."""
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        kt = b.reshape(8, 7, 5).transpose(1, 2)
+        return torch.bmm(a.reshape(8, 6, 7), kt.transpose(1, 2)).view(2, 4, 6, 5)
+
+    g = capture(product, randn(2, 4, 6, 7), randn(2, 4, 7, 5, seed=1))
+    (reduction,) = [node for node in g.nodes if node.op == "sum_reduce"]
+    assert len(g.node(reduction.inputs[0]).shape) == 5, "batch, heads, rows, columns and the summed axis"

@@ -280,6 +280,30 @@ def test_the_safe_softmax_alone_is_the_flash_form() -> None:
     assert_derived_program_matches(g, d)
 
 
+def test_an_fp32_key_stored_transposed_is_rounded_into_a_copy_with_its_head_dim_last() -> None:
+    """CUDA's math SDPA (a 16-bit training step) scales q and kᵀ in fp32 and saves both for its
+    backward: the region stores kᵀ as ``(B, H, D, S)``. The flash kernel reads a 16-bit copy of it
+    (rule ``contract-rounded-operand``), stored with the head dim last as every flash plan reads k;
+    a copy in kᵀ's own layout had left the kernel without a plan, and the region unfused."""
+    g = ck.Graph("math_sdpa")
+    q, k, v = (g.input(n, (B, H, SQ if n == "q" else SKV, D), "bf16") for n in "qkv")
+    root = math.sqrt(SCALE)
+    q32, kt32 = q.cast("fp32") * root, k.cast("fp32").transpose(-2, -1) * root
+    s = q32 @ kt32
+    p = ck.where(s.max(axis=-1, keepdim=True) > -math.inf, ck.nn.softmax(s, axis=-1), 0.0)
+    g.output((p @ v.cast("fp32")).cast("bf16"), "o")
+    g.output(q32, "q_scaled")
+    g.output(kt32, "kt_scaled")
+    d = ck.derive(g)
+    assert "flash_attention" in [kernel.kind for kernel in d.kernels]
+    plans = d.plans("sm_90a")
+    assert plans and not hopper_schedule_problems(HopperFlashSchedule(), plans[0].problem)
+    inputs = random_inputs(g)
+    expected, got = ck.evaluate(g, inputs), ck.evaluate(d, inputs)
+    for name in g.outputs:  # the scale √s, an fp32 constant in the graph, a float64 literal in the forms
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-9)
+
+
 def test_constants_a_graph_also_outputs_are_read_as_literals() -> None:
     """A region that hands its constants to later ops (transformers' decode step: the safe
     softmax's −∞ and 0 are outputs too) still derives flash attention: a stored constant is

@@ -187,11 +187,11 @@ def test_the_split_graph_calls_each_region_as_a_custom_op_and_inductor_compiles_
 
 def test_a_region_that_reads_no_tensor_stays_aten_ops():
     """GPT-2's mask constants on the GPU: two scalars computed from nothing, read by a ``where``
-    on a bool condition (which stays ATen), form a region of their own."""
+    on a bool condition the graph takes as an input (which stays ATen), form a region of their own."""
 
-    def masked(x):
+    def masked(x, positive):
         low, one = torch.full((), -2.0) * 1.5, torch.zeros(()) + 1.0
-        return torch.softmax((x * torch.where(x > 0, low, one)) @ x.t(), dim=-1)
+        return torch.softmax((x * torch.where(positive, low, one)) @ x.t(), dim=-1)
 
     x = torch.randn(8, 16)
     splits = []
@@ -201,11 +201,40 @@ def test_a_region_that_reads_no_tensor_stays_aten_ops():
         return splits[-1].module.forward
 
     torch._dynamo.reset()
-    got = torch.compile(masked, backend=recording)(x)
-    assert torch.allclose(got, masked(x), rtol=1e-4, atol=1e-6)
+    got = torch.compile(masked, backend=recording)(x, x > 0)
+    assert torch.allclose(got, masked(x, x > 0), rtol=1e-4, atol=1e-6)
     (split,) = splits
     assert len(split.compiled) == 1, "only the region reading x is searched"
     assert sum(n.op == "call_module" for n in split.module.graph.nodes) == 1, "the constant region stays ATen ops"
+
+
+@pytest.mark.parametrize("returned", [False, True])
+def test_a_bool_mask_a_region_computes_and_reads_stays_inside_it(returned: bool):
+    """A comparison's mask read by a ``where`` (what the VJP of ``maximum`` is) is computed inside the
+    region reading it; one the graph also returns would leave a region as a bool tensor, so its
+    comparison and ``where`` stay ATen."""
+
+    def leaky(x, w):
+        y = x @ w
+        positive = y > 0
+        out = torch.where(positive, y, 0.1 * y) @ w
+        return (out, positive) if returned else out
+
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    splits = []
+
+    def recording(gm, example_inputs, **kwargs):
+        splits.append(split_supported(gm, example_inputs))
+        return splits[-1].module.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(leaky, backend=recording)(x, w)
+    expected = leaky(x, w)
+    for a, b in zip(got if returned else [got], expected if returned else [expected]):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+    (split,) = splits
+    left = {str(n.target) for n in split.module.graph.nodes if n.op == "call_function"}
+    assert ({"aten.gt.Scalar", "aten.where.self"} <= left) == returned, left
 
 
 def test_a_gpt2_model_is_one_region_behind_its_embeddings_and_matches_eager():
@@ -475,6 +504,9 @@ def test_is_band_recognises_tril_window_and_additive_masks_only():
     three = tril.clone()
     three[0, 0] = 0.5
     assert not any(is_band(v) for v in (off, three, torch.ones(6, 6), torch.randn(6, 6)))
+    # one value everywhere (a mask that hides nothing) is a band only where asked (constants the backend folds)
+    assert is_band(torch.ones(6, 6), uniform=True) and is_band(torch.zeros(2, 1, 6, 6), uniform=True)
+    assert not is_band(torch.randn(6, 6), uniform=True)
 
 
 def test_a_region_handed_another_float_dtype_casts_to_the_traced_one_without_a_new_search():

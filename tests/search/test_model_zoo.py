@@ -8,7 +8,7 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Sixteen of them also train
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Seventeen of them also train
 a step like eager, a flash backward an attention layer (BERT's padded SDPA backward stays torch's;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
 and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
@@ -130,9 +130,11 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     # MPT's ALiBi, a stored bias under its causal masked_fill (a finite minimum, a folded bool band)
     "mpt_alibi": (lambda: (transformers.MptForCausalLM(transformers.MptConfig(
         n_layers=1, d_model=128, n_heads=4, vocab_size=256, max_seq_len=128, expansion_ratio=1)), _token_ids()), 1),
-    # XGLM's causal mask of finite minima, the masked scores clamped at bf16's lowest in fp32 and rounded back
+    # XGLM's causal mask of finite minima, the masked scores clamped at bf16's lowest in fp32 and rounded back (no
+    # dropout: a training step is eager's)
     "xglm_clamped_mask": (lambda: (transformers.XGLMForCausalLM(transformers.XGLMConfig(
-        num_layers=1, d_model=128, attention_heads=4, ffn_dim=128, vocab_size=256, dropout=0.0)), _token_ids()), 1),
+        num_layers=1, d_model=128, attention_heads=4, ffn_dim=128, vocab_size=256, dropout=0.0,
+        attention_dropout=0.0)), _token_ids()), 1),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "modernbert_local_and_global": (_modernbert, 2),
@@ -175,14 +177,16 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),
            "gemma2_softcap": (1, 1), "bart": (3, 3), "bert_padded": (1, 0), "gemma_mqa": (1, 1),
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1),
-           "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1)}  # fmt: skip
+           "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
 torch's fused kernel in the backend; Bloom's and MPT's ALiBi, a bias the backward recomputes with the scores (Bloom
 adds it in ``baddbmm``) and reads stored, trains on a flash backward; ModernBERT's rotary embedding, in fp32, hands the
 kernels fp32 q and k and takes fp32 gradients back: each is rounded into a 16-bit copy, each gradient written in 16 bits
-and widened; Cohere's interleaved one too, its grouped gradients reading the one copy of q)."""
+and widened; Cohere's interleaved one too, its grouped gradients reading the one copy of q; XGLM's clamp of its masked
+scores has a gradient, torch's VJP of ``maximum`` selecting by two comparisons' masks, that moves only masked entries,
+whose probability is 0)."""
 
 
 @pytest.mark.parametrize("family", list(TRAINED))
@@ -285,6 +289,45 @@ def test_modernbert_trains_through_cudnn_sdpa_kernels_with_flash_kernels(cudnn_s
                                 for prepared in region.prepared.values()
                                 for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
     assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == (2, 2), dict(kinds)
+
+
+def _cuda_math_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA as CUDA's math backend traces it for 16-bit operands: q, k and v upcast to fp32, q and k each
+    scaled by the square root of the scale, a bool mask made additive by ``where`` over two scalar tensors,
+    ``_safe_softmax``, the output rounded back."""
+    root = math.sqrt(scale or q.shape[-1] ** -0.5)
+    scores = (q.float() * root) @ (k.float() * root).transpose(-2, -1)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=q.dtype),
+                                    torch.scalar_tensor(-math.inf, dtype=q.dtype))  # fmt: skip
+        scores = scores + attn_mask
+    return (torch.ops.aten._safe_softmax(scores, -1) @ v.float()).to(q.dtype)
+
+
+def test_modernbert_under_a_mask_that_hides_nothing_derives_its_flash_forwards(monkeypatch) -> None:
+    """transformers 5.17 (the GPU machine's) builds ModernBERT's global mask under Dynamo as ``q_idx >= 0``
+    expanded over the keys, all true, and CUDA ran that layer through the math backend (2026-12-06, H100):
+    its region read the folded, all-zero additive mask as a bias tensor and derived no flash kernel. Folded
+    as a band without edges, adding it is nothing, and both layers' forwards are flash kernels."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *args, **kwargs: False)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _cuda_math_sdpa)
+    build, _ = FAMILIES["modernbert_local_and_global"]
+    torch.manual_seed(0)
+    model, inputs = build()
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = model(**inputs)[0].float()
+        with recorded_splits() as splits:
+            got = torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))(**inputs)[0]
+    assert float((got.float() - expected).norm() / expected.norm()) < 2e-2
+    graphs = [prepared.graph for split in splits for region in split.compiled for prepared in region.prepared.values()]
+    assert not [name for g in graphs for name, spec in g.summary()["inputs"].items() if len(spec["shape"]) == 4
+                and spec["shape"][-2:] == spec["shape"][-1:] * 2]  # no T x T mask read  # fmt: skip
+    kinds = collections.Counter(kernel.kind for g in graphs for kernel in ck.derive(g).kernels_for("sm_90a"))
+    assert kinds["flash_attention"] == 2, dict(kinds)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3_sliding_and_full", "falcon", "deepseek_v3_mla"])
