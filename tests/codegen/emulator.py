@@ -9,7 +9,10 @@ it waits at a barrier; ``__syncthreads`` is a block barrier, and the warp collec
 per-warp buffer between two warp barriers, so the fragment layouts, index arithmetic,
 tails, shared-memory stages and epilogues of the generated kernels run as written. Blocks
 run one after another (``__shared__`` becomes ``static``, and so does the dynamic
-shared memory, sized for the plan).
+shared memory, sized for the plan). A block whose threads deadlock (a round of resumes in which
+nothing any waiting thread could observe changed) ends the program at once with
+``DEADLOCK_EXIT`` and a report of what each thread waits on; :func:`run_emulated` raises it as
+:class:`EmulatedDeadlock`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ EMULATED = (
     "ck_cp_async_16", "ck_cp_async_commit", "ck_cp_async_wait_oldest", "scale_pair",
 )  # fmt: skip
 
-PRELUDE = r"""
+DEADLOCK_EXIT = 3
+"""The exit status of an emulated program one of whose blocks deadlocked (its report on stderr)."""
+
+PRELUDE = f"#define EMU_DEADLOCK_EXIT {DEADLOCK_EXIT}\n" + r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,6 +47,7 @@ PRELUDE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -58,48 +65,86 @@ struct uint2 { unsigned x, y; };
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
-// A block's CUDA threads are fibers taking turns on the host thread: each runs until it waits at a
-// barrier, and the scheduler resumes the next one (threadIdx set to its own), round after round.
+// What a waiting fiber waits on, for a deadlock report: describe(object, awaited, out, size) writes
+// the object's kind, id and state and the phase the fiber awaits.
+struct EmuWait {
+    void (*describe)(const void* object, unsigned awaited, char* out, size_t size) = nullptr;
+    const void* object = nullptr;
+    unsigned awaited = 0;
+};
+
+// A block's CUDA threads are fibers taking turns on the host thread: each runs until it waits, and
+// the scheduler resumes the next one (threadIdx set to its own), round after round.
+//
+// Deadlocks: a fiber waits by testing a condition and yielding while it does not hold (emu_wait), and
+// the condition reads only the state of waiting primitives. Whatever changes such state (an arrival
+// at a barrier, a phase completing, a thread leaving its barriers as it returns) counts progress
+// (emu_progress); a test counts nothing, and neither would a spinning wait (a loop around a try-wait
+// that yields when it fails): what it polls counts its own changes. A round that resumes every live
+// fiber and counts none leaves that state as it found it: every fiber found its condition false,
+// none can change, and the next round would repeat it forever. The scheduler then reports the block
+// and exits with EMU_DEADLOCK_EXIT. A slow program never trips it: one change anywhere in a round,
+// which some fiber's next test may see, makes the round count.
 struct EmuFiber {
     ucontext_t context;
     bool done = false;
+    EmuWait wait;  // what it last yielded waiting on (current while it is not done)
 };
 struct EmuScheduler {
     ucontext_t host;
     EmuFiber* fibers = nullptr;
     unsigned current = 0;
     std::function<void()>* body = nullptr;
+    unsigned long long progress = 0;
 };
 static EmuScheduler emu_scheduler;
 
-static inline void emu_yield() {
-    swapcontext(&emu_scheduler.fibers[emu_scheduler.current].context, &emu_scheduler.host);
+static inline void emu_progress() { ++emu_scheduler.progress; }
+
+// Wait until ready() holds: resumed each round, the fiber tests it again (a test changes nothing).
+template <class Ready> static inline void emu_wait(const EmuWait& what, Ready ready) {
+    EmuFiber& self = emu_scheduler.fibers[emu_scheduler.current];
+    while (!ready()) {
+        self.wait = what;
+        swapcontext(&self.context, &emu_scheduler.host);
+    }
 }
 
 // std::barrier's contract for fibers: a phase completes when its last member arrives (that one
-// runs on); arrive_and_drop arrives and leaves the later phases.
+// runs on); arrive_and_drop arrives and leaves the later phases. Arrivals and drops count progress.
 struct EmuBarrier {
-    explicit EmuBarrier(int members) : expected(members) {}
+    EmuBarrier(int members, const char* kind, int id = -1) : expected(members), kind(kind), id(id) {}
     int expected, arrived = 0;
     unsigned phase = 0;
+    const char* kind;  // for a deadlock report, with the id where it is not -1
+    int id;
     void arrive_and_wait() {
+        emu_progress();
         if (++arrived == expected) {
             arrived = 0;
             ++phase;
             return;
         }
-        for (const unsigned mine = phase; phase == mine;) emu_yield();
+        const unsigned mine = phase;
+        emu_wait({describe, this, mine}, [&] { return phase != mine; });
     }
     void arrive_and_drop() {
+        emu_progress();
         if (--expected > 0 && arrived == expected) {
             arrived = 0;
             ++phase;
         }
     }
+    static void describe(const void* object, unsigned awaited, char* out, size_t size) {
+        const EmuBarrier& b = *static_cast<const EmuBarrier*>(object);
+        char id[16] = "";
+        if (b.id >= 0) std::snprintf(id, sizeof id, " %d", b.id);
+        std::snprintf(out, size, "%s%s, phase %u: %d of %d arrived", b.kind, id, awaited, b.arrived, b.expected);
+    }
 };
 
 struct EmuWarp {
-    EmuBarrier bar{32};
+    EmuBarrier bar{32, "barrier (__syncwarp, shuffles, votes, ldmatrix, mma) of warp"};
     unsigned words[32][8];
     float floats[32][4];
     const void* addr[32];
@@ -117,9 +162,43 @@ static void emu_fiber_entry() {
     emu_scheduler.fibers[emu_scheduler.current].done = true;
 }  // returns to the host context (uc_link)
 
+// A deadlocked block: its index and, a line per distinct wait (in the order of its first thread), the
+// threads waiting on it, then those that returned; the program exits with EMU_DEADLOCK_EXIT.
+[[noreturn]] static void emu_deadlock(const char* kernel, const EmuFiber* fibers, unsigned threads) {
+    std::vector<std::string> what(threads);  // a thread's wait, empty where it returned
+    unsigned waiting = 0;
+    for (unsigned t = 0; t < threads; ++t) {
+        if (fibers[t].done) continue;
+        char line[256];
+        fibers[t].wait.describe(fibers[t].wait.object, fibers[t].wait.awaited, line, sizeof line);
+        what[t] = line;
+        ++waiting;
+    }
+    const auto threads_of = [&](const std::string& wait) {  // as ranges: "0-30, 32"
+        std::string ranges;
+        for (unsigned first = 0; first < threads; ++first) {
+            if (what[first] != wait) continue;
+            unsigned last = first;
+            while (last + 1 < threads && what[last + 1] == wait) ++last;
+            ranges += (ranges.empty() ? "" : ", ") + std::to_string(first);
+            if (last > first) ranges += "-" + std::to_string(last);
+            first = last;
+        }
+        return ranges;
+    };
+    std::fprintf(stderr, "emulator: deadlock in %s, block (%u, %u, %u) of grid (%u, %u, %u): %u of its %u threads "
+                 "wait, and a round of resumes changed nothing they wait on\n", kernel, blockIdx.x, blockIdx.y,
+                 blockIdx.z, gridDim.x, gridDim.y, gridDim.z, waiting, threads);
+    for (unsigned t = 0; t < threads; ++t)
+        if (!what[t].empty() && std::find(what.begin(), what.begin() + t, what[t]) == what.begin() + t)
+            std::fprintf(stderr, "  threads %s wait on the %s\n", threads_of(what[t]).c_str(), what[t].c_str());
+    if (waiting < threads) std::fprintf(stderr, "  threads %s returned\n", threads_of("").c_str());
+    std::exit(EMU_DEADLOCK_EXIT);
+}
+
 // Run body as `threads` CUDA threads of the current block: each fiber on its own stack, a guard page
-// below it, resumed in turn until every one has returned.
-static void emu_run_threads(unsigned threads, std::function<void()> body) {
+// below it, resumed in turn until every one has returned, or a round made no progress.
+static void emu_run_threads(const char* kernel, unsigned threads, std::function<void()> body) {
     constexpr size_t STACK = size_t(1) << 21, GUARD = 4096;
     char* stacks = static_cast<char*>(mmap(nullptr, STACK * threads, PROT_READ | PROT_WRITE,
                                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
@@ -136,6 +215,7 @@ static void emu_run_threads(unsigned threads, std::function<void()> body) {
         makecontext(&fibers[t].context, emu_fiber_entry, 0);
     }
     for (unsigned live = threads; live;) {
+        const unsigned long long before = emu_scheduler.progress;
         for (unsigned t = 0; t < threads; ++t) {
             if (fibers[t].done) continue;
             emu_scheduler.current = t;
@@ -143,8 +223,19 @@ static void emu_run_threads(unsigned threads, std::function<void()> body) {
             swapcontext(&emu_scheduler.host, &fibers[t].context);
             live -= fibers[t].done;
         }
+        if (live && emu_scheduler.progress == before) emu_deadlock(kernel, fibers.data(), threads);
     }
     munmap(stacks, STACK * threads);
+}
+
+// Run one block of `kernel` (blockIdx set): its barrier, and a barrier and exchange buffers a warp.
+static void emu_run_block(const char* kernel, unsigned threads, std::function<void()> body) {
+    EmuBarrier bar(threads, "block barrier (__syncthreads)");
+    std::vector<EmuWarp> warps((threads + 31) / 32);
+    for (size_t w = 0; w < warps.size(); ++w) warps[w].bar.id = int(w);
+    EmuBlock block{&bar, warps.data()};
+    emu_block = &block;
+    emu_run_threads(kernel, threads, std::move(body));
 }
 
 static inline int emu_lane() { return int(threadIdx.x) & 31; }
@@ -313,12 +404,8 @@ def launch_blocks(function: str, grid: tuple[int, int, int], threads: int, args:
     for (unsigned bz = 0; bz < {gz}; ++bz)
     for (unsigned by = 0; by < {gy}; ++by)
     for (unsigned bxi = 0; bxi < {gx}; ++bxi) {{
-        EmuBarrier bar({threads});
-        std::vector<EmuWarp> warps({(threads + 31) // 32});
-        EmuBlock block{{&bar, warps.data()}};
         blockIdx.x = bxi; blockIdx.y = by; blockIdx.z = bz;
-        emu_block = &block;
-        emu_run_threads({threads}, [&] {{ {function}({args}); }});
+        emu_run_block("{function}", {threads}, [&] {{ {function}({args}); }});
     }}
 """
 
@@ -391,12 +478,26 @@ def emulate(plan, inputs: dict[str, np.ndarray], work: Path | None = None) -> np
         poison = Path(tmp) / "out.bin"
         np.full(out.numel * np.dtype(NP_TYPES[out.dtype]).itemsize, 0xFF, dtype=np.uint8).tofile(poison)
         result_path = Path(tmp) / "result.bin"
-        run = subprocess.run([str(binary), *paths, str(poison), str(result_path)], capture_output=True, text=True,
-                             timeout=600)  # fmt: skip
-        if run.returncode:
-            raise RuntimeError(f"emulated {plan.name} failed (exit {run.returncode}): {run.stderr[:2000]}")
+        run_emulated(binary, [*paths, str(poison), str(result_path)], plan.name, timeout=600)
         data = np.fromfile(result_path, dtype=NP_TYPES[out.dtype]).reshape(out.shape)
     return from_bits(data, out.dtype)
+
+
+class EmulatedDeadlock(RuntimeError):
+    """An emulated block deadlocked; the message holds the program's report (the block, and what
+    each thread waits on)."""
+
+
+def run_emulated(binary: Path, args: list[str], plan_name: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run an emulated program with ``args`` (its output captured): an :class:`EmulatedDeadlock`
+    when one of its blocks deadlocked, a ``RuntimeError`` naming ``plan_name`` when it failed
+    otherwise."""
+    run = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout)
+    if run.returncode == DEADLOCK_EXIT:
+        raise EmulatedDeadlock(f"emulated {plan_name} deadlocked (exit {DEADLOCK_EXIT}):\n{run.stderr[:4000]}")
+    if run.returncode:
+        raise RuntimeError(f"emulated {plan_name} failed (exit {run.returncode}): {run.stderr[:2000]}")
+    return run
 
 
 def host_binary(source: str, label: str, plan_name: str, work: Path | None = None) -> Path:
