@@ -113,8 +113,9 @@ def _score_gradient_rules() -> tuple[Rule, ...]:
 
 
 def _value_gradient_rules() -> tuple[Rule, ...]:
-    """dv streamed over the queries, for each score form; under a bias also through SDPA's safe
-    softmax's where (the flash backward's P is 0 in a row without a live score)."""
+    """dv streamed over the queries, for each score form, also through SDPA's safe softmax's where
+    (the flash backward's P is 0 in a row without a live score): a masked SDPA spells it, and so does
+    CUDA's math SDPA without one."""
     rules = []
     for form in score_forms():
         rules.append(Rule(
@@ -125,8 +126,6 @@ def _value_gradient_rules() -> tuple[Rule, ...]:
             where=form.facts,
             example=Example(("Contract", "i:3", 3, _recomputed_example(form.score_example), do2)),
         ))
-        if form.bias is None:
-            continue
         live = f"(Lt (Num -inf) (Max j nj {form.score}))"
         rules.append(Rule(
             f"flash-grad-v{form.suffix}-safe",
@@ -272,6 +271,17 @@ RULES = (
         rhs="(Mul (SoftmaxRow j n s) (Add g (Neg (Sum j n (Mul (SoftmaxRow j n s) g)))))",
         example=Example(("Mul", probability, ("Add", _live_only(g), ("Neg", ("Sum", "j:7", 7,
                                                                              ("Mul", probability, _live_only(g))))))),
+    ),  # fmt: skip
+    Rule(
+        "safe-softmax-output-gradient",
+        "w∘(g − Σ_j w∘g) = P∘(g − Σ_j P∘g) for w = where(max_j s > −∞, P, 0), P = softmax_j(s): the softmax's "
+        "VJP from the safe softmax's output (autograd's), P read as the flash backward's (0 in a row without a "
+        "live score, as w is)",
+        lhs=(f"(Mul (Where {_LIVE_ROW} (SoftmaxRow j n s) (Num 0.0)) (Add g (Neg (Sum j n (Mul (Where {_LIVE_ROW} "
+             "(SoftmaxRow j n s) (Num 0.0)) g)))))"),
+        rhs="(Mul (SoftmaxRow j n s) (Add g (Neg (Sum j n (Mul (SoftmaxRow j n s) g)))))",
+        example=Example(("Mul", _live_only(probability), ("Add", g, ("Neg", ("Sum", "j:7", 7,
+                                                                             ("Mul", _live_only(probability), g)))))),
     ),  # fmt: skip
     Rule(
         "sum-swap",

@@ -264,6 +264,22 @@ def bias_buffer_dtype(bias: Term) -> str:
     return COMPUTED_BIAS_DTYPE if computes else ""
 
 
+def _operand_head_axes() -> dict[str, dict[int, int]]:
+    """For each backward form, the term position of each of its q, k, v and dO operands, mapped to
+    the position of the axis it is contracted over (q and k: the head dim d; v and dO: theirs): the
+    binders that scope over exactly two of a form's tensor operands."""
+    axes: dict[str, dict[int, int]] = {}
+    for constructor in EXPR_CONSTRUCTORS:
+        if constructor.name in GRADIENT_OPERANDS:
+            axes[constructor.name] = {operand + 1: axis + 1 for axis, operands in constructor.binds
+                                      if len(operands) == 2 for operand in operands}  # fmt: skip
+    return axes
+
+
+OPERAND_HEAD_AXES = _operand_head_axes()
+"""Backward form -> {operand's term position: its head axis's term position}."""
+
+
 def gradient_tensors(core: Term) -> tuple[Term, ...]:
     """A backward form's tensor operands (q, k, v, dO, the operand read again): its masks left out."""
     operands = (core[p] for p in GRADIENT_OPERANDS[core[0]])
@@ -319,7 +335,7 @@ class _Partition:
             primary = t.replace(primary, extra, access) if primary is not None else None
             extras = [t.replace(other, extra, access) for other in extras]
         if primary is not None and primary[0] in GRADIENT_OPERANDS and not dtype:
-            half = self.half_dtype(gradient_tensors(primary))
+            half = self.half_dtype(gradient_tensors(primary), all_fp32=True)
             if half and self.lowered.root_dtypes.get(output) == "fp32":  # the kernels write 16-bit gradients
                 term = t.replace(term, primary, self.materialise(primary, axes, dtype=half))
                 primary = None
@@ -377,7 +393,7 @@ class _Partition:
         }
         cap, mask = t.soft_capped(core[9])
         bias = None if sliding_window(mask) else t.mask_bias(mask)  # a window: the kernel's own key range
-        rounded = self.half_dtype((q, k) if statistics else (q, k, v), statistics)
+        rounded = self.half_dtype((q, k) if statistics else (q, k, v), all_fp32=statistics)
         if bias is not None and not self.readable_in_place(bias):
             axes = t.free_axes(bias)
             layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), bias)
@@ -414,11 +430,13 @@ class _Partition:
         reads of stored tensors: each that is not an affine view of one is materialised, and one
         stored in fp32 beside 16-bit ones rounded into a 16-bit copy, as :meth:`prepare_flash` does."""
         result = list(core)
-        rounded = self.half_dtype(gradient_tensors(core))
+        rounded = self.half_dtype(gradient_tensors(core), all_fp32=True)
+        heads = OPERAND_HEAD_AXES[core[0]]
         for position in GRADIENT_OPERANDS[core[0]]:
             operand = core[position]
             if rounded and self.stored_dtype(operand) == "fp32":
-                result[position] = self.rounded_copy(operand, rounded)
+                head = heads.get(position)
+                result[position] = self.rounded_copy(operand, rounded, None if head is None else core[head])
             elif operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
                 cap, mask = t.soft_capped(operand)
                 bias = None if sliding_window(mask) else t.mask_bias(mask)
@@ -453,15 +471,16 @@ class _Partition:
                                 dtype=dtype)  # fmt: skip
         return ("Tensor", copy[1], t.ix_list(reads[p] for p in order))
 
-    def half_dtype(self, operands: tuple[Term, ...], statistics: bool = False) -> str:
+    def half_dtype(self, operands: tuple[Term, ...], all_fp32: bool = False) -> str:
         """The 16-bit dtype of attention operands (stored, or computed into the buffer dtype) beside
         which any stored in fp32 are rounded, the tensor cores rounding them anyway (rule
         ``contract-rounded-operand``), and gradients the graph keeps in fp32 widened: the one they
-        have; for a log-sum-exp's q and k (``statistics``) both in fp32, the buffer dtype where it
-        is 16-bit, as the flash kernel that writes it as a side output rounds them. Else ""."""
+        have; where every one is in fp32 (``all_fp32``: a log-sum-exp's q and k, as the flash kernel
+        that writes it as a side output rounds them; a backward form's, as CUDA's math SDPA keeps
+        them for dv), the buffer dtype where it is 16-bit. Else ""."""
         stored = {self.stored_dtype(operand) or self.lowered.buffer_dtype for operand in operands}
         halves = stored & {"bf16", "fp16"}
-        if statistics and stored == {"fp32"} and self.lowered.buffer_dtype in ("bf16", "fp16"):
+        if all_fp32 and stored == {"fp32"} and self.lowered.buffer_dtype in ("bf16", "fp16"):
             return self.lowered.buffer_dtype
         return halves.pop() if len(halves) == 1 and stored <= halves | {"fp32"} else ""
 

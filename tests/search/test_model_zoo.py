@@ -330,6 +330,36 @@ def test_modernbert_under_a_mask_that_hides_nothing_derives_its_flash_forwards(m
     assert kinds["flash_attention"] == 2, dict(kinds)
 
 
+def test_modernbert_trains_through_cuda_math_sdpa_with_flash_kernels(monkeypatch) -> None:
+    """A training step through CUDA's math SDPA (its spelling on the CPU), under transformers 5.17's
+    all-true global mask: the forward saves q and kᵀ scaled in fp32, the backward reads them and
+    differentiates the safe softmax from its output. Each fp32 operand is rounded into a 16-bit copy
+    with its head dim last, dv, dq and dk read the same copies, and both layers train on flash kernels."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *args, **kwargs: False)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _cuda_math_sdpa)
+    build, _ = FAMILIES["modernbert_local_and_global"]
+    torch.manual_seed(0)
+    model, inputs = build()
+    model = model.to(torch.bfloat16).train()
+
+    def gradients(run: Callable[..., Any]) -> torch.Tensor:
+        model.zero_grad()
+        out = run(**inputs)[0].float()
+        (out * torch.linspace(-1.0, 1.0, out.shape[-1])).sum().backward()
+        return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+    expected = gradients(model)
+    with recorded_splits() as splits:
+        got = gradients(torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager")))
+    assert float((got - expected).norm() / expected.norm()) < 2e-2
+    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
+                                for prepared in region.prepared.values()
+                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == (2, 2), dict(kinds)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma3_sliding_and_full", "falcon", "deepseek_v3_mla"])
 def test_a_model_family_generates_eager_tokens_through_the_backend(family: str) -> None:
     """Greedy decoding with transformers' default (growing) cache: every step a new signature of the regions,
