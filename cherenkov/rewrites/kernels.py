@@ -428,7 +428,8 @@ class _Partition:
     def prepare_flash_gradient(self, core: Term) -> Term:
         """A backward form's tensor operands (q, k, v, dO, the operand read again, a bias) as
         reads of stored tensors: each that is not an affine view of one is materialised, and one
-        stored in fp32 beside 16-bit ones rounded into a 16-bit copy, as :meth:`prepare_flash` does."""
+        stored in fp32 beside 16-bit ones (or, all in fp32, in a 16-bit graph) rounded into a
+        16-bit copy with its head dim last, as :meth:`prepare_flash` does."""
         result = list(core)
         rounded = self.half_dtype(gradient_tensors(core), all_fp32=True)
         heads = OPERAND_HEAD_AXES[core[0]]
