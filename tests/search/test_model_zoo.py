@@ -189,11 +189,11 @@ scores has a gradient, torch's VJP of ``maximum`` selecting by two comparisons' 
 whose probability is 0)."""
 
 
-@pytest.mark.parametrize("family", list(TRAINED))
-def test_a_model_family_trains_through_the_backend_like_eager_with_a_flash_backward(family: str) -> None:
-    """One training step's gradients (every parameter's, together; one that eager leaves without a gradient, as
-    CLIP's post-norm off the loss's path, is zero under ``torch.compile``, as it is under ``aot_eager``) like eager's
-    within bf16 rounding, and each attention layer's backward a flash-attention backward on sm_90a."""
+def _training_step_against_eager(family: str) -> tuple[float, list[Any]]:
+    """One training step of a zoo family in bf16, eagerly and through the backend: the relative error of
+    its gradients (every parameter's, together; one that eager leaves without a gradient, as CLIP's
+    post-norm off the loss's path, is zero under ``torch.compile``, as it is under ``aot_eager``), and the
+    backend's recorded splits."""
     build, _ = FAMILIES[family]
     torch.manual_seed(0)
     model, inputs = build()
@@ -210,11 +210,23 @@ def test_a_model_family_trains_through_the_backend_like_eager_with_a_flash_backw
     expected = gradients(model)
     with recorded_splits() as splits:
         got = gradients(torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager")))
-    error = float((got - expected).norm() / expected.norm())
+    return float((got - expected).norm() / expected.norm()), splits
+
+
+def _derived_kinds(splits: list[Any]) -> collections.Counter:
+    """The kinds of the kernels the regions of ``splits`` derive on sm_90a, counted."""
+    return collections.Counter(kernel.kind for split in splits for region in split.compiled
+                               for prepared in region.prepared.values()
+                               for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(TRAINED))
+def test_a_model_family_trains_through_the_backend_like_eager_with_a_flash_backward(family: str) -> None:
+    """One training step's gradients like eager's within bf16 rounding, and each attention layer's backward a
+    flash-attention backward on sm_90a."""
+    error, splits = _training_step_against_eager(family)
     assert error < 2e-2, f"{family}: gradients {error:.3g} from eager"
-    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
-                                for prepared in region.prepared.values()
-                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    kinds = _derived_kinds(splits)
     assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == TRAINED[family], dict(kinds)
 
 
@@ -269,25 +281,10 @@ def test_modernbert_trains_through_cudnn_sdpa_kernels_with_flash_kernels(cudnn_s
     """On a GPU, SDPA under ModernBERT's masks runs cuDNN's kernels, whose forward returns the philox state its
     backward takes back: both stayed torch's kernels (2026-12-06, H100). With that state made constant, the
     training step is eager's and both layers train on flash kernels."""
-    build, _ = FAMILIES["modernbert_local_and_global"]
-    torch.manual_seed(0)
-    model, inputs = build()
-    model = model.to(torch.bfloat16).train()
-
-    def gradients(run: Callable[..., Any]) -> torch.Tensor:
-        model.zero_grad()
-        out = run(**inputs)[0].float()
-        (out * torch.linspace(-1.0, 1.0, out.shape[-1])).sum().backward()
-        return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-
-    expected = gradients(model)
-    with recorded_splits() as splits:
-        got = gradients(torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager")))
-    assert float((got - expected).norm() / expected.norm()) < 2e-2
+    error, splits = _training_step_against_eager("modernbert_local_and_global")
+    assert error < 2e-2
     assert not [n for split in splits for n in split.module.graph.nodes if "cudnn" in str(n.target)]
-    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
-                                for prepared in region.prepared.values()
-                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    kinds = _derived_kinds(splits)
     assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == (2, 2), dict(kinds)
 
 
@@ -339,24 +336,9 @@ def test_modernbert_trains_through_cuda_math_sdpa_with_flash_kernels(monkeypatch
 
     monkeypatch.setattr(masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *args, **kwargs: False)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _cuda_math_sdpa)
-    build, _ = FAMILIES["modernbert_local_and_global"]
-    torch.manual_seed(0)
-    model, inputs = build()
-    model = model.to(torch.bfloat16).train()
-
-    def gradients(run: Callable[..., Any]) -> torch.Tensor:
-        model.zero_grad()
-        out = run(**inputs)[0].float()
-        (out * torch.linspace(-1.0, 1.0, out.shape[-1])).sum().backward()
-        return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-
-    expected = gradients(model)
-    with recorded_splits() as splits:
-        got = gradients(torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager")))
-    assert float((got - expected).norm() / expected.norm()) < 2e-2
-    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
-                                for prepared in region.prepared.values()
-                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    error, splits = _training_step_against_eager("modernbert_local_and_global")
+    assert error < 2e-2
+    kinds = _derived_kinds(splits)
     assert (kinds["flash_attention"], kinds["flash_attention_backward"]) == (2, 2), dict(kinds)
 
 
@@ -403,9 +385,7 @@ def test_a_timm_model_runs_through_the_backend_like_eager(family: str) -> None:
     error = float((got - expected).norm() / expected.norm())
     assert error < 2e-2, f"{family}: {error:.3g} from eager"
     assert splits and any(split.compiled for split in splits), f"{family}: nothing lowered"
-    kinds = collections.Counter(kernel.kind for split in splits for region in split.compiled
-                                for prepared in region.prepared.values()
-                                for kernel in ck.derive(prepared.graph).kernels_for("sm_90a"))  # fmt: skip
+    kinds = _derived_kinds(splits)
     assert kinds["flash_attention"] == flash_kernels, f"{family}: {dict(kinds)}"
 
 
