@@ -604,6 +604,8 @@ def _beside_zero_mask(c: _Capture, x: Any, y: Any) -> Tensor | None:
     for kept, other in ((x, y), (y, x)):
         if not (isinstance(other, _Band) and other.dtype != "bool" and other.inside == other.outside == 0):
             continue
+        if isinstance(kept, _Band):  # a sum of two bands: the plain path builds it (nothing built here unread)
+            continue
         tensor = c.operand(kept)
         if (isinstance(tensor, Tensor) and meta is not None and tuple(tensor.shape) == tuple(meta.shape)
                 and tensor.dtype == _VALUE_DTYPES.get(_dtype_name(meta.dtype))):  # fmt: skip

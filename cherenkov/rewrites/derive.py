@@ -8,10 +8,10 @@ admits on a target (``plans``).
 
 A fused form that no kernel family can plan is not what the graph runs on: where a
 flash-attention kernel has no plan (its q, k or v are not tensors a flash kernel reads, or
-no schedule fits its head dimension on the target), the kernels come from the cheapest
-extraction *without* the streaming forms (``STREAMING_FORMS`` subsumed in a scope of the
-e-graph): contraction, softmax rows, contraction. ``kernels`` applies the first test,
-``kernels_for(target)`` both.
+no schedule fits its head dimension on the target), the roots holding it take their terms
+from the cheapest extraction *without* the streaming forms (``STREAMING_FORMS`` subsumed in a
+scope of the e-graph): contraction, softmax rows, contraction. The other attentions keep their
+flash kernels. ``kernels`` applies the first test, ``kernels_for(target)`` both.
 """
 
 from __future__ import annotations
@@ -276,8 +276,9 @@ class Derivation:
         return self._extraction(excluded)[0]
 
     @functools.cache
-    def _extraction(self, excluded: tuple[str, ...]) -> tuple[dict[str, Term], tuple[str, ...]]:
-        """:meth:`_extract`'s terms, and the recomputed intermediates they compute in place: group
+    def _extraction(self, excluded: tuple[str, ...]) -> tuple[dict[str, Term], tuple[str, ...], dict[str, Term]]:
+        """:meth:`_extract`'s terms, the recomputed intermediates they compute in place, and the
+        cheapest term of every root the outputs could read (those computed in place left out): group
         by group (one attention's, one activation's), each kept where computing it in place too, as
         well as those kept before, gives a whole answer no costlier that holds a flash-attention
         backward form (an attention's probabilities and score gradient do; a GELU's exponentials,
@@ -300,7 +301,8 @@ class Derivation:
                 trial = _read_from_outputs(computed, self.lowered.outputs)
                 if _cost(trial) <= _cost(chosen) and _holds_gradient_forms(trial):
                     chosen, in_place, every = trial, (*in_place, *group), computed
-            return {name: term for name, (term, _) in chosen.items()}, in_place
+            terms = {name: term for name, (term, _) in chosen.items()}
+            return terms, in_place, {name: term for name, (term, _) in every.items()}
         finally:
             if excluded:
                 self._run("(pop)")
@@ -416,42 +418,83 @@ class Derivation:
     def partition(self, streaming: bool = True) -> list[FusedKernel]:
         """The kernels of the cheapest extraction, without their traces; ``streaming=False``
         leaves the streaming forms (flash attention, the online-softmax folds) out of it."""
-        return self._partition(bool(streaming))
+        return list(self._partitioned(frozenset() if streaming else frozenset(self.roots)))
 
     @functools.cache
-    def _partition(self, streaming: bool) -> list[FusedKernel]:
-        kernels = partition_kernels(self._extract(() if streaming else STREAMING_FORMS), self.lowered)
+    def _partitioned(self, unfused: frozenset[str]) -> tuple[FusedKernel, ...]:
+        """The kernels (untraced) of the cheapest extraction whose roots ``unfused`` are taken
+        from the extraction without the streaming forms (:meth:`_mixed_extraction`)."""
+        kernels = partition_kernels(self._mixed_extraction(unfused), self.lowered)
         kernels = gradients_head_dim_last(kernels, frozenset(self.lowered.outputs))
-        return joined_backward(joined_statistics(kernels))
+        return tuple(joined_backward(joined_statistics(kernels)))
+
+    @functools.cache
+    def _kernels_with(self, unfused: frozenset[str]) -> tuple[FusedKernel, ...]:
+        """:meth:`_partitioned`'s kernels, each with its trace."""
+        return tuple(self._traced(list(self._partitioned(unfused))))
+
+    @functools.cache
+    def _mixed_extraction(self, unfused: frozenset[str]) -> dict[str, Term]:
+        """The cheapest term of each root the outputs read, where the roots ``unfused`` (and those
+        only their terms read) take theirs from the extraction without the streaming forms: one
+        attention without a flash plan runs as a contraction, softmax rows and a contraction while
+        the others keep their flash kernels."""
+        fused, _, fused_every = self._extraction(())
+        if not unfused:
+            return fused
+        plain_every = self._extraction(STREAMING_FORMS)[2]
+        every = {name: (plain if name in unfused or name not in fused_every else fused_every[name], 0)
+                 for name, plain in plain_every.items()}  # fmt: skip
+        return {name: term for name, (term, _) in _read_from_outputs(every, self.lowered.outputs).items()}
+
+    def _unplanned(self, unfused: frozenset[str], target: Target | None) -> list[FusedKernel]:
+        """The streaming kernels of :meth:`_partitioned` ``(unfused)`` that no kernel family runs:
+        a flash kernel whose operands are no tensors a flash kernel reads, a log-sum-exp not
+        written by its flash kernel, and (given ``target``) a flash kernel with no plan there."""
+        kernels = list(self._partitioned(unfused))
+        if target is not None:
+            planned = {plan.problem.out for plan in (*self._plans(target, unfused), *self._backward_plans(target, unfused))}
+            return [k for k in kernels if k.kind in ("flash_attention", "flash_attention_backward")
+                    and k.output not in planned]  # fmt: skip
+        return [k for k in kernels if k.kind == "attention_lse"  # no family plans a log-sum-exp alone
+                or k.kind == "flash_attention" and self._attention_problem(k.core, kernels, k) is None
+                or k.kind == "flash_attention_backward" and self._backward_problem(k, kernels) is None]  # fmt: skip
+
+    @functools.cache
+    def _unfused_roots(self, target: Target | None) -> frozenset[str]:
+        """The roots taken from the extraction without the streaming forms so that every
+        streaming kernel left is one a family runs (on ``target``; None: on some target): those
+        that hold, or read through unstored buffers, a kernel :meth:`_unplanned` names, round by
+        round (every root, where a round adds none)."""
+        unfused = frozenset() if target is None else self._unfused_roots(None)
+        while unplanned := self._unplanned(unfused, target):
+            kernels = self._partitioned(unfused)
+            roots = frozenset().union(*(_roots_holding(k, kernels, frozenset(self.roots)) for k in unplanned))
+            if roots <= unfused:
+                return frozenset(self.roots)
+            log.info("%s: %s run unfused (no flash plan%s)", self.graph.name, ", ".join(sorted(roots - unfused)),
+                     f" on {target.name}" if target is not None else "")  # fmt: skip
+            unfused |= roots
+        return unfused
 
     @functools.cached_property
     def kernels(self) -> list[FusedKernel]:
         """The fused kernels covering the graph (from the cheapest extraction), each with
-        the rules its fused form needs; :attr:`unfused_kernels` where a flash-attention
-        kernel's operands are not tensors any flash kernel reads."""
-        fused = self.partition(streaming=True)
-        if any(k.kind == "flash_attention" and self._attention_problem(k.core, fused, k) is None for k in fused):
-            return self.unfused_kernels
-        if any(k.kind == "flash_attention_backward" and self._backward_problem(k, fused) is None for k in fused):
-            return self.unfused_kernels
-        if any(k.kind == "attention_lse" for k in fused):  # one not written by its flash kernel: no family plans it
-            return self.unfused_kernels
-        return self._traced(fused)
+        the rules its fused form needs; an attention whose flash kernel's operands are not
+        tensors any flash kernel reads runs on the unfused kernels (:meth:`_unfused_roots`)."""
+        return list(self._kernels_with(self._unfused_roots(None)))
 
     @functools.cached_property
     def unfused_kernels(self) -> list[FusedKernel]:
         """The kernels of the cheapest extraction without the streaming forms (attention as
         a contraction, softmax rows and a contraction), each with its trace."""
-        return self._traced(self.partition(streaming=False))
+        return list(self._kernels_with(frozenset(self.roots)))
 
     def kernels_for(self, target: str | Target) -> list[FusedKernel]:
-        """The kernels the graph runs on ``target``: :attr:`kernels`, or :attr:`unfused_kernels`
-        where a flash-attention kernel has no plan there."""
-        planned = {plan.problem.out for plan in self.plans(target)}
-        if any(k.kind in ("flash_attention", "flash_attention_backward") and k.output not in planned
-               for k in self.kernels):  # fmt: skip
-            return self.unfused_kernels
-        return self.kernels
+        """The kernels the graph runs on ``target``: :attr:`kernels`, each attention whose flash
+        kernel has no plan there on the unfused kernels."""
+        target = TARGETS[target] if isinstance(target, str) else target
+        return list(self._kernels_with(self._unfused_roots(target)))
 
     def _traced(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
         """``kernels`` with the rules each one's forms need (a joined backward: all its gradients')."""
@@ -542,14 +585,16 @@ class Derivation:
         """Every valid (flash-attention form × schedule) for ``target``: the forward's, then the
         backward's."""
         target = TARGETS[target] if isinstance(target, str) else target
-        return [*self._plans(target), *self._backward_plans(target)]
+        unfused = self._unfused_roots(target)
+        return [*self._plans(target, unfused), *self._backward_plans(target, unfused)]
 
     @functools.cache
-    def _backward_plans(self, target: Target) -> tuple[BackwardPlan, ...]:
+    def _backward_plans(self, target: Target, unfused: frozenset[str]) -> tuple[BackwardPlan, ...]:
         plans = []
-        for kernel in self.kernels:
+        kernels = list(self._kernels_with(unfused))
+        for kernel in kernels:
             if kernel.kind == "flash_attention_backward":
-                problem = self._backward_problem(kernel, self.kernels)
+                problem = self._backward_problem(kernel, kernels)
                 if problem is not None:
                     problem = dataclasses.replace(problem, saved=saved_statistics(problem, list(self.saved_attentions)))
                     plans += backward_plans(problem, target, kernel.trace)
@@ -585,11 +630,12 @@ class Derivation:
         return tuple(saved_attentions(extracted, root_axes, shapes, dtypes))
 
     @functools.cache
-    def _plans(self, target: Target) -> tuple[KernelPlan, ...]:
+    def _plans(self, target: Target, unfused: frozenset[str]) -> tuple[KernelPlan, ...]:
         problems = {}
-        for kernel in self.kernels:
+        kernels = list(self._kernels_with(unfused))
+        for kernel in kernels:
             if kernel.kind == "flash_attention":
-                problem = self._attention_problem(kernel.core, self.kernels, kernel)
+                problem = self._attention_problem(kernel.core, kernels, kernel)
                 if problem is not None:
                     problems[kernel.output] = dataclasses.replace(problem, out=kernel.output)
         if not problems:
@@ -607,7 +653,7 @@ class Derivation:
         for row in rows:
             schedules.setdefault(row[1], []).append(schedule_from_term(row[2]))
         plans = []
-        for kernel in self.kernels:
+        for kernel in kernels:
             problem = problems.get(kernel.output)
             if problem is None:
                 continue
@@ -644,6 +690,22 @@ def _read_from_outputs(extracted: dict[str, tuple[Term, int]],
                 needed.add(sub[1])
                 stack.append(sub[1])
     return {name: term for name, term in extracted.items() if name in needed}
+
+
+def _roots_holding(kernel: FusedKernel, kernels: tuple[FusedKernel, ...], roots: frozenset[str]) -> frozenset[str]:
+    """The roots ``kernel`` writes, and those whose kernels read what it writes through buffers
+    that are no roots (a flash kernel a projection's partition materialised)."""
+    found, seen, stack = set(), set(), list(kernel.outputs)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in roots:
+            found.add(name)
+        else:
+            stack += [output for k in kernels if name in k.reads for output in k.outputs]
+    return frozenset(found)
 
 
 def derive(graph: Graph, **options: Any) -> Derivation:

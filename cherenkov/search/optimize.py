@@ -658,8 +658,10 @@ def _stored_answer(summary: SearchSummary, derivation: Derivation, target: str) 
     graph into the same kernels and every winner's plan rebuilds under its recorded id with
     its recorded source."""
     recorded = [(k.name, k.kind, tuple(k.shape)) for k in summary.kernels]
-    for streaming in (True, False):
-        kernels = derivation.partition(streaming)
+    partitions = (lambda: derivation.partition(True), lambda: derivation.partition(False),
+                  lambda: derivation.kernels_for(target))  # the last: some attentions unfused, planning on the target
+    for partition in partitions:
+        kernels = partition()
         if [(k.output, k.kind, k.shape) for k in kernels] == recorded:
             break
     else:
@@ -723,11 +725,12 @@ def launched_kernels(kernels: list[FusedKernel], outputs: frozenset[str],
 def _summary(graph: Graph, derivation: Derivation, search: _Search, space: SearchSpace,
              results: list[CandidateResult], winners: dict[str, BestKernel]) -> SearchSummary:  # fmt: skip
     notes = list(search.notes)
-    unfused = [k for k in derivation.kernels if k.kind == "flash_attention" and k not in space.kernels]
+    flash = ("flash_attention", "flash_attention_backward")
+    unfused = [k for k in derivation.kernels if k.kind in flash and k not in space.kernels]
+    kinds = ", ".join(k.kind for k in space.kernels if k not in derivation.kernels)
     for kernel in unfused:
-        kinds = ", ".join(k.kind for k in space.kernels if k not in derivation.kernels)
-        notes.append(f"kernel {kernel.output} (flash_attention, shape {list(kernel.shape)}) has no flash plan on "
-                     f"{search.env.target}: the graph runs on the unfused kernels ({kinds})")
+        notes.append(f"kernel {kernel.output} ({kernel.kind}, shape {list(kernel.shape)}) has no flash plan on "
+                     f"{search.env.target}: its attention runs on unfused kernels (new in the partition: {kinds})")
     absorbed_by = {
         c.absorbs: kernel
         for kernel, candidates in space.candidates.items()

@@ -2,7 +2,7 @@
 
 A candidate is one plan (fused form × schedule × target) for one kernel of the
 derivation's partition on the target (:meth:`~cherenkov.rewrites.derive.Derivation.kernels_for`:
-a flash-attention kernel no flash plan fits is replaced by the unfused kernels).
+an attention whose flash kernel no flash plan fits runs on unfused kernels, the others on theirs).
 Flash-attention kernels take the flash plans the e-graph's schedule rules admit; every
 other kernel takes the generic plans of :func:`cherenkov.codegen.term_plan.term_plans`
 (pointwise, row-reduction and GEMM families, schedules enumerated in Python). A pointwise

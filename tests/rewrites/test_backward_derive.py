@@ -90,6 +90,30 @@ def test_a_head_dim_the_backward_does_not_plan_runs_on_the_unfused_kernels() -> 
         np.testing.assert_allclose(buffers[name], expected[name], rtol=1e-9, atol=1e-12)
 
 
+def test_a_backward_without_a_plan_leaves_the_other_attentions_backward_flash() -> None:
+    """Two attentions' gradients, one at a head dim no backward plans (40: no whole k16 steps):
+    that one runs on the unfused kernels, the other's backward stays one flash kernel."""
+    g = ck.Graph("two_attentions")
+    planned = [g.input(n, (1, 2, 32, 64), "bf16") for n in ("q", "k", "v")]
+    unplanned = [g.input(n, (1, 2, 32, 40), "bf16") for n in ("q2", "k2", "v2")]
+    g.output(ck.nn.attention(*planned), "o")
+    g.output(ck.nn.attention(*unplanned), "o2")
+    gg = ck.grad(g, wrt=("q", "k", "v", "q2", "k2", "v2"))
+    d = ck.derive(gg)
+    assert sum(k.kind == "flash_attention_backward" for k in d.kernels) == 2
+    kernels = d.kernels_for("sm_90")
+    backward = [k for k in kernels if k.kind == "flash_attention_backward"]
+    assert len(backward) == 1 and {"contraction", "softmax_rows"} <= {k.kind for k in kernels}
+    assert {p.problem.out for p in d.plans("sm_90")} <= {k.output for k in kernels}
+    inputs = random_inputs(gg)
+    expected = ck.evaluate(gg, inputs)
+    buffers = dict(inputs)
+    for kernel in kernels:
+        buffers.update(kernel.evaluate_outputs(buffers))
+    for name in expected:
+        np.testing.assert_allclose(buffers[name], expected[name], rtol=1e-9, atol=1e-12)
+
+
 def test_a_gradient_graph_keeps_its_mark_through_json() -> None:
     """``ck.grad`` marks its graphs: the derivation looks through their stored intermediates (a
     forward graph's stay stored), and the mark survives serialisation and changes the hash."""

@@ -244,6 +244,32 @@ def test_head_dims_only_the_hopper_family_plans_keep_flash_there(head_dim) -> No
     assert d.plans("sm_90") == [] and [k.kind for k in d.kernels_for("sm_90")] != ["flash_attention"]
 
 
+def test_an_attention_without_a_flash_plan_leaves_the_others_theirs() -> None:
+    """Two attentions of one graph, one at a head dim the portable family does not plan: on sm_90
+    that one runs unfused and the other keeps its flash kernel; on sm_90a both are flash."""
+    g = ck.Graph("two_attentions")
+    planned = [g.input(n, (1, 2, 192, 64), "bf16") for n in ("q", "k", "v")]
+    unplanned = [g.input(n, (1, 2, 192, 48), "bf16") for n in ("q2", "k2", "v2")]
+    g.output(ck.nn.attention(*planned), "o")
+    g.output(ck.nn.attention(*unplanned, causal=True), "o2")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["flash_attention", "flash_attention"]
+    assert [k.kind for k in d.kernels_for("sm_90a")] == ["flash_attention", "flash_attention"]
+    kernels = d.kernels_for("sm_90")
+    assert sorted(k.kind for k in kernels) == ["contraction", "contraction", "flash_attention", "softmax_rows"]
+    assert [k.output for k in kernels if k.kind == "flash_attention"] == ["o"]
+    assert {p.problem.out for p in d.plans("sm_90")} == {"o"}
+    space = search_space(d, "sm_90")
+    assert space.kernels == tuple(kernels) and not space.ungenerated
+    rng = np.random.default_rng(2)
+    buffers = {n: rng.standard_normal(t.shape) for n, t in g.inputs.items()}
+    expected = ck.evaluate(g, buffers)
+    for kernel in kernels:  # the mixed kernels' own float64 references, in order
+        buffers.update(kernel.evaluate_outputs(buffers))
+    for name in ("o", "o2"):
+        np.testing.assert_allclose(buffers[name], expected[name], rtol=1e-10, atol=1e-12)
+
+
 def test_the_unfused_search_says_why_in_its_notes(tmp_path, monkeypatch) -> None:
     from cherenkov.search import environment
 
