@@ -239,7 +239,7 @@ def lowers_node(node: Any) -> bool:
     """Whether ``from_torch`` lowers this node of an ATen-level FX graph: a call of an op it
     :func:`lowers`, where a ``getitem`` of an SDPA kernel takes its attention output or its
     log-sum-exp (a training graph's forward keeps it for the backward) where that has the rows'
-    shape, and the kernel has no other output read."""
+    shape, and the kernel has no other output read; dropout only where it is the identity."""
     if node.op != "call_function" or not lowers(node.target):
         return False
     if node.target is operator.getitem:
@@ -249,8 +249,12 @@ def lowers_node(node: Any) -> bool:
         lowered = (0, 1) if _lowered_statistics(node) else (0,)
         return not _schema_arguments(node).get("dropout_p") and all(
             user.target is operator.getitem and (user.args[1] in lowered or not user.users) for user in node.users)
-    if node.target._schema.name.removeprefix("aten::") in SDPA_BACKWARD_KERNELS:
+    base = node.target._schema.name.removeprefix("aten::")
+    if base in SDPA_BACKWARD_KERNELS:
         return _plain_sdpa_backward(node)
+    if base in ("dropout", "native_dropout"):  # random in training: torch's (its mask a bool the backward reads)
+        arguments = _schema_arguments(node)
+        return not (arguments.get("train") and arguments.get("p"))
     return True
 
 

@@ -17,6 +17,7 @@ backend says so once. Registered through the ``torch_dynamo_backends`` entry poi
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,9 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     restrided = _restrided_outputs(aten.graph)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     partitions = partitioner.propose_partitions()
-    while crossing := _masks_crossing(partitions, baked):  # their ops stay ATen, and the regions are proposed again
+    # their ops stay ATen (a getitem's producer with it: the partitioner puts them together), and the regions
+    # are proposed again; every round keeps out more nodes, so the rounds end
+    while crossing := {_producer(n) for n in _masks_crossing(partitions, baked)} - kept_out:
         kept_out.update(crossing)
         partitions = partitioner.propose_partitions()
     fused = partitioner.fuse_partitions(partitions)
@@ -410,6 +413,11 @@ def _masks_crossing(partitions: Sequence[Any], baked: set[str]) -> set[Any]:
     return crossing
 
 
+def _producer(node: Any) -> Any:
+    """The op a ``getitem`` takes an output of; any other node itself."""
+    return node.args[0] if node.op == "call_function" and node.target is operator.getitem else node
+
+
 def _is_region(node: Any) -> bool:
     """Whether ``node`` calls a region the partitioner fused (a ``fused_*`` submodule)."""
     return node.op == "call_module" and str(node.target).startswith("fused_")
@@ -587,7 +595,7 @@ def recomputed_attention_nodes(graph: Any) -> list[Any]:
                 bias, factors = score_product_args(node)
                 operands.extend(factors)
                 scores.extend(bias)  # an added bias is part of the scores
-            elif not (torch.Tag.pointwise in node.target.tags or name(node) in DATA_MOVES):
+            elif not (torch.Tag.pointwise in getattr(node.target, "tags", ()) or name(node) in DATA_MOVES):
                 continue
             else:
                 scores.extend(node.all_input_nodes)

@@ -740,6 +740,44 @@ def test_training_through_the_backend_runs_forward_and_backward_regions_like_eag
     assert not left, f"the backward kept SDPA's backward kernel as an ATen op: {left}"  # lowered to its gradient
 
 
+class _DropoutBlock(torch.nn.Module):
+    """A projection, dropout and a softmax: in training, a random bool mask the backward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+        self.dropout = torch.nn.Dropout(0.1)
+
+    def forward(self, x: Any) -> Any:
+        return torch.softmax(self.dropout(self.linear(x)), -1) @ self.linear.weight
+
+
+def test_dropout_in_training_stays_torchs_and_the_regions_around_it_train_like_eager():
+    """Dropout draws random masks in training: it stays torch's op (drawing from the same generator as
+    eager) and the ops around it run in regions. Its mask, a bool the backward reads, once made the
+    split propose the same regions forever (GPT-BigCode and T5 with their default dropout)."""
+    from cherenkov.search.dynamo import compile_regions
+
+    torch.manual_seed(0)
+    model = _DropoutBlock().train()
+    x = torch.randn(2, 16, 32)
+
+    def gradients(fn: Any) -> list[Any]:
+        torch.manual_seed(1)
+        model.zero_grad()
+        (fn(x) * torch.linspace(-1, 1, 32)).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = gradients(model)
+    with recorded_splits() as splits:
+        got = gradients(torch.compile(model, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager")))
+    for a, b in zip(got, expected):
+        assert float((a - b).norm() / b.norm()) <= 1e-4
+    assert len(splits) == 2 and all(split.compiled for split in splits), "a forward and a backward region"
+    forward = [str(n.target) for n in splits[0].module.graph.nodes if n.op == "call_function"]
+    assert any("native_dropout" in target for target in forward), forward
+
+
 def test_training_with_the_inductor_fallback_hands_the_backward_its_inputs_at_their_traced_strides():
     """A padded BERT masked LM trains a step through the backend with inductor compiling what is
     left of each graph, like eager: the forward's regions return contiguous tensors, so a saved

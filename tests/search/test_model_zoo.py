@@ -8,8 +8,10 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Seventeen of them also train
-a step like eager, a flash backward an attention layer (BERT's padded SDPA backward stays torch's;
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-four of them also train
+a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
+off; BERT's padded SDPA backward stays torch's; DeepSeek-V3's attention backward is cut by its in-place
+assembly's scatters, which stay ATen;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
 and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
 like eager at width 1024."""
@@ -63,7 +65,8 @@ def _clip_vision() -> tuple[Any, dict[str, Any]]:
 
 
 def _t5_encoder() -> tuple[Any, dict[str, Any]]:
-    config = transformers.T5Config(num_layers=1, d_model=128, num_heads=4, d_kv=32, d_ff=128, vocab_size=256)
+    config = transformers.T5Config(num_layers=1, d_model=128, num_heads=4, d_kv=32, d_ff=128, vocab_size=256,
+                                   dropout_rate=0.0)  # no dropout: a training step's gradients are then eager's
     return transformers.T5EncoderModel(config), _token_ids()
 
 
@@ -83,8 +86,9 @@ def _bart() -> tuple[Any, dict[str, Any]]:
 
 
 def _swin() -> tuple[Any, dict[str, Any]]:
-    config = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[1, 1], num_heads=[2, 4],
-                                     window_size=4)  # fmt: skip
+    # head dim 32 as Swin-T's (no backward plans head dim 16); no stochastic depth, whose random draws differ from eager's
+    config = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=64, depths=[1, 1], num_heads=[2, 4],
+                                     window_size=4, drop_path_rate=0.0)  # fmt: skip
     return transformers.SwinModel(config), {"pixel_values": torch.randn(2, 3, 64, 64)}
 
 
@@ -114,7 +118,7 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
         new_decoder_architecture=False)), _token_ids()), 1),  # Falcon-7B's one K/V head
     "gpt_bigcode_mqa": (lambda: (transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
         n_layer=1, n_embd=128, n_head=4, vocab_size=256, n_positions=128, multi_query=True, bos_token_id=0,
-        eos_token_id=0)), _token_ids()), 1),  # StarCoder's
+        eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)), _token_ids()), 1),  # StarCoder's
     "phi3": (_decoder("Phi3ForCausalLM", "Phi3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2), 1),
     "cohere_interleaved_rotary": (_decoder("CohereForCausalLM", "CohereConfig"), 1),
     "falcon": (_decoder("FalconForCausalLM", "FalconConfig", new_decoder_architecture=True, num_kv_heads=2), 1),
@@ -177,7 +181,9 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),
            "gemma2_softcap": (1, 1), "bart": (3, 3), "bert_padded": (1, 0), "gemma_mqa": (1, 1),
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1),
-           "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1)}  # fmt: skip
+           "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1),
+           "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
+           "t5_encoder": (1, 1), "swin_windows": (2, 2)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
