@@ -255,6 +255,8 @@ def lowers_node(node: Any) -> bool:
     if base in ("dropout", "native_dropout"):  # random in training: torch's (its mask a bool the backward reads)
         arguments = _schema_arguments(node)
         return not (arguments.get("train") and arguments.get("p"))
+    if base == "slice_scatter":
+        return (_schema_arguments(node).get("step") or 1) == 1
     return True
 
 
@@ -1462,6 +1464,31 @@ def _spread(grad: Tensor, dim: int, start: int, step: int, size: int) -> Tensor:
     return grad.slice([0] * grad.ndim, stops)
 
 
+@_op("slice_scatter")
+def _slice_scatter(c: _Capture, a: dict[str, Any]) -> Any:
+    """``self`` with its slice ``[start:end]`` along ``dim`` replaced by ``src`` (a write into a
+    slice, functionalised): ``self``'s parts around the slice and ``src``, concatenated. Only a
+    contiguous slice (:func:`lowers_node`)."""
+    x = c.t(a["self"])
+    dim = a.get("dim", 0) % x.ndim
+    size = x.shape[dim]
+    start, stop, step = slice(a.get("start"), a.get("end"), a.get("step") or 1).indices(size)
+    if step != 1:
+        raise GraphError(f"slice_scatter with step {step} into axis {dim} of {x.shape}: only a step of 1 lowers")
+    pieces = [_sliced(c, x, dim, 0, start)] if start > 0 else []
+    pieces.append(c.t(a["src"]).cast(x.dtype))
+    pieces += [_sliced(c, x, dim, stop, size)] if stop < size else []
+    return cat(pieces, axis=dim) if len(pieces) > 1 else pieces[0]
+
+
+@_op("copy")
+def _copy(c: _Capture, a: dict[str, Any]) -> Any:
+    """``src`` written over all of ``self`` (``self.copy_(src)``, functionalised): ``src`` broadcast to
+    ``self``'s shape; the dtype is the reconciliation cast's after each op."""
+    shape, src = tuple(_shape(a["self"])), c.t(a["src"])
+    return src if tuple(src.shape) == shape else src.broadcast_to(shape)
+
+
 @_op("slice_backward")
 def _slice_backward(c: _Capture, a: dict[str, Any]) -> Any:
     """A slice's gradient (a training graph's backward): its output's gradient placed at the slice
@@ -1646,6 +1673,13 @@ def _ones(c: _Capture, a: dict[str, Any]) -> Any:
 @_op("zeros", "new_zeros")
 def _zeros(c: _Capture, a: dict[str, Any]) -> Any:
     return _full(c, 0, a["size"])
+
+
+@_op("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+def _empty(c: _Capture, a: dict[str, Any]) -> Any:
+    """A tensor of unspecified values, the destination a copy or a scatter then writes (a query
+    assembled in place): zeros."""
+    return _full(c, 0, a["size"] if "size" in a else _shape(a["self"]))
 
 
 @_op("full_like")

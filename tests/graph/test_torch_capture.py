@@ -406,6 +406,14 @@ def test_a_uniform_mask_the_backend_bakes_is_a_band_without_edges(value: float |
         assert "mask" in capture(UniformMask(value, use, "mask").eval(), randn(2, 3, 4, 4)).inputs
 
 
+def assembled_in_place(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's query: an empty tensor, each part written into a slice of it."""
+    q = nope.new_empty(*nope.shape[:-1], nope.shape[-1] + rope.shape[-1])
+    q[..., : nope.shape[-1]] = nope
+    q[..., nope.shape[-1] :] = rope
+    return q * 2.0
+
+
 # ----------------------------------------------------------------------------- op coverage
 
 
@@ -537,6 +545,20 @@ CASES: dict[str, Case] = {
             A._safe_softmax(x.masked_fill(torch.arange(4)[:, None] == 2, NEG), -1),
         ),
         (x46,),
+    ),
+    # writes into fresh tensors, functionalised: DeepSeek-V3's query assembled in slices; copies over empties
+    "slice_scatter": Case(lambda x, y: (assembled_in_place(x, y), A.slice_scatter(x, y * 3, -1, 1, 3)),
+                          (lambda: randn(4, 6), lambda: randn(4, 2, seed=1))),
+    "copy_into_empty": Case(
+        lambda x, y: (
+            x.new_empty(x.shape).copy_(y) + x,
+            torch.empty(4, 6).copy_(x),
+            torch.empty_like(x).copy_(y * 2),
+            torch.empty_strided((4, 6), (6, 1)).copy_(x),
+            x.new_empty_strided((4, 6), (6, 1)).copy_(y),
+            A.copy(x, y * 2),  # what the writes above are once functionalised
+        ),
+        (x46, lambda: randn(6, seed=1)),
     ),
     # a slice's gradient, as a training graph's backward calls it (rotate_half in RoPE)
     "slice_backward": Case(

@@ -8,10 +8,10 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-four of them also train
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-five of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
-off; BERT's padded SDPA backward stays torch's; DeepSeek-V3's attention backward is cut by its in-place
-assembly's scatters, which stay ATen;
+off; BERT's padded SDPA backward stays torch's; DeepSeek-V3's backward through the slice writes that
+assemble its query and key;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
 and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
 like eager at width 1024."""
@@ -183,7 +183,7 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1),
            "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1),
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
-           "t5_encoder": (1, 1), "swin_windows": (2, 2)}  # fmt: skip
+           "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
