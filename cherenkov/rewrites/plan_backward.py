@@ -42,8 +42,8 @@ from cherenkov.rewrites.plan import (
 from cherenkov.rewrites.plan_sm90a import SWIZZLE_ALIGN
 
 GRADIENT_ROLES = ("dq", "dk", "dv")
-BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
-"""Head dims (one for q, k and v) the backward family plans: whole k16 steps up to 128 (48, 80 and 112
+BACKWARD_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
+"""Head dims (one for q, k and v) the backward family plans: whole k16 steps up to 128 (16, 48, 80 and 112
 split a dq tile into 16-column parts only on the 4-warp, 64-query schedules); past 128 a block holds
 half of dk's, dv's and dq's columns (``dim_parts`` 2)."""
 MAX_WHOLE_HEAD_DIM = 128

@@ -119,6 +119,7 @@ def test_every_plan_compiles_without_spills(target: str, compiler, kernel_cache)
     # soft-capped scores: warp pairs at head dim 64, their one capped head dim
     pairs = [p for p in backward_plans(gradient_graph(2, 8, 2, 200, 333, 64, causal=True), target) if p.schedule.warp_pairs]
     plans += [replace(p, problem=replace(p.problem, attention=replace(p.problem.attention, softcap=50.0))) for p in pairs]
+    plans += backward_plans(gradient_graph(2, 8, 2, 200, 333, 16, causal=True), target)  # one k16 step
     for plan, build in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
         assert not isinstance(build, Exception), build
         # with a bias, ptxas 13.0 spills the head-dim-128 main pass on sm_120 (60-124 bytes; nvcc 13.0, 2026-12-05)
@@ -385,8 +386,9 @@ def test_emulated_soft_capped_backward_matches_the_gradient_graph(bias: bool) ->
     ((2, 4, 2, 37, 70, 256), True, ("q", "k", "v"), ("kv64_q32_s2_dp2",), "bf16"),  # Gemma's D 256, GQA, ragged
     ((1, 2, 2, 50, 90, 192), False, ("q", "k", "v"), ("kv64_q64_s1_dp2", "kv128_q64_s2_dp2"), "fp16"),
     ((1, 2, 2, 40, 70, 160), True, ("k", "v"), ("kv64_q64_s1_dp2",), "bf16"),  # parts of 5 k16 steps, no dq
+    ((2, 4, 2, 37, 70, 16), True, ("q", "k", "v"), ("kv64_q64_s1", "kv64_q64_s2"), "bf16"),  # one k16 step (Swin's)
 ], ids=["tails", "causal_gqa", "dk_dv_only", "warp_pairs_causal_gqa", "warp_pairs_d128", "fp16", "d80", "d48_fp16",
-        "d112", "mqa", "d256_parts", "d192_parts_fp16", "d160_parts"])  # fmt: skip
+        "d112", "mqa", "d256_parts", "d192_parts_fp16", "d160_parts", "d16_causal_gqa"])  # fmt: skip
 def test_emulated_backward_matches_the_gradient_graph(sizes, causal, wrt, schedules, dtype) -> None:
     """bf16 and fp16; causal plans also run as launched on a device of 5 multiprocessors: chunks of 2 or 3
     slabs, the last one short (its blocks past the last slab return at once)."""
@@ -507,6 +509,7 @@ GPU_CASES = [
     ((2, 8, 1, 200, 333, 128), True, "bf16"),  # MQA: one K/V head for all eight query heads
     ((2, 8, 2, 200, 333, 256), True, "bf16"),  # Gemma's head dim 256: two head-dim parts, GQA, ragged
     ((1, 4, 4, 150, 260, 192), False, "fp16"),
+    ((2, 4, 2, 77, 129, 16), True, "bf16"),  # head dim 16: one k16 step
 ]
 
 
@@ -514,7 +517,7 @@ GPU_CASES = [
 @pytest.mark.parametrize(("sizes", "causal", "dtype"), GPU_CASES, ids=["gqa_causal_ragged", "d128", "fp16_d32", "d96", "odd_rows",
                                                                       "fp16_d64_gqa", "d80", "fp16_d48", "d112",
                                                                       "mqa_causal_ragged", "d256_parts_gqa_causal",
-                                                                      "fp16_d192_parts"])
+                                                                      "fp16_d192_parts", "d16_gqa_causal"])
 def test_gpu_backward_plans_match_float32_autograd(sizes, causal, dtype, cuda_device, kernel_cache) -> None:
     """Every ``mma.sync`` schedule, every gradient ≤ 2e-2 (bf16) or 1e-2 (fp16) relative to float32
     autograd through SDPA's math path, on fresh normal inputs into NaN-poisoned outputs, launched
