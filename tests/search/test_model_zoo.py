@@ -10,8 +10,9 @@ sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers un
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
 included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-five of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
-off; BERT's padded SDPA backward stays torch's; DeepSeek-V3's backward through the slice writes that
-assemble its query and key;
+off; BERT's padded SDPA backward stays torch's; Swin's writes dv alone, its dq and dk read the score
+gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
+that assemble its query and key;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
 and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
 like eager at width 1024."""
