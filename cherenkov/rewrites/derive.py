@@ -453,7 +453,8 @@ class Derivation:
         written by its flash kernel, and (given ``target``) a flash kernel with no plan there."""
         kernels = list(self._partitioned(unfused))
         if target is not None:
-            planned = {plan.problem.out for plan in (*self._plans(target, unfused), *self._backward_plans(target, unfused))}
+            plans = (*self._plans(target, unfused), *self._backward_plans(target, unfused))
+            planned = {plan.problem.out for plan in plans}
             return [k for k in kernels if k.kind in ("flash_attention", "flash_attention_backward")
                     and k.output not in planned]  # fmt: skip
         return [k for k in kernels if k.kind == "attention_lse"  # no family plans a log-sum-exp alone
