@@ -493,10 +493,28 @@ def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **opti
         with unset_fake_temporarily():
             # at their strides: a saved activation may be a transposed view that the graph views again
             real = [example_tensor(x.shape, x.dtype, x.device, x.stride()) if is_fake(x) else x for x in inputs]
-            return make_boxed_func(compile_regions(graph, real, fallback, **options))
+            return make_boxed_func(compile_regions(graph, _given_integers(real, example_inputs), fallback, **options))
 
     return aot_autograd(fw_compiler=compile_one, bw_compiler=compile_one,
                         partition_fn=partition_recomputing_attention)(gm, example_inputs)  # fmt: skip
+
+
+def _given_integers(inputs: Sequence[Any], given: Sequence[Any]) -> list[Any]:
+    """``inputs`` (stand-ins for a joint graph's forward or backward), their integer tensors the ones
+    Dynamo was given where the two line up one for one in shape and dtype (the forward's): tracing runs
+    the graph, and a token id read as an index (MBart's last non-pad token, ``ne(pad).sum(1) - 1``)
+    must hold a real value, where zeros, all padding, indexed out of bounds."""
+    lined_up = len(inputs) == len(given) and all(
+        getattr(x, "shape", None) == getattr(y, "shape", None) and getattr(x, "dtype", None) == getattr(y, "dtype", None)
+        for x, y in zip(inputs, given))  # fmt: skip
+    if not lined_up:
+        return list(inputs)
+    from torch._subclasses.fake_tensor import is_fake
+
+    def integral(x: Any) -> bool:
+        return hasattr(x, "dtype") and not (x.dtype.is_floating_point or x.dtype.is_complex)
+
+    return [y if integral(x) and not is_fake(y) else x for x, y in zip(inputs, given)]
 
 
 SCORE_PRODUCTS = {"bmm": 0, "matmul": 0, "baddbmm": 1}

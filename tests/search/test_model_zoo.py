@@ -3,12 +3,12 @@ transformers configs of the LMs, encoders and vision towers users bring (Qwen2, 
 and without its sliding window, Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3,
 Cohere's interleaved rotary embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent
 attention (its query and key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi,
-XGLM's clamped causal mask, BERT with a padding mask, BART, ModernBERT's local and global layers,
+XGLM's clamped causal mask, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-five of them also train
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-six of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
 off; BERT's padded SDPA backward stays torch's; Swin's writes dv alone, its dq and dk read the score
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
@@ -86,6 +86,16 @@ def _bart() -> tuple[Any, dict[str, Any]]:
     return transformers.BartModel(config), _token_ids()  # no dropout: a training step's gradients are then eager's
 
 
+def _mbart() -> tuple[Any, dict[str, Any]]:
+    """MBart given input ids alone: it builds its decoder's from them, reading each row's last token that is
+    no padding through an index computed from the ids (``ne(pad).sum(1) - 1``)."""
+    config = transformers.MBartConfig(encoder_layers=1, decoder_layers=1, d_model=128, encoder_attention_heads=4,
+                                      decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                                      max_position_embeddings=128, dropout=0.0, attention_dropout=0.0,
+                                      activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return transformers.MBartModel(config), _token_ids()
+
+
 def _swin() -> tuple[Any, dict[str, Any]]:
     # head dim 32 as Swin-T's (no backward plans head dim 16); no stochastic depth, whose random draws differ from eager's
     config = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=64, depths=[1, 1], num_heads=[2, 4],
@@ -142,6 +152,7 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
         attention_dropout=0.0)), _token_ids()), 1),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
+    "mbart_shifted_ids": (_mbart, 3),
     "modernbert_local_and_global": (_modernbert, 2),
     "swin_windows": (_swin, 2),
     "clip_vision": (_clip_vision, 1),
@@ -184,7 +195,7 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1),
            "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1),
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
-           "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1)}  # fmt: skip
+           "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
