@@ -350,3 +350,24 @@ def test_gpu_attention_without_a_flash_plan_is_correct_through_the_unfused_kerne
     out = result.run(**inputs)["o"].float()
     expected = torch.nn.functional.scaled_dot_product_attention(*(inputs[n].float() for n in "qkv"), is_causal=causal)
     assert float((out - expected).norm() / expected.norm()) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_an_attention_without_a_flash_plan_runs_unfused_beside_a_flash_one(gpu, tmp_path) -> None:
+    """Head dim 40 has no flash plan on any family, 64 has: one flash kernel and the unfused three, each
+    output like SDPA's."""
+    torch = gpu
+    g = ck.Graph("two_attentions")
+    for suffix, dim in (("", 64), ("2", 40)):
+        q, k, v = (g.input(f"{n}{suffix}", (2, 4, 300 if n == "q" else 333, dim), "bf16") for n in "qkv")
+        g.output(ck.nn.attention(q, k, v, causal=not suffix), f"o{suffix}")
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db:
+        result = ck.optimize(g, out=tmp_path, database=db, budget_s=60.0)
+    assert sorted(k.kind for k in result.partition) == ["contraction", "contraction", "flash_attention", "softmax_rows"]
+    inputs = {n: torch.randn(t.shape, device="cuda").bfloat16() for n, t in g.inputs.items()}
+    got = result.run(**inputs)
+    for suffix in ("", "2"):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(inputs[f"{n}{suffix}"].float() for n in "qkv"), is_causal=not suffix)
+        out = got[f"o{suffix}"].float()
+        assert float((out - expected).norm() / expected.norm()) <= 2e-2, suffix
