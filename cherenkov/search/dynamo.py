@@ -385,9 +385,13 @@ def _graph_holds(node: Any, baked: set[str]) -> bool:
     ``masked_fill`` of its scores), or SDPA's unused random-number state."""
     import torch
 
-    reads = [a for a in node.all_input_nodes if not (a.op == "get_attr" and a.target in baked)]
-    return all(takes_as_input(v) or _computed_mask(n) for n in (node, *reads)
+    return all(takes_as_input(v) or _computed_mask(n) for n in (node, *_unbaked_reads(node, baked))
                if isinstance(v := n.meta.get("val"), torch.Tensor))  # fmt: skip
+
+
+def _unbaked_reads(node: Any, baked: set[str]) -> list[Any]:
+    """The nodes ``node`` reads but the constants a region bakes in (``baked``)."""
+    return [a for a in node.all_input_nodes if not (a.op == "get_attr" and a.target in baked)]
 
 
 def _computed_mask(node: Any) -> bool:
@@ -406,8 +410,7 @@ def _masks_crossing(partitions: Sequence[Any], baked: set[str]) -> set[Any]:
     for partition in partitions:
         inside = partition.nodes
         for node in inside:
-            reads = [a for a in node.all_input_nodes
-                     if a not in inside and not (a.op == "get_attr" and a.target in baked)]  # fmt: skip
+            reads = [a for a in _unbaked_reads(node, baked) if a not in inside]
             if any(map(_computed_mask, reads)) or (_computed_mask(node) and any(u not in inside for u in node.users)):
                 crossing.add(node)
     return crossing
