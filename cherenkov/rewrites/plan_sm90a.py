@@ -23,7 +23,10 @@ the K and V tiles that many key tiles past each one it loads (``cp.async.bulk.pr
 K/V streamed from DRAM (a chunked prefill's, read by few tiles each) is in L2 before its copy is
 issued, a deeper pipeline than the shared-memory ring holds. ``row_sums_mma`` (8-bit operands) gives the
 transposed V tile eight more rows of ones, so ``O += P V`` also accumulates each row's sum of the
-(rounded) probabilities and the softmax adds none. The code
+(rounded) probabilities and the softmax adds none. ``poly_exp`` computes the exponentials of that
+many of every four 8-key chunks of a score tile as a polynomial on the FMA pipe instead of the
+SFU's ``ex2`` (the SFU, 16 lanes a clock, also converts P to 8 bits; its queue is the consumers'
+softmax's critical path, between the two consumers' matmuls). The code
 generator is :mod:`cherenkov.codegen.cuda.flash_attention_sm90a`.
 
 This module holds only the schedule, its resource estimates and its validity rules; it
@@ -53,6 +56,8 @@ MBARRIER_BYTES = 8
 ONES_ROWS = 8
 """Rows of ones a ``row_sums_mma`` V tile carries after its head-dim rows (the N granule of an
 8-bit wgmma): O's columns past ``V_DIM`` are then the row sums."""
+POLY_EXP_CHUNKS = 4
+"""A ``poly_exp`` schedule's share is counted in 8-key chunks out of every ``POLY_EXP_CHUNKS``."""
 LAZY_RESCALE_LOG2 = {2: 8.0, 1: 2.0}
 """By operand bytes: how far (log2 units of the scaled scores) a key tile may raise a row's max
 before a ``lazy_rescale`` kernel moves it. Unmoved, probabilities reach ``2^threshold``: 16-bit
@@ -113,7 +118,8 @@ class HopperFlashSchedule:
     first over all heads and alternates each round's direction over the blocks, so every
     block's sum of key tiles is about the same (otherwise a block's share is whatever lengths
     its stride meets); ``l2_prefetch`` key tiles ahead of each load, the producer prefetches
-    K and V into L2 (0: none; 16-bit operands).
+    K and V into L2 (0: none; 16-bit operands); ``poly_exp`` of every four 8-key chunks of a
+    score tile take their exponentials as polynomials on the FMA pipe (0: every one on the SFU).
     """
 
     block_kv: int = 128
@@ -127,6 +133,7 @@ class HopperFlashSchedule:
     lazy_rescale: bool = False
     row_sums_mma: bool = False
     l2_prefetch: int = 0
+    poly_exp: int = 0
 
     @property
     def block_q(self) -> int:
@@ -193,13 +200,14 @@ class HopperFlashSchedule:
     def key(self) -> str:
         """A short stable name, e.g. ``q128_kv128_s2_c2_pp`` (``_ps``: persistent; ``_q2``: two
         Q buffers; ``_pk``: packed GQA group; ``_lpt``: balanced causal tiles; ``_lz``: lazy rescale;
-        ``_rs``: row sums on the tensor cores; ``_pf4``: L2 prefetch 4 key tiles ahead)."""
+        ``_rs``: row sums on the tensor cores; ``_pf4``: L2 prefetch 4 key tiles ahead; ``_px2``: two of
+        every four chunks' exponentials as polynomials)."""
         return (
             f"q{self.block_q}_kv{self.block_kv}_s{self.stages}_c{self.consumer_warpgroups}"
             f"{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
             f"{f'_q{self.q_buffers}' if self.q_buffers != 1 else ''}{'_pk' if self.pack_group else ''}"
             f"{'_lpt' if self.balanced else ''}{'_lz' if self.lazy_rescale else ''}{'_rs' if self.row_sums_mma else ''}"
-            f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}"
+            f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{f'_px{self.poly_exp}' if self.poly_exp else ''}"
         )
 
     def tile_heads(self, problem: AttentionProblem) -> int:
@@ -263,6 +271,12 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True, lazy_rescale=True, row_sums_mma=True),
     HopperFlashSchedule(128, 3, 2, True, lazy_rescale=True, l2_prefetch=L2_PREFETCH_TILES),
     HopperFlashSchedule(128, 3, 2, True, pack_group=True, lazy_rescale=True, l2_prefetch=L2_PREFETCH_TILES),
+    HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True, poly_exp=1),
+    HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True, poly_exp=2),
+    HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True, lazy_rescale=True, row_sums_mma=True,
+                        poly_exp=2),
+    HopperFlashSchedule(128, 3, 2, True, pack_group=True, lazy_rescale=True, poly_exp=1),
+    HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2, balanced=True, lazy_rescale=True, poly_exp=1),
 )
 """The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
@@ -369,6 +383,8 @@ def hopper_schedule_problems(
         reasons.append(f"l2_prefetch {s.l2_prefetch} (valid: key tiles ahead, 0 for none)")
     if s.l2_prefetch and p.dtype in HOPPER_EIGHT_BIT_DTYPES:
         reasons.append("L2 prefetch with 8-bit operands (V comes from its transposed copy)")
+    if not 0 <= s.poly_exp <= POLY_EXP_CHUNKS:
+        reasons.append(f"poly_exp {s.poly_exp} (valid: 0 to {POLY_EXP_CHUNKS} of every {POLY_EXP_CHUNKS} 8-key chunks)")
     if s.balanced and not (s.persistent and p.causal):
         reasons.append("balanced tile order is for causal problems on a persistent grid")
     if dims_valid and p.dtype in ELEMENT_BYTES:

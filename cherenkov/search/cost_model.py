@@ -255,6 +255,13 @@ HOPPER_ROW_SUMS_MMA_FACTOR = 1.015
 # l2_prefetch (not yet measured): worth a little where K and V outgrow the L2 (they stream from
 # DRAM, a chunked prefill's), a few wasted issue slots of the producer where they stay in it.
 HOPPER_L2_PREFETCH_FACTOR = {"streamed": 1.01, "resident": 0.99}
+# poly_exp (not yet measured), by P's width and the chunks of every four on the FMA pipe: with 8-bit
+# operands the SFU's queue (exponentials and P's conversions; XU 50 % busy in the 2026-12-04 ncu
+# profile) is the consumers' softmax's critical path, so a share off it should shorten the step;
+# 16-bit P's softmax hides behind the other consumer's matmuls (twice as long), so polynomials there
+# mostly take issue slots.
+HOPPER_POLY_EXP_FACTOR = {"8-bit": {1: 1.03, 2: 1.05, 3: 1.03, 4: 0.98},
+                          "16-bit": {1: 1.005, 2: 0.99, 3: 0.97, 4: 0.95}}
 
 
 def hopper_head_dim_factor(problem: AttentionProblem) -> float:
@@ -304,6 +311,9 @@ def predict_hopper_flash(plan: KernelPlan, gpu: GpuSpec | None = None) -> Predic
         knobs *= HOPPER_LAZY_RESCALE_FACTOR[width]
     if schedule.row_sums_mma:
         knobs *= HOPPER_ROW_SUMS_MMA_FACTOR
+    if schedule.poly_exp:
+        width = "8-bit" if problem.dtype in HOPPER_EIGHT_BIT_DTYPES else "16-bit"
+        knobs *= HOPPER_POLY_EXP_FACTOR[width][schedule.poly_exp]
     if schedule.l2_prefetch:
         knobs *= HOPPER_L2_PREFETCH_FACTOR["streamed" if key_value_bytes(problem) > gpu.l2_mb * 2**20 else "resident"]
     efficiency = HOPPER_BASE_EFFICIENCY * pipeline * knobs * waves

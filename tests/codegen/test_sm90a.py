@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from cherenkov.codegen.cuda import tma, wgmma
+from cherenkov.codegen.cuda import softmax, tma, wgmma
 from cherenkov.codegen.cuda.flash_attention_sm90a import emit_flash_attention_sm90a, kernel_name
+from cherenkov.codegen.cuda.text import float_literal
 from cherenkov.codegen.errors import CodegenError
 from cherenkov.codegen import HopperFlashKernel, compile_plan, cuda_source, load_kernel
 from cherenkov.codegen.tensor_map import encode_tiled
@@ -140,6 +142,7 @@ def test_schedule_resources_and_names():
         (HopperFlashSchedule(balanced=True), AttentionProblem(1, 8, 8, 4096, 4096, 128, causal=True), "balanced"),
         (replace(PERSISTENT, balanced=True), SEED, "balanced"),
         (HopperFlashSchedule(l2_prefetch=-1), SEED, "l2_prefetch"),
+        (HopperFlashSchedule(poly_exp=5), SEED, "poly_exp 5"),
         (HopperFlashSchedule(l2_prefetch=4), replace(SEED, dtype="fp8_e4m3", out_dtype="bf16"), "L2 prefetch"),
     ],
 )
@@ -215,6 +218,49 @@ def test_l2_prefetch_asks_for_the_key_tiles_ahead_of_each_load():
     assert "for (int ahead = j == 0 ? 1 : L2_PREFETCH; ahead <= L2_PREFETCH; ++ahead)" in source
     assert "if (j >= w.kv_tiles) return;" in source  # never past the work tile's last key tile
     assert "prefetch.tensor." not in emit_flash_attention_sm90a(chunk, PACKED)
+
+
+def _poly_exp2_in_float32(x: np.ndarray, degree: int) -> np.ndarray:
+    """``poly_exp2`` of the generated source, step for step in numpy float32 (the magic-number
+    rounding, the Horner steps, the integer add into the exponent field)."""
+    x = np.maximum(x.astype(np.float32), np.float32(softmax.POLY_EXP2_FLOOR))
+    magic = np.float32(softmax.ROUNDING_MAGIC)
+    t = x + magic
+    f = x - (t - magic)
+    coefficients = softmax.POLY_EXP2_COEFFICIENTS[degree]
+    p = np.full_like(f, coefficients[-1])
+    for c in (*reversed(coefficients[:-1]), 1.0):
+        p = (p.astype(np.float64) * f + np.float32(c)).astype(np.float32)  # one rounding, as fmaf
+    bits = p.view(np.int32).astype(np.int64) + (t.view(np.int32).astype(np.int64) << 23)
+    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("degree, bound", [(2, 2.1e-3), (3, 1.1e-4)])
+def test_poly_exp2_is_exp2_within_its_degree_bound(degree, bound):
+    x = np.concatenate([np.linspace(-126.0, 9.0, 200001), np.arange(-126, 10), [-np.inf, -1e30, -127.0, -126.7]])
+    got = _poly_exp2_in_float32(x, degree).astype(np.float64)
+    expected = np.exp2(x.astype(np.float32).astype(np.float64))
+    normal = x >= -126
+    assert np.all(np.abs(got[normal] / expected[normal] - 1) <= bound)
+    assert np.all(got[np.isin(x, np.arange(-126, 10))] == expected[np.isin(x, np.arange(-126, 10))])  # 2^j exact
+    assert np.all(got[~normal] >= 0) and np.all(got[~normal] < 2.0**-125) and not np.isnan(got).any()
+    assert got[x == -np.inf][0] == 0.0  # a masked score: +0 exactly
+    source = softmax.emit_poly_exp2(degree)
+    assert all(float_literal(c) in source for c in softmax.POLY_EXP2_COEFFICIENTS[degree])
+    assert source.count("fmaf(") == degree
+
+
+def test_poly_exp_schedules_take_some_chunks_exponentials_off_the_sfu():
+    twin = replace(LAZY, poly_exp=2)
+    assert twin.key() == "q128_kv128_s3_c2_pp_lz_px2" and twin.smem_bytes(128) == LAZY.smem_bytes(128)
+    source = emit_flash_attention_sm90a(SEED, twin)
+    assert "return c % 4 < 2 ? poly_exp2(x) : fast_exp2(x);" in source
+    assert "score_exp2(c, fmaf(s[4 * c + 2 * r], scale_log2, -shifted))" in source
+    assert source.count("fmaf(p, f,") == 3  # 16-bit P: degree 3
+    eight_bit = AttentionProblem(1, 8, 8, 4096, 8192, 128, dtype="fp8_e4m3", out_dtype="bf16")
+    assert emit_flash_attention_sm90a(eight_bit, twin).count("fmaf(p, f,") == 2  # e4m3 P: degree 2
+    plain = emit_flash_attention_sm90a(SEED, LAZY)
+    assert "poly_exp2" not in plain and "fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted))" in plain
 
 
 def test_head_dims_short_of_whole_boxes_pad_to_the_next_box():
@@ -379,6 +425,11 @@ GPU_CASES = [
     (AttentionProblem(8, 32, 8, 64, 2048, 128), replace(PACKED, lazy_rescale=True, l2_prefetch=4)),
     (AttentionProblem(2, 8, 2, 1000, 1500, 128, causal=True), replace(LAZY, l2_prefetch=4)),
     (AttentionProblem(1, 4, 4, 1024, 300, 96), replace(DEFAULT, l2_prefetch=4)),
+    # exponentials as polynomials for some chunks of each score tile: tails, causal diagonals, packed rows
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128, causal=True), replace(TWO_Q, balanced=True, lazy_rescale=True,
+                                                                      poly_exp=1)),
+    (AttentionProblem(8, 32, 8, 64, 2048, 128), replace(PACKED, lazy_rescale=True, poly_exp=2)),
+    (AttentionProblem(2, 8, 8, 777, 1024, 64, dtype="fp16"), replace(TWO_Q, poly_exp=4)),
 ]
 
 # Scores that rise along the keys (keys scaled by up to RISE), so later key tiles raise the row
@@ -388,6 +439,7 @@ RISING_CASES = [
     (AttentionProblem(2, 8, 2, 1000, 1500, 128), LAZY),
     (AttentionProblem(2, 8, 2, 1000, 1500, 128, causal=True), replace(TWO_Q, balanced=True, lazy_rescale=True)),
     (AttentionProblem(2, 8, 2, 1000, 1500, 128), DEFAULT),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 128), replace(LAZY, poly_exp=2)),
 ]
 
 

@@ -74,6 +74,21 @@ def test_l2_prefetch_is_ranked_up_only_where_key_value_outgrow_the_l2() -> None:
     assert hopper_ms(SEED, dataclasses.replace(plain, l2_prefetch=4)) > hopper_ms(SEED, plain)
 
 
+def test_polynomial_exponentials_are_ranked_up_where_the_sfu_is_the_softmaxs_queue() -> None:
+    from cherenkov.rewrites.plan import ScaleFactor
+    from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
+
+    def hopper_ms(problem: AttentionProblem, schedule: HopperFlashSchedule) -> float:
+        return predict_flash(KernelPlan("flash_attention", problem, schedule, TARGETS["sm_90a"])).ms
+
+    eight_bit = dataclasses.replace(SEED, dtype="fp8_e4m3", out_dtype="bf16", score_factors=(ScaleFactor("sq", ()),))
+    ring = HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True)
+    shares = [hopper_ms(eight_bit, dataclasses.replace(ring, poly_exp=n)) for n in range(5)]
+    assert shares[2] < shares[1] < shares[0] < shares[4]  # half off the SFU best; all of it worse
+    plain = HopperFlashSchedule(lazy_rescale=True)
+    assert hopper_ms(SEED, dataclasses.replace(plain, poly_exp=2)) > hopper_ms(SEED, plain)
+
+
 def test_the_latest_h200_leaders_rank_near_the_top() -> None:
     """Each shape's fastest measured plan in the committed mma.sync run's search is among the
     model's first twelve (out of 332-640), so a search with little time measures it early. In

@@ -77,6 +77,7 @@ from cherenkov.rewrites.plan_sm90a import (
     HOPPER_EIGHT_BIT_DTYPES,
     LAZY_RESCALE_LOG2,
     ONES_ROWS,
+    POLY_EXP_CHUNKS,
     ROWS_PER_CONSUMER,
     SWIZZLE_ALIGN,
     HopperFlashSchedule,
@@ -131,7 +132,7 @@ def emit_flash_attention_sm90a(problem: AttentionProblem, schedule: HopperFlashS
                 mma.emit_pack(problem.output_dtype)),
         section("online softmax", softmax.emit_math_helpers(), attention_mask.emit_bias_score(problem),
                 attention_mask.emit_soft_cap(problem, softmax_scale(problem)), _CAP_SCORES if problem.softcap else "",
-                _softmax(problem.bias is not None, eight_bit, s.lazy_rescale, s.row_sums_mma)),
+                _softmax(problem.bias is not None, eight_bit, s.lazy_rescale, s.row_sums_mma, s.poly_exp)),
         section("work tiles", _work_tiles()),
         section("producer warpgroup", _producer(eight_bit, s.l2_prefetch)),
         section("consumer warpgroups", _consumer_matmuls(kv_wgmma, o_wgmma, eight_bit, s.row_sums_mma),
@@ -271,11 +272,13 @@ def _layout_constants(smem_bytes: int, row_bytes: int) -> str:
     )
 
 
-def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: bool = False) -> str:
+def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: bool = False,
+             poly_exp: int = 0) -> str:
     """The row state, masks and online softmax; ``bias``: the problem has a bias tensor (every
     tile is masked, each score gains its bias); ``eight_bit``: P is packed as e4m3 quads;
     ``lazy``: the running max moves only when a tile raises it by more than ``LAZY_LOG2``;
-    ``row_sums``: the row sums come from the rows of ones' wgmma (``add_row_sums``)."""
+    ``row_sums``: the row sums come from the rows of ones' wgmma (``add_row_sums``);
+    ``poly_exp``: of every four 8-key chunks, that many take :func:`softmax.emit_poly_exp2`."""
     text = block(
         """
         // The running softmax state of this thread's two rows (g and g + 8 of its warp's 16).
@@ -315,12 +318,13 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
             return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
         }
 
-        // Row r's scores to probabilities in place: 2^(s * c - shifted), one FMA and one ex2 a score.
+        @EXPONENTIAL@
+        // Row r's scores to probabilities in place: 2^(s * c - shifted), one FMA and one exponential a score.
         __device__ __forceinline__ void row_exponentials(float (&s)[S_REGS], int r, float scale_log2, float shifted) {
             #pragma unroll
             for (int c = 0; c < BLOCK_KV / 8; ++c) {
-                s[4 * c + 2 * r] = fast_exp2(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
-                s[4 * c + 2 * r + 1] = fast_exp2(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
+                s[4 * c + 2 * r] = @EXP2@(fmaf(s[4 * c + 2 * r], scale_log2, -shifted));
+                s[4 * c + 2 * r + 1] = @EXP2@(fmaf(s[4 * c + 2 * r + 1], scale_log2, -shifted));
             }
         }
 
@@ -348,6 +352,9 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
         """
     ).replace("@PACK@", _PACK_EIGHT_BIT if eight_bit else _PACK_SIXTEEN_BIT)
     text = text.replace("@ONLINE_SOFTMAX@", (_LAZY_ONLINE_SOFTMAX if lazy else _EAGER_ONLINE_SOFTMAX) + "\n")
+    text = re.sub(r"^@EXPONENTIAL@\n", _score_exponential(poly_exp, eight_bit) + "\n\n" if poly_exp else "", text,
+                  flags=re.MULTILINE)
+    text = text.replace("@EXP2@(", "score_exp2(c, " if poly_exp else "fast_exp2(")
     text = re.sub(r"^@ADD_ROW_SUMS@\n", _ADD_ROW_SUMS + "\n\n" if row_sums else "", text, flags=re.MULTILINE)
     values = {"@BIAS_NOTE@": "", "@BIAS_PARAM@": "", "@BIAS@": ""}
     if bias:
@@ -361,6 +368,26 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
     for placeholder, value in values.items():
         text = text.replace(placeholder, value)
     return text
+
+
+POLY_EXP_DEGREE = {True: 2, False: 3}
+"""The polynomial's degree by whether P is stored in 8 bits (e4m3's half step is 6 %: degree 2's
+2e-3 suffices; 16-bit P takes degree 3, 1e-4)."""
+
+
+def _score_exponential(poly_exp: int, eight_bit: bool) -> str:
+    """``score_exp2(c, x)``: the exponential of chunk ``c``'s scores, a polynomial for ``poly_exp`` of
+    every ``POLY_EXP_CHUNKS`` chunks (the FMA pipe), the SFU's ``ex2`` for the others."""
+    return softmax.emit_poly_exp2(POLY_EXP_DEGREE[eight_bit]) + "\n\n" + block(
+        f"""
+        // Chunk c's exponentials: {poly_exp} of every {POLY_EXP_CHUNKS} 8-key chunks on the FMA pipe, the rest on the SFU,
+        // so the SFU's queue (exponentials and P's conversions) no longer sets the softmax's length alone;
+        // c is a constant of the unrolled loop, so the choice costs nothing.
+        __device__ __forceinline__ float score_exp2(int c, float x) {{
+            return c % {POLY_EXP_CHUNKS} < {poly_exp} ? poly_exp2(x) : fast_exp2(x);
+        }}
+        """
+    )
 
 
 _EAGER_ONLINE_SOFTMAX = """// Scores -> unnormalised probabilities in place; alpha: each row's rescale factor for O; returns

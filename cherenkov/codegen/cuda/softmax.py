@@ -23,7 +23,7 @@ Needs ``M_TILES``, ``KV_NTILES``, ``D_NTILES`` and ``SCALE_LOG2``.
 
 from __future__ import annotations
 
-from cherenkov.codegen.cuda.text import block
+from cherenkov.codegen.cuda.text import block, float_literal
 
 
 def emit_math_helpers() -> str:
@@ -51,6 +51,49 @@ def emit_math_helpers() -> str:
         }
         """
     )
+
+
+POLY_EXP2_COEFFICIENTS: dict[int, tuple[float, ...]] = {
+    2: (0.702942430973053, 0.23986445367336273),
+    3: (0.693282961845398, 0.24221102893352509, 0.055008962750434875),
+}
+"""By degree: ``c1, c2, …`` of ``2^f ≈ 1 + c1·f + c2·f² (+ c3·f³)`` on ``f ∈ [−½, ½]``, fitted for the
+least largest relative error (Lawson's iteration) with the constant held at 1, so every integer
+power of two is exact (a row's max probability stays exactly ``2^P_SHIFT``). Largest relative
+error in float32: 2.0e-3 at degree 2 (e4m3 P's half step is 6 %), 1.0e-4 at degree 3 (bf16's is
+2e-3)."""
+
+POLY_EXP2_FLOOR = -127.0
+"""Where :func:`emit_poly_exp2` clamps its argument: ``2^−127`` has exponent field 0, so the shifted
+exponent never goes negative, and −∞ (a masked score) gives +0 exactly (the fraction is 0 there)."""
+
+ROUNDING_MAGIC = 12582912.0
+"""1.5·2²³: adding it to a float below 2²² in magnitude rounds it to an integer, held in the low
+mantissa bits of the sum."""
+
+
+def emit_poly_exp2(degree: int) -> str:
+    """``poly_exp2``: 2^x on the FMA and integer pipes, not the SFU — x rounded to an integer j by the
+    magic-number addition, 2^(x − j) by a polynomial (:data:`POLY_EXP2_COEFFICIENTS`), j added to
+    its exponent field."""
+    coefficients = POLY_EXP2_COEFFICIENTS[degree]
+    steps = [f"p = fmaf(p, f, {float_literal(c)});" for c in (*reversed(coefficients[:-1]), 1.0)]
+    horner = "\n    ".join([f"float p = {float_literal(coefficients[-1])};", *steps])
+    return block(
+        f"""
+        // 2^x without the SFU: j = x rounded to an integer (adding 1.5 * 2^23 leaves it in the low mantissa
+        // bits), 2^(x - j) by a degree-{degree} polynomial on [-1/2, 1/2] (exact at 0), and j added to the
+        // exponent field. x is clamped to {POLY_EXP2_FLOOR:g}, so the exponent field never goes below 0 and
+        // 2^-inf = +0.
+        __device__ __forceinline__ float poly_exp2(float x) {{
+            x = fmaxf(x, {float_literal(POLY_EXP2_FLOOR)});
+            const float t = __fadd_rn(x, {float_literal(ROUNDING_MAGIC)});
+            const float f = __fsub_rn(x, __fsub_rn(t, {float_literal(ROUNDING_MAGIC)}));
+            @HORNER@
+            return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+        }}
+        """
+    ).replace("@HORNER@", horner)
 
 
 def _emit_thread_row_max() -> str:
