@@ -1731,6 +1731,33 @@ def is_band(tensor: Any, uniform: bool = False) -> bool:
     return _detect_band(tensor, uniform) is not None
 
 
+@dataclass(frozen=True)
+class _ScalarConstant:
+    """A one-element tensor the program holds as a constant (a lifted ``torch.tensor(x)``: GPT-Neo's mask
+    value, ``finfo(float32).min``; or a baked buffer): a constant of the graph, not an input, so that the
+    rules see its value (a mask's minimum must be at most −2¹⁵ for the flash forms)."""
+
+    value: bool | int | float
+    dtype: str
+    shape: tuple[int, ...]
+
+    def tensor(self, graph: Graph) -> Tensor:
+        constant = graph.constant(self.value, self.dtype)
+        return constant.broadcast_to(self.shape) if self.shape else constant
+
+
+def _scalar_constant(tensor: Any) -> _ScalarConstant | None:
+    """``tensor`` as a :class:`_ScalarConstant` if it has one element of a dtype a graph constant takes
+    (not NaN), else None."""
+    dtype = _VALUE_DTYPES.get(_dtype_name(tensor.dtype))
+    if tensor.numel() != 1 or dtype is None or tensor.is_complex():
+        return None
+    value = tensor.detach().cpu().reshape(()).item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return _ScalarConstant({"bool": bool, "int32": int}.get(dtype, float)(value), dtype, tuple(tensor.shape))
+
+
 def _detect_band(tensor: Any, uniform: bool = False) -> _Band | None:
     """A band if ``tensor``'s values are exactly ``tril``/``triu`` of two values (ones and
     zeros, or an additive mask's zeros and −∞; any diagonal, identical over the leading
@@ -1879,6 +1906,7 @@ def from_torch(fn: Callable[..., Any], *example_tensors: Any, name: str | None =
     user: list[tuple[str, str, Any]] = []  # (placeholder, input name, example)
     params: dict[str, _Param] = {}  # placeholder -> lazily declared input
     bands: dict[str, _Band] = {}
+    scalars: dict[str, _ScalarConstant] = {}  # placeholder -> a constant of the graph
     order: list[str] = []  # parameter input names, in the module's order
     examples = iter(example_tensors)
     user_specs = [s for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
@@ -1900,7 +1928,12 @@ def from_torch(fn: Callable[..., Any], *example_tensors: Any, name: str | None =
         if value is None:
             value = exported.constants[spec.target]
         if spec.kind != InputKind.PARAMETER:
-            band = _detect_band(value, uniform=spec.target.rsplit(".", 1)[-1].startswith(BAKED_BUFFER_PREFIX))
+            baked = spec.target.rsplit(".", 1)[-1].startswith(BAKED_BUFFER_PREFIX)
+            scalar = _scalar_constant(value) if baked or spec.kind == InputKind.CONSTANT_TENSOR else None
+            if scalar is not None:
+                scalars[spec.arg.name] = scalar
+                continue
+            band = _detect_band(value, uniform=baked)
             if band is not None:
                 bands[spec.arg.name] = band
                 continue
@@ -1921,7 +1954,8 @@ def from_torch(fn: Callable[..., Any], *example_tensors: Any, name: str | None =
         by_name = {p.name: p for p in params.values()}
         for param_name in keep or ():
             capture.declare(by_name[param_name])
-        outputs = capture.run(exported, inputs, {**params, **bands})
+        constants = {placeholder: scalar.tensor(graph) for placeholder, scalar in scalars.items()}
+        outputs = capture.run(exported, inputs, {**params, **bands, **constants})
         for i, value in enumerate(outputs):
             if not isinstance(value, (Tensor, _Param, _Band, _Unsupported)):
                 raise GraphError(f"from_torch: output {i} is {value!r}, not a tensor; return tensors only")

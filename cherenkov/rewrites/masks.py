@@ -110,6 +110,14 @@ FINITE_CAUSAL_SPELLINGS = {
                                         ("Where", WINDOW_EDGE, ("Num", -65536.0), ("Num", 0.0)))),
         "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
         ("(<= m2 -32768.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
+    # a sliding window's bool mask filling the scores (GPT-Neo's local layers: where(band, s, m)), one edge at a time
+    "fill-window": FiniteCausalSpelling(
+        "where(i < j, m, where(j < i + w, m₂, s))",
+        f"(Where {{causal}} (Num m) (Where {WINDOW_LOWER} (Num m2) s))",
+        lambda scores: ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2], ("Where", WINDOW_EDGE, ("Num", -65536.0), scores)),
+        "e^(m − max) underflows to 0 wherever the scores lie above m + 104, and e^(m₂ − max) and e^(m₂ + s_j − max) "
+        "wherever they span less than |m₂| − 104",
+        ("(<= m2 -32768.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
     # XGLM's: the masked scores clamped from below at a floor m₂, computed in fp32 and rounded back
     "clamped": FiniteCausalSpelling(
         "round(max(s + where(i < j, m, 0), m₂))", "(Cast dt (Maximum (Add s (Where {causal} (Num m) (Num 0.0))) (Num m2)))",

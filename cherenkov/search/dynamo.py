@@ -34,6 +34,8 @@ from cherenkov.graph.torch_capture import (
 )
 from cherenkov.search.compiled import CompiledFunction, example_tensor
 from cherenkov.search.internal_writes import functionalise_internal_writes, unordered_writes
+from cherenkov.search.pinned_buffers import PINNED_BUFFER_PREFIX, PinnedBuffers, module_buffers, unpin_unfolded
+from cherenkov.search.pinned_buffers import pin_buffers as pin_module_buffers
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +56,21 @@ class SplitGraph:
 
     module: Any
     compiled: tuple[CompiledFunction, ...]
+    pinned: PinnedBuffers | None = None
+    """Module buffers ``module`` read as constants (a causal mask's band folded from them): it is right
+    only for calls that pass them unchanged (:meth:`PinnedBuffers.guard`)."""
 
 
-def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = True,
+def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = True, pin_buffers: bool = True,
                     **optimize_kwargs: Any) -> SplitGraph:  # fmt: skip
     """``gm`` traced to ATen ops, each maximal region of ops cherenkov lowers made a
     :class:`CompiledFunction` (prepared for the region's example inputs, ``cuda_graphs`` as in
     ``ck.compile``) and called through its custom op; the other ops stay ATen nodes of the
     returned module, as does a region whose capture or search fails (the log names it and
     the error). A bool mask the graph computes is inside the region that reads it, unless it
-    would cross a region's border: then the ops writing and reading it stay ATen."""
+    would cross a region's border: then the ops writing and reading it stay ATen. With
+    ``pin_buffers``, the module buffers Dynamo lifted as inputs are read as constants where a band
+    folds from them (GPT-Neo's causal mask), recorded in the result's ``pinned``."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
 
@@ -86,7 +93,10 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                     "before their later reads (first: %s); the graph runs as ATen ops", len(unordered),
                     unordered[0].format_node())  # fmt: skip
         return SplitGraph(aten, ())
-    bands = _folded_bands(aten)
+    buffers = module_buffers(gm, example_inputs) if pin_buffers else {}
+    pins = pin_module_buffers(aten, buffers)
+    bands = _folded_constants(aten)
+    pinned = unpin_unfolded(aten, pins, buffers)
     baked = bands | _constant_rng_state(aten)
     restrided = _restrided_outputs(aten.graph)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
@@ -125,7 +135,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     fused.graph.eliminate_dead_code()
     fused.delete_all_unused_submodules()
     fused.recompile()
-    return SplitGraph(fused, tuple(compiled))
+    return SplitGraph(fused, tuple(compiled), pinned if compiled else None)
 
 
 def _positional(region: Any, name: str, baked: dict[int, Any] | None = None) -> Any:
@@ -153,13 +163,15 @@ def _positional(region: Any, name: str, baked: dict[int, Any] | None = None) -> 
     return torch.fx.GraphModule(region, graph, class_name=name)
 
 
-def _folded_bands(aten: Any) -> set[str]:
+def _folded_constants(aten: Any) -> set[str]:
     """Values ``aten`` computes from constants alone (no input reaches them) whose values form
     a band (:func:`~cherenkov.graph.torch_capture.is_band`: the causal mask transformers
-    builds from position aranges, as 0/1 or 0/−∞, or a mask of one value that hides nothing),
-    evaluated once and stored as buffers of
-    ``aten`` that its nodes read instead; returns their attribute names. The shapes they
-    depend on are static in a Dynamo specialisation, so the values are too."""
+    builds from position aranges, as 0/1 or 0/−∞, or a mask of one value that hides nothing)
+    or are one number (a mask's fill value), evaluated once and stored as buffers of
+    ``aten`` that its nodes read instead; returns their attribute names, with those of the
+    one-number tensor constants ``aten`` already holds (GPT-Neo's ``torch.tensor(finfo.min)``).
+    The shapes they depend on are static in a Dynamo specialisation, so the values are too.
+    Regions bake these in, so the rules see their values."""
     import torch
 
     values: dict[Any, Any] = {}
@@ -173,8 +185,13 @@ def _folded_bands(aten: Any) -> set[str]:
     for node, value in values.items():
         # the nodes computed per call that read it (a value the graph returns stays computed)
         feeds = [user for user in node.users if user not in values and user.op != "output"]
-        if (node.op != "call_function" or not feeds or not isinstance(value, torch.Tensor)
-                or not is_band(value, uniform=True)):  # fmt: skip
+        if not feeds or not isinstance(value, torch.Tensor):
+            continue
+        if node.op == "get_attr":
+            if value.numel() == 1 and not node.target.startswith(PINNED_BUFFER_PREFIX):  # a buffer stays checked
+                folded.add(node.target)
+            continue
+        if node.op != "call_function" or not (value.numel() == 1 or is_band(value, uniform=True)):
             continue
         name = f"ck_folded_{len(folded)}"
         attribute = _buffer_node(aten, name, value.contiguous(), node.meta.get("val"), node)
@@ -458,20 +475,22 @@ def cherenkov_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> 
     return compile_regions(gm, example_inputs, fallback, **options)
 
 
-def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "inductor",
+def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "inductor", pin_buffers: bool = True,
                     **options: Any) -> Callable[..., Any]:  # fmt: skip
     """The backend's work on inputs of any device: ``gm`` split (:func:`split_supported`) and
     the split graph compiled by ``fallback``; a graph with no lowered region, or one whose
     tracing fails (the log says why), is compiled by ``fallback`` as it is. Where gradients are
     wanted (grad mode on and an input, or a parameter Dynamo lifted, requiring them),
     AOTAutograd first splits ``gm`` into its forward and backward ATen graphs, and each is
-    compiled this way: a training step's backward runs on cherenkov's kernels too."""
+    compiled this way: a training step's backward runs on cherenkov's kernels too. A graph that
+    read module buffers as constants (``pin_buffers``) checks them each call, and is compiled again
+    without them the first time one changed."""
     import torch
 
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         return _compile_joint(gm, example_inputs, fallback, **options)
     try:
-        split = split_supported(gm, example_inputs, **options)
+        split = split_supported(gm, example_inputs, pin_buffers=pin_buffers, **options)
     except Exception as error:  # noqa: BLE001 - tracing a graph the backend cannot split leaves it to the fallback
         log.warning("cherenkov backend: the graph could not be traced and split (%s: %s); it runs through %s",
                     type(error).__name__, str(error).splitlines()[0] if str(error) else "", fallback)  # fmt: skip
@@ -479,7 +498,10 @@ def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "ind
     if not split.compiled:
         _say_once(f"cherenkov backend: no op of this graph lowers to cherenkov; it runs through {fallback}")
         return _fallback(gm, example_inputs, fallback)
-    return _fallback(split.module, example_inputs, fallback)
+    run = _fallback(split.module, example_inputs, fallback)
+    if split.pinned is None:
+        return run
+    return split.pinned.guard(run, lambda args: compile_regions(gm, args, fallback, pin_buffers=False, **options))
 
 
 def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **options: Any) -> Callable[..., Any]:

@@ -186,11 +186,11 @@ def test_the_split_graph_calls_each_region_as_a_custom_op_and_inductor_compiles_
 
 
 def test_a_region_that_reads_no_tensor_stays_aten_ops():
-    """GPT-2's mask constants on the GPU: two scalars computed from nothing, read by a ``where``
-    on a bool condition the graph takes as an input (which stays ATen), form a region of their own."""
+    """Two rows of constants computed from nothing (neither one number nor a band, which fold), read by a
+    ``where`` on a bool condition the graph takes as an input (which stays ATen), form a region of their own."""
 
     def masked(x, positive):
-        low, one = torch.full((), -2.0) * 1.5, torch.zeros(()) + 1.0
+        low, one = torch.arange(16.0) * -1.5, torch.zeros(16) + 1.0
         return torch.softmax((x * torch.where(positive, low, one)) @ x.t(), dim=-1)
 
     x = torch.randn(8, 16)
@@ -685,6 +685,36 @@ class _ConstantValuedMask(torch.nn.Module):
         mask = torch.where(band, torch.tensor([0.0], dtype=q.dtype), torch.finfo(q.dtype).min)
         scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask
         return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def test_a_module_buffers_causal_mask_folds_and_a_changed_buffer_compiles_the_graph_again(caplog):
+    """nanoGPT's manual attention reads its causal mask from its own ``tril`` buffer, which Dynamo lifts as a graph
+    input: the backend reads the buffer as a constant, its band folds and the region derives causal flash attention.
+    The compiled graph checks the buffer each call; after an in-place write to it (every key visible) it runs a graph
+    compiled again with the buffer as an input, like eager."""
+    from cherenkov.search.dynamo import compile_regions
+
+    def close(a: Any, b: Any) -> bool:
+        return float((a.float() - b.float()).norm() / b.float().norm()) <= 2e-2
+
+    torch.manual_seed(0)
+    real = real_modules.nanogpt_attention(dims=(32, 2, 16), dtype=torch.bfloat16)
+    model, (x,) = real.module, real.inputs
+    with torch.no_grad(), recorded_splits() as splits:
+        compiled = torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))
+        assert close(compiled(x), model(x))
+        (first,) = splits
+        assert first.pinned is not None and [t.shape for t in first.pinned.tensors.values()] == [model.bias.shape]
+        derived = [ck.derive(call.graph) for f in first.compiled for call in f.prepared.values()]
+        assert [k.kind for d in derived for k in d.kernels_for("sm_90a")].count("flash_attention") == 1
+        assert {p.problem.causal for d in derived for p in d.plans("sm_90a")} == {True}
+        assert close(compiled(x), model(x)) and len(splits) == 1  # the check holds
+        model.bias.fill_(1.0)
+        with caplog.at_level(logging.WARNING, logger="cherenkov.search.pinned_buffers"):
+            got = compiled(x)
+        assert close(got, model(x)), "every key visible, as eager"
+    assert any("compiled again" in r.getMessage() for r in caplog.records)
+    assert len(splits) == 2 and splits[1].pinned is None
 
 
 def test_training_recomputes_a_masks_tensor_constant_in_the_backward():

@@ -3,7 +3,7 @@ transformers configs of the LMs, encoders and vision towers users bring (Qwen2, 
 and without its sliding window, Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3,
 Cohere's interleaved rotary embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent
 attention (its query and key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi,
-XGLM's clamped causal mask, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
+XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
@@ -150,6 +150,12 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     "xglm_clamped_mask": (lambda: (transformers.XGLMForCausalLM(transformers.XGLMConfig(
         num_layers=1, d_model=128, attention_heads=4, ffn_dim=128, vocab_size=256, dropout=0.0,
         attention_dropout=0.0)), _token_ids()), 1),
+    # GPT-Neo's causal and sliding-window masks: its own bool buffers (Dynamo's inputs, read as checked constants),
+    # filling fp32 scores with a lifted finfo(float32).min
+    "gpt_neo_buffer_masks": (lambda: (transformers.GPTNeoModel(transformers.GPTNeoConfig(
+        num_layers=2, hidden_size=128, num_heads=4, vocab_size=256, max_position_embeddings=128, window_size=16,
+        attention_types=[[["global", "local"], 1]], attention_dropout=0.0, embed_dropout=0.0, resid_dropout=0.0,
+        bos_token_id=0, eos_token_id=0)), _token_ids()), 2),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "mbart_shifted_ids": (_mbart, 3),
@@ -186,7 +192,8 @@ def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_f
 
 WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
             "gemma3_sliding_and_full": [(0, 0, True), (16, 0, True)],
-            "modernbert_local_and_global": [(0, 0, True), (9, 8, True)]}  # fmt: skip
+            "modernbert_local_and_global": [(0, 0, True), (9, 8, True)],
+            "gpt_neo_buffer_masks": [(0, 0, True), (16, 0, True)]}  # fmt: skip
 """Family: its attention layers' windows (keys, keys ahead), and whether each reads no bias tensor."""
 
 
@@ -420,6 +427,10 @@ WIDE = {
     "gemma2_window": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
         intermediate_size=2048, vocab_size=1024, sliding_window=128)),
+    # GPT-Neo's masks from its own bool buffers, its local layer (the second) a window of 128 keys
+    "gpt_neo": lambda: transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+        num_layers=2, hidden_size=1024, num_heads=16, vocab_size=1024, max_position_embeddings=1024, window_size=128,
+        attention_types=[[["global", "local"], 1]], intermediate_size=2048, bos_token_id=0, eos_token_id=0)),
     # xIELU's softplus and expm1 in the MLP
     "apertus": lambda: transformers.ApertusForCausalLM(transformers.ApertusConfig(
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
@@ -431,7 +442,7 @@ WIDE = {
 @pytest.mark.parametrize("family", list(WIDE))
 def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: str, tmp_path) -> None:
     """XGLM (its clamped causal mask), Mistral with a window of 128 keys, Gemma 2 (its soft cap, and the window of
-    its sliding layer) and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
+    its sliding layer), GPT-Neo (its masks from its own buffers) and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
     ``torch.compile(backend="cherenkov")`` on the GPU: eager's logits within bf16 tolerance, and a flash kernel
     launched for each of the two attention layers, the windows the kernels' own (no bias tensor)."""
     if not torch.cuda.is_available():
@@ -456,5 +467,5 @@ def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: 
     assert kinds.count("flash_attention") == 2, kinds
     problems = [result.kernels[k.output].plan.problem for result in results for k in result.launched
                 if k.kind == "flash_attention"]  # fmt: skip
-    windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128]}.get(family, [0, 0])  # the kernels' own
+    windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128], "gpt_neo": [0, 128]}.get(family, [0, 0])
     assert sorted(p.window for p in problems) == windows and all(p.bias is None for p in problems), problems
