@@ -41,7 +41,27 @@ def module_buffers(gm: Any, example_inputs: Sequence[Any]) -> dict[int, Any]:
     return found
 
 
-def pin_buffers(aten: Any, buffers: Mapping[int, Any]) -> dict[int, Any]:
+@dataclass(frozen=True)
+class Pin:
+    """A buffer read as a constant: the node reading it, and the nodes that depended on it before folding."""
+
+    attribute: Any
+    reach: frozenset[Any]
+
+
+def _reach(node: Any) -> frozenset[Any]:
+    """The nodes that read ``node``, directly or through others."""
+    seen: set[Any] = set()
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        if user not in seen:
+            seen.add(user)
+            stack.extend(user.users)
+    return frozenset(seen)
+
+
+def pin_buffers(aten: Any, buffers: Mapping[int, Any]) -> dict[int, Pin]:
     """Every read of ``aten``'s input at a position of ``buffers`` made a read of that tensor,
     registered as a buffer of ``aten``; returns the reading nodes by position."""
     placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
@@ -57,24 +77,25 @@ def pin_buffers(aten: Any, buffers: Mapping[int, Any]) -> dict[int, Any]:
             attribute = aten.graph.get_attr(name)
         attribute.meta["val"] = node.meta.get("val")
         node.replace_all_uses_with(attribute)
-        pins[i] = attribute
+        pins[i] = Pin(attribute, _reach(attribute))
     return pins
 
 
-def unpin_unfolded(aten: Any, pins: Mapping[int, Any], buffers: Mapping[int, Any]) -> PinnedBuffers | None:
+def unpin_unfolded(aten: Any, pins: Mapping[int, Pin], buffers: Mapping[int, Any]) -> PinnedBuffers | None:
     """The reads of :func:`pin_buffers` that folding left in ``aten`` read its inputs again, and their
-    buffers are dropped; the buffers no read is left of (every use folded into a constant) are the
-    compiled graph's :class:`PinnedBuffers` (None: none)."""
+    buffers are dropped; the buffers a fold used (a node that depended on one no longer does: it reads
+    a folded constant now) are the compiled graph's :class:`PinnedBuffers` (None: none)."""
     placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
     alive = set(aten.graph.nodes)
     pinned = {}
-    for i, attribute in pins.items():
-        if attribute in alive:
-            attribute.replace_all_uses_with(placeholders[i])
-            aten.graph.erase_node(attribute)
-        else:
+    for i, pin in pins.items():
+        reach = _reach(pin.attribute) if pin.attribute in alive else frozenset()
+        if any(node in alive and node not in reach for node in pin.reach):
             pinned[i] = buffers[i]
-        delattr(aten, attribute.target)
+        if pin.attribute in alive:
+            pin.attribute.replace_all_uses_with(placeholders[i])
+            aten.graph.erase_node(pin.attribute)
+        delattr(aten, pin.attribute.target)
     aten.recompile()
     return PinnedBuffers(pinned) if pinned else None
 

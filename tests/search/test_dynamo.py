@@ -717,6 +717,32 @@ def test_a_module_buffers_causal_mask_folds_and_a_changed_buffer_compiles_the_gr
     assert len(splits) == 2 and splits[1].pinned is None
 
 
+def test_a_buffer_a_fold_read_stays_checked_where_another_read_keeps_it_an_input():
+    """A pinned buffer read twice, once through a slice whose band folds and once directly by a computed op:
+    the direct read takes the graph's input again, and the buffer is still checked (the fold used its values)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cherenkov.search.dynamo import _folded_constants
+    from cherenkov.search.pinned_buffers import pin_buffers, unpin_unfolded
+
+    def masked(x, bias):
+        scores = torch.where(bias[:, :8] > 0, x, float("-inf")).softmax(-1)
+        return scores @ bias  # a computed op reading the buffer itself
+
+    x, bias = torch.randn(8, 8), torch.ones(8, 16).tril()
+    aten = make_fx(masked)(x, bias)
+    pins = pin_buffers(aten, {1: bias})
+    folded = _folded_constants(aten)
+    pinned = unpin_unfolded(aten, pins, {1: bias})
+    assert folded and pinned is not None and list(pinned.tensors) == [1]
+    placeholder = [n for n in aten.graph.nodes if n.op == "placeholder"][1]
+    assert placeholder.users and not any(n.op == "get_attr" and n.target.startswith("ck_pinned") for n in aten.graph.nodes)
+    assert torch.equal(aten(x, bias), masked(x, bias))
+    assert pinned.hold((x, bias)) and not pinned.hold((x, bias.clone()))
+    bias.add_(0.0)  # an in-place write, even of nothing, bumps the version
+    assert not pinned.hold((x, bias))
+
+
 def test_training_recomputes_a_masks_tensor_constant_in_the_backward():
     """AOTAutograd's partition recomputes the mask's tensor constant in the backward with the mask: saved, the
     backward read it as an input, the mask was a bias of unknown values, and the backward stayed unfused (Gemma 2
