@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 
-from cherenkov.rewrites.masks import BF16_LOWEST, finite_causal_mask_rule
+from cherenkov.rewrites.masks import BF16_LOWEST, WINDOW_EDGE, WINDOW_LOWER, finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.algebra import HALF_LN2
 from cherenkov.rewrites.casts import HALF_ROUNDING
@@ -75,6 +75,7 @@ SAME_SCALE = "(< (abs (- c c2)) (* 1e-12 c))"
 rule folds ``m``, ``1/m`` and ``a`` in another order than ``a·m``)."""
 normaliser = ("Recip", ("Sum", "j:7", 7, shifted))
 probability = ("SoftmaxRow", "j:7", 7, s)
+_windowed = f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))"  # scores under a window's lower edge
 
 def _recomputed(score: str) -> str:
     """The probabilities of ``score`` recomputed from their row's log-sum-exp (a pattern)."""
@@ -238,6 +239,8 @@ RULES = (
     finite_causal_mask_rule("softmax-row-finite-causal-where", "softmax_j({})", "SoftmaxRow", s, spelling="fill"),
     finite_causal_mask_rule("softmax-row-finite-causal-window", "softmax_j({})", "SoftmaxRow", s,
                             spelling="additive-window"),
+    finite_causal_mask_rule("softmax-row-finite-causal-fill-window", "softmax_j({})", "SoftmaxRow", s,
+                            spelling="fill-window"),
     finite_causal_mask_rule("softmax-row-finite-causal-clamped", "softmax_j({})", "SoftmaxRow", s,
                             spelling="clamped"),
     Rule(
@@ -248,6 +251,19 @@ RULES = (
         example=Example(("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", 0.0),
                          ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))),
                                                            ("Num", -math.inf), s)), g))),
+    ),  # fmt: skip
+    Rule(
+        "window-masked-softmax-gradient",
+        "where(j < i + w, 0, softmax_j(where(c, −∞, s + where(j < i + w, m₂, 0)))·y) = softmax_j(…)·y for m₂ ≤ −2¹⁵: "
+        "a score below a sliding window has probability 0 (GPT-Neo's window filling the scores, its VJP a where)",
+        lhs=f"(Where {WINDOW_LOWER} (Num 0.0) (Mul (SoftmaxRow j n (Where c (Num -inf) {_windowed})) y))",
+        rhs=f"(Mul (SoftmaxRow j n (Where c (Num -inf) {_windowed})) y)",
+        where=("(<= m2 -32768.0)",),
+        example=Example(("Where", WINDOW_EDGE, ("Num", 0.0),
+                         ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))),
+                                                           ("Num", -math.inf),
+                                                           ("Add", s, ("Where", WINDOW_EDGE, ("Num", -65536.0),
+                                                                       ("Num", 0.0))))), g))),
     ),  # fmt: skip
     Rule(
         "clamp-gradient-masked-softmax",

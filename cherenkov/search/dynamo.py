@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,16 +61,17 @@ class SplitGraph:
     only for calls that pass them unchanged (:meth:`PinnedBuffers.guard`)."""
 
 
-def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = True, pin_buffers: bool = True,
-                    **optimize_kwargs: Any) -> SplitGraph:  # fmt: skip
+def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = True,
+                    buffers: Mapping[int, Any] | None = None, **optimize_kwargs: Any) -> SplitGraph:  # fmt: skip
     """``gm`` traced to ATen ops, each maximal region of ops cherenkov lowers made a
     :class:`CompiledFunction` (prepared for the region's example inputs, ``cuda_graphs`` as in
     ``ck.compile``) and called through its custom op; the other ops stay ATen nodes of the
     returned module, as does a region whose capture or search fails (the log names it and
     the error). A bool mask the graph computes is inside the region that reads it, unless it
-    would cross a region's border: then the ops writing and reading it stay ATen. With
-    ``pin_buffers``, the module buffers Dynamo lifted as inputs are read as constants where a band
-    folds from them (GPT-Neo's causal mask), recorded in the result's ``pinned``."""
+    would cross a region's border: then the ops writing and reading it stay ATen. Module buffers
+    (``buffers``: the inputs by position, with their tensors; None: those Dynamo lifted as ``gm``'s
+    inputs) are read as constants where a band folds from them (GPT-Neo's causal mask), recorded in
+    the result's ``pinned``."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
 
@@ -93,7 +94,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                     "before their later reads (first: %s); the graph runs as ATen ops", len(unordered),
                     unordered[0].format_node())  # fmt: skip
         return SplitGraph(aten, ())
-    buffers = module_buffers(gm, example_inputs) if pin_buffers else {}
+    buffers = module_buffers(gm, example_inputs) if buffers is None else buffers
     pins = pin_module_buffers(aten, buffers)
     bands = _folded_constants(aten)
     pinned = unpin_unfolded(aten, pins, buffers)
@@ -475,22 +476,22 @@ def cherenkov_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> 
     return compile_regions(gm, example_inputs, fallback, **options)
 
 
-def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "inductor", pin_buffers: bool = True,
-                    **options: Any) -> Callable[..., Any]:  # fmt: skip
+def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "inductor",
+                    buffers: Mapping[int, Any] | None = None, **options: Any) -> Callable[..., Any]:  # fmt: skip
     """The backend's work on inputs of any device: ``gm`` split (:func:`split_supported`) and
     the split graph compiled by ``fallback``; a graph with no lowered region, or one whose
     tracing fails (the log says why), is compiled by ``fallback`` as it is. Where gradients are
     wanted (grad mode on and an input, or a parameter Dynamo lifted, requiring them),
     AOTAutograd first splits ``gm`` into its forward and backward ATen graphs, and each is
     compiled this way: a training step's backward runs on cherenkov's kernels too. A graph that
-    read module buffers as constants (``pin_buffers``) checks them each call, and is compiled again
+    read module buffers as constants (``buffers``, as :func:`split_supported`) checks them each call, and is compiled again
     without them the first time one changed."""
     import torch
 
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         return _compile_joint(gm, example_inputs, fallback, **options)
     try:
-        split = split_supported(gm, example_inputs, pin_buffers=pin_buffers, **options)
+        split = split_supported(gm, example_inputs, buffers=buffers, **options)
     except Exception as error:  # noqa: BLE001 - tracing a graph the backend cannot split leaves it to the fallback
         log.warning("cherenkov backend: the graph could not be traced and split (%s: %s); it runs through %s",
                     type(error).__name__, str(error).splitlines()[0] if str(error) else "", fallback)  # fmt: skip
@@ -501,16 +502,19 @@ def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "ind
     run = _fallback(split.module, example_inputs, fallback)
     if split.pinned is None:
         return run
-    return split.pinned.guard(run, lambda args: compile_regions(gm, args, fallback, pin_buffers=False, **options))
+    return split.pinned.guard(run, lambda args: compile_regions(gm, args, fallback, buffers={}, **options))
 
 
 def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **options: Any) -> Callable[..., Any]:
     """``gm`` through AOTAutograd, its forward and backward graphs each split and compiled by
     :func:`compile_regions` (they hold no autograd of their own); a written-out attention's scores
-    and probabilities are recomputed by the backward (:func:`partition_recomputing_attention`)."""
+    and probabilities are recomputed by the backward (:func:`partition_recomputing_attention`). The
+    module buffers Dynamo lifted are pinned in both graphs (:func:`_aot_buffers`)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    buffers = module_buffers(gm, example_inputs)
 
     def compile_one(graph: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
         # AOTAutograd compiles under its fake mode, with fake inputs: tracing, capture and the
@@ -518,10 +522,25 @@ def _compile_joint(gm: Any, example_inputs: Sequence[Any], fallback: str, **opti
         with unset_fake_temporarily():
             # at their strides: a saved activation may be a transposed view that the graph views again
             real = [example_tensor(x.shape, x.dtype, x.device, x.stride()) if is_fake(x) else x for x in inputs]
-            return make_boxed_func(compile_regions(graph, _given_integers(real, example_inputs), fallback, **options))
+            return make_boxed_func(compile_regions(graph, _given_integers(real, example_inputs), fallback,
+                                                   buffers=_aot_buffers(graph, buffers), **options))  # fmt: skip
 
     return aot_autograd(fw_compiler=compile_one, bw_compiler=compile_one,
                         partition_fn=partition_recomputing_attention)(gm, example_inputs)  # fmt: skip
+
+
+def _aot_buffers(graph: Any, buffers: Mapping[int, Any]) -> dict[int, Any]:
+    """The inputs of an AOTAutograd forward or backward ``graph`` that are module buffers (``buffers``: by
+    position among Dynamo's inputs), by position, with their tensors: AOTAutograd names a graph's input
+    ``primals_<n>`` after Dynamo's n-th input, in the backward too where the forward saved that input
+    itself (nanoGPT's mask buffer, which the backward's recomputed scores read)."""
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    found = {}
+    for i, node in enumerate(placeholders):
+        prefix, _, number = str(node.target).rpartition("_")
+        if prefix == "primals" and number.isdigit() and int(number) - 1 in buffers:
+            found[i] = buffers[int(number) - 1]
+    return found
 
 
 def _given_integers(inputs: Sequence[Any], given: Sequence[Any]) -> list[Any]:

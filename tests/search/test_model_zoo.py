@@ -8,7 +8,7 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-six of them also train
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-seven of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
 off; BERT's padded SDPA backward stays torch's; Swin's writes dv alone, its dq and dk read the score
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
@@ -202,7 +202,8 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1),
            "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1),
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
-           "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3)}  # fmt: skip
+           "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3),
+           "gpt_neo_buffer_masks": (2, 2)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
@@ -211,7 +212,8 @@ adds it in ``baddbmm``) and reads stored, trains on a flash backward; ModernBERT
 kernels fp32 q and k and takes fp32 gradients back: each is rounded into a 16-bit copy, each gradient written in 16 bits
 and widened; Cohere's interleaved one too, its grouped gradients reading the one copy of q; XGLM's clamp of its masked
 scores has a gradient, torch's VJP of ``maximum`` selecting by two comparisons' masks, that moves only masked entries,
-whose probability is 0)."""
+whose probability is 0; GPT-Neo's mask buffers are pinned in the forward and in the backward, which AOTAutograd hands
+them as saved inputs, and its window's VJP, a where below the window, moves only entries of probability 0)."""
 
 
 def _training_step_against_eager(family: str) -> tuple[float, list[Any]]:
