@@ -484,8 +484,8 @@ def compile_regions(gm: Any, example_inputs: Sequence[Any], fallback: str = "ind
     wanted (grad mode on and an input, or a parameter Dynamo lifted, requiring them),
     AOTAutograd first splits ``gm`` into its forward and backward ATen graphs, and each is
     compiled this way: a training step's backward runs on cherenkov's kernels too. A graph that
-    read module buffers as constants (``buffers``, as :func:`split_supported`) checks them each call, and is compiled again
-    without them the first time one changed."""
+    read module buffers as constants (``buffers``, as :func:`split_supported`) checks them each
+    call, and is compiled again without them the first time one changed."""
     import torch
 
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):

@@ -122,7 +122,8 @@ class PinnedBuffers:
                 return False
         return True
 
-    def guard(self, run: Callable[..., Any], recompile: Callable[[Sequence[Any]], Callable[..., Any]]) -> Callable[..., Any]:
+    def guard(self, run: Callable[..., Any],
+              recompile: Callable[[Sequence[Any]], Callable[..., Any]]) -> Callable[..., Any]:  # fmt: skip
         """``run``, called while :meth:`hold` holds; on the first call it does not, ``recompile``'s
         graph (compiled on that call's inputs, without pinning) instead, from then on."""
         replacement: list[Callable[..., Any]] = []
