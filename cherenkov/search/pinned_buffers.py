@@ -8,7 +8,9 @@ constants while it folds the graph's bands (:func:`pin_buffers`, then :func:`unp
 which gives back every buffer no band was folded from); the compiled graph is then right only
 while each call passes the same buffer, unchanged. :class:`PinnedBuffers` checks exactly that
 before every call (the tensor's storage and its version counter, which every in-place write
-bumps); a call that fails it runs, from then on, a graph compiled again without pinning.
+bumps); a call that fails it runs, from then on, a graph compiled again without pinning. In a
+training step the same buffers are pinned in AOTAutograd's forward and backward graphs, whose
+inputs ``primals_<n>`` are Dynamo's n-th (``dynamo._aot_buffers``).
 """
 
 from __future__ import annotations
