@@ -168,9 +168,10 @@ def _folded_constants(aten: Any) -> set[str]:
     """Values ``aten`` computes from constants alone (no input reaches them) whose values form
     a band (:func:`~cherenkov.graph.torch_capture.is_band`: the causal mask transformers
     builds from position aranges, as 0/1 or 0/−∞, or a mask of one value that hides nothing)
-    or are one number (a mask's fill value), evaluated once and stored as buffers of
-    ``aten`` that its nodes read instead; returns their attribute names, with those of the
-    one-number tensor constants ``aten`` already holds (GPT-Neo's ``torch.tensor(finfo.min)``).
+    or are one floating-point or bool number (a mask's fill value; not an index), evaluated once
+    and stored as buffers of ``aten`` that its nodes read instead; returns their attribute names,
+    with those of such one-number tensor constants ``aten`` already holds (GPT-Neo's
+    ``torch.tensor(finfo.min)``).
     The shapes they depend on are static in a Dynamo specialisation, so the values are too.
     Regions bake these in, so the rules see their values."""
     import torch
@@ -188,11 +189,12 @@ def _folded_constants(aten: Any) -> set[str]:
         feeds = [user for user in node.users if user not in values and user.op != "output"]
         if not feeds or not isinstance(value, torch.Tensor):
             continue
+        number = value.numel() == 1 and (value.is_floating_point() or value.dtype == torch.bool)  # not an index
         if node.op == "get_attr":
-            if value.numel() == 1 and not node.target.startswith(PINNED_BUFFER_PREFIX):  # a buffer stays checked
+            if number and not node.target.startswith(PINNED_BUFFER_PREFIX):  # a buffer stays checked
                 folded.add(node.target)
             continue
-        if node.op != "call_function" or not (value.numel() == 1 or is_band(value, uniform=True)):
+        if node.op != "call_function" or not (number or is_band(value, uniform=True)):
             continue
         name = f"ck_folded_{len(folded)}"
         attribute = _buffer_node(aten, name, value.contiguous(), node.meta.get("val"), node)
