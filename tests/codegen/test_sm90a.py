@@ -220,25 +220,47 @@ def test_l2_prefetch_asks_for_the_key_tiles_ahead_of_each_load():
     assert "prefetch.tensor." not in emit_flash_attention_sm90a(chunk, PACKED)
 
 
-def _poly_exp2_in_float32(x: np.ndarray, degree: int) -> np.ndarray:
-    """``poly_exp2`` of the generated source, step for step in numpy float32 (the magic-number
-    rounding, the Horner steps, the integer add into the exponent field)."""
-    x = np.maximum(x.astype(np.float32), np.float32(softmax.POLY_EXP2_FLOOR))
-    magic = np.float32(softmax.ROUNDING_MAGIC)
-    t = x + magic
-    f = x - (t - magic)
-    coefficients = softmax.POLY_EXP2_COEFFICIENTS[degree]
-    p = np.full_like(f, coefficients[-1])
-    for c in (*reversed(coefficients[:-1]), 1.0):
-        p = (p.astype(np.float64) * f + np.float32(c)).astype(np.float32)  # one rounding, as fmaf
-    bits = p.view(np.int32).astype(np.int64) + (t.view(np.int32).astype(np.int64) << 23)
-    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+POLY_EXP2_HOST = r"""
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#define __device__
+#define __forceinline__ inline
+static inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+static inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+@POLY_EXP2@
+int main() {  // float32s in on stdin, their poly_exp2 out on stdout
+    float x;
+    while (std::fread(&x, 4, 1, stdin) == 1) {
+        const float y = poly_exp2(x);
+        std::fwrite(&y, 4, 1, stdout);
+    }
+}
+"""
+
+
+def _emitted_poly_exp2(x: np.ndarray, degree: int) -> np.ndarray:
+    """``poly_exp2`` as the kernels emit it, compiled as host C++ (g++, the CPU emulator's compiler) and run."""
+    import subprocess
+
+    from .emulator import host_binary
+
+    source = POLY_EXP2_HOST.replace("@POLY_EXP2@", softmax.emit_poly_exp2(degree))
+    binary = host_binary(source, f"poly-exp2-{degree}", f"poly_exp2 degree {degree}")
+    out = subprocess.run([str(binary)], input=x.astype(np.float32).tobytes(), capture_output=True, check=True).stdout
+    return np.frombuffer(out, dtype=np.float32)
 
 
 @pytest.mark.parametrize("degree, bound", [(2, 2.1e-3), (3, 1.1e-4)])
 def test_poly_exp2_is_exp2_within_its_degree_bound(degree, bound):
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to run the emitted function with")
     x = np.concatenate([np.linspace(-126.0, 9.0, 200001), np.arange(-126, 10), [-np.inf, -1e30, -127.0, -126.7]])
-    got = _poly_exp2_in_float32(x, degree).astype(np.float64)
+    got = _emitted_poly_exp2(x, degree).astype(np.float64)
     expected = np.exp2(x.astype(np.float32).astype(np.float64))
     normal = x >= -126
     assert np.all(np.abs(got[normal] / expected[normal] - 1) <= bound)
