@@ -3,12 +3,12 @@ transformers configs of the LMs, encoders and vision towers users bring (Qwen2, 
 and without its sliding window, Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3,
 Cohere's interleaved rotary embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent
 attention (its query and key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi,
-XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
+XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers (ImageGPT's too), BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-seven of them also train
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Twenty-eight of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
 off; BERT's padded SDPA backward stays torch's; Swin's writes dv alone, its dq and dk read the score
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
@@ -156,6 +156,10 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
         num_layers=2, hidden_size=128, num_heads=4, vocab_size=256, max_position_embeddings=128, window_size=16,
         attention_types=[[["global", "local"], 1]], attention_dropout=0.0, embed_dropout=0.0, resid_dropout=0.0,
         bos_token_id=0, eos_token_id=0)), _token_ids()), 2),
+    # ImageGPT's causal mask, its own bool buffer under transformers' additive one
+    "imagegpt_buffer_mask": (lambda: (transformers.ImageGPTModel(transformers.ImageGPTConfig(
+        n_layer=1, n_embd=128, n_head=4, vocab_size=257, n_positions=128, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0)), _token_ids()), 1),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "mbart_shifted_ids": (_mbart, 3),
@@ -203,7 +207,7 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1),
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
            "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3),
-           "gpt_neo_buffer_masks": (2, 2)}  # fmt: skip
+           "gpt_neo_buffer_masks": (2, 2), "imagegpt_buffer_mask": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
