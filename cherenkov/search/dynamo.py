@@ -95,6 +95,9 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                     unordered[0].format_node())  # fmt: skip
         return SplitGraph(aten, ())
     buffers = module_buffers(gm, example_inputs) if buffers is None else buffers
+    mutated = _mutated_placeholders(gm)  # a buffer the graph updates (a running statistic) stays an input
+    written = {i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if n in mutated}
+    buffers = {i: tensor for i, tensor in buffers.items() if i not in written}
     pins = pin_module_buffers(aten, buffers)
     bands = _folded_constants(aten)
     pinned = unpin_unfolded(aten, pins, buffers)
