@@ -35,7 +35,9 @@ Its warpgroups have fixed roles:
   With ``row_sums_mma`` (8-bit) each k step of ``P V`` also multiplies P by the eight rows of
   ones after the V tile (an m64n8k32 wgmma into its own four registers, from zero each key
   tile), and those per-tile sums are added in fp32: the softmax adds no probabilities, and the
-  8-bit wgmma's reduced-precision accumulation never sees a whole row. The epilogue
+  8-bit wgmma's reduced-precision accumulation never sees a whole row. With ``poly_exp`` some
+  8-key chunks of each score tile take their exponentials as polynomials on the FMA pipe
+  (``poly_exp2``), the rest the SFU's ``ex2``. The epilogue
   normalises O and either stores it from registers or (``O_THROUGH_SMEM``: one-tile blocks
   and two Q buffers) writes it to shared memory in Q's swizzled layout, from where one
   thread stores it with TMA bulk tensor stores while the warpgroup goes on.
