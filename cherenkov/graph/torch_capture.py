@@ -145,6 +145,11 @@ def _to_numpy(tensor: Any) -> np.ndarray:
 # ----------------------------------------------------------------------------- symbolic values
 
 
+def _python_value(value: Any, dtype: str) -> bool | int | float:
+    """``value`` as the Python number a graph constant of ``dtype`` holds (bool, int or float)."""
+    return {"bool": bool, "int32": int}.get(dtype, float)(value)
+
+
 @dataclass(frozen=True)
 class _Band:
     """A constant mask ``value[..., a, b] = inside if lower < b - a <= offset else outside``
@@ -171,8 +176,7 @@ class _Band:
         return replace(self, inside=fn(self.inside), outside=fn(self.outside), dtype=dtype)
 
     def cast(self, dtype: str) -> _Band:
-        convert = {"bool": bool, "int32": int}.get(dtype, float)
-        return self.map(lambda v: convert(v), dtype)
+        return self.map(lambda v: _python_value(v, dtype), dtype)
 
 
 @dataclass(frozen=True)
@@ -1755,7 +1759,7 @@ def _scalar_constant(tensor: Any) -> _ScalarConstant | None:
     value = tensor.detach().cpu().reshape(()).item()
     if isinstance(value, float) and math.isnan(value):
         return None
-    return _ScalarConstant({"bool": bool, "int32": int}.get(dtype, float)(value), dtype, tuple(tensor.shape))
+    return _ScalarConstant(_python_value(value, dtype), dtype, tuple(tensor.shape))
 
 
 def _detect_band(tensor: Any, uniform: bool = False) -> _Band | None:
@@ -1776,13 +1780,12 @@ def _detect_band(tensor: Any, uniform: bool = False) -> _Band | None:
     others = values[~at_first]
     rows, cols = values.shape[-2:]
     dtype = _VALUE_DTYPES[name]
-    convert = {"bool": bool, "int32": int}.get(dtype, float)
-    first = convert(values.reshape(-1)[0].item())
+    first = _python_value(values.reshape(-1)[0].item(), dtype)
     if others.numel() == 0:  # one value everywhere (a mask that hides nothing): the band without edges
         return _Band(tuple(values.shape), cols - 1, first, first, dtype) if uniform else None
     if not bool((others == others[0]).all()):
         return None  # not two values, each somewhere
-    second = convert(others[0].item())
+    second = _python_value(others[0].item(), dtype)
     ones = torch.ones(rows, cols, dtype=torch.bool)
     for kept, inside, outside in ((at_first, first, second), (~at_first, second, first)):
         counts = kept.reshape(-1, rows, cols)[0].sum(-1)
