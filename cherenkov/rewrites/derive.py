@@ -58,13 +58,14 @@ from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule, fp8_schedule_problems
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule, hopper_schedule_problems
 from cherenkov.rewrites.scales import SCALES
 from cherenkov.rewrites.schedule import SCHEDULE, schedule_facts, schedule_from_term
+from cherenkov.rewrites.sinks import SINKS
 from cherenkov.rewrites.softmax import SOFTMAX
 from cherenkov.rewrites.streaming import STREAMING
 from cherenkov.rewrites.terms import Term
 
 log = logging.getLogger(__name__)
 
-RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, CONTRACTION, SOFTMAX, STREAMING, SCALES, FUSION, GRADIENTS)
+RULESETS: tuple[Ruleset, ...] = (ALGEBRA, CASTS, MASKS, SINKS, CONTRACTION, SOFTMAX, STREAMING, SCALES, FUSION, GRADIENTS)
 MAX_PASSES = 24
 MAX_ENODES = 200_000
 MAX_ABLATIONS = 512

@@ -89,6 +89,29 @@ def _core_head(core: Term) -> str:
     return core[1][0] if core[0] == "Scheduled" else core[0]
 
 
+FLASH_FORWARD = frozenset({"FlashAttention", "FlashAttentionScaled"})
+ROW_FORMS = frozenset({"SoftmaxRow", "RmsNormRow", "LayerNormRow"})
+
+
+def _row_widened(term: Term) -> tuple[str, str, Term] | None:
+    """Where ``term`` holds a row form whose row is longer than its free axis (a softmax over scores
+    with a column appended, read without it): that axis, a name of the row's own extent, and
+    ``term`` over that name; else None."""
+    for sub in t.subterms(term):
+        if sub[0] in ROW_FORMS and t.extent(sub[1]) != sub[2]:
+            axis, wide = sub[1], f"{sub[1].split(':')[0]}w:{sub[2]}"
+            row = t.rename_free_axis(sub, axis, wide)
+            return axis, wide, t.replace(t.rename_free_axis(term, axis, wide), row, (row[0], wide, *row[2:]))
+    return None
+
+
+def _uncast(term: Term) -> Term:
+    """``term`` without the casts around it (a kernel's store rounds to its output's dtype)."""
+    while term[0] == "Cast":
+        term = term[2]
+    return term
+
+
 PAD_AXIS = ""  # a buffer axis of extent 1 that the stored term does not vary along
 
 # Term positions of each backward form's tensor operands and mask (see the constructors).
@@ -308,6 +331,11 @@ class _Partition:
         Axes of extent 1 (``PAD_AXIS``) pad the buffer's rank; reads index them with 0. A term
         materialised before under other names of its axes (a flash kernel and its log-sum-exp
         kernel name the head dim of the same RoPE'd q apart) reads the same buffer."""
+        widened = _row_widened(term)
+        if widened is not None:  # stored over the whole row, read over the axis's first entries
+            axis, wide, term = widened
+            access = self.materialise(term, tuple(wide if a == axis else a for a in axes) if axes else None, dtype)
+            return t.substitute_axes(access, {wide: t.ax(axis)})
         if axes is None:
             axes = _axis_order(t.free_axes(term), self.output_axes)
         key = _up_to_axis_names(term, axes)
@@ -324,12 +352,16 @@ class _Partition:
         and this kernel stacks them."""
         cores = _by_priority(_cores(term))
         stacked = bool(cores) and cores[0][0] in GRADIENT_OPERANDS and cores[0] != term
+        # the flash kernels write their output as it is: elementwise work after one (an attention
+        # sink's factor, which reads the kernel's own log-sum-exp) is a kernel of its own
+        stacked |= bool(cores) and _core_head(cores[0]) in FLASH_FORWARD and _uncast(term) != cores[0]
         source = None if stacked or not cores else cores[0]
         primary = source
         extras = list(cores) if stacked else cores[1:]
         while extras:
             extra = extras.pop(0)
-            access = self.materialise(extra)
+            # a flash kernel writes its rows' log-sum-exp in fp32 (an attention sink's factor reads it)
+            access = self.materialise(extra, dtype="fp32" if extra[0] == "AttentionLse" else "")
             # a core nested in a later one (a contraction inside a sum) is read from its buffer there too
             term = t.replace(term, extra, access)
             primary = t.replace(primary, extra, access) if primary is not None else None
@@ -587,9 +619,11 @@ def shared_values(extracted: Mapping[str, Term]) -> list[tuple[Term, str]]:
         if stored:
             chosen.append((node, first_root[node]))
         boundary = stored or not is_value  # a core, a stored value: the kernel owning what is beneath
+        # a flash form and the log-sum-exp of its scores are one kernel (:func:`joined_statistics`)
+        owner = _scores_key(node) if node[0] in ("FlashAttention", "AttentionLse") else node
         for child in t.children(node):
             if child[0] not in INDEX_HEADS:
-                owners.setdefault(child, set()).update({node} if boundary else mine)
+                owners.setdefault(child, set()).update({owner} if boundary else mine)
     kept: set[Term] = set()
     for node, _ in reversed(chosen):  # children first
         if _reads_at_least_two(node, axes_memo, kept):
@@ -677,7 +711,7 @@ def joined_statistics(kernels: list[FusedKernel]) -> list[FusedKernel]:
             continue
         owner = kernels[target]
         joined = replace(owner, reads=tuple(sorted({*owner.reads, *kernel.reads})),
-                         side_outputs=(*owner.side_outputs, SideOutput(kernel.output, kernel.term, kernel.axes)))  # fmt: skip
+                         side_outputs=(*owner.side_outputs, SideOutput(kernel.output, kernel.term, kernel.axes, kernel.dtype)))  # fmt: skip
         result[position] = result[target] = None
         result[place] = joined
     return [k for k in result if k is not None]

@@ -78,8 +78,9 @@ EXPR_CONSTRUCTORS: tuple[Constructor, ...] = (
         2,
         binds=((0, (4, 5, 6, 8)), (2, (4, 5))),
     ),
-    # log Σ_j e^{s_j}: the row statistic a backward pass recomputes probabilities from
-    Constructor("LogSumExp", ("String", "i64", "Expr"), 12, binds=((0, (2,)),)),
+    # log Σ_j e^{s_j}: the row statistic a backward pass recomputes probabilities from (no kernel computes
+    # it alone: its cost keeps it out of extraction where the fold's max_j s + ln L_j(s) spells it)
+    Constructor("LogSumExp", ("String", "i64", "Expr"), 1000, binds=((0, (2,)),)),
     # log Σ_j e^{s_j} of attention's scores s = c·Σ_d q·k [mask]: the statistic a forward pass saves for its
     # backward (the parts as FlashAttention's, without v)
     Constructor(

@@ -271,14 +271,10 @@ HOPPER_SCHEDULES: tuple[HopperFlashSchedule, ...] = (
     HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True, lazy_rescale=True, row_sums_mma=True),
     HopperFlashSchedule(128, 3, 2, True, lazy_rescale=True, l2_prefetch=L2_PREFETCH_TILES),
     HopperFlashSchedule(128, 3, 2, True, pack_group=True, lazy_rescale=True, l2_prefetch=L2_PREFETCH_TILES),
-    HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True, poly_exp=1),
-    HopperFlashSchedule(128, 4, 2, True, persistent=True, lazy_rescale=True, row_sums_mma=True, poly_exp=2),
-    HopperFlashSchedule(128, 3, 2, True, persistent=True, balanced=True, lazy_rescale=True, row_sums_mma=True,
-                        poly_exp=2),
-    HopperFlashSchedule(128, 3, 2, True, pack_group=True, lazy_rescale=True, poly_exp=1),
-    HopperFlashSchedule(128, 2, 2, True, persistent=True, q_buffers=2, balanced=True, lazy_rescale=True, poly_exp=1),
 )
 """The schedules offered (each valid for some problems; see :func:`hopper_schedule_problems`).
+No ``poly_exp`` schedule is offered: on the H100 (2026-12-07, ``benchmarks/NOTES.md``) each
+measured 0.84-0.97x its base, 8-bit and 16-bit, one chunk in four or two.
 Three consumer warpgroups (160 registers each) are valid but not offered: at head dim 64
 they measured 0.7x two ping-ponging consumers on the H200, and with a query tail they spill.
 Four stages fit 128-key tiles of 8-bit operands at head dim 128 (and 16-bit ones at 64). 80-key

@@ -251,6 +251,23 @@ RULES = (
                          ("OnlineSoftmaxContract", "j:7", 7, dead_row, v), ("Num", 0.0))),
     ),
     Rule(
+        "online-softmax-shift",
+        "Σ_j softmax_j(s − c)·v_j = Σ_j softmax_j(s)·v_j when c does not depend on j (scores shifted by their "
+        "row's max before a softmax that shifts them again)",
+        lhs="(OnlineSoftmaxContract j n (Add s (Neg c)) v)",
+        rhs="(OnlineSoftmaxContract j n s v)",
+        where=("(= axes-c (axes c))", "(set-not-contains axes-c j)"),
+        example=Example(("OnlineSoftmaxContract", "j:7", 7, ("Add", s, ("Neg", ("Max", "j:7", 7, s))), v)),
+    ),
+    Rule(
+        "logsumexp-shift",
+        "LSE_j(s − c) = LSE_j(s) − c when c does not depend on j",
+        lhs="(LogSumExp j n (Add s (Neg c)))",
+        rhs="(Add (LogSumExp j n s) (Neg c))",
+        where=("(= axes-c (axes c))", "(set-not-contains axes-c j)"),
+        example=Example(("LogSumExp", "j:7", 7, ("Add", s, ("Neg", tensor("c", "i:3"))))),
+    ),
+    Rule(
         "logsumexp-fold",
         "max_j s + log2(L_j(s))·ln 2 = LSE_j(s): the fold's max and sum are the row's log-sum-exp",
         lhs=f"(Add (Max j n s) (Mul (Log2 (SoftmaxFoldL j n s)) (Num {LN2!r})))",

@@ -191,6 +191,19 @@ BINDERS: dict[str, tuple[int, ...]] = {
 }
 
 
+def rename_free_axis(term: Term, old: str, new: str) -> Term:
+    """``term`` with its free axis ``old`` called ``new``: every ``Ax old`` outside a binder of
+    ``old`` (a sum over a bound axis of the same name keeps it)."""
+    if term[0] == "Ax":
+        return ax(new) if term[1] == old else term
+    constructor = CONSTRUCTORS.get(term[0])
+    parts: list[Any] = []
+    for position, arg in enumerate(term[1:]):
+        shadowed = constructor is not None and any(term[1 + b] == old for b in constructor.bound_over(position))
+        parts.append(rename_free_axis(arg, old, new) if isinstance(arg, tuple) and not shadowed else arg)
+    return (term[0], *parts)
+
+
 # ----------------------------------------------------------------------- egglog text
 
 

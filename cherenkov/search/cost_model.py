@@ -255,13 +255,13 @@ HOPPER_ROW_SUMS_MMA_FACTOR = 1.015
 # l2_prefetch (not yet measured): worth a little where K and V outgrow the L2 (they stream from
 # DRAM, a chunked prefill's), a few wasted issue slots of the producer where they stay in it.
 HOPPER_L2_PREFETCH_FACTOR = {"streamed": 1.01, "resident": 0.99}
-# poly_exp (not yet measured), by P's width and the chunks of every four on the FMA pipe: with 8-bit
-# operands the SFU's queue (exponentials and P's conversions; XU 50 % busy in the 2026-12-04 ncu
-# profile) is the consumers' softmax's critical path, so a share off it should shorten the step;
-# 16-bit P's softmax hides behind the other consumer's matmuls (twice as long), so polynomials there
-# mostly take issue slots.
-HOPPER_POLY_EXP_FACTOR = {"8-bit": {1: 1.03, 2: 1.05, 3: 1.03, 4: 0.98},
-                          "16-bit": {1: 1.005, 2: 0.99, 3: 0.97, 4: 0.95}}
+# poly_exp, by P's width and the chunks of every four on the FMA pipe, as measured on the H100
+# (2026-12-07, same process, each schedule against its base): 8-bit 0.97/0.90/0.89 for 1/2/3 chunks
+# (the seed's four- and three-stage rings, Llama's balanced causal one), 16-bit 0.95/0.89 for 1/2
+# (seed, packed chunked prefill, balanced causal, head dim 64). Four chunks were not timed: below three.
+# The polynomials' FMAs and integer steps cost more issue slots than the SFU's queue they shorten.
+HOPPER_POLY_EXP_FACTOR = {"8-bit": {1: 0.96, 2: 0.90, 3: 0.89, 4: 0.85},
+                          "16-bit": {1: 0.94, 2: 0.88, 3: 0.85, 4: 0.82}}
 
 
 def hopper_head_dim_factor(problem: AttentionProblem) -> float:

@@ -98,6 +98,12 @@ def log_sum_exp(q, k, v):
     return (s - (m + (s - m).exp().sum(axis=-1, keepdim=True).log())).exp() @ v
 
 
+def shifted_twice(q, k, v):
+    """Scores shifted by their row's max before a softmax that shifts them again (GPT-OSS's)."""
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    return ck.nn.softmax(s - s.max(axis=-1, keepdim=True), axis=-1) @ v
+
+
 SPELLINGS = {
     "textbook": (textbook, H, False),
     "scale_on_q": (scale_on_q, H, False),
@@ -110,6 +116,7 @@ SPELLINGS = {
     "nn_attention": (nn_attention, H, False),
     "times_reciprocal": (times_reciprocal, H, False),
     "log_sum_exp": (log_sum_exp, H, False),
+    "shifted_twice": (shifted_twice, H, False),
 }
 
 
@@ -141,6 +148,67 @@ def test_flash_attention_is_found_in_every_spelling(spelling: str) -> None:
         assert trace.index(before) < trace.index(final)
     plans = d.plans("sm_90")
     assert plans and all(p.problem.causal == causal and p.problem.group_size == H // kv_heads for p in plans)
+
+
+def sink_graph(causal: bool, kv_heads: int = H, offset: int = 0) -> ck.Graph:
+    """GPT-OSS's attention sinks as transformers spells them: a learned logit a head concatenated to
+    the (masked) scores, the row shifted by its max, softmaxed, and the sink's column dropped."""
+    g = ck.Graph("sinks")
+    q = g.input("q", (B, H, SQ, D), "bf16")
+    k, v = g.input("k", (B, kv_heads, SKV, D), "bf16"), g.input("v", (B, kv_heads, SKV, D), "bf16")
+    sinks = g.input("sinks", (H,), "bf16")
+    k, v = ck.nn.repeat_kv_heads(k, H // kv_heads), ck.nn.repeat_kv_heads(v, H // kv_heads)
+    s = (q @ k.transpose(-2, -1)) * SCALE
+    if causal:  # transformers' additive causal mask, bf16's lowest for the masked scores
+        q_idx, k_idx = ck.arange(SQ).unsqueeze(-1), ck.arange(SKV)
+        q_idx = q_idx + offset if offset else q_idx
+        s = s + ck.where(q_idx < k_idx, -3.3895313892515355e38, 0.0)
+    column = sinks.reshape(1, H, 1, 1).expand(B, H, SQ, 1)
+    c = ck.cat([s, column], axis=-1)
+    p = ck.nn.softmax(c - c.max(axis=-1, keepdim=True), axis=-1)
+    g.output(p[..., :SKV] @ v, "o")
+    return g
+
+
+@pytest.mark.parametrize(("causal", "kv_heads"), [(False, H), (True, H // 2)])
+def test_attention_sinks_are_flash_attention_times_a_sigmoid_of_its_log_sum_exp(causal: bool, kv_heads: int) -> None:
+    g = sink_graph(causal, kv_heads)
+    d = ck.derive(g)
+    kernels = d.kernels
+    assert [k.kind for k in kernels] == ["flash_attention", "elementwise"]
+    flash, factor = kernels
+    assert [side.term[0] for side in flash.side_outputs] == ["AttentionLse"]  # the kernel's own statistic
+    assert {flash.output, flash.side_outputs[0].output, "sinks"} == set(factor.reads)
+    assert d.tensor_types()[1][flash.side_outputs[0].output] == "fp32"  # as the flash kernels write it
+    for rule in ("appended-column", "sum-over-appended-column", "sum-before-appended-column", "sink-normaliser",
+                 "online-softmax-shift", "logsumexp-shift"):
+        assert rule in d.trace
+    assert_derived_program_matches(g, d)
+    for target in ("sm_80", "sm_90a", "sm_120"):
+        problems = {p.problem for p in d.plans(target)}
+        assert problems and all(p.lse is not None and p.causal == causal and p.bias is None for p in problems)
+
+
+def test_a_softmax_row_read_without_its_appended_column_is_stored_whole() -> None:
+    """Sinks under a mask no flash kernel takes (a causal mask offset by 3 keys): the softmax row of
+    ``n + 1`` entries is a buffer of its own extent, which the product with v reads ``n`` of."""
+    g = sink_graph(True, offset=3)
+    d = ck.derive(g)
+    rows = [k for k in d.kernels if k.kind == "softmax_rows"]
+    assert len(rows) == 1 and rows[0].stored_shape[-1] == SKV + 1
+    assert_derived_program_matches(g, d)
+
+
+def test_elementwise_work_after_flash_attention_is_a_kernel_of_its_own() -> None:
+    """The flash kernels write their output as it is: a scale and a shift after one run in an
+    elementwise kernel reading it, not dropped from a flash kernel's term."""
+    g = attention_graph(lambda q, k, v: ck.nn.attention(q, k, v) * 2.0 + 1.0)
+    d = ck.derive(g)
+    flash, after = d.kernels
+    assert (flash.kind, after.kind) == ("flash_attention", "elementwise")
+    assert flash.term == flash.core and after.reads == (flash.output,)
+    assert d.plans("sm_90")
+    assert_derived_program_matches(g, d)
 
 
 def mask_graph(mask_heads: int, kv_heads: int = H, seq_q: int = SQ) -> ck.Graph:

@@ -3,7 +3,7 @@ transformers configs of the LMs, encoders and vision towers users bring (Qwen2, 
 and without its sliding window, Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3,
 Cohere's interleaved rotary embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent
 attention (its query and key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi,
-XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers (ImageGPT's too), BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
+XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers (ImageGPT's too), GPT-OSS's attention sinks, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
@@ -14,7 +14,7 @@ off; BERT's padded SDPA backward stays torch's; Swin's writes dv alone, its dq a
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
 that assemble its query and key;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
-and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window and Apertus run
+and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window, GPT-OSS and Apertus run
 like eager at width 1024."""
 
 from __future__ import annotations
@@ -160,6 +160,11 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     "imagegpt_buffer_mask": (lambda: (transformers.ImageGPTModel(transformers.ImageGPTConfig(
         n_layer=1, n_embd=128, n_head=4, vocab_size=257, n_positions=128, attn_pdrop=0.0, resid_pdrop=0.0,
         embd_pdrop=0.0)), _token_ids()), 1),
+    # GPT-OSS's attention sinks (a learned logit a head, concatenated to the scores, softmaxed with them and
+    # dropped) on a sliding and a full layer: flash attention times sigmoid(LSE - sink)
+    "gpt_oss_sinks": (_decoder("GptOssForCausalLM", "GptOssConfig", num_hidden_layers=2, head_dim=32,
+                               num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                               layer_types=["sliding_attention", "full_attention"], attention_dropout=0.0), 2),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "mbart_shifted_ids": (_mbart, 3),
@@ -197,7 +202,7 @@ def test_a_model_family_runs_through_the_backend_like_eager_with_its_attention_f
 WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
             "gemma3_sliding_and_full": [(0, 0, True), (16, 0, True)],
             "modernbert_local_and_global": [(0, 0, True), (9, 8, True)],
-            "gpt_neo_buffer_masks": [(0, 0, True), (16, 0, True)]}  # fmt: skip
+            "gpt_neo_buffer_masks": [(0, 0, True), (16, 0, True)], "gpt_oss_sinks": [(0, 0, True), (16, 0, True)]}  # fmt: skip
 """Family: its attention layers' windows (keys, keys ahead), and whether each reads no bias tensor."""
 
 
@@ -437,6 +442,12 @@ WIDE = {
     "gpt_neo": lambda: transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
         num_layers=2, hidden_size=1024, num_heads=16, vocab_size=1024, max_position_embeddings=1024, window_size=128,
         attention_types=[[["global", "local"], 1]], intermediate_size=2048, bos_token_id=0, eos_token_id=0)),
+    # GPT-OSS's attention sinks, its first layer's window of 128 keys (head dim 64; every token to both experts: a
+    # top-k choice flipped by bf16 rounding moves eager's own logits 8 % from fp32's at random weights)
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        intermediate_size=1024, num_local_experts=2, num_experts_per_tok=2, vocab_size=1024, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"])),
     # xIELU's softplus and expm1 in the MLP
     "apertus": lambda: transformers.ApertusForCausalLM(transformers.ApertusConfig(
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
@@ -448,7 +459,7 @@ WIDE = {
 @pytest.mark.parametrize("family", list(WIDE))
 def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: str, tmp_path) -> None:
     """XGLM (its clamped causal mask), Mistral with a window of 128 keys, Gemma 2 (its soft cap, and the window of
-    its sliding layer), GPT-Neo (its masks from its own buffers) and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
+    its sliding layer), GPT-Neo (its masks from its own buffers), GPT-OSS (its attention sinks) and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
     ``torch.compile(backend="cherenkov")`` on the GPU: eager's logits within bf16 tolerance, and a flash kernel
     launched for each of the two attention layers, the windows the kernels' own (no bias tensor)."""
     if not torch.cuda.is_available():
@@ -473,5 +484,5 @@ def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: 
     assert kinds.count("flash_attention") == 2, kinds
     problems = [result.kernels[k.output].plan.problem for result in results for k in result.launched
                 if k.kind == "flash_attention"]  # fmt: skip
-    windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128], "gpt_neo": [0, 128]}.get(family, [0, 0])
+    windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128], "gpt_neo": [0, 128], "gpt_oss": [0, 128]}.get(family, [0, 0])
     assert sorted(p.window for p in problems) == windows and all(p.bias is None for p in problems), problems
