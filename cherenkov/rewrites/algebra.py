@@ -53,6 +53,13 @@ RULES = (
         example=Example(("Mul", x, ("Num", 1.0))),
     ),
     Rule(
+        "add-zero",
+        "x + 0 = x (positions counted from a cache's start of 0: arange(S) + 0)",
+        lhs="(Add x (Num 0.0))",
+        rhs="x",
+        example=Example(("Add", x, ("Num", 0.0))),
+    ),
+    Rule(
         "tanh-from-exp2",
         "1 − 2·(exp2(x·a) + 1)⁻¹ = tanh(x·a·ln 2 / 2): tanh in the exponential spelling ck.nn.tanh lowers to",
         lhs="(Add (Num 1.0) (Neg (Mul (Num 2.0) (Recip (Add (Exp2 (Mul x (Num a))) (Num 1.0))))))",

@@ -160,8 +160,7 @@ def sink_graph(causal: bool, kv_heads: int = H, offset: int = 0) -> ck.Graph:
     k, v = ck.nn.repeat_kv_heads(k, H // kv_heads), ck.nn.repeat_kv_heads(v, H // kv_heads)
     s = (q @ k.transpose(-2, -1)) * SCALE
     if causal:  # transformers' additive causal mask, bf16's lowest for the masked scores
-        q_idx, k_idx = ck.arange(SQ).unsqueeze(-1), ck.arange(SKV)
-        q_idx = q_idx + offset if offset else q_idx
+        q_idx, k_idx = ck.arange(SQ).unsqueeze(-1) + offset, ck.arange(SKV)  # + 0: rule add-zero
         s = s + ck.where(q_idx < k_idx, -3.3895313892515355e38, 0.0)
     column = sinks.reshape(1, H, 1, 1).expand(B, H, SQ, 1)
     c = ck.cat([s, column], axis=-1)
