@@ -62,7 +62,7 @@ RULES = (
         "appended-column",
         "pad(s, (0, m)) + pad(b, (n, 0)) = where(j < n, s, b) along j over its n + m entries, b constant along j",
         lhs="(Add (PadAxis (Ax j) 0 n 0.0 x) (PadAxis (Ax j) n m 0.0 y))",
-        rhs=f"(Where (Lt (Iota (Ax j)) (Num (to-f64 n))) x y)",
+        rhs="(Where (Lt (Iota (Ax j)) (Num (to-f64 n))) x y)",
         where=Y_CONSTANT_ALONG_J,
         example=Example(("Add", ("PadAxis", ax("j:7"), 0, 6, 0.0, s), ("PadAxis", ax("j:7"), 6, 1, 0.0, b))),
     ),

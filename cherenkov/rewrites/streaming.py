@@ -10,6 +10,7 @@ the kernel reading a computed bias from a buffer an earlier kernel writes; a cau
 causal mask once the exponentials underflow. Both give 0 for a row without a live score (all −∞), so a safe softmax's
 ``where(max_j s > −∞, ·, 0)`` around them is the form itself. Scores soft-capped at ``m``,
 ``m·tanh(a·Σ_d q·k)`` (Gemma 2's), are flash attention at scale ``a·m`` with the cap.
+Scores shifted by a row constant first (by their row's max, as GPT-OSS does) give the same softmax.
 The fold's associativity
 splits it: folding the keys in chunks and folding the chunks' partial states gives the
 same result (split-KV attention, for decoding). The fold's ``m + log l`` is the row's
