@@ -261,6 +261,11 @@ def lowers_node(node: Any) -> bool:
         return not (arguments.get("train") and arguments.get("p"))
     if base == "slice_scatter":
         return (_schema_arguments(node).get("step") or 1) == 1
+    if base == "scatter":
+        arguments = _schema_arguments(node)
+        shape, index = (getattr(arguments[name], "meta", {}).get("val") for name in ("self", "index"))
+        return shape is not None and index is not None and arguments.get("reduce") is None and _one_index_a_slice(
+            tuple(shape.shape), tuple(index.shape), arguments["dim"] % shape.dim())
     return True
 
 
@@ -1258,12 +1263,48 @@ def _cumsum(c: _Capture, a: dict[str, Any]) -> Any:
     return sums.transpose(dim, -1) if dim != x.ndim - 1 else sums
 
 
+def _positions(size: int, dim: int, ndim: int, g: Any) -> Tensor:
+    """``0, 1, …, size − 1`` along axis ``dim`` of ``ndim`` axes (unit extent along the others after it)."""
+    return g.arange(size).reshape(size, *([1] * (ndim - 1 - dim)))
+
+
 @_op("max.dim", "min.dim")
 def _max_dim(c: _Capture, a: dict[str, Any]) -> Any:
+    """The max (min) along ``dim`` and its index: the first position attaining it, as torch's (the least
+    position whose entry is not below the max; a row holding a NaN gets the row's length)."""
     x = c.t(a["self"])
+    dim, keepdim = a["dim"] % x.ndim, bool(a.get("keepdim"))
     method = "max" if c.base == "max" else "min"
-    values = getattr(x, method)(axis=a["dim"], keepdim=bool(a.get("keepdim")))
-    return (values, _Unsupported(f"the indices of {method}(dim=...) (argmax/argmin)"))
+    kept = getattr(x, method)(axis=dim, keepdim=True)
+    attains = x >= kept if method == "max" else x <= kept
+    size = x.shape[dim]
+    first = where(attains, _positions(size, dim, x.ndim, c.g), size).min(axis=dim, keepdim=keepdim)
+    return (kept if keepdim else kept.squeeze(dim)), first
+
+
+@_op("scatter.src", "scatter.value")
+def _scatter(c: _Capture, a: dict[str, Any]) -> Any:
+    """``self`` with ``src`` written at ``index`` along ``dim``, for one index a slice (extent 1 along ``dim``,
+    ``self``'s along the others: a keepdim argmax, what max.dim's gradient scatters by):
+    ``where(j == index, src, self)``; :func:`lowers_node` keeps any other scatter torch's."""
+    x, index = c.t(a["self"]), c.t(a["index"])
+    dim = a["dim"] % x.ndim
+    if not _one_index_a_slice(tuple(x.shape), tuple(index.shape), dim):
+        raise GraphError(f"scatter into {tuple(x.shape)} along axis {dim} with an index of shape "
+                         f"{tuple(index.shape)}: valid is one index a slice (extent 1 along the axis, "
+                         f"{tuple(x.shape)}'s along the others)")
+    src = c.operand(a["src"]) if "src" in a else a["value"]
+    if isinstance(src, Tensor) and tuple(src.shape) != tuple(index.shape):
+        raise GraphError(f"scatter of a source of shape {tuple(src.shape)} by an index of shape "
+                         f"{tuple(index.shape)}: valid is a source of the index's shape")
+    hit = _eq(_positions(x.shape[dim], dim, x.ndim, c.g), index)
+    return where(hit, src.cast(x.dtype) if isinstance(src, Tensor) else src, x)
+
+
+def _one_index_a_slice(shape: tuple[int, ...], index: tuple[int, ...], dim: int) -> bool:
+    """Whether a scatter into ``shape`` along ``dim`` by an index of shape ``index`` writes one entry a slice."""
+    return len(index) == len(shape) and index[dim] == 1 and all(
+        n == m for axis, (n, m) in enumerate(zip(index, shape)) if axis != dim)
 
 
 @_op("any", "all")

@@ -618,6 +618,28 @@ def score_product_args(node: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     return tuple(node.args[:first]), tuple(node.args[first:first + 2])
 
 
+ROW_OPS = frozenset({"cat", "max", "amax"})
+"""ATen ops (by name) that, along the last axis, append to a row of scores or reduce it to its max."""
+
+
+def _along_the_row(node: Any) -> bool:
+    """``node`` concatenates its operands along their last axis (a column appended to a row of scores), takes
+    their max along it (``amax``, or ``max.dim``'s values through their ``getitem``)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return node.args[1] == 0 and _along_the_row(node.args[0])
+    op = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
+    if op not in ROW_OPS or len(node.args) < 2:
+        return False
+    first, axis = node.args[0], node.args[1]
+    if op == "cat":
+        first = first[0]
+    axis = axis[0] if isinstance(axis, (list, tuple)) and len(axis) == 1 else axis
+    rank = first.meta["val"].dim() if hasattr(first, "meta") and "val" in first.meta else None
+    return isinstance(axis, int) and rank is not None and axis in (-1, rank - 1)
+
+
 def recomputed_attention_nodes(graph: Any) -> list[Any]:
     """Per softmax along the last axis of a training graph's forward (AOTAutograd's joint graph, whose
     backward reads the outputs' gradients, ``tangents_*``): the nodes from the product of q and k that
@@ -662,6 +684,10 @@ def recomputed_attention_nodes(graph: Any) -> list[Any]:
                 bias, factors = score_product_args(node)
                 operands.extend(factors)
                 scores.extend(bias)  # an added bias is part of the scores
+            elif _along_the_row(node):  # a column appended to the row (GPT-OSS's sinks), the row's max
+                scores.extend(node.all_input_nodes)
+                # max.dim's indices (what its gradient scatters by) with it: saved, the forward would compute them
+                found.update(dict.fromkeys(user for user in node.users if user.target is operator.getitem))
             elif not (torch.Tag.pointwise in getattr(node.target, "tags", ()) or name(node) in DATA_MOVES):
                 continue
             else:

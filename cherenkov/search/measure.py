@@ -16,14 +16,17 @@ the search goes on. The parent never imports torch or cupy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
@@ -563,6 +566,24 @@ def worker_main(conn: Connection, device: int) -> None:
 # --------------------------------------------------------------------- in the parent
 
 
+@contextlib.contextmanager
+def _main_script_hidden(target: Callable) -> Iterator[None]:
+    """While a worker process starts: ``__main__`` replaced by an empty module, unless ``target`` is defined
+    there. A spawned child imports the parent's ``__main__`` again; a user's script that calls ``ck.compile``
+    at its top level (no ``if __name__ == "__main__"`` guard) would run again in the child and fail there
+    ("before the current process has finished its bootstrapping phase"). A target from an importable module
+    needs nothing of that script."""
+    if getattr(target, "__module__", None) == "__main__":
+        yield
+        return
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 class _Worker:
     """A worker process bound to one GPU, serving requests with ``target`` (:func:`worker_main`)."""
 
@@ -571,12 +592,18 @@ class _Worker:
         self.device = device
         self.conn, child = context.Pipe()
         self.process = context.Process(target=target, args=(child, device), daemon=True)
-        self.process.start()
+        with _main_script_hidden(target):
+            self.process.start()
         child.close()
         if not self.conn.poll(STARTUP_TIMEOUT_S):
             self.kill()
             raise RuntimeError(f"measurement worker on GPU {device} did not start in {STARTUP_TIMEOUT_S:.0f} s")
-        _, self.gpu_name = self.conn.recv()
+        try:
+            _, self.gpu_name = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise RuntimeError(f"measurement worker on GPU {device} exited as it started (exit code "
+                               f"{self.process.exitcode}); its error is above") from None
 
     def request(self, kind: str, payload: Any, timeout_s: float) -> tuple[str, Any]:
         """Send one request; ("timeout", seconds) or ("crash", reason) when it goes wrong (a worker

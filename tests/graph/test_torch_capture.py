@@ -661,6 +661,18 @@ CASES: dict[str, Case] = {
         ),
         (x46,),
     ),
+    # max.dim's indices (ties: the first), and a scatter by them, as max.dim's gradient is a training graph's
+    "argmax_and_its_scatter": Case(
+        lambda x, y: (
+            x.max(dim=-1).indices,
+            x.min(dim=0, keepdim=True).indices,
+            x.clamp(max=0.5).max(dim=-1).indices,  # rows with tied maxima
+            torch.zeros_like(x).scatter(-1, x.max(dim=-1, keepdim=True).indices, y[:, :1]),
+            x.scatter(0, x.min(dim=0, keepdim=True).indices, 2.5),
+            A.scatter(y, 1, y.max(dim=1, keepdim=True).indices, x[:, :1]),
+        ),
+        (lambda: randn(4, 6, seed=2) * 2, y46),
+    ),
     # views
     "views": Case(
         lambda x: (
@@ -1009,7 +1021,8 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
             (torch.ones(1, 2, 3, 4),),
             ("dropout_p", "eval mode"),
         ),
-        (lambda x: x.max(dim=-1).indices + 1, (torch.ones(2, 3),), ("indices", "argmax")),
+        (lambda x: torch.zeros(2, 3).scatter(1, torch.arange(2).expand(2, 2), x), (torch.ones(2, 2),),
+         ("scatter", "(2, 2)", "one index a slice")),
         (lambda x: x[:, 3:1] + 1, (torch.ones(2, 4),), ("slice [3:1]", "empty")),
         (lambda x: torch.div(x, 2, rounding_mode="trunc"), (torch.ones(2),), ("rounding_mode",)),
         (lambda x: torch.diff(x, n=2), (torch.ones(4),), ("diff with n=2", "valid: n=1")),
@@ -1022,7 +1035,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         "scalar_example",
         "train_dropout",
         "sdpa_dropout",
-        "argmax",
+        "scatter_of_two",
         "empty_slice",
         "trunc_div",
         "second_diff",

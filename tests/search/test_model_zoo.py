@@ -212,7 +212,7 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1),
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
            "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3),
-           "gpt_neo_buffer_masks": (2, 2), "imagegpt_buffer_mask": (1, 1)}  # fmt: skip
+           "gpt_neo_buffer_masks": (2, 2), "imagegpt_buffer_mask": (1, 1), "gpt_oss_sinks": (2, 0)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
@@ -222,7 +222,9 @@ kernels fp32 q and k and takes fp32 gradients back: each is rounded into a 16-bi
 and widened; Cohere's interleaved one too, its grouped gradients reading the one copy of q; XGLM's clamp of its masked
 scores has a gradient, torch's VJP of ``maximum`` selecting by two comparisons' masks, that moves only masked entries,
 whose probability is 0; GPT-Neo's mask buffers are pinned in the forward and in the backward, which AOTAutograd hands
-them as saved inputs, and its window's VJP, a where below the window, moves only entries of probability 0)."""
+them as saved inputs, and its window's VJP, a where below the window, moves only entries of probability 0; GPT-OSS's
+sinks: the backward recomputes the appended column and the row's max with its index, what max's gradient scatters
+by, so the forward keeps its flash kernels; the backward through the sink is not a flash backward yet)."""
 
 
 def _training_step_against_eager(family: str) -> tuple[float, list[Any]]:
