@@ -1,8 +1,9 @@
 """cherenkov's searched flash attention against PyTorch SDPA's backends, in one process.
 
 For each shape (``SHAPES``: issue 6's, issue 22's decode, short-query, head-dim, ``D_V ≠
-D`` and fp16 rows, and two causal sliding windows, which SDPA takes as a band mask and
-FlashAttention-4 as its ``window_size``; the default runs issue 6's), this builds the textbook attention graph of
+D`` and fp16 rows, two causal sliding windows, which SDPA takes as a band mask and
+FlashAttention-4 as its ``window_size``, and a causal chunk after cached keys, a band for SDPA and FlashAttention-4's
+own causal mask; the default runs issue 6's), this builds the textbook attention graph of
 ``examples/attention.py`` (loaded by path), runs ``ck.optimize`` on it (a fresh search
 with a per-shape time budget, measured on the local GPU; a private tuning database so that
 nothing stale answers), checks the graph's output against SDPA in float32 (relative error
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import cherenkov as ck  # noqa: E402
 from cherenkov.codegen import compile_plan, load_kernel  # noqa: E402
+from cherenkov.graph.tensor import where  # noqa: E402
 from cherenkov.search.database import TuningDatabase  # noqa: E402
 from gpu_label import gpu_label  # noqa: E402
 from timing import FLUSHES, L2Flush, time_interleaved  # noqa: E402
@@ -74,6 +76,7 @@ class Shape:
     dtype: str = "bf16"
     DV: int | None = None
     window: int | None = None  # causal: query i sees keys i - window < j <= i
+    last_key: bool = False  # causal aligned to the last key: query i sees keys j <= i + SKV - SQ (FA4's causal)
 
     @property
     def dv(self) -> int:
@@ -87,6 +90,8 @@ class Shape:
         if self.window:
             kept = min(self.SQ, self.window)
             return full * (kept * (kept + 1) / 2 + (self.SQ - kept) * self.window) / (self.SQ * self.SKV)
+        if self.last_key:  # every cached key, then a causal triangle over the chunk
+            return full * (self.SQ * (self.SKV - self.SQ) + self.SQ * (self.SQ + 1) / 2) / (self.SQ * self.SKV)
         return full / 2 if self.causal else full
 
     @property
@@ -118,9 +123,11 @@ SHAPES = {
     # sliding windows (no issue): Mistral-7B's 4k window over 16k tokens, a 1k one (Gemma 3's) over 8k
     "mistral_7b_window4k_16k": Shape(1, 32, 8, 16384, 16384, 128, True, window=4096),
     "b2h32s8k_window1k": Shape(2, 32, 8, 8192, 8192, 128, True, window=1024),
+    # a causal chunk after cached keys (no issue): 1k queries after 7k, Llama-3-8B's heads
+    "chunk_1k_after_7k_causal": Shape(4, 32, 8, 1024, 8192, 128, True, last_key=True),
 }
 ISSUE_6 = ("seed", "b4h16s4k", "b4h16s4k_causal", "seed_d64", "b16h16s1k", "b1h32s16k_causal")
-WINDOWS = ("mistral_7b_window4k_16k", "b2h32s8k_window1k")
+WINDOWS = ("mistral_7b_window4k_16k", "b2h32s8k_window1k", "chunk_1k_after_7k_causal")
 ISSUE_22 = tuple(name for name in SHAPES if name not in ISSUE_6 + WINDOWS)
 
 
@@ -134,7 +141,8 @@ def load_example():
 
 def nn_attention_graph(shape: Shape) -> ck.Graph:
     """Attention spelled with ``ck.nn.attention``, for what the example's contract lacks: values of
-    their own head dim (``D_V ≠ D``, as in MLA) or a sliding window."""
+    their own head dim (``D_V ≠ D``, as in MLA), a sliding window, or a causal mask aligned to the last key
+    (an added band, as transformers builds it for a chunk after cached keys)."""
     g = ck.Graph("attention_value_dim" if shape.DV is not None else "attention_window")
     q = g.input("q", (shape.B, shape.H, shape.SQ, shape.D), shape.dtype)
     k = g.input("k", (shape.B, shape.H_KV, shape.SKV, shape.D), shape.dtype)
@@ -142,7 +150,13 @@ def nn_attention_graph(shape: Shape) -> ck.Graph:
     group = shape.H // shape.H_KV
     if group > 1:
         k, v = ck.nn.repeat_kv_heads(k, group), ck.nn.repeat_kv_heads(v, group)
-    g.output(ck.nn.attention(q, k, v, causal=shape.causal, window=shape.window), "o")
+    band = None
+    if shape.last_key:
+        query, key = ck.arange(shape.SQ, graph=g).unsqueeze(-1), ck.arange(shape.SKV, graph=g)
+        hidden, live = g.constant(-math.inf, shape.dtype), g.constant(0.0, shape.dtype)
+        band = where(query + float(shape.SKV - shape.SQ) < key, hidden, live)
+    causal = shape.causal and not shape.last_key
+    g.output(ck.nn.attention(q, k, v, causal=causal, window=shape.window, bias=band), "o")
     return g
 
 
@@ -177,7 +191,7 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     shape = SHAPES[name]
     b, h, hkv, sq, skv, d, causal = shape.B, shape.H, shape.H_KV, shape.SQ, shape.SKV, shape.D, shape.causal
     graph = (example.build(shape=(b, h, hkv, sq, skv, d), causal=causal, dtype=shape.dtype)
-             if shape.DV is None and shape.window is None else nn_attention_graph(shape))  # fmt: skip
+             if shape.DV is None and shape.window is None and not shape.last_key else nn_attention_graph(shape))  # fmt: skip
     budget = args.budget * (CAUSAL_BUDGET_FACTOR if causal else 1.0)
     started = time.monotonic()
     result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / name, budget_s=budget, database=db)
@@ -194,9 +208,9 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
     # SDPA takes no window: the band as its bool mask (True: attended), the causal flag folded in, and
     # K/V repeated over the query heads (as transformers does; SDPA's fused kernels take a mask only so)
     band, k_sdpa, v_sdpa = None, k, v
-    if shape.window:
+    if shape.window or shape.last_key:
         ones = torch.ones(sq, skv, dtype=torch.bool, device="cuda")
-        band = ones.tril(0) & ~ones.tril(-shape.window)
+        band = ones.tril(skv - sq) if shape.last_key else ones.tril(0) & ~ones.tril(-shape.window)
         k_sdpa, v_sdpa = (x.repeat_interleave(h // hkv, dim=1) for x in (k, v))
     sdpa_causal, sdpa_gqa = causal and band is None, gqa and band is None
 

@@ -34,6 +34,9 @@ minimum, not −∞."""
 WINDOW_LOWER = "(Lt (Iota (Ax j)) (Add (Iota iq) (Num w)))"
 """A sliding window's lower edge, ``j < i + w`` (``w`` ≤ 0: the keys more than ``−w`` before the query), as the
 capture spells a band's."""
+KEYS_AHEAD = "(Lt (Add (Iota iq) (Num o)) (Iota (Ax j)))"
+"""The keys more than ``o`` after query ``i`` masked, ``i + o < j``: a window's upper edge, and alone a causal mask
+aligned to the last key (``o = S_kv − S_q``: a chunk of queries after ``o`` cached keys)."""
 WINDOW_EDGE = ("Lt", ("Iota", ax("j:7")), ("Add", ("Iota", ax("i:3")), ("Num", -1.0)))
 """An example of it over the examples' ``i:3, j:7``: keys ``j < i − 1``."""
 
@@ -43,9 +46,11 @@ def sliding_window(mask: Term) -> tuple[int, int] | None:
     causal mask plus the window's lower edge ``where(j < i + w, m, 0)`` (query ``i`` sees keys
     ``i − W < j ≤ i``, ``W = 1 − w``, ahead 0: the ``-band`` bias form), or a bias that is a window
     about the query, ``where(i + o < j, m, where(j < i + w, m₂, 0))`` (keys ``i − W < j ≤ i + o``,
-    ahead ``o``: ``-band2``); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹⁵`` (the masked scores'
-    exponentials underflow as the causal ones do), over at least two queries and no more queries than
-    keys (every row sees its own key). None for any other mask. A kernel applies such a window itself,
+    ahead ``o``: ``-band2``), or that upper edge alone, ``where(i + o < j, m, 0)`` (a causal mask aligned to
+    the last of more keys: ``-ahead``, a window of as many keys as there are queries and keys, so that no
+    key is cut behind); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹⁵`` (the masked scores'
+    exponentials underflow as the causal ones do), a lower edge over at least two queries and no more
+    queries than keys (every row sees its own key). None for any other mask. A kernel applies such a window itself,
     skipping the key tiles outside it, where any other bias is a tensor it reads."""
     if mask[0] == "CausalBiasMask":
         window = _lower_edge(mask[2], mask[1])
@@ -53,6 +58,11 @@ def sliding_window(mask: Term) -> tuple[int, int] | None:
     if mask[0] != "BiasMask":
         return None
     match mask[1]:
+        case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", key))), ("Num", m), ("Num", 0.0)):
+            # keys at most o ahead and none cut behind: a window over every key (i − W < 0 ≤ j for each row i)
+            rows = extent(query[1]) if query[0] == "Ax" else 0
+            if rows and float(o).is_integer() and o >= 0 and m <= -32768.0:
+                return rows + extent(key), int(o)
         case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", _))), ("Num", m), lower):
             window = _lower_edge(lower, query)
             if window is not None and float(o).is_integer() and o >= 0 and m <= -32768.0:
@@ -177,6 +187,15 @@ RULES = (
         lhs=f"(Where {WINDOW_LOWER} (Num -inf) s)",
         rhs=f"(Add s (Where {WINDOW_LOWER} (Num -inf) (Num 0.0)))",
         example=Example(("Where", ("Lt", ("Iota", ax("j:4")), ("Add", ("Iota", ax("i:3")), ("Num", -1.0))),
+                         ("Num", -math.inf), s)),
+    ),
+    Rule(
+        "keys-ahead-additive",
+        "where(i + o < j, −∞, s) = s + where(i + o < j, −∞, 0): a causal mask aligned to the last of more keys "
+        "(query i sees keys j ≤ i + o, a chunk of queries after o cached keys) as an added bias",
+        lhs=f"(Where {KEYS_AHEAD} (Num -inf) s)",
+        rhs=f"(Add s (Where {KEYS_AHEAD} (Num -inf) (Num 0.0)))",
+        example=Example(("Where", ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 4.0)), ("Iota", ax("j:4"))),
                          ("Num", -math.inf), s)),
     ),
     Rule(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cherenkov.rewrites.masks import WINDOW_EDGE, WINDOW_LOWER, finite_causal_mask_rule
+from cherenkov.rewrites.masks import KEYS_AHEAD, WINDOW_EDGE, WINDOW_LOWER, finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import Term, ax, tensor
 
@@ -69,6 +69,9 @@ window_lower = ("Where", WINDOW_EDGE, ("Num", -math.inf), ("Num", 0.0))
 window_both = ("Where", ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 2.0)), ("Iota", ax("j:7"))), ("Num", -math.inf),
                window_lower)
 
+keys_ahead = ("Where", ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 4.0)), ("Iota", ax("j:7"))), ("Num", -math.inf),
+              ("Num", 0.0))
+
 BIAS_FORMS = (
     BiasForm("", "(Tensor b bix)", (), "a stored tensor b", bias),
     BiasForm("-band", "b", (f"(= b (Where {WINDOW_LOWER} (Num m) (Num 0.0)))", "(<= m -32768.0)"),
@@ -76,6 +79,8 @@ BIAS_FORMS = (
     BiasForm("-band2", "b", (f"(= b (Where (Lt (Add (Iota iq) (Num o)) (Iota (Ax j))) (Num m) (Where {WINDOW_LOWER} "
                              "(Num m2) (Num 0.0))))", "(<= m -32768.0)", "(<= m2 -32768.0)"),
              "b = where(i + o < j, m, where(j < i + w, m₂, 0)) for m, m₂ ≤ −2¹⁵, a window about the query", window_both),
+    BiasForm("-ahead", "b", (f"(= b (Where {KEYS_AHEAD} (Num m) (Num 0.0)))", "(<= m -32768.0)"),
+             "b = where(i + o < j, m, 0) for m ≤ −2¹⁵, a causal mask aligned to the last of more keys", keys_ahead),
     BiasForm("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
              "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
     BiasForm("-rounded", "b", ("(= b (Cast dt b1))", *WITHOUT_HEAD_DIM),

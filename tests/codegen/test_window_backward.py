@@ -1,4 +1,5 @@
-"""The flash-attention backward under a sliding window (causal, or about the query): each main pass
+"""The flash-attention backward under a sliding window (causal, about the query, or a causal mask aligned to the
+last key): each main pass
 bounds a key tile's query tiles by the window and the statistics pass runs the forward from the
 window's first key. The ``mma.sync`` passes run emulated on the CPU against ``ck.grad``'s float64
 gradients; on the GPU every backward plan matches float32 autograd through the band. (The forward's
@@ -14,16 +15,17 @@ import cherenkov as ck
 
 from .backward_emulator import emulate_backward
 from .test_flash_backward import _check_against_autograd, assert_gradients_match
-from .test_window_flash import GPU_IDS, GPU_WINDOWS, WINDOW_IDS, WINDOWS, _inputs, window_graph
+from .test_window_flash import GPU_IDS, GPU_WINDOWS, KEYS_AHEAD, WINDOW_IDS, WINDOWS, _inputs, window_graph
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
 
 BACKWARD_CASES = (0, 1, 3, 4)  # every window but the one wider than the sequence
+GPU_BACKWARD_CASES = (*BACKWARD_CASES, 5)  # and a causal mask aligned to the last key
 
 
 @needs_gxx
-@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), [WINDOWS[i] for i in BACKWARD_CASES],
-                         ids=[WINDOW_IDS[i] for i in BACKWARD_CASES])  # fmt: skip
+@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), [WINDOWS[i] for i in BACKWARD_CASES] + [KEYS_AHEAD],
+                         ids=[WINDOW_IDS[i] for i in BACKWARD_CASES] + ["keys_ahead"])  # fmt: skip
 def test_emulated_backward_matches_the_gradient_graph(sizes, window, softcap, ahead) -> None:
     """Two ``mma.sync`` main passes (16-key warps, and warp pairs where they fit), the statistics pass
     running the forward from the window's first key, every gradient within 1e-2 of ``ck.grad``'s; the
@@ -44,8 +46,8 @@ def test_emulated_backward_matches_the_gradient_graph(sizes, window, softcap, ah
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), [GPU_WINDOWS[i] for i in BACKWARD_CASES],
-                         ids=[GPU_IDS[i] for i in BACKWARD_CASES])  # fmt: skip
+@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), [GPU_WINDOWS[i] for i in GPU_BACKWARD_CASES],
+                         ids=[GPU_IDS[i] for i in GPU_BACKWARD_CASES])  # fmt: skip
 def test_gpu_window_backward_matches_float32_autograd(sizes, window, softcap, ahead, cuda_device,
                                                       kernel_cache) -> None:  # fmt: skip
     """Every backward plan on sm_90a (16-key warps, warp pairs at D 64, the wgmma passes), every gradient

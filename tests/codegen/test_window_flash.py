@@ -28,26 +28,43 @@ from .flash_emulator import assert_emulated_output_and_lse, knob_family_plans
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
 
 
-def window_graph(batch: int, heads: int, kv_heads: int, seq: int, dim: int, window: int, softcap: float | None = None,
-                 gradients: bool = False, lse: bool = False, ahead: int | None = None) -> ck.Graph:  # fmt: skip
+def window_graph(batch: int, heads: int, kv_heads: int, seq: int | tuple[int, int], dim: int, window: int | None,
+                 softcap: float | None = None, gradients: bool = False, lse: bool = False,
+                 ahead: int | None = None) -> ck.Graph:  # fmt: skip
     """``ck.nn.attention`` under a causal window of ``window`` keys, its scores soft-capped at ``softcap``
     (Gemma 2's sliding layers; None: not capped); ``gradients``: ``ck.grad`` of it; ``lse``: the rows'
     log-sum-exp a second output (what a training forward saves). ``ahead``: no causal mask, a window about
-    the query instead (ModernBERT's local attention: keys ``i − window < j ≤ i + ahead``), as a bias band."""
+    the query instead (ModernBERT's local attention: keys ``i − window < j ≤ i + ahead``), as a bias band;
+    without ``window``, that band's upper edge alone (``seq`` = (queries, keys), ``ahead`` = keys − queries: a
+    causal mask aligned to the last key, a chunk of queries after cached keys)."""
+    seq_q, seq_kv = seq if isinstance(seq, tuple) else (seq, seq)
     g = ck.Graph("windowed")
-    q = g.input("q", (batch, heads, seq, dim), "bf16")
-    k, v = (g.input(n, (batch, kv_heads, seq, dim), "bf16") for n in "kv")
+    q = g.input("q", (batch, heads, seq_q, dim), "bf16")
+    k, v = (g.input(n, (batch, kv_heads, seq_kv, dim), "bf16") for n in "kv")
     band = None
     if ahead is not None:
-        query, key = ck.arange(seq, graph=g).unsqueeze(-1), ck.arange(seq, graph=g)
+        query, key = ck.arange(seq_q, graph=g).unsqueeze(-1), ck.arange(seq_kv, graph=g)
         hidden, live = g.constant(-math.inf, "bf16"), g.constant(0.0, "bf16")
-        band = where(query + float(ahead) < key, hidden, where(key < query + float(1 - window), hidden, live))
+        behind = live if window is None else where(key < query + float(1 - window), hidden, live)
+        band = where(query + float(ahead) < key, hidden, behind)
     causal = ahead is None
     attention = ck.nn.attention(q, k, v, causal=causal, window=window if causal else None, softcap=softcap,
                                 return_lse=lse, bias=band)  # fmt: skip
     for name, value in zip(("o", "lse"), attention if lse else (attention,)):
         g.output(value, name)
     return ck.grad(g, wrt=("q", "k", "v")) if gradients else g
+
+
+def keys_ahead_filled(seq_q: int, seq_kv: int) -> ck.Graph:
+    """Attention whose scores a causal mask aligned to the last key fills with −∞ (``where(i + o < j, −∞, s)``,
+    ``o = S_kv − S_q``), as a chunk of queries after cached keys masks them."""
+    g = ck.Graph("keys_ahead")
+    q = g.input("q", (1, 4, seq_q, 64), "bf16")
+    k, v = (g.input(n, (1, 4, seq_kv, 64), "bf16") for n in "kv")
+    scores = (q @ k.transpose(-2, -1)) * 0.125
+    query, key = ck.arange(seq_q, graph=g).unsqueeze(-1) + float(seq_kv - seq_q), ck.arange(seq_kv, graph=g)
+    g.output(ck.nn.softmax(where(query < key, -math.inf, scores), axis=-1) @ v, "o")
+    return g
 
 
 def _inputs(g: ck.Graph) -> dict[str, np.ndarray]:
@@ -76,6 +93,26 @@ def test_a_window_is_the_problems_own_in_every_family() -> None:
 
     eight_bit = AttentionProblem(1, 4, 2, 200, 200, 128, "fp8_e4m3", causal=True, window=50, out_dtype="bf16")
     assert any("window" in r for r in fp8_schedule_problems(Fp8FlashSchedule(), eight_bit, plans[0].target))
+
+
+def test_a_causal_mask_aligned_to_the_last_key_is_a_window_over_every_key() -> None:
+    """70 queries after 130 cached keys, masked ``j ≤ i + 130`` as a −∞ fill or an added band: one flash kernel
+    forward and one flash backward on every target, the window the problem's own (as many keys as queries and
+    keys, so none is cut behind; 130 ahead) and no bias tensor."""
+    sizes, _, _, ahead = KEYS_AHEAD
+    expected = {(False, 270, 130, None)}
+    for g, kind, targets in ((keys_ahead_filled(70, 200), "flash_attention", ("sm_80", "sm_120")),
+                             (window_graph(*sizes, None, ahead=ahead), "flash_attention", ("sm_90", "sm_90a")),
+                             (window_graph(*sizes, None, ahead=ahead, gradients=True), "flash_attention_backward",
+                              ("sm_80", "sm_90a"))):  # fmt: skip
+        d = ck.derive(g)
+        assert [k.kind for k in d.kernels] == [kind], g.name
+        for target in targets:
+            plans = d.plans(target)
+            problems = {getattr(p.problem, "attention", p.problem) for p in plans}
+            assert plans and {(p.causal, p.window, p.window_ahead, p.bias) for p in problems} == expected, target
+        if g.name == "keys_ahead":
+            assert "keys-ahead-additive" in d.trace
 
 
 def test_keys_ahead_need_a_window_without_the_causal_mask() -> None:
@@ -124,6 +161,7 @@ WINDOWS = [
     ((1, 4, 2, 300, 64), 65, None, 64),  # ModernBERT's local attention: 64 keys either side, no causal mask
 ]
 WINDOW_IDS = ["narrow_gqa", "d128_ragged", "wide_mqa", "soft_capped_gqa", "about_the_query"]
+KEYS_AHEAD = ((1, 2, 1, (70, 200), 64), None, None, 130)  # 70 queries after 130 cached keys, ragged last tiles
 
 
 @needs_gxx
@@ -140,6 +178,19 @@ def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap, ahead)
     assert len(families) >= 4
     start = 2 * [w[0] for w in WINDOWS].index(sizes)
     for plan in (families * 3)[start % len(families):][:3]:
+        assert_emulated_output_and_lse(plan, inputs, expected)
+
+
+@needs_gxx
+def test_emulated_forward_under_a_causal_mask_aligned_to_the_last_key_matches_the_graph() -> None:
+    """Two ``mma.sync`` knob families' plans within bf16 rounding of the graph's float64 output and log-sum-exp,
+    70 queries after 130 cached keys (the last query and key tiles ragged, the key tiles past each row's last key
+    skipped)."""
+    sizes, window, softcap, ahead = KEYS_AHEAD
+    g = window_graph(*sizes, window, softcap, lse=True, ahead=ahead)
+    inputs = _inputs(g)
+    expected = ck.evaluate(g, inputs)
+    for plan in knob_family_plans(ck.derive(g).plans("sm_80"))[:2]:
         assert_emulated_output_and_lse(plan, inputs, expected)
 
 
@@ -182,7 +233,8 @@ def test_window_plans_compile_without_spills(target: str, compiler, kernel_cache
 GPU_WINDOWS = [((2, 8, 2, 1000, 128), 256, None, None), ((1, 4, 4, 777, 64), 33, None, None),
                ((2, 4, 2, 300, 64), 1000, None, None), ((2, 8, 4, 700, 128), 200, 2.0, None),
                ((2, 8, 8, 900, 64), 129, None, 128)]  # fmt: skip
-GPU_IDS = ["d128_gqa", "d64_narrow_ragged", "wide", "soft_capped_d128_gqa", "about_the_query"]
+GPU_WINDOWS.append(((2, 8, 2, (200, 2248), 128), None, None, 2048))  # a chunk of 200 queries after 2048 cached keys
+GPU_IDS = ["d128_gqa", "d64_narrow_ragged", "wide", "soft_capped_d128_gqa", "about_the_query", "keys_ahead"]
 
 
 @pytest.mark.gpu

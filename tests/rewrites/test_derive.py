@@ -150,7 +150,7 @@ def test_flash_attention_is_found_in_every_spelling(spelling: str) -> None:
     assert plans and all(p.problem.causal == causal and p.problem.group_size == H // kv_heads for p in plans)
 
 
-def sink_graph(causal: bool, kv_heads: int = H, offset: int = 0) -> ck.Graph:
+def sink_graph(causal: bool, kv_heads: int = H, offset: int = 0, key_offset: int = 0) -> ck.Graph:
     """GPT-OSS's attention sinks as transformers spells them: a learned logit a head concatenated to
     the (masked) scores, the row shifted by its max, softmaxed, and the sink's column dropped."""
     g = ck.Graph("sinks")
@@ -160,7 +160,8 @@ def sink_graph(causal: bool, kv_heads: int = H, offset: int = 0) -> ck.Graph:
     k, v = ck.nn.repeat_kv_heads(k, H // kv_heads), ck.nn.repeat_kv_heads(v, H // kv_heads)
     s = (q @ k.transpose(-2, -1)) * SCALE
     if causal:  # transformers' additive causal mask, bf16's lowest for the masked scores
-        q_idx, k_idx = ck.arange(SQ).unsqueeze(-1) + offset, ck.arange(SKV)  # + 0: rule add-zero
+        q_idx = ck.arange(SQ).unsqueeze(-1) + offset  # + 0: rule add-zero
+        k_idx = ck.arange(SKV) + key_offset if key_offset else ck.arange(SKV)
         s = s + ck.where(q_idx < k_idx, -3.3895313892515355e38, 0.0)
     column = sinks.reshape(1, H, 1, 1).expand(B, H, SQ, 1)
     c = ck.cat([s, column], axis=-1)
@@ -189,12 +190,27 @@ def test_attention_sinks_are_flash_attention_times_a_sigmoid_of_its_log_sum_exp(
 
 
 def test_a_softmax_row_read_without_its_appended_column_is_stored_whole() -> None:
-    """Sinks under a mask no flash kernel takes (a causal mask offset by 3 keys): the softmax row of
-    ``n + 1`` entries is a buffer of its own extent, which the product with v reads ``n`` of."""
-    g = sink_graph(True, offset=3)
+    """Sinks under a mask no flash kernel takes (keys 3 ahead of the query, spelled on the key's side,
+    ``i < j − 3``): the softmax row of ``n + 1`` entries is a buffer of its own extent, which the product with
+    v reads ``n`` of."""
+    g = sink_graph(True, key_offset=-3)
     d = ck.derive(g)
     rows = [k for k in d.kernels if k.kind == "softmax_rows"]
     assert len(rows) == 1 and rows[0].stored_shape[-1] == SKV + 1
+    assert_derived_program_matches(g, d)
+
+
+@pytest.mark.parametrize("offset", [3, -3])
+def test_sinks_under_keys_ahead_of_the_query_are_flash_attention(offset: int) -> None:
+    """Sinks under ``i + o < j`` masked: 3 keys ahead, the kernel's own window over every key; 3 behind (the first
+    rows see no key, only their sink), a stored bias the flash kernel reads (its rows' factor σ(LSE − sink)
+    is 0 where every key is masked)."""
+    g = sink_graph(True, offset=offset)
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels if k.kind != "elementwise"] == ["flash_attention"]
+    problems = {p.problem for p in d.plans("sm_90a")}
+    assert {(p.window, p.window_ahead, p.bias is None) for p in problems} == (
+        {(SQ + SKV, 3, True)} if offset > 0 else {(0, 0, False)})
     assert_derived_program_matches(g, d)
 
 

@@ -206,6 +206,32 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 """Family: its attention layers' windows (keys, keys ahead), and whether each reads no bias tensor."""
 
 
+def test_a_chunk_after_cached_keys_is_flash_attention_under_the_kernels_own_causal_edge() -> None:
+    """Llama given 16 new tokens after 48 in its cache (a chunk of a long prompt, speculative decoding's
+    drafts): transformers masks the chunk's scores causally against the last key (query i sees keys
+    j ≤ i + 48); the attention is one flash kernel bounding its keys itself (a window over every key, 48
+    ahead), no bias tensor, like eager. It was an unfused softmax before rule ``keys-ahead-additive``."""
+    import copy
+
+    torch.manual_seed(0)
+    model, inputs = _decoder("LlamaForCausalLM", "LlamaConfig")()
+    model = model.to(torch.bfloat16).eval()
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :48], use_cache=True).past_key_values
+        expected = model(input_ids=ids[:, 48:], past_key_values=copy.deepcopy(cache), use_cache=True).logits.float()
+        with recorded_splits() as splits:
+            compiled = torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))
+            got = compiled(input_ids=ids[:, 48:], past_key_values=cache, use_cache=True).logits.float()
+    assert float((got - expected).norm() / expected.norm()) < 2e-2
+    derivations = [ck.derive(prepared.graph) for split in splits for region in split.compiled
+                   for prepared in region.prepared.values()]  # fmt: skip
+    assert sum(k.kind == "flash_attention" for d in derivations for k in d.kernels_for("sm_90a")) == 1
+    problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
+    assert {(p.seq_q, p.seq_kv, p.causal, p.window, p.window_ahead, p.bias) for p in problems} == {
+        (16, 64, False, 80, 48, None)}
+
+
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),
            "gemma2_softcap": (1, 1), "bart": (3, 3), "bert_padded": (1, 0), "gemma_mqa": (1, 1),
            "bloom_alibi": (1, 1), "mpt_alibi": (1, 1), "mistral_window": (1, 1), "gemma3_sliding_and_full": (2, 2), "gemma2_window": (1, 1),
