@@ -80,7 +80,8 @@ BIAS_FORMS = (
                              "(Num m2) (Num 0.0))))", "(<= m -32768.0)", "(<= m2 -32768.0)"),
              "b = where(i + o < j, m, where(j < i + w, m₂, 0)) for m, m₂ ≤ −2¹⁵, a window about the query", window_both),
     BiasForm("-ahead", "b", (f"(= b (Where {KEYS_AHEAD} (Num m) (Num 0.0)))", "(<= m -32768.0)"),
-             "b = where(i + o < j, m, 0) for m ≤ −2¹⁵, a causal mask aligned to the last of more keys", keys_ahead),
+             "b = where(i + o < j, m, 0) for m ≤ −2¹⁵, a causal mask aligned to the last of more keys",
+             keys_ahead),
     BiasForm("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
              "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
     BiasForm("-rounded", "b", ("(= b (Cast dt b1))", *WITHOUT_HEAD_DIM),
@@ -91,6 +92,9 @@ spelled as an added ``where`` would be one, and it is the causal mask); an earli
 a computed one for the flash kernels to read."""
 BAND = BIAS_FORMS[1]
 """A sliding window's lower edge (the ``-band`` bias form)."""
+BAND2, AHEAD = BIAS_FORMS[2:4]
+"""A window about the query (the ``-band2`` bias form; with keys cached before the queries, a sliding window's
+edges), and a causal mask aligned to the last key (``-ahead``)."""
 
 CAUSAL_CONDITION = "(Lt (Iota iq) (Iota (Ax j)))"
 
@@ -143,6 +147,11 @@ def score_forms() -> tuple[ScoreForm, ...]:
          None),
         ("-bias", "m·tanh(a·Σ_d q·k) + b", f"(Add {CAPPED} (Tensor b bix))", "(BiasMask (Tensor b bix))",
          ("Add", capped_scores, bias), ("BiasMask", bias), BIAS_FORMS[0]),
+        # Gemma 2 attending with its KV cache: the capped scores under a causal mask aligned to the last key, and
+        # (its sliding layers) under that mask's band of a window
+        *((f"-bias{form.suffix}", "m·tanh(a·Σ_d q·k) + b", f"(Add {CAPPED} {form.pattern})",
+           f"(BiasMask {form.pattern})", ("Add", capped_scores, form.example), ("BiasMask", form.example), form)
+          for form in (AHEAD, BAND2)),
         # Gemma 2's sliding layers: the capped scores under a window
         ("-causal-bias-band", "where(i < j, −∞, m·tanh(a·Σ_d q·k) + b)",
          f"(Where {CAUSAL_CONDITION} (Num -inf) (Add {CAPPED} {BAND.pattern}))", f"(CausalBiasMask iq {BAND.pattern})",

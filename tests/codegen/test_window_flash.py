@@ -183,15 +183,19 @@ def test_emulated_forward_kernels_match_the_graph(sizes, window, softcap, ahead)
 
 @needs_gxx
 def test_emulated_forward_under_a_causal_mask_aligned_to_the_last_key_matches_the_graph() -> None:
-    """Two ``mma.sync`` knob families' plans within bf16 rounding of the graph's float64 output and log-sum-exp,
-    70 queries after 130 cached keys (the last query and key tiles ragged, the key tiles past each row's last key
-    skipped)."""
-    sizes, window, softcap, ahead = KEYS_AHEAD
-    g = window_graph(*sizes, window, softcap, lse=True, ahead=ahead)
-    inputs = _inputs(g)
-    expected = ck.evaluate(g, inputs)
-    for plan in knob_family_plans(ck.derive(g).plans("sm_80"))[:2]:
-        assert_emulated_output_and_lse(plan, inputs, expected)
+    """Two ``mma.sync`` knob families' plans (one for soft-capped scores) within bf16 rounding of the graph's
+    float64 output and log-sum-exp, 70 queries after 130 cached keys (the last query and key tiles ragged, the
+    key tiles past each row's last key skipped)."""
+    sizes, window, _, ahead = KEYS_AHEAD
+    for softcap, families in ((None, 2), (2.0, 1)):  # and Gemma 2's capped scores (with its KV cache)
+        g = window_graph(*sizes, window, softcap, lse=True, ahead=ahead)
+        inputs = _inputs(g)
+        expected = ck.evaluate(g, inputs)
+        plans = ck.derive(g).plans("sm_80")
+        assert {(p.problem.window, p.problem.window_ahead, p.problem.softcap) for p in plans} == {
+            (270, 130, softcap or 0.0)}
+        for plan in knob_family_plans(plans)[:families]:
+            assert_emulated_output_and_lse(plan, inputs, expected)
 
 
 def _without_window(plan):

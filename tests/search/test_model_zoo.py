@@ -206,15 +206,24 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 """Family: its attention layers' windows (keys, keys ahead), and whether each reads no bias tensor."""
 
 
-def test_a_chunk_after_cached_keys_is_flash_attention_under_the_kernels_own_causal_edge() -> None:
-    """Llama given 16 new tokens after 48 in its cache (a chunk of a long prompt, speculative decoding's
-    drafts): transformers masks the chunk's scores causally against the last key (query i sees keys
-    j ≤ i + 48); the attention is one flash kernel bounding its keys itself (a window over every key, 48
-    ahead), no bias tensor, like eager. It was an unfused softmax before rule ``keys-ahead-additive``."""
+CACHED = {"llama": [(80, 48, True)], "gemma2_softcap": [(80, 48, True)], "mistral_window": [(0, 0, False)],
+          "gemma2_window": [(0, 0, False)]}  # fmt: skip
+"""Family: its attention layers' (window, keys ahead, no bias tensor) for 16 new tokens after 48 cached ones."""
+
+
+@pytest.mark.parametrize("family", list(CACHED))
+def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
+    """16 new tokens after 48 in the model's cache (a chunk of a long prompt, speculative decoding's drafts):
+    transformers masks the chunk's scores causally against the last key (query i sees keys j ≤ i + 48). Like
+    eager, with one flash kernel a layer: under that mask alone (Llama; Gemma 2's capped scores) a window over
+    every key, 48 ahead, that the kernel bounds itself (rule ``keys-ahead-additive``, bias form ``-ahead``); under a
+    sliding window's band too (Mistral's, Gemma 2's), the band a stored bias. Each was an unfused softmax
+    before (Gemma 2's sliding one too: its capped scores had no form for the band)."""
     import copy
 
+    build = _decoder("LlamaForCausalLM", "LlamaConfig") if family == "llama" else FAMILIES[family][0]
     torch.manual_seed(0)
-    model, inputs = _decoder("LlamaForCausalLM", "LlamaConfig")()
+    model, inputs = build()
     model = model.to(torch.bfloat16).eval()
     ids = inputs["input_ids"]
     with torch.no_grad():
@@ -226,10 +235,10 @@ def test_a_chunk_after_cached_keys_is_flash_attention_under_the_kernels_own_caus
     assert float((got - expected).norm() / expected.norm()) < 2e-2
     derivations = [ck.derive(prepared.graph) for split in splits for region in split.compiled
                    for prepared in region.prepared.values()]  # fmt: skip
-    assert sum(k.kind == "flash_attention" for d in derivations for k in d.kernels_for("sm_90a")) == 1
+    assert sum(k.kind == "flash_attention" for d in derivations for k in d.kernels_for("sm_90a")) == len(CACHED[family])
     problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
-    assert {(p.seq_q, p.seq_kv, p.causal, p.window, p.window_ahead, p.bias) for p in problems} == {
-        (16, 64, False, 80, 48, None)}
+    assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == CACHED[family]
+    assert {(p.seq_q, p.causal) for p in problems} == {(16, False)}  # a sliding cache holds the window's keys only
 
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),
