@@ -50,8 +50,8 @@ def sliding_window(mask: Term) -> tuple[int, int] | None:
     the last of more keys: ``-ahead``, a window of as many keys as there are queries and keys, so that no
     key is cut behind); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹⁵`` (the masked scores'
     exponentials underflow as the causal ones do), a lower edge over at least two queries and no more
-    queries than keys (every row sees its own key). None for any other mask. A kernel applies such a window itself,
-    skipping the key tiles outside it, where any other bias is a tensor it reads."""
+    queries than keys (every row sees its own key). None for any other mask. A kernel applies such a
+    window itself, skipping the key tiles outside it, where any other bias is a tensor it reads."""
     if mask[0] == "CausalBiasMask":
         window = _lower_edge(mask[2], mask[1])
         return None if window is None else (window, 0)

@@ -623,8 +623,8 @@ ROW_OPS = frozenset({"cat", "max", "amax"})
 
 
 def _along_the_row(node: Any) -> bool:
-    """``node`` concatenates its operands along their last axis (a column appended to a row of scores), takes
-    their max along it (``amax``, or ``max.dim``'s values through their ``getitem``)."""
+    """Whether ``node`` concatenates its operands along their last axis (a column appended to a row of scores)
+    or takes their max along it (``amax``, or ``max.dim``'s values through their ``getitem``)."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
