@@ -123,11 +123,15 @@ SHAPES = {
     # sliding windows (no issue): Mistral-7B's 4k window over 16k tokens, a 1k one (Gemma 3's) over 8k
     "mistral_7b_window4k_16k": Shape(1, 32, 8, 16384, 16384, 128, True, window=4096),
     "b2h32s8k_window1k": Shape(2, 32, 8, 8192, 8192, 128, True, window=1024),
-    # a causal chunk after cached keys (no issue): 1k queries after 7k, Llama-3-8B's heads
+    # a causal chunk after cached keys (no issue): 1k queries after 7k, Llama-3-8B's heads; speculative
+    # decoding's four drafts and a chunked prefill's 64 queries, each causal over its chunk
     "chunk_1k_after_7k_causal": Shape(4, 32, 8, 1024, 8192, 128, True, last_key=True),
+    "speculative_sq4_causal": Shape(16, 32, 8, 4, 8192, 128, True, last_key=True),
+    "chunked_prefill_sq64_causal": Shape(8, 32, 8, 64, 8192, 128, True, last_key=True),
 }
 ISSUE_6 = ("seed", "b4h16s4k", "b4h16s4k_causal", "seed_d64", "b16h16s1k", "b1h32s16k_causal")
-WINDOWS = ("mistral_7b_window4k_16k", "b2h32s8k_window1k", "chunk_1k_after_7k_causal")
+WINDOWS = ("mistral_7b_window4k_16k", "b2h32s8k_window1k", "chunk_1k_after_7k_causal", "speculative_sq4_causal",
+           "chunked_prefill_sq64_causal")  # fmt: skip
 ISSUE_22 = tuple(name for name in SHAPES if name not in ISSUE_6 + WINDOWS)
 
 
@@ -137,6 +141,15 @@ def load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def row_graph(shape: Shape, example) -> ck.Graph:
+    """A row's graph: the example's textbook attention where its contract covers the row, else
+    :func:`nn_attention_graph`."""
+    if shape.DV is None and shape.window is None and not shape.last_key:
+        return example.build(shape=(shape.B, shape.H, shape.H_KV, shape.SQ, shape.SKV, shape.D), causal=shape.causal,
+                             dtype=shape.dtype)  # fmt: skip
+    return nn_attention_graph(shape)
 
 
 def nn_attention_graph(shape: Shape) -> ck.Graph:
@@ -190,9 +203,7 @@ def run_shape(name: str, example, torch, flush, args, db) -> dict:
 
     shape = SHAPES[name]
     b, h, hkv, sq, skv, d, causal = shape.B, shape.H, shape.H_KV, shape.SQ, shape.SKV, shape.D, shape.causal
-    textbook = shape.DV is None and shape.window is None and not shape.last_key
-    graph = (example.build(shape=(b, h, hkv, sq, skv, d), causal=causal, dtype=shape.dtype)
-             if textbook else nn_attention_graph(shape))  # fmt: skip
+    graph = row_graph(shape, example)
     budget = args.budget * (CAUSAL_BUDGET_FACTOR if causal else 1.0)
     started = time.monotonic()
     result = ck.optimize(graph, target=args.target, out=Path(args.workdir) / name, budget_s=budget, database=db)

@@ -13,7 +13,8 @@ normalise and store the last one; ``q_buffers`` 2 gives such a block a second Q 
 an O tile for TMA stores), so the next tile's Q is loaded during the current one.
 ``pack_group`` fills a tile of a short query (``Sq`` of 8 to 64 rows) with the rows of
 ``block_q / Sq`` query heads of one K/V head, so K and V are read once for all of them and
-no tile rows are wasted (chunked prefill: 64 queries of 4 heads a K/V head).
+no tile rows are wasted (chunked prefill: 64 queries of 4 heads a K/V head, causal after
+the KV cache or not).
 ``balanced`` (causal, persistent) hands a persistent grid its work tiles longest first
 over all heads, each round in the other direction, so the blocks' shares even out.
 ``lazy_rescale`` moves a row's running max (and rescales O and the row sums) only when a
@@ -317,15 +318,19 @@ def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str
 def _packing_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
     """Why a packed schedule cannot run a problem: a work tile is whole heads of ``Sq`` rows
     (a multiple of 8, the swizzle atom's rows, dividing a consumer's 64), all of one K/V
-    head; every row attends to every key (no causal mask, no bias); 16-bit operands."""
+    head; no bias, and a causal mask or window only where every query sees key 0 and the last
+    every key (a chunk after a KV cache); 16-bit operands."""
     reasons = []
     if p.seq_q % 8 or ROWS_PER_CONSUMER % p.seq_q:
         reasons.append(f"packing needs Sq {p.seq_q} to be 8, 16, 32 or 64 (whole heads a consumer's 64 rows)")
     elif p.group_size % (s.block_q // p.seq_q):
         reasons.append(f"packing {s.block_q // p.seq_q} heads a tile needs them to share a K/V head "
                        f"(group of {p.group_size})")
-    if p.causal or p.window or p.bias is not None:
-        reasons.append("packing needs every row to attend to every key (no causal mask, window or bias)")
+    if p.bias is not None:
+        reasons.append("packing with an additive bias tensor (valid: none)")
+    if not p.band_spans_every_key_tile:
+        reasons.append(f"packing under a causal mask or window needs every query to see key 0 and the last query "
+                       f"every key (Sq {p.seq_q}, Skv {p.seq_kv}, window {p.window}, {p.upper_edge} keys ahead)")
     if p.dtype not in ATTENTION_DTYPES:
         reasons.append(f"packing with {p.dtype} operands (valid: {', '.join(ATTENTION_DTYPES)})")
     return reasons

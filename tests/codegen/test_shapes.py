@@ -49,12 +49,7 @@ ROWS = ("seed", *benchmark().ISSUE_22, *benchmark().WINDOWS)
 @functools.cache
 def derivation(name: str) -> ck.Derivation:
     bench = benchmark()
-    s = bench.SHAPES[name]
-    if s.DV is None and s.window is None:
-        graph = bench.load_example().build(shape=(s.B, s.H, s.H_KV, s.SQ, s.SKV, s.D), causal=s.causal, dtype=s.dtype)
-    else:
-        graph = bench.nn_attention_graph(s)
-    return ck.derive(graph)
+    return ck.derive(bench.row_graph(bench.SHAPES[name], bench.load_example()))
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -121,6 +116,9 @@ KINDS = [
     (AttentionProblem(1, 4, 2, 257, 513, 80), lambda s: True),
     (AttentionProblem(2, 4, 4, 300, 700, 32, causal=True), lambda s: True),
     (AttentionProblem(4, 8, 2, 1, 2048, 64, dtype="fp16"), lambda s: s.kv_splits > 1),
+    # four causal drafts after 4093 cached keys (a KV cache's chunk: query i sees keys j <= i + 4093)
+    (AttentionProblem(2, 32, 8, 4, 4097, 128, window=4101, window_ahead=4093),
+     lambda s: s.pack_group and s.warp_keys and s.kv_splits > 1),
 ]
 
 

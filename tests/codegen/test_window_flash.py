@@ -23,7 +23,7 @@ from cherenkov.rewrites.plan import AttentionProblem
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 from .emulator import rounded
-from .flash_emulator import assert_emulated_output_and_lse, knob_family_plans
+from .flash_emulator import assert_emulated_output_and_lse, emulate_flash, knob_family_plans, supported
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
 
@@ -113,6 +113,71 @@ def test_a_causal_mask_aligned_to_the_last_key_is_a_window_over_every_key() -> N
             assert plans and {(p.causal, p.window, p.window_ahead, p.bias) for p in problems} == expected, target
         if g.name == "keys_ahead":
             assert "keys-ahead-additive" in d.trace
+
+
+SHORT_CHUNKS = [(4, 300), (16, 201), (64, 8192)]
+"""(queries, keys) of short chunks after a KV cache: speculative drafts (ragged key tails) and chunked prefill."""
+
+
+def _short_query(plan) -> bool:
+    s = plan.schedule
+    return s.pack_group or (not isinstance(s, HopperFlashSchedule) and s.short_query)
+
+
+@pytest.mark.parametrize(("seq_q", "seq_kv"), SHORT_CHUNKS)
+def test_a_short_chunk_after_cached_keys_gets_packed_and_split_plans(seq_q: int, seq_kv: int) -> None:
+    """A few causal queries after a KV cache (GQA group of 4): the short-query schedules (packed groups, key
+    splits, warps that split a key tile) plan it in both families, the window the problem's own. A band that
+    hides keys from some query's tiles does not get them: causal from the first key (top-left) with fewer
+    queries than keys, and a sliding window narrower than the chunk."""
+    forward = ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv), 128, None, ahead=seq_kv - seq_q))
+    for target in ("sm_80", "sm_90a", "sm_120"):
+        plans = forward.plans(target)
+        assert {(p.problem.window, p.problem.window_ahead) for p in plans} == {(seq_q + seq_kv, seq_kv - seq_q)}
+        short = [p.schedule for p in plans if _short_query(p)]
+        assert any(s.pack_group for s in short), target
+        if seq_kv > 1000 and target != "sm_90a":
+            assert any(s.kv_splits > 1 for s in short), target
+    if seq_q == 64:  # a Hopper tile packs 128 rows: 64 queries of two heads of the group
+        assert any(isinstance(p.schedule, HopperFlashSchedule) and p.schedule.pack_group
+                   for p in forward.plans("sm_90a"))  # fmt: skip
+    for band in (dict(causal=True), dict(causal=True, window=seq_q // 2)):
+        problem = AttentionProblem(2, 8, 2, seq_q, seq_kv + seq_q, 128, **band)
+        assert not problem.band_spans_every_key_tile
+        plans = ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv + seq_q), 128, band.get("window"))).plans("sm_80")
+        assert plans and not any(_short_query(p) for p in plans), band
+
+
+def test_packed_hopper_plans_of_a_chunk_after_cached_keys_compile_without_spills(compiler, kernel_cache) -> None:
+    """Every packed Hopper schedule of a chunked prefill's 64 causal queries after 8128 cached keys builds for sm_90a
+    without spills."""
+    seq_q, seq_kv = SHORT_CHUNKS[2]
+    plans = [p for p in ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv), 128, None, ahead=seq_kv - seq_q)).plans("sm_90a")
+             if isinstance(p.schedule, HopperFlashSchedule) and p.schedule.pack_group]  # fmt: skip
+    assert len(plans) >= 4
+    for plan, build in zip(plans, compile_plans(plans, compiler=compiler, cache_dir=kernel_cache)):
+        assert not isinstance(build, Exception), f"{plan.name}: {build}"
+        assert build.report.spill_bytes == 0, (plan.name, build.report)
+
+
+@needs_gxx
+@pytest.mark.parametrize(("seq_q", "seq_kv"), SHORT_CHUNKS[:2])
+def test_emulated_short_query_kernels_after_cached_keys_match_the_graph(seq_q: int, seq_kv: int) -> None:
+    """Packed and unpacked short-query ``mma.sync`` plans (one key split: the emulator's) within bf16 rounding
+    of the graph's float64 output: a packed row's query is its row over the group, so each 16-row tile holds
+    four queries of four heads (or sixteen of one)."""
+    g = window_graph(1, 8, 2, (seq_q, seq_kv), 64, None, ahead=seq_kv - seq_q)
+    inputs = _inputs(g)
+    expected = ck.evaluate(g, inputs)["o"]
+    picked: dict[tuple, object] = {}
+    for plan in ck.derive(g).plans("sm_80"):
+        if _short_query(plan) and supported(plan):
+            picked.setdefault((plan.schedule.pack_group, plan.schedule.warps), plan)
+    assert {pack for pack, _ in picked} == {False, True}, list(picked)
+    for plan in picked.values():
+        got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])["o"]
+        error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        assert error <= 1e-2, (plan.schedule.key(), error)
 
 
 def test_keys_ahead_need_a_window_without_the_causal_mask() -> None:
@@ -249,13 +314,44 @@ def test_gpu_window_forward_matches_float32_attention(sizes, window, softcap, ah
     NaN-poisoned outputs, against float32 attention under the band."""
     import torch
 
-    from cherenkov.codegen.launch import operand_view
-    from cherenkov.search.measure import TOLERANCE, float32_attention
-
     target = "sm_90a" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"
     plans = ck.derive(window_graph(*sizes, window, softcap, ahead=ahead)).plans(target)
     chosen = [p for p in plans if isinstance(p.schedule, HopperFlashSchedule)] + [
         p for p in plans if not isinstance(p.schedule, HopperFlashSchedule)][::25]  # fmt: skip
+    _assert_plans_match_float32_attention(chosen, cuda_device, kernel_cache)
+
+
+GPU_CHUNKS = [((2, 32, 8, (4, 4101), 128), 4097), ((1, 8, 2, (16, 777), 64), 761), ((2, 32, 8, (64, 2100), 128), 2036)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sizes", "ahead"), GPU_CHUNKS, ids=["drafts_d128", "sixteen_d64", "chunk_of_64"])
+def test_gpu_short_chunks_after_cached_keys_match_float32_attention(sizes, ahead, cuda_device, kernel_cache) -> None:
+    """A few causal queries after a KV cache: every packed Hopper schedule and one ``mma.sync`` short-query plan
+    of each kind (packed or not, key splits or not, warps splitting the keys or not, each ring) against float32
+    attention under the band."""
+    import torch
+
+    target = "sm_90a" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"
+    picked: dict[tuple, object] = {}
+    for plan in ck.derive(window_graph(*sizes, None, ahead=ahead)).plans(target):
+        s = plan.schedule
+        if isinstance(s, HopperFlashSchedule):
+            if s.pack_group:
+                picked[s.key()] = plan
+        elif s.short_query:
+            picked.setdefault((s.pack_group, s.kv_splits > 1, s.warp_keys, s.tma_kv, s.mbarrier_ring), plan)
+    assert len(picked) >= 4, list(picked)
+    _assert_plans_match_float32_attention(list(picked.values()), cuda_device, kernel_cache)
+
+
+def _assert_plans_match_float32_attention(chosen, cuda_device, kernel_cache) -> None:
+    """Each plan's kernel (one problem), into a NaN-poisoned output, within bf16 tolerance of float32 attention."""
+    import torch
+
+    from cherenkov.codegen.launch import operand_view
+    from cherenkov.search.measure import TOLERANCE, float32_attention
+
     problem = chosen[0].problem
     generator = torch.Generator(device=cuda_device).manual_seed(0)
     stored = {n: torch.randn(s, generator=generator, device=cuda_device).to(torch.bfloat16)

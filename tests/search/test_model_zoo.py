@@ -218,7 +218,8 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     eager, with one flash kernel a layer: under that mask alone (Llama; Gemma 2's capped scores) a window over
     every key, 48 ahead, that the kernel bounds itself (rule ``keys-ahead-additive``, bias form ``-ahead``); under a
     sliding window's band too (Mistral's, Gemma 2's), the band a stored bias. Each was an unfused softmax
-    before (Gemma 2's sliding one too: its capped scores had no form for the band)."""
+    before (Gemma 2's sliding one too: its capped scores had no form for the band). Under the band alone the
+    short-query schedules (the GQA group's rows packed in a tile) plan it too."""
     import copy
 
     build = _decoder("LlamaForCausalLM", "LlamaConfig") if family == "llama" else FAMILIES[family][0]
@@ -239,6 +240,8 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
     assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == CACHED[family]
     assert {(p.seq_q, p.causal) for p in problems} == {(16, False)}  # a sliding cache holds the window's keys only
+    if all(p.bias is None for p in problems):  # the band alone: the short-query kernels (packed GQA rows) take it
+        assert any(p.schedule.pack_group for d in derivations for p in d.plans("sm_90a"))
 
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),

@@ -21,7 +21,10 @@ Short queries (decode, speculative decoding, chunked prefill) have three more kn
 packed GQA group (one block's rows are the queries of every query head of a K/V head), key
 splits (each block folds a share of the keys into a partial state in a workspace; the last
 block of a query tile combines them) and warps that split each key tile's keys (their
-states meet in shared memory at the end). Head dims narrower than a power-of-two row are
+states meet in shared memory at the end). They take a causal mask or window whose last query
+sees every key and that hides no key behind a query (a chunk of queries after a KV cache:
+query ``i`` sees keys ``j ≤ i + AHEAD``); a packed row's query for the mask is its row over
+the group. Head dims narrower than a power-of-two row are
 padded in shared memory (``FlashLayout``); v and o may have their own head dim.
 
 Launch: grid ``(ceil(rows / BLOCK_Q) · KV_SPLITS, H or Hkv (packed), B)`` (causal: block x
@@ -223,6 +226,13 @@ def _types(dtype: str, tma_kv: bool) -> str:
     )
 
 
+def _lower_window(plan: KernelPlan) -> int:
+    """The window's lower edge the kernel applies: the problem's, or 0 in a short-query kernel, whose
+    windows hide no key behind any query (``W ≥ Sq``: a KV cache's causal chunk, the band's upper edge
+    alone; :func:`cherenkov.rewrites.plan.flash_schedule_problems`)."""
+    return 0 if plan.schedule.short_query else plan.problem.window
+
+
 def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
     p, s = plan.problem, plan.schedule
     scale = softmax_scale(plan.problem)
@@ -237,7 +247,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int HEAD_DIM = {p.head_dim};  // of q and k
         constexpr int VALUE_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
-        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)
+        constexpr int WINDOW = {_lower_window(plan)};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)
         constexpr int AHEAD = {p.window_ahead};  // keys after the query a window without the causal mask sees
         constexpr bool UPPER_EDGE = {bool_literal(p.upper_edge is not None)};  // causal or a window: keys j > i + AHEAD hidden
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
@@ -267,7 +277,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int TILES_PER_SPLIT = {tiling.tiles_per_split};
         constexpr bool Q_TAIL = Q_ROWS % BLOCK_Q != 0;
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;
-        constexpr bool NEEDS_MASK = CAUSAL || WINDOW || KV_TAIL || BIAS;  // a bias tensor masks every tile
+        constexpr bool NEEDS_MASK = UPPER_EDGE || WINDOW || KV_TAIL || BIAS;  // a bias tensor masks every tile
         static_assert(THREADS == 32 * WARPS && (WARP_KEYS ? ROWS_PER_WARP : ROWS_PER_WARP * WARPS) == BLOCK_Q,
                       "warps split the query tile (or, WARP_KEYS, each key tile)");
         static_assert(HEAD_DIM == 16 * D_STEPS && VALUE_DIM == 8 * D_NTILES && ROW_HEADS * GROUP >= HEADS,
@@ -616,7 +626,8 @@ def _mask_scores(bias: bool) -> str:
         // the query: key > row + AHEAD) and (WINDOW) keys at least WINDOW before it.@BIAS_NOTE@
         // Called only for the @WHICH@. Element e of n8 tile n of m16 tile m
         // is (row0 + 16m + lane/4 + 8(e/2), key0 + 8n + 2(lane%4) + e%2): the lane's part is
-        // folded into two per-thread values, the rest are compile-time offsets.
+        // folded into two per-thread values, the rest are compile-time offsets. A packed row r is
+        // query r / GROUP, so there the query is divided out of each element's row.
         __device__ __forceinline__ void mask_scores(float (&s)[M_TILES][KV_NTILES][4], int row0, int key0, int lane@PARAM@) {
             const int lane_key = key0 + 2 * (lane & 3);
             const int lane_key_minus_row = lane_key - (row0 + (lane >> 2));
@@ -628,7 +639,9 @@ def _mask_scores(bias: bool) -> str:
                     for (int e = 0; e < 4; ++e) {
                         const int key_offset = 8 * n + (e & 1);
                         const bool past_end = KV_TAIL && lane_key + key_offset >= SEQ_KV;
-                        const int key_minus_row = lane_key_minus_row + key_offset - 16 * m - 8 * (e >> 1);
+                        const int key_minus_row =
+                            PACK ? lane_key + key_offset - (row0 + (lane >> 2) + 16 * m + 8 * (e >> 1)) / GROUP
+                                 : lane_key_minus_row + key_offset - 16 * m - 8 * (e >> 1);
                         const bool future = UPPER_EDGE && key_minus_row > AHEAD;
                         const bool outside = WINDOW > 0 && key_minus_row <= -WINDOW;
                         if (past_end || future || outside) {
@@ -988,10 +1001,13 @@ def _short_query_index() -> str:
                           + (PACK ? size_t(0) : size_t(q0) * O_ROW_STRIDE);
         @KV_SOURCES@
 
-        // Key tiles of this split (kv_tile offsets them) and how many need no Skv-tail mask (none
-        // with a bias tensor).
+        // Key tiles of this split (kv_tile offsets them) and how many need no mask (none with a bias
+        // tensor): inside SEQ_KV and, under the band's upper edge, at or below the block's first
+        // query's last key (the last query sees every key: no tile is skipped).
         const int n_tiles = imin(TILES_PER_SPLIT, KV_TILES - split * TILES_PER_SPLIT);
-        const int whole_tiles = SEQ_KV / BLOCK_KV - split * TILES_PER_SPLIT;
+        const int first_query = PACK ? q0 / GROUP : q0;
+        const int seen_by_all = UPPER_EDGE ? imin(SEQ_KV, first_query + AHEAD + 1) : SEQ_KV;
+        const int whole_tiles = seen_by_all / BLOCK_KV - split * TILES_PER_SPLIT;
         const int n_unmasked = BIAS || whole_tiles < 0 ? 0 : imin(n_tiles, whole_tiles);
 
         // Prologue: Q tile (first group), then the pipeline's prefetch.

@@ -290,13 +290,14 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
         };
 
         // Mask of one key tile: scores of keys after the query (causal; a window about the query: more
-        // than AHEAD after it), at least WINDOW before it (a window) or past SEQ_KV become -inf.@BIAS_NOTE@
+        // than AHEAD after it), at least WINDOW before it (a window) or past SEQ_KV become -inf. A packed
+        // tile starts at query 0 and its row r is query r % PACK_ROWS.@BIAS_NOTE@
         __device__ __forceinline__ void mask_scores(float (&s)[S_REGS], int row0, int kv0, int t@BIAS_PARAM@) {
             #pragma unroll
             for (int c = 0; c < BLOCK_KV / 8; ++c) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + (e >> 1) * 8;
+                    const int row = PACK ? (row0 + (e >> 1) * 8) % PACK_ROWS : row0 + (e >> 1) * 8;
                     const int col = kv0 + 8 * c + 2 * t + (e & 1);
                     if ((UPPER_EDGE && col > row + AHEAD) || (WINDOW > 0 && row - col >= WINDOW) || (KV_TAIL && col >= SEQ_KV))
                         s[4 * c + e] = neg_inf();@BIAS@
@@ -304,9 +305,12 @@ def _softmax(bias: bool, eight_bit: bool = False, lazy: bool = False, row_sums: 
             }
         }
 
-        // Whether key tile kv0 needs the mask for the warpgroup whose first row is first_row.
+        // Whether key tile kv0 needs the mask for the warpgroup whose first query is first_row (its 64 rows'
+        // queries follow; packed: each of its heads' PACK_ROWS queries).
         __device__ __forceinline__ bool needs_mask(int kv0, int first_row) {
-            return BIAS || (UPPER_EDGE && kv0 + BLOCK_KV - 1 > first_row + AHEAD) || (WINDOW > 0 && first_row + 63 - kv0 >= WINDOW)
+            constexpr int QUERIES = PACK ? PACK_ROWS : 64;
+            return BIAS || (UPPER_EDGE && kv0 + BLOCK_KV - 1 > first_row + AHEAD)
+                   || (WINDOW > 0 && first_row + QUERIES - 1 - kv0 >= WINDOW)
                    || (KV_TAIL && kv0 + BLOCK_KV > SEQ_KV);
         }
 
@@ -751,7 +755,7 @@ def _consumer(schedule: HopperFlashSchedule, problem: AttentionProblem) -> str:
             const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
             const int g = lane / 4, t = lane % 4;
             const int row0 = w.q0 + consumer * 64 + warp * 16 + g;  // this thread's first row (second: + 8)
-            const int first_row = w.q0 + consumer * 64;             // the warpgroup's first row@BIAS_ROWS@
+            const int first_row = PACK ? w.q0 : w.q0 + consumer * 64;  // the warpgroup's first query@BIAS_ROWS@
             const u32 q_tile = smem + Q_SMEM + q_slot * Q_TILE_BYTES;
             const unsigned long long q_desc = make_smem_desc(q_tile + consumer * 64 * ROW_BYTES, 16, 8 * ROW_BYTES);
             const unsigned long long k_desc = make_smem_desc(smem + K_SMEM, 16, 8 * ROW_BYTES);
