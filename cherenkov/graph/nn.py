@@ -2,7 +2,8 @@
 
 ``ck.nn.attention`` follows PyTorch's ``scaled_dot_product_attention``: K/V with fewer
 heads are shared by groups of query heads (GQA/MQA) and ``causal`` lets query ``i`` see
-keys ``j <= i`` (top-left aligned when the lengths differ). 8-bit tensors are quantised and
+keys ``j <= i`` (top-left aligned when the lengths differ; ``causal="lower_right"`` aligns it to
+the last key, as a chunk after a KV cache is masked). 8-bit tensors are quantised and
 dequantised with their scales (``quantize``, ``dequantize``: a cast and a multiply), and
 ``attention`` takes 8-bit q, k, v with their ``descale`` factors.
 """
@@ -195,14 +196,22 @@ def _dequantized_operands(operands: tuple[Tensor, Tensor, Tensor],
     return tuple(dequantize(x, s) for x, s in ((q, s_q), (k, s_k), (v, s_v)))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+LOWER_RIGHT = "lower_right"
+"""``attention``'s ``causal`` aligned to the last key (PyTorch's ``causal_lower_right``, FlashAttention's causal):
+query ``i`` of ``S_q`` sees keys ``j ≤ i + S_kv − S_q``, as a chunk of queries after a KV cache is masked."""
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool | str = False, scale: float | None = None,
               descale: tuple[Tensor | float, Tensor | float, Tensor | float] | None = None,
               return_lse: bool = False, softcap: float | None = None,
               bias: Tensor | None = None, window: int | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """``softmax(q kᵀ · scale [+ bias] [causal mask]) v`` over tensors shaped ``(..., heads, seq, dim)``.
 
-    ``window = W`` (with ``causal``) is a sliding window: query ``i`` sees keys ``i − W < j ≤ i``
-    (Mistral's and Gemma's local attention), the keys before it masked as the causal mask masks
+    ``causal=True`` lets query ``i`` see keys ``j ≤ i`` (PyTorch's ``is_causal``, aligned to the first
+    key); ``causal="lower_right"`` aligns the mask to the last key instead, ``j ≤ i + S_kv − S_q``
+    (:data:`LOWER_RIGHT`: a chunk of ``S_q`` queries after ``S_kv − S_q`` cached keys). ``window = W``
+    (with ``causal``) is a sliding window: query ``i`` sees keys ``i − W < j ≤ i`` (Mistral's and Gemma's
+    local attention; shifted as the causal edge is), the keys before it masked as the causal mask masks
     the later ones.
 
     ``softcap = c`` caps the scaled scores before the mask, ``c·tanh(s / c)`` (Gemma 2's
@@ -237,9 +246,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         k, v = repeat_kv_heads(k, heads // kv_heads), repeat_kv_heads(v, heads // kv_heads)
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise GraphError(f"attention: softcap {softcap}; valid: a finite positive cap (or None for none)")
+    if causal not in (False, True, LOWER_RIGHT):
+        raise GraphError(f"attention: causal={causal!r}; valid: False, True (aligned to the first key) or "
+                         f"{LOWER_RIGHT!r} (aligned to the last key)")
+    if causal == LOWER_RIGHT and q.shape[-2] > k.shape[-2]:
+        raise GraphError(f"attention: causal={LOWER_RIGHT!r} with q {q.shape} and k {k.shape}: the first "
+                         f"{q.shape[-2] - k.shape[-2]} queries would see no key; valid: at most as many queries as keys")
     if window is not None and (not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise GraphError(f"attention: window {window!r} with causal={causal}; valid: a whole number of keys "
-                         "W >= 1 with causal=True (or None for none)")
+                         f"W >= 1 with causal=True or {LOWER_RIGHT!r} (or None for none)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = (q @ k.transpose(-2, -1)) * scale
@@ -250,6 +265,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     if causal:
         seq_q, seq_kv = q.shape[-2], k.shape[-2]
         query_index = arange(seq_q, graph=q.graph).unsqueeze(-1)
+        if causal == LOWER_RIGHT and seq_kv > seq_q:  # query i stands at key i + S_kv − S_q
+            query_index = query_index + float(seq_kv - seq_q)
         key_index = arange(seq_kv, graph=q.graph)
         if window is None:
             scores = where(query_index < key_index, -math.inf, scores)

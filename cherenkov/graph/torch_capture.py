@@ -1010,7 +1010,7 @@ def _sdpa(c: _Capture, a: dict[str, Any]) -> Any:
     return _sdpa_of(c, q, k, v, a.get("attn_mask"), bool(a.get("is_causal")), a.get("scale"))
 
 
-def _sdpa_of(c: _Capture, q: Tensor, k: Tensor, v: Tensor, raw_mask: Any, causal: bool, scale: float | None,
+def _sdpa_of(c: _Capture, q: Tensor, k: Tensor, v: Tensor, raw_mask: Any, causal: bool | str, scale: float | None,
              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """SDPA's attention of ``q``, ``k``, ``v`` under ``raw_mask`` (None, a band, a bool or an additive
     tensor) or ``causal``; ``return_lse``: with its rows' log-sum-exp of the scaled, masked scores
@@ -1048,6 +1048,20 @@ SDPA_KERNELS = frozenset({
 it has the rows' shape (a training graph's forward saves it for the backward)."""
 
 
+CAUSAL_FROM_THE_LAST_KEY = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"})
+"""SDPA kernels whose ``is_causal`` aligns the mask to the last key (FlashAttention-2's CUDA kernel: query ``i``
+sees keys ``j ≤ i + S_kv − S_q``; the others, as SDPA itself, align it to the first key). SDPA's dispatcher gives
+them square problems only, but PyTorch's ``causal_lower_right`` calls them for a chunk after cached keys, and so
+does code that calls them directly."""
+
+
+def _kernel_causal(c: _Capture, a: dict[str, Any]) -> bool | str:
+    """The causal mask an SDPA kernel's ``is_causal`` stands for: ``ck.nn.attention``'s ``causal`` argument."""
+    if not a.get("is_causal"):
+        return False
+    return cknn.LOWER_RIGHT if c.base in CAUSAL_FROM_THE_LAST_KEY else True
+
+
 @_op(*SDPA_KERNELS)
 def _sdpa_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     """An SDPA backend kernel: its attention output, lowered as ``scaled_dot_product_attention``
@@ -1059,9 +1073,10 @@ def _sdpa_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     mask = _sdpa_mask(a)
     q, k, v = c.t(a["query"]), c.t(a["key"]), c.t(a["value"])
     outputs = len(c.node.meta["val"])
+    causal = _kernel_causal(c, a)
     if not _reads_sdpa_statistics(c.node):
-        return (_sdpa_of(c, q, k, v, mask, bool(a.get("is_causal")), a.get("scale")),) + (None,) * (outputs - 1)
-    attention, lse = _sdpa_of(c, q, k, v, mask, bool(a.get("is_causal")), a.get("scale"), return_lse=True)
+        return (_sdpa_of(c, q, k, v, mask, causal, a.get("scale")),) + (None,) * (outputs - 1)
+    attention, lse = _sdpa_of(c, q, k, v, mask, causal, a.get("scale"), return_lse=True)
     return (attention, lse.reshape(*c.node.meta["val"][1].shape)) + (None,) * (outputs - 2)
 
 
@@ -1107,7 +1122,7 @@ def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
     grad_out = c.t(a["grad_out"] if "grad_out" in a else a["grad_out_"])
     q, k, v = (c.t(a[name]) for name in ("query", "key", "value"))
     mask = _sdpa_mask(a)
-    causal, scale = bool(a.get("is_causal")), a.get("scale")
+    causal, scale = _kernel_causal(c, a), a.get("scale")
     if mask is None:
         gradients = vjp(lambda q, k, v: cknn.attention(q, k, v, causal=causal, scale=scale), (q, k, v), grad_out)
     else:  # the mask read as it is, not differentiated
@@ -1120,7 +1135,7 @@ def _sdpa_backward_kernel(c: _Capture, a: dict[str, Any]) -> Any:
 
 
 def _declare_saved_statistics(c: _Capture, a: dict[str, Any], q: Tensor, k: Tensor, v: Tensor, mask: Any,
-                              causal: bool, scale: float | None) -> None:  # fmt: skip
+                              causal: bool | str, scale: float | None) -> None:  # fmt: skip
     """Mark an SDPA backward's ``out`` and ``logsumexp`` arguments saved inputs holding the attention's
     output and log-sum-exp, where both are graph inputs of exactly those shapes and dtypes."""
     out, lse = a.get("out"), a.get("logsumexp")

@@ -157,6 +157,10 @@ NN = {
                              lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                                  q, k, v, is_causal=True, scale=0.3, enable_gqa=True),
                              {"q": (1, 4, 6, 8), "k": (1, 2, 6, 8), "v": (1, 2, 6, 8)}),  # fmt: skip
+    "attention_lower_right": (lambda q, k, v: ck.nn.attention(q, k, v, causal="lower_right"),
+                              lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                                  q, k, v, attn_mask=torch.ones(3, 7, dtype=torch.bool).tril(4), enable_gqa=True),
+                              {"q": (1, 4, 3, 8), "k": (1, 2, 7, 8), "v": (1, 2, 7, 8)}),  # fmt: skip
     "linear": (lambda x, w, b: ck.nn.linear(x, w, b), torch.nn.functional.linear, {"x": (3, 8), "w": (5, 8),
                                                                                    "b": (5,)}),  # fmt: skip
 }

@@ -175,6 +175,31 @@ def test_hand_written_gqa_with_expand_matches_numpy(rng: np.random.Generator, ca
     assert_rel(out, _torch_sdpa(inputs, causal))
 
 
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window"])
+def test_causal_attention_aligned_to_the_last_key_matches_torchs_causal_lower_right(rng: np.random.Generator,
+                                                                                   window: int | None) -> None:
+    """``causal="lower_right"``: 5 queries after 8 cached keys (GQA) see keys ``j ≤ i + 8`` (and, with a window
+    of 3, none before ``i + 6``), as PyTorch's ``causal_lower_right`` bias (and that band) masks them."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    shape = (2, 4, 2, 5, 13, 8)
+    g, q, k, v = _attention_graph(shape)
+    g.output(ck.nn.attention(q, k, v, causal="lower_right", window=window), "o")
+    inputs = _attention_inputs(rng, shape)
+    q_t, k_t, v_t = (torch.from_numpy(inputs[n]).repeat_interleave(2 if n != "q" else 1, dim=1) for n in "qkv")
+    mask = causal_lower_right(5, 13) if window is None else torch.ones(5, 13, dtype=torch.bool).tril(8).triu(8 - 2)
+    expected = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask).numpy()
+    assert_rel(ck.evaluate(g, inputs)["o"], expected)
+
+
+def test_causal_attention_aligned_to_the_last_key_needs_a_key_for_every_query() -> None:
+    g, q, k, v = _attention_graph((1, 2, 2, 6, 4, 8))
+    with pytest.raises(ck.GraphError, match="first 2 queries would see no key"):
+        ck.nn.attention(q, k, v, causal="lower_right")
+    with pytest.raises(ck.GraphError, match="causal='bottom'"):
+        ck.nn.attention(q, k, v, causal="bottom")
+
+
 def test_causal_attention_first_query_copies_first_value(rng: np.random.Generator) -> None:
     shape = (1, 2, 2, 7, 13, 4)
     g, q, k, v = _attention_graph(shape)

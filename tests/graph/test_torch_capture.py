@@ -1113,6 +1113,28 @@ def test_sdpa_backward_kernel_is_the_attention_gradient_and_derives_the_flash_ba
     assert {(p.problem.saved.o, p.problem.saved.lse) for p in saved} == {("out", "lse")}
 
 
+def test_the_cuda_flash_kernels_causal_flag_is_aligned_to_the_last_key() -> None:
+    """FlashAttention-2's CUDA kernel (``_scaled_dot_product_flash_attention``, which PyTorch's ``causal_lower_right``
+    calls for a chunk after cached keys) masks ``is_causal`` against the last key: 4 queries after 5 cached keys see
+    keys ``j ≤ i + 5``, and the derivation gives flash attention over that band (the kernels' window, 5 ahead). The
+    CPU kernel's flag, as SDPA's, is aligned to the first key. (Traced on the CPU: torch.export needs only the op's
+    shapes; the GPU test runs the kernel.)"""
+    q, k, v = randn(1, 2, 4, 16), randn(1, 2, 9, 16, seed=1), randn(1, 2, 9, 16, seed=2)
+    references = {
+        torch.ops.aten._scaled_dot_product_flash_attention: torch.ones(4, 9, dtype=torch.bool).tril(5),
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ones(4, 9, dtype=torch.bool).tril(0),
+    }
+    for kernel, mask in references.items():
+        g = ck.from_torch(lambda q, k, v, kernel=kernel: kernel(q, k, v, 0.0, True)[0], q, k, v)
+        expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        assert_matches(ck.evaluate(g, g.example_inputs())["out"], expected, tol=1e-12)
+    bf16 = [x.to(torch.bfloat16) for x in (q, k, v)]
+    derived = ck.derive(ck.from_torch(lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True)[0], *bf16))  # fmt: skip
+    assert {(p.problem.window, p.problem.window_ahead, p.problem.causal) for p in derived.plans("sm_90a")} == {
+        (13, 5, False)}
+
+
 def test_sdpa_backward_kernels_lower_without_dropout_or_packed_sequences() -> None:
     """``lowers_node`` on cuDNN backward calls: a dense attention's sequence offsets are empty
     tensors (lowered, with a bias too: the Dynamo split decides on masks); non-empty offsets

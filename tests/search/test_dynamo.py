@@ -658,6 +658,47 @@ def test_gpu_a_small_lm_trains_through_the_backend_like_eager(name, implementati
     assert kinds.count("flash_attention") == 2 and kinds.count("flash_attention_backward") == 2, kinds
 
 
+class _ChunkAfterCache(torch.nn.Module):
+    """Projections, then ``scaled_dot_product_attention`` of a chunk of queries over cached K/V and the chunk's own,
+    masked by PyTorch's ``causal_lower_right`` (on CUDA: the flash kernel's ``is_causal``, aligned to the last key)."""
+
+    def __init__(self, width: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width), heads
+
+    def forward(self, x, k_cache, v_cache):
+        from torch.nn.attention.bias import causal_lower_right
+
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        k, v = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, k.shape[-2]))
+        return self.out(a.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.gpu
+def test_gpu_causal_lower_right_through_the_backend_is_aligned_to_the_last_key(tmp_path):
+    """16 queries after 112 cached keys under ``causal_lower_right``: PyTorch calls the CUDA flash kernel with
+    ``is_causal``, which there means the last key's alignment. Through the backend the output is eager's (the first
+    key's alignment, SDPA's own ``is_causal``, is far off), on a flash kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from cherenkov.search.database import TuningDatabase
+
+    torch.manual_seed(0)
+    model = _ChunkAfterCache().to("cuda", torch.bfloat16)
+    x = torch.randn(2, 16, 256, device="cuda", dtype=torch.bfloat16)
+    cache = [torch.randn(2, 4, 112, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    with TuningDatabase(tmp_path / "tuning.sqlite") as db, recorded_splits() as splits, torch.no_grad():
+        backend = functools.partial(cherenkov_backend, options={"budget_s": 45.0, "database": db})
+        got = torch.compile(model, backend=backend, dynamic=False)(x, *cache).float()
+        expected = model(x, *cache).float()
+    assert float((got - expected).norm() / expected.norm()) <= 2e-2
+    results = [call.result for split in splits for function in split.compiled
+               for call in function.prepared.values() if call.result is not None]  # fmt: skip
+    assert [k.kind for result in results for k in result.launched].count("flash_attention") == 1
+
+
 class _SdpaBlock(torch.nn.Module):
     """Causal attention through ``scaled_dot_product_attention`` and a GELU MLP, residuals."""
 
