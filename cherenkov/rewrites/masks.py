@@ -75,9 +75,14 @@ def _lower_edge(bias: Term, query: Term) -> int | None:
     whole, ``m ≤ −2¹⁵``; 2 to as many queries as keys), else None."""
     match bias:
         case ("Where", ("Lt", ("Iota", ("Ax", key)), ("Add", ("Iota", q), ("Num", w))), ("Num", m), ("Num", 0.0)):
-            rows = extent(q[1]) if q == query and q[0] == "Ax" else 0
-            if 1 < rows <= extent(key) and float(w).is_integer() and w <= 0 and m <= -32768.0:
-                return 1 - int(w)
+            pass
+        case ("Where", ("Lt", ("Iota", ("Ax", key)), ("Iota", q)), ("Num", m), ("Num", 0.0)):
+            w = 0.0  # `i + 0` folded to `i` (``add-zero``): a full sliding KV cache's window, one key behind
+        case _:
+            return None
+    rows = extent(q[1]) if q == query and q[0] == "Ax" else 0
+    if 1 < rows <= extent(key) and float(w).is_integer() and w <= 0 and m <= -32768.0:
+        return 1 - int(w)
     return None
 
 

@@ -15,17 +15,19 @@ import cherenkov as ck
 
 from .backward_emulator import emulate_backward
 from .test_flash_backward import _check_against_autograd, assert_gradients_match
-from .test_window_flash import GPU_IDS, GPU_WINDOWS, KEYS_AHEAD, WINDOW_IDS, WINDOWS, _inputs, window_graph
+from .test_window_flash import (FULL_SLIDING_CACHE, GPU_IDS, GPU_WINDOWS, KEYS_AHEAD, WINDOW_IDS, WINDOWS, _inputs,
+                                window_graph)
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
 
 BACKWARD_CASES = (0, 1, 3, 4)  # every window but the one wider than the sequence
-GPU_BACKWARD_CASES = (*BACKWARD_CASES, 5)  # and a causal mask aligned to the last key
+GPU_BACKWARD_CASES = (*BACKWARD_CASES, 5, 6)  # and a causal mask aligned to the last key, a full sliding cache
 
 
 @needs_gxx
-@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"), [WINDOWS[i] for i in BACKWARD_CASES] + [KEYS_AHEAD],
-                         ids=[WINDOW_IDS[i] for i in BACKWARD_CASES] + ["keys_ahead"])  # fmt: skip
+@pytest.mark.parametrize(("sizes", "window", "softcap", "ahead"),
+                         [WINDOWS[i] for i in BACKWARD_CASES] + [KEYS_AHEAD, FULL_SLIDING_CACHE],
+                         ids=[WINDOW_IDS[i] for i in BACKWARD_CASES] + ["keys_ahead", "full_sliding_cache"])  # fmt: skip
 def test_emulated_backward_matches_the_gradient_graph(sizes, window, softcap, ahead) -> None:
     """Two ``mma.sync`` main passes (16-key warps, and warp pairs where they fit), the statistics pass
     running the forward from the window's first key, every gradient within 1e-2 of ``ck.grad``'s; the

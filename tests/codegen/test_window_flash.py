@@ -263,6 +263,26 @@ def test_emulated_forward_under_a_causal_mask_aligned_to_the_last_key_matches_th
             assert_emulated_output_and_lse(plan, inputs, expected)
 
 
+FULL_SLIDING_CACHE = ((1, 4, 2, (70, 133), 64), 1, None, 63)
+"""70 queries after a full sliding cache of 63 keys (window 64): query ``i`` sees keys ``i ≤ j ≤ i + 63``, the window's
+lower edge ``j < i + 0`` (folded to ``j < i``) one key behind."""
+
+
+@needs_gxx
+def test_emulated_forward_after_a_full_sliding_cache_matches_the_graph() -> None:
+    """A sliding window over its full KV cache is the kernels' own window about the query (one key behind, 63 ahead;
+    it was a stored bias): two ``mma.sync`` knob families' plans within bf16 rounding of the graph's float64 output
+    and log-sum-exp."""
+    sizes, window, _, ahead = FULL_SLIDING_CACHE
+    g = window_graph(*sizes, window, lse=True, ahead=ahead)
+    inputs = _inputs(g)
+    expected = ck.evaluate(g, inputs)
+    plans = ck.derive(g).plans("sm_80")
+    assert {(p.problem.window, p.problem.window_ahead, p.problem.bias) for p in plans} == {(1, 63, None)}
+    for plan in knob_family_plans(plans)[:2]:
+        assert_emulated_output_and_lse(plan, inputs, expected)
+
+
 def _without_window(plan):
     """The same plan for the problem without the window."""
     if plan.kind == "flash_attention":
@@ -303,7 +323,9 @@ GPU_WINDOWS = [((2, 8, 2, 1000, 128), 256, None, None), ((1, 4, 4, 777, 64), 33,
                ((2, 4, 2, 300, 64), 1000, None, None), ((2, 8, 4, 700, 128), 200, 2.0, None),
                ((2, 8, 8, 900, 64), 129, None, 128)]  # fmt: skip
 GPU_WINDOWS.append(((2, 8, 2, (200, 2248), 128), None, None, 2048))  # a chunk of 200 queries after 2048 cached keys
-GPU_IDS = ["d128_gqa", "d64_narrow_ragged", "wide", "soft_capped_d128_gqa", "about_the_query", "keys_ahead"]
+GPU_WINDOWS.append(((2, 8, 2, (200, 2247), 128), 1, None, 2047))  # 200 after a full sliding cache of 2047 (window 2048)
+GPU_IDS = ["d128_gqa", "d64_narrow_ragged", "wide", "soft_capped_d128_gqa", "about_the_query", "keys_ahead",
+           "full_sliding_cache"]
 
 
 @pytest.mark.gpu

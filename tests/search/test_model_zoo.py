@@ -206,9 +206,10 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 """Family: its attention layers' windows (keys, keys ahead), and whether each reads no bias tensor."""
 
 
-CACHED = {"llama": [(80, 48, True)], "gemma2_softcap": [(80, 48, True)], "mistral_window": [(0, 0, False)],
-          "gemma2_window": [(0, 0, False)]}  # fmt: skip
-"""Family: its attention layers' (window, keys ahead, no bias tensor) for 16 new tokens after 48 cached ones."""
+CACHED = {"llama": [(80, 48, True)], "gemma2_softcap": [(80, 48, True)], "mistral_window": [(1, 15, True)],
+          "gemma2_window": [(1, 15, True)]}  # fmt: skip
+"""Family: its attention layers' (window, keys ahead, no bias tensor) for 16 new tokens after 48 cached ones (a
+sliding window of 16 keeps 15 of them: the chunk's query ``i`` sees keys ``i ≤ j ≤ i + 15``)."""
 
 
 @pytest.mark.parametrize("family", list(CACHED))
@@ -217,9 +218,11 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     transformers masks the chunk's scores causally against the last key (query i sees keys j ≤ i + 48). Like
     eager, with one flash kernel a layer: under that mask alone (Llama; Gemma 2's capped scores) a window over
     every key, 48 ahead, that the kernel bounds itself (rule ``keys-ahead-additive``, bias form ``-ahead``); under a
-    sliding window's band too (Mistral's, Gemma 2's), the band a stored bias. Each was an unfused softmax
-    before (Gemma 2's sliding one too: its capped scores had no form for the band). Under the band alone the
-    short-query schedules (the GQA group's rows packed in a tile) plan it too."""
+    sliding window's band too (Mistral's, Gemma 2's: its cache full, the window's lower edge ``j < i + 0`` folds to
+    ``j < i``), a window about the query, one key behind and 15 ahead. Each was an unfused softmax before (Gemma 2's
+    sliding one too: its capped scores had no form for the band), and the sliding ones then a stored bias. Under a
+    band that hides no key behind a query the short-query schedules (the GQA group's rows packed in a tile) plan it
+    too."""
     import copy
 
     build = _decoder("LlamaForCausalLM", "LlamaConfig") if family == "llama" else FAMILIES[family][0]
@@ -240,7 +243,7 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
     assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == CACHED[family]
     assert {(p.seq_q, p.causal) for p in problems} == {(16, False)}  # a sliding cache holds the window's keys only
-    if all(p.bias is None for p in problems):  # the band alone: the short-query kernels (packed GQA rows) take it
+    if all(p.band_spans_every_key_tile for p in problems):  # packed GQA rows take that band
         assert any(p.schedule.pack_group for d in derivations for p in d.plans("sm_90a"))
 
 
