@@ -770,11 +770,19 @@ def query_axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: st
 
 def shared_kv_head(candidates: Sequence[str], q_read: StridedRead, mask: Term) -> tuple[str, str]:
     """(query row, head) of q's two axes that k and v do not vary along (multi-query attention:
-    one K/V head for every query head): the causal mask's axis is the row, else the one q strides
-    least (without a causal mask either reading gives the same attention)."""
+    one K/V head for every query head): the causal mask's axis is the row, or the one whose position
+    a band of the mask reads (a chunk after a KV cache: ``where(i + o < j, m, 0)``), else the one q
+    strides least (without a mask either reading gives the same attention)."""
     axis = t.mask_causal_axis(mask)
     causal = axis[1] if axis is not None and axis[0] == "Ax" else None
-    row = causal if causal in candidates else min(candidates, key=lambda a: q_read.strides[t.ax(a)])
+    positions = {s for s in t.subterms(mask) if s[0] == "Iota"}
+    banded = [a for a in candidates if ("Iota", t.ax(a)) in positions]
+    if causal in candidates:
+        row = causal
+    elif len(banded) == 1:
+        row = banded[0]
+    else:
+        row = min(candidates, key=lambda a: q_read.strides[t.ax(a)])
     return row, next(a for a in candidates if a != row)
 
 

@@ -257,15 +257,13 @@ class AttentionProblem:
         return self.window_ahead if self.window else None
 
     @property
-    def band_spans_every_key_tile(self) -> bool:
-        """Whether every query sees key 0 and the last query every key, under the causal mask or window
-        if any (a chunk of queries after a KV cache: ``j ≤ i + Skv − Sq``): no key tile is outside every
-        row's band, and only the band's upper edge masks. The short-query kernels (packed rows, key
-        splits) take these bands only."""
-        if self.upper_edge is None:
-            return True
-        hides_none_behind = not self.window or self.window >= self.seq_q
-        return hides_none_behind and self.seq_q - 1 + self.upper_edge >= self.seq_kv - 1
+    def last_query_sees_last_key(self) -> bool:
+        """Whether the last query sees the last key under the causal mask or window, if any (a chunk of queries
+        after a KV cache: ``j ≤ i + Skv − Sq``, and a sliding window over its cache). The first query sees key 0
+        under any band, and each query's band is the last one's moved a key back, so every key is some query's:
+        no key tile is outside every row's band. The short-query kernels (packed rows, key splits) take these
+        bands only."""
+        return self.upper_edge is None or self.seq_q - 1 + self.upper_edge >= self.seq_kv - 1
 
     @property
     def output_dtype(self) -> str:
@@ -765,10 +763,10 @@ def _short_query_problems(schedule: FlashSchedule, problem: AttentionProblem) ->
     if packed_rows(schedule, problem) > SHORT_QUERY_ROWS:
         reasons.append(f"packing, key splits and blocks under 4 warps are for short queries "
                        f"(at most {SHORT_QUERY_ROWS} rows a head or packed group)")
-    if not problem.band_spans_every_key_tile:
-        reasons.append(f"packing, key splits and blocks under 4 warps take a causal mask or window only where every "
-                       f"query sees key 0 and the last query every key (Sq {problem.seq_q}, Skv {problem.seq_kv}, "
-                       f"window {problem.window}, {problem.upper_edge} keys ahead: a chunk after a KV cache)")
+    if not problem.last_query_sees_last_key:
+        reasons.append(f"packing, key splits and blocks under 4 warps take a causal mask or window only where the last "
+                       f"query sees the last key (Sq {problem.seq_q}, Skv {problem.seq_kv}, {problem.upper_edge} keys "
+                       f"ahead: a chunk after a KV cache)")
     if schedule.rows_per_warp != 16 or schedule.pingpong or schedule.overlap or schedule.min_blocks > 1 \
             or schedule.head_major or any(getattr(schedule, knob) for knob in RING_STEP_KNOBS):
         reasons.append("short-query schedules run 16 rows a warp on the plain loop without step knobs")

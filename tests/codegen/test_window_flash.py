@@ -127,9 +127,9 @@ def _short_query(plan) -> bool:
 @pytest.mark.parametrize(("seq_q", "seq_kv"), SHORT_CHUNKS)
 def test_a_short_chunk_after_cached_keys_gets_packed_and_split_plans(seq_q: int, seq_kv: int) -> None:
     """A few causal queries after a KV cache (GQA group of 4): the short-query schedules (packed groups, key
-    splits, warps that split a key tile) plan it in both families, the window the problem's own. A band that
-    hides keys from some query's tiles does not get them: causal from the first key (top-left) with fewer
-    queries than keys, and a sliding window narrower than the chunk."""
+    splits, warps that split a key tile) plan it in both families, the window the problem's own, and so under a
+    sliding window over its full cache. A band whose last query does not see the last key does not get them:
+    causal from the first key (top-left) with fewer queries than keys, with a sliding window or not."""
     forward = ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv), 128, None, ahead=seq_kv - seq_q))
     for target in ("sm_80", "sm_90a", "sm_120"):
         plans = forward.plans(target)
@@ -141,11 +141,13 @@ def test_a_short_chunk_after_cached_keys_gets_packed_and_split_plans(seq_q: int,
     if seq_q == 64:  # a Hopper tile packs 128 rows: 64 queries of two heads of the group
         assert any(isinstance(p.schedule, HopperFlashSchedule) and p.schedule.pack_group
                    for p in forward.plans("sm_90a"))  # fmt: skip
-    for band in (dict(causal=True), dict(causal=True, window=seq_q // 2)):
-        problem = AttentionProblem(2, 8, 2, seq_q, seq_kv + seq_q, 128, **band)
-        assert not problem.band_spans_every_key_tile
-        plans = ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv + seq_q), 128, band.get("window"))).plans("sm_80")
-        assert plans and not any(_short_query(p) for p in plans), band
+    for window in (None, seq_q // 2):  # causal from the first key (a sliding window too), more keys than queries
+        assert not AttentionProblem(2, 8, 2, seq_q, seq_kv, 128, causal=True, window=window or 0).last_query_sees_last_key
+        plans = ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv), 128, window)).plans("sm_80")
+        assert plans and not any(_short_query(p) for p in plans), window
+    # a sliding window of seq_kv - seq_q + 1 keys over its full cache: the last query sees the last key
+    sliding = ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv), 128, 1, ahead=seq_kv - seq_q)).plans("sm_80")
+    assert any(p.schedule.pack_group for p in sliding if _short_query(p))
 
 
 def test_packed_hopper_plans_of_a_chunk_after_cached_keys_compile_without_spills(compiler, kernel_cache) -> None:
@@ -161,12 +163,14 @@ def test_packed_hopper_plans_of_a_chunk_after_cached_keys_compile_without_spills
 
 
 @needs_gxx
-@pytest.mark.parametrize(("seq_q", "seq_kv"), SHORT_CHUNKS[:2])
-def test_emulated_short_query_kernels_after_cached_keys_match_the_graph(seq_q: int, seq_kv: int) -> None:
+@pytest.mark.parametrize(("seq_q", "seq_kv", "window"), [(*SHORT_CHUNKS[0], None), (*SHORT_CHUNKS[1], None),
+                                                         (*SHORT_CHUNKS[1], 1)], ids=["drafts", "sixteen", "sliding"])
+def test_emulated_short_query_kernels_after_cached_keys_match_the_graph(seq_q: int, seq_kv: int, window) -> None:
     """Packed and unpacked short-query ``mma.sync`` plans (one key split: the emulator's) within bf16 rounding
     of the graph's float64 output: a packed row's query is its row over the group, so each 16-row tile holds
-    four queries of four heads (or sixteen of one)."""
-    g = window_graph(1, 8, 2, (seq_q, seq_kv), 64, None, ahead=seq_kv - seq_q)
+    four queries of four heads (or sixteen of one); and under a sliding window over its full cache (query ``i``
+    sees keys ``i ≤ j ≤ i + 185``), every tile masked."""
+    g = window_graph(1, 8, 2, (seq_q, seq_kv), 64, window, ahead=seq_kv - seq_q)
     inputs = _inputs(g)
     expected = ck.evaluate(g, inputs)["o"]
     picked: dict[tuple, object] = {}
@@ -178,6 +182,21 @@ def test_emulated_short_query_kernels_after_cached_keys_match_the_graph(seq_q: i
         got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])["o"]
         error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
         assert error <= 1e-2, (plan.schedule.key(), error)
+
+
+def test_a_multi_query_chunk_reads_its_rows_from_the_band() -> None:
+    """GPT-BigCode's multi-query attention after its KV cache: q laid out (B, S, H, D) and read transposed, so q's
+    head axis strides less than its row axis, and one K/V head for every query head. The row is the axis whose
+    position the band reads (it was taken by the strides: the heads, and the window then bounded nothing)."""
+    g = ck.Graph("multi_query_chunk")
+    q = g.input("q", (2, 16, 4, 32), "bf16").permute(0, 2, 1, 3)
+    k, v = (g.input(n, (2, 1, 64, 32), "bf16").expand(2, 4, 64, 32) for n in "kv")
+    query, key = ck.arange(16, graph=g).unsqueeze(-1), ck.arange(64, graph=g)
+    band = where(query + 48.0 < key, g.constant(-math.inf, "bf16"), g.constant(0.0, "bf16"))
+    g.output(ck.nn.attention(q, k, v, bias=band), "o")
+    plans = ck.derive(g).plans("sm_90a")
+    assert {(p.problem.heads, p.problem.kv_heads, p.problem.seq_q, p.problem.window, p.problem.window_ahead)
+            for p in plans} == {(4, 1, 16, 80, 48)}  # fmt: skip
 
 
 def test_keys_ahead_need_a_window_without_the_causal_mask() -> None:
@@ -343,20 +362,24 @@ def test_gpu_window_forward_matches_float32_attention(sizes, window, softcap, ah
     _assert_plans_match_float32_attention(chosen, cuda_device, kernel_cache)
 
 
-GPU_CHUNKS = [((2, 32, 8, (4, 4101), 128), 4097), ((1, 8, 2, (16, 777), 64), 761), ((2, 32, 8, (64, 2100), 128), 2036)]
+GPU_CHUNKS = [((2, 32, 8, (4, 4101), 128), None, 4097), ((1, 8, 2, (16, 777), 64), None, 761),
+              ((2, 32, 8, (64, 2100), 128), None, 2036), ((2, 32, 8, (4, 4099), 128), 1, 4095),
+              ((2, 32, 8, (64, 4159), 128), 1, 4095)]  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("sizes", "ahead"), GPU_CHUNKS, ids=["drafts_d128", "sixteen_d64", "chunk_of_64"])
-def test_gpu_short_chunks_after_cached_keys_match_float32_attention(sizes, ahead, cuda_device, kernel_cache) -> None:
-    """A few causal queries after a KV cache: every packed Hopper schedule and one ``mma.sync`` short-query plan
-    of each kind (packed or not, key splits or not, warps splitting the keys or not, each ring) against float32
-    attention under the band."""
+@pytest.mark.parametrize(("sizes", "window", "ahead"), GPU_CHUNKS,
+                         ids=["drafts_d128", "sixteen_d64", "chunk_of_64", "drafts_sliding", "chunk_of_64_sliding"])
+def test_gpu_short_chunks_after_cached_keys_match_float32_attention(sizes, window, ahead, cuda_device,
+                                                                    kernel_cache) -> None:  # fmt: skip
+    """A few causal queries after a KV cache (or a sliding window's full cache of 4095 keys): every packed Hopper
+    schedule and one ``mma.sync`` short-query plan of each kind (packed or not, key splits or not, warps splitting
+    the keys or not, each ring) against float32 attention under the band."""
     import torch
 
     target = "sm_90a" if torch.cuda.get_device_capability() == (9, 0) else "sm_90"
     picked: dict[tuple, object] = {}
-    for plan in ck.derive(window_graph(*sizes, None, ahead=ahead)).plans(target):
+    for plan in ck.derive(window_graph(*sizes, window, ahead=ahead)).plans(target):
         s = plan.schedule
         if isinstance(s, HopperFlashSchedule):
             if s.pack_group:

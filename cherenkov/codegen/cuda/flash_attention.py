@@ -22,9 +22,9 @@ packed GQA group (one block's rows are the queries of every query head of a K/V 
 splits (each block folds a share of the keys into a partial state in a workspace; the last
 block of a query tile combines them) and warps that split each key tile's keys (their
 states meet in shared memory at the end). They take a causal mask or window whose last query
-sees every key and that hides no key behind a query (a chunk of queries after a KV cache:
-query ``i`` sees keys ``j ≤ i + AHEAD``); a packed row's query for the mask is its row over
-the group. Head dims narrower than a power-of-two row are
+sees the last key (a chunk of queries after a KV cache: query ``i`` sees keys ``j ≤ i + AHEAD``,
+and a sliding window over its cache, masked on every tile); a packed row's query for the mask
+is its row over the group. Head dims narrower than a power-of-two row are
 padded in shared memory (``FlashLayout``); v and o may have their own head dim.
 
 Launch: grid ``(ceil(rows / BLOCK_Q) · KV_SPLITS, H or Hkv (packed), B)`` (causal: block x
@@ -226,13 +226,6 @@ def _types(dtype: str, tma_kv: bool) -> str:
     )
 
 
-def _lower_window(plan: KernelPlan) -> int:
-    """The window's lower edge the kernel applies: the problem's, or 0 in a short-query kernel, whose
-    windows hide no key behind any query (``W ≥ Sq``: a KV cache's causal chunk, the band's upper edge
-    alone; :func:`cherenkov.rewrites.plan.flash_schedule_problems`)."""
-    return 0 if plan.schedule.short_query else plan.problem.window
-
-
 def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
     p, s = plan.problem, plan.schedule
     scale = softmax_scale(plan.problem)
@@ -247,7 +240,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int HEAD_DIM = {p.head_dim};  // of q and k
         constexpr int VALUE_DIM = {p.v_dim};  // of v and o
         constexpr bool CAUSAL = {bool_literal(p.causal)};
-        constexpr int WINDOW = {_lower_window(plan)};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)
+        constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)
         constexpr int AHEAD = {p.window_ahead};  // keys after the query a window without the causal mask sees
         constexpr bool UPPER_EDGE = {bool_literal(p.upper_edge is not None)};  // causal or a window: keys j > i + AHEAD hidden
         constexpr float SCALE_LOG2 = {float_literal(scale * LOG2E)};  // scale {scale:.9g} * log2(e)
@@ -278,6 +271,8 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr bool Q_TAIL = Q_ROWS % BLOCK_Q != 0;
         constexpr bool KV_TAIL = SEQ_KV % BLOCK_KV != 0;
         constexpr bool NEEDS_MASK = UPPER_EDGE || WINDOW || KV_TAIL || BIAS;  // a bias tensor masks every tile
+        constexpr bool SHORT_QUERY = {bool_literal(s.short_query)};  // a row space's key splits, packed rows, warps on keys
+        constexpr bool CUTS_BEHIND = WINDOW > 0 && WINDOW < SEQ_Q;  // the window hides keys behind the later queries
         static_assert(THREADS == 32 * WARPS && (WARP_KEYS ? ROWS_PER_WARP : ROWS_PER_WARP * WARPS) == BLOCK_Q,
                       "warps split the query tile (or, WARP_KEYS, each key tile)");
         static_assert(HEAD_DIM == 16 * D_STEPS && VALUE_DIM == 8 * D_NTILES && ROW_HEADS * GROUP >= HEADS,
@@ -313,7 +308,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         // With a window, the block's tiles rotated so that those wholly inside every row's window come
         // first: [lower_end, end) (the unmasked ones, then the diagonal's), then [first, lower_end).
         __device__ __forceinline__ int kv_tile(int tile) {{
-            if constexpr (WINDOW > 0) {{
+            if constexpr (WINDOW > 0 && !SHORT_QUERY) {{
                 const WindowTiles w = window_tiles();  // block-uniform: one evaluation once inlined
                 const int rotated = tile + w.lower_end - w.first;  // < 2 (end - first): one wrap at most
                 return w.first + (rotated < w.end - w.first ? rotated : rotated - (w.end - w.first));
@@ -1002,13 +997,14 @@ def _short_query_index() -> str:
         @KV_SOURCES@
 
         // Key tiles of this split (kv_tile offsets them) and how many need no mask (none with a bias
-        // tensor): inside SEQ_KV and, under the band's upper edge, at or below the block's first
-        // query's last key (the last query sees every key: no tile is skipped).
+        // tensor or a window that hides keys behind a query): inside SEQ_KV and, under the band's upper
+        // edge, at or below the block's first query's last key (the last query sees the last key: no
+        // tile is skipped).
         const int n_tiles = imin(TILES_PER_SPLIT, KV_TILES - split * TILES_PER_SPLIT);
         const int first_query = PACK ? q0 / GROUP : q0;
         const int seen_by_all = UPPER_EDGE ? imin(SEQ_KV, first_query + AHEAD + 1) : SEQ_KV;
         const int whole_tiles = seen_by_all / BLOCK_KV - split * TILES_PER_SPLIT;
-        const int n_unmasked = BIAS || whole_tiles < 0 ? 0 : imin(n_tiles, whole_tiles);
+        const int n_unmasked = BIAS || CUTS_BEHIND || whole_tiles < 0 ? 0 : imin(n_tiles, whole_tiles);
 
         // Prologue: Q tile (first group), then the pipeline's prefetch.
         load_query_rows(smem + Q_SMEM, q_space, q0);
