@@ -207,7 +207,8 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 
 
 CACHED = {"llama": [(80, 48, True)], "gemma2_softcap": [(80, 48, True)], "mistral_window": [(1, 15, True)],
-          "gemma2_window": [(1, 15, True)]}  # fmt: skip
+          "gemma2_window": [(1, 15, True)], "gemma3_sliding_and_full": [(1, 15, True), (80, 48, True)],
+          "gpt_bigcode_mqa": [(80, 48, True)]}  # fmt: skip
 """Family: its attention layers' (window, keys ahead, no bias tensor) for 16 new tokens after 48 cached ones (a
 sliding window of 16 keeps 15 of them: the chunk's query ``i`` sees keys ``i ≤ j ≤ i + 15``)."""
 
@@ -220,9 +221,9 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     every key, 48 ahead, that the kernel bounds itself (rule ``keys-ahead-additive``, bias form ``-ahead``); under a
     sliding window's band too (Mistral's, Gemma 2's: its cache full, the window's lower edge ``j < i + 0`` folds to
     ``j < i``), a window about the query, one key behind and 15 ahead. Each was an unfused softmax before (Gemma 2's
-    sliding one too: its capped scores had no form for the band), and the sliding ones then a stored bias. Under a
-    band that hides no key behind a query the short-query schedules (the GQA group's rows packed in a tile) plan it
-    too."""
+    sliding one too: its capped scores had no form for the band), and the sliding ones then a stored bias. Gemma 3
+    has both kinds of layer; GPT-BigCode's multi-query row is the axis the band reads. Where the last query sees the
+    last key the short-query schedules (the group's rows packed in a tile) plan it too."""
     import copy
 
     build = _decoder("LlamaForCausalLM", "LlamaConfig") if family == "llama" else FAMILIES[family][0]
