@@ -981,7 +981,7 @@ _LONG_QUERY_INDEX = block(
 def _short_query_index() -> str:
     return block(
         """
-        // This block's query tile, row space and key split (a short-query kernel, never causal).
+        // This block's query tile, row space and key split (a short-query kernel: no causal grid order).
         // The grid is (Q_TILES * KV_SPLITS, ROW_HEADS, BATCH): block x folds key split
         // x % KV_SPLITS of query tile x / KV_SPLITS. A row space is one query head, or (PACK) the
         // group of K/V head y: its row r is query r / GROUP of query head y * GROUP + r % GROUP.
