@@ -4,8 +4,9 @@ Gemma 2's soft cap too), and the kernels bound their key (or query) tile ranges 
 ``mma.sync`` forward runs emulated on the CPU against the graph's float64 values (windows narrower
 than a tile, wider than the sequence, and between), plans of every family (forward and backward)
 compile without spills for sm_80, sm_90, sm_90a and sm_120, and on the GPU the forward plans of both
-families match float32 attention under the band. The backward's own tests are in
-``test_window_backward``."""
+families match float32 attention under the band. A chunk of queries after a KV cache (causal against
+the last key, or under a sliding window's full cache) runs the short-query kernels too: packed GQA rows,
+key splits, Hopper's packed tiles. The backward's own tests are in ``test_window_backward``."""
 
 from __future__ import annotations
 
