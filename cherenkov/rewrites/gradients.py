@@ -243,6 +243,8 @@ RULES = (
                             spelling="fill-window"),
     finite_causal_mask_rule("softmax-row-finite-causal-clamped", "softmax_j({})", "SoftmaxRow", s,
                             spelling="clamped"),
+    finite_causal_mask_rule("softmax-row-finite-keys-ahead-clamped", "softmax_j({})", "SoftmaxRow", s,
+                            spelling="clamped", keys_ahead=True),
     Rule(
         "masked-softmax-gradient",
         "where(m, 0, softmax_j(where(m, −∞, s))·y) = softmax_j(where(m, −∞, s))·y: a masked score's probability is 0",

@@ -26,7 +26,12 @@ t = tensor("t", "i:3", "j:4")
 condition = ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:4")))
 row_condition = ("Lt", ("Iota", ax("i:3")), ("Num", 1.0))  # false for row 0 only
 
-FINITE_CAUSAL = ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))), ("Num", -65536.0), ("Num", 0.0))
+EXAMPLE_CAUSAL = ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7")))
+EXAMPLE_KEYS_AHEAD = ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 4.0)), ("Iota", ax("j:7")))
+"""The causal condition of the examples (``i:3``, ``j:7``), and the one aligned to the last key (4 keys ahead)."""
+
+
+FINITE_CAUSAL = ("Where", EXAMPLE_CAUSAL, ("Num", -65536.0), ("Num", 0.0))
 """An example of the additive causal mask transformers and PyTorch's cuDNN path build: a finite
 minimum, not −∞."""
 
@@ -144,23 +149,39 @@ FINITE_CAUSAL_SPELLINGS = {
 
 
 def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, after: str = "",
-                            example_after: tuple[Term, ...] = (), spelling: str = "additive") -> Rule:  # fmt: skip
+                            example_after: tuple[Term, ...] = (), spelling: str = "additive",
+                            keys_ahead: bool = False) -> Rule:  # fmt: skip
     """``head_j(mask(s), …) = head_j(where(i < j, −∞, s), …)`` for a finite causal ``mask`` of
     minimum ``m ≤ −2¹⁵`` spelled as one of :data:`FINITE_CAUSAL_SPELLINGS`, where ``head``
     (spelled ``spelled``, ``{}`` its scores) folds the row's exponentials: the masked ones
     underflow to 0. ``after``: the arguments after the scores (``example_after`` in the
-    example, whose unmasked scores are ``scores``)."""
-    form, causal = FINITE_CAUSAL_SPELLINGS[spelling], "(Lt (Iota iq) (Iota (Ax j)))"
+    example, whose unmasked scores are ``scores``). ``keys_ahead``: the mask aligned to the last
+    key instead, ``i + o < j`` for whole ``o ≥ 0`` (a chunk of queries after a KV cache)."""
+    form = FINITE_CAUSAL_SPELLINGS[spelling]
+    causal, text = (KEYS_AHEAD, "i + o < j") if keys_ahead else ("(Lt (Iota iq) (Iota (Ax j)))", "i < j")
+    example = form.example(scores)
+    if keys_ahead:
+        example = _substituted(example, EXAMPLE_CAUSAL, EXAMPLE_KEYS_AHEAD)
     return Rule(
         name,
-        f"{spelled.format(form.text)} = {spelled.format(f'where(i < j, −∞, {form.kept[0]})')} for m ≤ −2¹⁵: each "
-        f"row keeps j = 0, and {form.underflow}",
+        f"{spelled.format(form.text.replace('i < j', text))} = "
+        f"{spelled.format(f'where({text}, −∞, {form.kept[0]})')} for m ≤ −2¹⁵: each row keeps j = 0, and "
+        f"{form.underflow}",
         lhs=f"({head} j n {form.pattern.format(causal=causal)}{after})",
         rhs=f"({head} j n (Where {causal} (Num -inf) {form.kept[1]}){after})",
-        where=("(<= m -32768.0)", *form.facts),
-        example=Example((head, "j:7", 7, form.example(scores), *example_after)),
+        where=("(<= m -32768.0)", *(("(>= o 0.0)",) if keys_ahead else ()), *form.facts),
+        example=Example((head, "j:7", 7, example, *example_after)),
         tolerance=form.tolerance,
     )
+
+
+def _substituted(term: Term, old: Term, new: Term) -> Term:
+    """``term`` with every subterm equal to ``old`` replaced by ``new``."""
+    if term == old:
+        return new
+    if isinstance(term, tuple):
+        return tuple(_substituted(part, old, new) for part in term)
+    return term
 
 
 RULES = (

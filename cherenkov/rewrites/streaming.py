@@ -255,6 +255,11 @@ RULES = (
     finite_causal_mask_rule("softmax-finite-causal-clamped", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
                             scores, " v", (v,), spelling="clamped"),
     finite_causal_mask_rule("logsumexp-finite-causal-clamped", "LSE_j({})", "LogSumExp", scores, spelling="clamped"),
+    # XGLM attending with its KV cache: the clamped mask aligned to the last key
+    finite_causal_mask_rule("softmax-finite-keys-ahead-clamped", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
+                            scores, " v", (v,), spelling="clamped", keys_ahead=True),
+    finite_causal_mask_rule("logsumexp-finite-keys-ahead-clamped", "LSE_j({})", "LogSumExp", scores,
+                            spelling="clamped", keys_ahead=True),
     *_flash_rules(),
     Rule(
         "online-softmax-safe-rows",

@@ -208,7 +208,7 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 
 CACHED = {"llama": [(80, 48, True)], "gemma2_softcap": [(80, 48, True)], "mistral_window": [(1, 15, True)],
           "gemma2_window": [(1, 15, True)], "gemma3_sliding_and_full": [(1, 15, True), (80, 48, True)],
-          "gpt_bigcode_mqa": [(80, 48, True)]}  # fmt: skip
+          "gpt_bigcode_mqa": [(80, 48, True)], "xglm_clamped_mask": [(80, 48, True)]}  # fmt: skip
 """Family: its attention layers' (window, keys ahead, no bias tensor) for 16 new tokens after 48 cached ones (a
 sliding window of 16 keeps 15 of them: the chunk's query ``i`` sees keys ``i ≤ j ≤ i + 15``)."""
 
@@ -222,7 +222,8 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     sliding window's band too (Mistral's, Gemma 2's: its cache full, the window's lower edge ``j < i + 0`` folds to
     ``j < i``), a window about the query, one key behind and 15 ahead. Each was an unfused softmax before (Gemma 2's
     sliding one too: its capped scores had no form for the band), and the sliding ones then a stored bias. Gemma 3
-    has both kinds of layer; GPT-BigCode's multi-query row is the axis the band reads. Where the last query sees the
+    has both kinds of layer; GPT-BigCode's multi-query row is the axis the band reads; XGLM clamps its masked scores
+    (rules ``*-finite-keys-ahead-clamped``). Where the last query sees the
     last key the short-query schedules (the group's rows packed in a tile) plan it too."""
     import copy
 
@@ -244,7 +245,7 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
     assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == CACHED[family]
     assert {(p.seq_q, p.causal) for p in problems} == {(16, False)}  # a sliding cache holds the window's keys only
-    if all(p.last_query_sees_last_key for p in problems):  # packed GQA rows take that band
+    if all(p.last_query_sees_last_key and p.group_size > 1 for p in problems):  # packed GQA rows take that band
         assert any(p.schedule.pack_group for d in derivations for p in d.plans("sm_90a"))
 
 
