@@ -257,13 +257,20 @@ class AttentionProblem:
         return self.window_ahead if self.window else None
 
     @property
-    def last_query_sees_last_key(self) -> bool:
-        """Whether the last query sees the last key under the causal mask or window, if any (a chunk of queries
-        after a KV cache: ``j ≤ i + Skv − Sq``, and a sliding window over its cache). The first query sees key 0
-        under any band, and each query's band is the last one's moved a key back, so every key is some query's:
-        no key tile is outside every row's band. The short-query kernels (packed rows, key splits) take these
-        bands only."""
-        return self.upper_edge is None or self.seq_q - 1 + self.upper_edge >= self.seq_kv - 1
+    def short_query_band(self) -> bool:
+        """Whether the short-query kernels (packed rows, key splits) take the problem's causal mask or window:
+        none, or one whose last query sees the last key (the first sees key 0 under any band, and each query's band
+        is the last one's moved a key back: every key is some query's) and every query at least half the keys (the
+        kernels visit every key tile; a narrower band would waste more than half their work). So: a chunk of
+        queries after a KV cache, causal against the last key (``j ≤ i + Skv − Sq``) or under a sliding window over
+        its full cache."""
+        upper = self.upper_edge
+        if upper is None:
+            return True
+        fewest = min(self.seq_kv, upper + 1)  # the first query's keys
+        if self.window:  # the last query's, between its window's lower edge and its upper one
+            fewest = min(fewest, min(self.seq_kv - 1, self.seq_q - 1 + upper) - max(0, self.seq_q - self.window) + 1)
+        return self.seq_q - 1 + upper >= self.seq_kv - 1 and 2 * fewest >= self.seq_kv
 
     @property
     def output_dtype(self) -> str:
@@ -763,10 +770,11 @@ def _short_query_problems(schedule: FlashSchedule, problem: AttentionProblem) ->
     if packed_rows(schedule, problem) > SHORT_QUERY_ROWS:
         reasons.append(f"packing, key splits and blocks under 4 warps are for short queries "
                        f"(at most {SHORT_QUERY_ROWS} rows a head or packed group)")
-    if not problem.last_query_sees_last_key:
+    if not problem.short_query_band:
         reasons.append(f"packing, key splits and blocks under 4 warps take a causal mask or window only where the last "
-                       f"query sees the last key (Sq {problem.seq_q}, Skv {problem.seq_kv}, {problem.upper_edge} keys "
-                       f"ahead: a chunk after a KV cache)")
+                       f"query sees the last key and every query half the keys (Sq {problem.seq_q}, Skv "
+                       f"{problem.seq_kv}, window {problem.window}, {problem.upper_edge} keys ahead: a chunk after a KV "
+                       f"cache)")
     if schedule.rows_per_warp != 16 or schedule.pingpong or schedule.overlap or schedule.min_blocks > 1 \
             or schedule.head_major or any(getattr(schedule, knob) for knob in RING_STEP_KNOBS):
         reasons.append("short-query schedules run 16 rows a warp on the plain loop without step knobs")

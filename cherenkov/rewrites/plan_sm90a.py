@@ -318,8 +318,8 @@ def _eight_bit_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str
 def _packing_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
     """Why a packed schedule cannot run a problem: a work tile is whole heads of ``Sq`` rows
     (a multiple of 8, the swizzle atom's rows, dividing a consumer's 64), all of one K/V
-    head; no bias, and a causal mask or window only where the last query sees the last key (a
-    chunk after a KV cache); 16-bit operands."""
+    head; no bias, and a causal mask or window only where the short-query kernels take it
+    (``AttentionProblem.short_query_band``: a chunk after a KV cache); 16-bit operands."""
     reasons = []
     if p.seq_q % 8 or ROWS_PER_CONSUMER % p.seq_q:
         reasons.append(f"packing needs Sq {p.seq_q} to be 8, 16, 32 or 64 (whole heads a consumer's 64 rows)")
@@ -328,9 +328,10 @@ def _packing_problems(s: HopperFlashSchedule, p: AttentionProblem) -> list[str]:
                        f"(group of {p.group_size})")
     if p.bias is not None:
         reasons.append("packing with an additive bias tensor (valid: none)")
-    if not p.last_query_sees_last_key:
-        reasons.append(f"packing under a causal mask or window needs the last query to see the last key (Sq {p.seq_q}, "
-                       f"Skv {p.seq_kv}, {p.upper_edge} keys ahead)")
+    if not p.short_query_band:
+        reasons.append(f"packing under a causal mask or window needs the last query to see the last key and every "
+                       f"query half the keys (Sq {p.seq_q}, Skv {p.seq_kv}, window {p.window}, {p.upper_edge} keys "
+                       f"ahead)")
     if p.dtype not in ATTENTION_DTYPES:
         reasons.append(f"packing with {p.dtype} operands (valid: {', '.join(ATTENTION_DTYPES)})")
     return reasons

@@ -143,7 +143,7 @@ def test_a_short_chunk_after_cached_keys_gets_packed_and_split_plans(seq_q: int,
         assert any(isinstance(p.schedule, HopperFlashSchedule) and p.schedule.pack_group
                    for p in forward.plans("sm_90a"))  # fmt: skip
     for window in (None, seq_q // 2):  # causal from the first key (a sliding window too), more keys than queries
-        assert not AttentionProblem(2, 8, 2, seq_q, seq_kv, 128, causal=True, window=window or 0).last_query_sees_last_key
+        assert not AttentionProblem(2, 8, 2, seq_q, seq_kv, 128, causal=True, window=window or 0).short_query_band
         plans = ck.derive(window_graph(2, 8, 2, (seq_q, seq_kv), 128, window)).plans("sm_80")
         assert plans and not any(_short_query(p) for p in plans), window
     # a sliding window of seq_kv - seq_q + 1 keys over its full cache: the last query sees the last key

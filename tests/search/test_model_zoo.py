@@ -245,7 +245,7 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
     assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == CACHED[family]
     assert {(p.seq_q, p.causal) for p in problems} == {(16, False)}  # a sliding cache holds the window's keys only
-    if all(p.last_query_sees_last_key and p.group_size > 1 for p in problems):  # packed GQA rows take that band
+    if all(p.short_query_band and p.group_size > 1 for p in problems):  # packed GQA rows take that band
         assert any(p.schedule.pack_group for d in derivations for p in d.plans("sm_90a"))
 
 
