@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cherenkov.rewrites.casts import HALF_ROUNDING
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
-from cherenkov.rewrites.terms import Term, ax, extent, tensor
+from cherenkov.rewrites.terms import Term, ax, extent, replace, tensor
 
 s = tensor("s", "i:3", "j:4")
 t = tensor("t", "i:3", "j:4")
@@ -161,7 +161,7 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
     causal, text = (KEYS_AHEAD, "i + o < j") if keys_ahead else ("(Lt (Iota iq) (Iota (Ax j)))", "i < j")
     example = form.example(scores)
     if keys_ahead:
-        example = _substituted(example, EXAMPLE_CAUSAL, EXAMPLE_KEYS_AHEAD)
+        example = replace(example, EXAMPLE_CAUSAL, EXAMPLE_KEYS_AHEAD)
     return Rule(
         name,
         f"{spelled.format(form.text.replace('i < j', text))} = "
@@ -173,15 +173,6 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
         example=Example((head, "j:7", 7, example, *example_after)),
         tolerance=form.tolerance,
     )
-
-
-def _substituted(term: Term, old: Term, new: Term) -> Term:
-    """``term`` with every subterm equal to ``old`` replaced by ``new``."""
-    if term == old:
-        return new
-    if isinstance(term, tuple):
-        return tuple(_substituted(part, old, new) for part in term)
-    return term
 
 
 RULES = (
