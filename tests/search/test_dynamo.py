@@ -330,6 +330,12 @@ def recorded_splits() -> Iterator[list[Any]]:
         dynamo.split_supported = original
 
 
+def searched_results(splits: list[Any]) -> list[Any]:
+    """The search results of the regions the backend prepared in :func:`recorded_splits`' ``splits``."""
+    return [call.result for split in splits for function in split.compiled
+            for call in function.prepared.values() if call.result is not None]  # fmt: skip
+
+
 def _derived_regions(model: Any, monkeypatch, *args: Any, **kwargs: Any) -> list[Any]:
     """The derivations of ``model``'s regions under the backend's split (derived, not searched)."""
     derived = []
@@ -652,8 +658,7 @@ def test_gpu_a_small_lm_trains_through_the_backend_like_eager(name, implementati
                 losses[key].append(loss.item())
     for got, expected in zip(losses["cherenkov"], losses["eager"]):
         assert abs(got - expected) <= 2e-2 * abs(expected), losses
-    results = [call.result for split in splits for function in split.compiled
-               for call in function.prepared.values() if call.result is not None]  # fmt: skip
+    results = searched_results(splits)
     kinds = [k.kind for result in results for k in result.launched]
     assert kinds.count("flash_attention") == 2 and kinds.count("flash_attention_backward") == 2, kinds
 
@@ -694,8 +699,7 @@ def test_gpu_causal_lower_right_through_the_backend_is_aligned_to_the_last_key(t
         got = torch.compile(model, backend=backend, dynamic=False)(x, *cache).float()
         expected = model(x, *cache).float()
     assert float((got - expected).norm() / expected.norm()) <= 2e-2
-    results = [call.result for split in splits for function in split.compiled
-               for call in function.prepared.values() if call.result is not None]  # fmt: skip
+    results = searched_results(splits)
     assert [k.kind for result in results for k in result.launched].count("flash_attention") == 1
 
 

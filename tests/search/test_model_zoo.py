@@ -33,7 +33,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("real_modules")
 
 from cherenkov.search.dynamo import compile_regions  # noqa: E402
-from test_dynamo import recorded_splits  # noqa: E402
+from test_dynamo import recorded_splits, searched_results  # noqa: E402
 
 TOKENS = (2, 64)
 DECODER = dict(num_hidden_layers=1, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -523,8 +523,7 @@ def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: 
         got = torch.compile(model, backend=backend, dynamic=False)(input_ids=ids).logits.float()
     error = float((got - expected).norm() / expected.norm())
     assert error < 2e-2, f"{family}: {error:.3g} from eager"
-    results = [call.result for split in splits for function in split.compiled
-               for call in function.prepared.values() if call.result is not None]  # fmt: skip
+    results = searched_results(splits)
     kinds = [k.kind for result in results for k in result.launched]
     assert kinds.count("flash_attention") == 2, kinds
     problems = [result.kernels[k.output].plan.problem for result in results for k in result.launched
