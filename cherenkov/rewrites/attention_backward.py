@@ -228,6 +228,8 @@ def attention_backward_problem(kernel: FusedKernel, shapes: Mapping[str, tuple[i
     attention = attention_problem(flash, shapes, dtypes)
     q_read, k_read = _flash_read(lead.q, "q", shapes), _flash_read(lead.k, "k", shapes)
     batch, head, query = query_axis_roles(q_read, k_read, lead.dim, lead.key, t.soft_capped(lead.mask)[1])
+    if query is None:
+        raise KernelError("flash attention backward: one query row (valid: a query axis)")
     do_read = _flash_read(lead.grad_output, "dO", shapes)
     value_dim = next(iter(set(t.free_axes(lead.grad_output)) - {a for a in (batch, head, query) if a}), None)
     if value_dim is None:

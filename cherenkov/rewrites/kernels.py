@@ -34,7 +34,7 @@ from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS
 from cherenkov.rewrites.lower import Lowered
-from cherenkov.rewrites.masks import sliding_window
+from cherenkov.rewrites.masks import sliding_window, stored_bias, window_band, with_stored_bias
 from cherenkov.graph.shape import SCALE_DTYPES
 from cherenkov.rewrites.plan import (
     BIAS_DTYPES,
@@ -424,7 +424,7 @@ class _Partition:
             7: (leading + (key,) + order(frozenset(values)), v),
         }
         cap, mask = t.soft_capped(core[9])
-        bias = None if sliding_window(mask) else t.mask_bias(mask)  # a window: the kernel's own key range
+        bias = stored_bias(mask)  # a window: the kernel's own key range
         rounded = self.half_dtype((q, k) if statistics else (q, k, v), all_fp32=statistics)
         if bias is not None and not self.readable_in_place(bias):
             axes = t.free_axes(bias)
@@ -441,7 +441,7 @@ class _Partition:
                 continue
             if position == 9:  # a computed bias, or one read through a computed index: stored over its axes, key last
                 buffer = self.materialise(operand, layout, dtype=bias_buffer_dtype(operand))
-                result[position] = t.with_soft_cap(cap, t.with_mask_bias(mask, buffer))
+                result[position] = t.with_soft_cap(cap, with_stored_bias(mask, buffer))
                 continue
             split = _kv_head_split(operand, batch) if position > 5 else None
             if split is None:
@@ -472,10 +472,10 @@ class _Partition:
                 result[position] = self.rounded_copy(operand, rounded, None if head is None else core[head])
             elif operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
                 cap, mask = t.soft_capped(operand)
-                bias = None if sliding_window(mask) else t.mask_bias(mask)
+                bias = stored_bias(mask)
                 if bias is not None and not self.readable_in_place(bias):
                     buffer = self.materialise(bias, dtype=bias_buffer_dtype(bias))
-                    result[position] = t.with_soft_cap(cap, t.with_mask_bias(mask, buffer))
+                    result[position] = t.with_soft_cap(cap, with_stored_bias(mask, buffer))
             elif not self.readable_in_place(operand):
                 result[position] = self.materialise(operand)
         return tuple(result)
@@ -743,15 +743,16 @@ def lse_output(side: SideOutput, shapes: Mapping[str, tuple[int, ...]]) -> LseOu
         raise KernelError(f"flash attention: its log-sum-exp {side.output} varies along {stray}, which are not "
                           "rows of the attention")  # fmt: skip
     layout = OperandLayout(side.shape, strides.get(batch, 0) if batch else 0, strides.get(head, 0) if head else 0,
-                           strides[query])  # fmt: skip
+                           strides[query] if query else 0)  # fmt: skip
     return LseOutput(side.output, layout)
 
 
 def query_axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: str,
-                     mask: Term = ("NoMask",)) -> tuple[str | None, str | None, str]:  # fmt: skip
+                     mask: Term = ("NoMask",)) -> tuple[str | None, str | None, str | None]:  # fmt: skip
     """(batch, head, query) axis names of an attention whose q and k read one head each: of the
     axes q shares with k, the head is the one q strides least; where k shares no head with q
-    (one K/V head for every query head, :func:`shared_kv_head`), q's head is its other axis."""
+    (one K/V head for every query head, :func:`shared_kv_head`), q's head is its other axis. The
+    query is None for one query row (a decoded token)."""
     q_axes = {atom[1] for atom in q_read.strides if atom[0] == "Ax"}
     k_axes = {atom[1] if atom[0] == "Ax" else atom[1][1] for atom in k_read.strides}  # h // G: GQA's head
     shared = sorted(q_axes & k_axes - {dim, key}, key=lambda a: -q_read.strides[t.ax(a)])
@@ -760,12 +761,12 @@ def query_axis_roles(q_read: StridedRead, k_read: StridedRead, dim: str, key: st
     if len(query) == 2 and len(shared) <= 1 and not grouped:
         row, head = shared_kv_head(query, q_read, mask)
         return (shared[0] if shared else None), head, row
-    if len(shared) > 2 or len(query) != 1:
+    if len(shared) > 2 or len(query) > 1:
         raise KernelError(f"flash attention: q ({q_read.tensor}) is read along {sorted(q_axes)}; "
                           "expected q[b, h, i, d]")  # fmt: skip
     head = shared[-1] if shared else None
     batch = shared[0] if len(shared) == 2 else None
-    return batch, head, query[0]
+    return batch, head, query[0] if query else None
 
 
 def shared_kv_head(candidates: Sequence[str], q_read: StridedRead, mask: Term) -> tuple[str, str]:
@@ -1192,14 +1193,13 @@ def attention_problem(
     if causal is not None and (query_axis is None or causal != t.ax(query_axis)):
         raise KernelError("flash attention: the causal mask does not compare the query axis with the key axis")
     roles = {"batch": batch, "head": head, "row": query_axis, "key": key}
-    bias_term, (window, ahead) = t.mask_bias(mask), sliding_window(mask) or (0, 0)
-    if window:  # the kernel bounds its key range itself: no bias tensor
+    bias_term, (window, ahead), band = stored_bias(mask), sliding_window(mask) or (0, 0), window_band(mask)
+    if band is not None:  # the kernel bounds its key range itself (reading any other bias stored)
         row = t.ax(query_axis) if query_axis is not None else None
-        keys = {s for s in t.subterms(bias_term) if s[0] == "Iota" and s[1][0] == "Ax" and s[1] != row}
+        keys = {s for s in t.subterms(band) if s[0] == "Iota" and s[1][0] == "Ax" and s[1] != row}
         if row is None or keys != {("Iota", t.ax(key))}:
-            raise KernelError(f"flash attention: the window {t.show(bias_term)} does not bound the key axis {key} "
+            raise KernelError(f"flash attention: the window {t.show(band)} does not bound the key axis {key} "
                               f"by the query axis {query_axis}")
-        bias_term = None
     bias = _attention_bias(bias_term, roles, shapes, dtypes) if bias_term is not None else None
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:

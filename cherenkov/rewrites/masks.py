@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cherenkov.rewrites.casts import HALF_ROUNDING
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
-from cherenkov.rewrites.terms import Term, ax, extent, replace, tensor
+from cherenkov.rewrites.terms import Term, ax, extent, mask_bias, replace, tensor
 
 s = tensor("s", "i:3", "j:4")
 t = tensor("t", "i:3", "j:4")
@@ -53,7 +53,8 @@ def sliding_window(mask: Term) -> tuple[int, int] | None:
     about the query, ``where(i + o < j, m, where(j < i + w, m₂, 0))`` (keys ``i − W < j ≤ i + o``,
     ahead ``o``: ``-band2``), or that upper edge alone, ``where(i + o < j, m, 0)`` (a causal mask aligned to
     the last of more keys: ``-ahead``, a window of as many keys as there are queries and keys, so that no
-    key is cut behind); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹⁵`` (the masked scores'
+    key is cut behind), that edge added to a stored bias (``-beside-ahead``: the window, the kernel reading the
+    stored bias, :func:`stored_bias`); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹⁵`` (the masked scores'
     exponentials underflow as the causal ones do), a lower edge over at least two queries and no more
     queries than keys (every row sees its own key). None for any other mask. A kernel applies such a
     window itself, skipping the key tiles outside it, where any other bias is a tensor it reads."""
@@ -62,7 +63,12 @@ def sliding_window(mask: Term) -> tuple[int, int] | None:
         return None if window is None else (window, 0)
     if mask[0] != "BiasMask":
         return None
-    match mask[1]:
+    return _band_window(mask[1]) or _band_window(_band_beside_bias(mask[1])[0])
+
+
+def _band_window(bias: Term) -> tuple[int, int] | None:
+    """``(W, ahead)`` of a bias that is a window about the query (the ``-band2`` and ``-ahead`` forms), else None."""
+    match bias:
         case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", key))), ("Num", m), ("Num", 0.0)):
             # keys at most o ahead and none cut behind: a window over every key (i − W < 0 ≤ j for each row i)
             rows = extent(query[1]) if query[0] == "Ax" else 0
@@ -73,6 +79,59 @@ def sliding_window(mask: Term) -> tuple[int, int] | None:
             if window is not None and float(o).is_integer() and o >= 0 and m <= -32768.0:
                 return window, int(o)
     return None
+
+
+def _band_beside_bias(bias: Term) -> tuple[Term, Term | None]:
+    """A bias that adds a stored one to the band of a causal mask aligned to the last key, ``b₁ + where(i + o <
+    j, m, 0)`` (either order; ALiBi beside a KV cache's mask), or that fills it, ``where(i + o < j, m, b₁)`` (the same
+    under the window the band is, rule ``additive-mask``'s spelling): ``(band, b₁)``; any other bias: ``(bias, None)``."""
+    if bias[0] == "Where" and bias[3] != ("Num", 0.0) and _is_keys_ahead(bias[1]):
+        return ("Where", bias[1], bias[2], ("Num", 0.0)), bias[3]
+    if bias[0] == "Add":
+        for band, rest in ((bias[2], bias[1]), (bias[1], bias[2])):
+            if band[0] == "Where" and band[3] == ("Num", 0.0) and _is_keys_ahead(band[1]):
+                return band, rest
+    return bias, None
+
+
+def _is_keys_ahead(condition: Term) -> bool:
+    """Whether ``condition`` is ``i + o < j`` of two axes (:data:`KEYS_AHEAD`)."""
+    match condition:
+        case ("Lt", ("Add", ("Iota", ("Ax", _)), ("Num", _)), ("Iota", ("Ax", _))):
+            return True
+    return False
+
+
+def _window_parts(mask: Term) -> tuple[Term | None, Term | None]:
+    """A mask's bias as ``(window, stored)``: the term the kernel's :func:`sliding_window` bounds its key range by
+    (None: no window) and the bias it reads (None: none)."""
+    bias = mask_bias(mask)
+    if bias is None or sliding_window(mask) is None:
+        return None, bias
+    if mask[0] == "CausalBiasMask" or _band_window(bias) is not None:
+        return bias, None
+    return _band_beside_bias(bias)
+
+
+def window_band(mask: Term) -> Term | None:
+    """The term of a mask's bias that is its :func:`sliding_window` (the kernel bounds its key range by it), or None
+    where the mask is no window."""
+    return _window_parts(mask)[0]
+
+
+def stored_bias(mask: Term) -> Term | None:
+    """The bias a flash kernel reads of a mask (after any soft cap): none where the mask is a
+    :func:`sliding_window` alone, the stored one ``b₁`` where a window's band is added to it, else the mask's whole
+    bias (None without one)."""
+    return _window_parts(mask)[1]
+
+
+def with_stored_bias(mask: Term, stored: Term) -> Term:
+    """``mask`` with the bias a kernel reads (:func:`stored_bias`) replaced by ``stored``, any window's band kept."""
+    band = window_band(mask)
+    if mask[0] == "CausalBiasMask":
+        return ("CausalBiasMask", mask[1], stored)
+    return ("BiasMask", stored if band is None else ("Add", stored, band))
 
 
 def _lower_edge(bias: Term, query: Term) -> int | None:
@@ -184,6 +243,14 @@ RULES = (
         example=Example(("Where", ("Where", condition, ("Flag", False), ("Flag", True)), s, t)),
     ),
     Rule(
+        "where-false",
+        "where(false, a, b) = b: a mask whose condition folded to false (a decoded token's causal mask aligned to "
+        "the last key, i + o < j with i = 0 and o = S_kv − 1, hides nothing)",
+        lhs="(Where (Flag false) a b)",
+        rhs="b",
+        example=Example(("Where", ("Flag", False), s, t)),
+    ),
+    Rule(
         "where-false-branch",
         "where(where(c, false, x), a, b) = where(c, b, where(x, a, b)): a band's two edges (a sliding window's "
         "bool mask) one condition at a time",
@@ -214,6 +281,18 @@ RULES = (
         rhs=f"(Add s (Where {KEYS_AHEAD} (Num -inf) (Num 0.0)))",
         example=Example(("Where", ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 4.0)), ("Iota", ax("j:4"))),
                          ("Num", -math.inf), s)),
+    ),
+    Rule(
+        "keys-ahead-beside-bias",
+        "(a + c·Σ_d q·k) + where(i + o < j, m, 0) = c·Σ_d q·k + (a + where(i + o < j, m, 0)): a bias a added to "
+        "attention's scores (ALiBi's) joins the band of a causal mask aligned to the last key",
+        lhs=f"(Add (Add a (Mul (Contract d nd q k) (Num c))) (Where {KEYS_AHEAD} (Num m) (Num 0.0)))",
+        rhs=f"(Add (Mul (Contract d nd q k) (Num c)) (Add a (Where {KEYS_AHEAD} (Num m) (Num 0.0))))",
+        where=("(= axes-a (axes a))", "(set-not-contains axes-a d)"),
+        example=Example(("Add", ("Add", tensor("a", "i:3", "j:7"),
+                                 ("Mul", ("Contract", "d:4", 4, tensor("q", "i:3", "d:4"), tensor("k", "j:7", "d:4")),
+                                  ("Num", 0.5))),
+                         ("Where", EXAMPLE_KEYS_AHEAD, ("Num", -65536.0), ("Num", 0.0)))),
     ),
     Rule(
         "additive-mask",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cherenkov.rewrites.casts import HALF_ROUNDING
 from cherenkov.rewrites.masks import KEYS_AHEAD, WINDOW_EDGE, WINDOW_LOWER, finite_causal_mask_rule
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import Term, ax, tensor
@@ -54,13 +55,15 @@ LN2 = math.log(2.0)
 class BiasForm:
     """A bias added to attention's scores that flash attention takes: ``suffix`` of its rules'
     names, ``pattern`` (a stored tensor read in place, or the variable ``b`` that ``facts``
-    constrain), what it is in words, and an ``example`` over the examples' ``i:3, j:7``."""
+    constrain), what it is in words, an ``example`` over the examples' ``i:3, j:7``, and whether the scores also
+    take it under a causal mask (``under_causal``)."""
 
     suffix: str
     pattern: str
     facts: tuple[str, ...]
     what: str
     example: Term
+    under_causal: bool = True
 
 
 # a sliding window's edges over the examples' i:3, j:7: keys j < i − 1 masked (the lower edge), and (a
@@ -82,6 +85,10 @@ BIAS_FORMS = (
     BiasForm("-ahead", "b", (f"(= b (Where {KEYS_AHEAD} (Num m) (Num 0.0)))", "(<= m -32768.0)"),
              "b = where(i + o < j, m, 0) for m ≤ −2¹⁵, a causal mask aligned to the last of more keys",
              keys_ahead),
+    BiasForm("-beside-ahead", "b", (f"(= b (Add b1 (Where {KEYS_AHEAD} (Num m) (Num 0.0))))", "(<= m -32768.0)",
+                                    "(= axes-b1 (axes b1))", "(set-not-contains axes-b1 d)"),
+             "b = b₁ + where(i + o < j, m, 0) for m ≤ −2¹⁵ and b₁ computed without d (ALiBi beside a KV cache's "
+             "causal mask)", ("Add", alibi, keys_ahead), under_causal=False),
     BiasForm("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
              "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
     BiasForm("-rounded", "b", ("(= b (Cast dt b1))", *WITHOUT_HEAD_DIM),
@@ -135,6 +142,8 @@ def score_forms() -> tuple[ScoreForm, ...]:
         biased, biased_example = f"(Add {plain} {b.pattern})", ("Add", scores, b.example)
         forms.append(ScoreForm(f"-bias{b.suffix}", "c·Σ_d q·k + b", biased, f"(BiasMask {b.pattern})", b.facts,
                                biased_example, ("BiasMask", b.example), b))
+        if not b.under_causal:
+            continue
         forms.append(ScoreForm(f"-causal-bias{b.suffix}", "where(i < j, −∞, c·Σ_d q·k + b)",
                                f"(Where {CAUSAL_CONDITION} (Num -inf) {biased})", f"(CausalBiasMask iq {b.pattern})",
                                b.facts, ("Where", causal_condition, ("Num", -math.inf), biased_example),
@@ -180,6 +189,30 @@ def _flash_rules() -> tuple[Rule, ...]:
         )
         for form in score_forms()
         if form.bias is not None or form.softcap
+    )
+
+
+def _clamped_floor_rules() -> tuple[Rule, ...]:
+    """``head_j(round(max(c·Σ_d q·k, m₂))) = head_j(c·Σ_d q·k)`` for the softmax-contraction and the log-sum-exp,
+    ``m₂ ≤ −2¹⁵``: attention's unmasked scores lie above any such floor (XGLM clamps its scores at bf16's lowest and
+    rounds them; with one query after its cache the mask it clamps is gone)."""
+    clamped = "(Cast dt (Maximum (Mul (Contract d nd q k) (Num c)) (Num m2)))"
+    example = ("Cast", "bf16", ("Maximum", scores, ("Num", -3.3895313892515355e38)))
+    return tuple(
+        Rule(
+            name,
+            f"{text.format('round(max(c·Σ_d q·k, m₂))')} = {text.format('c·Σ_d q·k')} for m₂ ≤ −2¹⁵: the floor "
+            "moves no score of a product, and the rounding is that of 16-bit scores",
+            lhs=f"({head} j n {clamped}{after})",
+            rhs=f"({head} j n (Mul (Contract d nd q k) (Num c)){after})",
+            where=("(<= m2 -32768.0)", '(!= dt "int32")', '(!= dt "bool")'),
+            example=Example((head, "j:7", 7, example, *example_after)),
+            tolerance=HALF_ROUNDING,
+        )
+        for name, text, head, after, example_after in (
+            ("softmax-clamped-floor", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract", " v", (v,)),
+            ("logsumexp-clamped-floor", "LSE_j({})", "LogSumExp", "", ()),
+        )
     )
 
 
@@ -255,11 +288,18 @@ RULES = (
     finite_causal_mask_rule("softmax-finite-causal-clamped", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
                             scores, " v", (v,), spelling="clamped"),
     finite_causal_mask_rule("logsumexp-finite-causal-clamped", "LSE_j({})", "LogSumExp", scores, spelling="clamped"),
+    # MPT attending with its KV cache: its masked_fill aligned to the last key
+    finite_causal_mask_rule("softmax-finite-keys-ahead-where", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
+                            scores, " v", (v,), spelling="fill", keys_ahead=True),
+    finite_causal_mask_rule("logsumexp-finite-keys-ahead-where", "LSE_j({})", "LogSumExp", scores, spelling="fill",
+                            keys_ahead=True),
     # XGLM attending with its KV cache: the clamped mask aligned to the last key
     finite_causal_mask_rule("softmax-finite-keys-ahead-clamped", "Σ_j softmax_j({})·v_j", "OnlineSoftmaxContract",
                             scores, " v", (v,), spelling="clamped", keys_ahead=True),
     finite_causal_mask_rule("logsumexp-finite-keys-ahead-clamped", "LSE_j({})", "LogSumExp", scores,
                             spelling="clamped", keys_ahead=True),
+    # XGLM decoding one token: its causal mask folded away, the clamp of the scores at bf16's lowest stays
+    *_clamped_floor_rules(),
     *_flash_rules(),
     Rule(
         "online-softmax-safe-rows",

@@ -139,11 +139,6 @@ def mask_bias(mask: Term) -> Term | None:
     return mask[1] if mask[0] == "BiasMask" else mask[2] if mask[0] == "CausalBiasMask" else None
 
 
-def with_mask_bias(mask: Term, bias: Term) -> Term:
-    """``mask`` (after any soft cap) with its bias term replaced by ``bias``."""
-    return ("BiasMask", bias) if mask[0] == "BiasMask" else ("CausalBiasMask", mask[1], bias)
-
-
 # ----------------------------------------------------------------------- traversal
 
 

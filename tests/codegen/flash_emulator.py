@@ -93,8 +93,9 @@ def knob_family_plans(plans) -> list:
 
 def assert_emulated_output_and_lse(plan, inputs: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
     """The emulated plan's ``o`` within 1e-2 (relative) of ``expected["o"]``, its rows' log-sum-exp
-    within 1e-5 of ``expected["lse"]``."""
-    got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])
+    within 1e-5 of ``expected["lse"]`` (a bias tensor, where the problem reads one, from ``inputs``)."""
+    bias = plan.problem.bias
+    got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"], None if bias is None else inputs[bias.tensor])
     error = np.linalg.norm(got["o"] - expected["o"]) / np.linalg.norm(expected["o"])
     assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
     assert np.abs(got["lse"] - expected["lse"]).max() <= 1e-5, plan.schedule.key()
@@ -114,15 +115,18 @@ def host_source(plan) -> str:
 
 def _main(plan) -> str:
     p = plan.problem
-    files = ["q", "k", "v", "o", *(["lse"] if p.lse is not None else [])]
+    bias = ["bias"] if p.bias is not None else []
+    files = ["q", "k", "v", *bias, "o", *(["lse"] if p.lse is not None else [])]
     reads = "\n".join(f"    auto buf_{f} = read_file(argv[{i + 1}]);" for i, f in enumerate(files))
     e = "unsigned short*"
     args = ", ".join([*(f"reinterpret_cast<{e}>(buf_{f}.data())" for f in ("q", "k", "v", "o")),
+                      *(["reinterpret_cast<const bias_t*>(buf_bias.data())"] if bias else []),
                       *(["reinterpret_cast<float*>(buf_lse.data())"] if p.lse is not None else [])])  # fmt: skip
+    written = files[3 + len(bias):]
     writes = "\n".join(
         f'    {{ FILE* f = std::fopen(argv[{len(files) + 1 + i}], "wb"); '
         f"std::fwrite(buf_{name}.data(), 1, buf_{name}.size() - 64, f); std::fclose(f); }}"
-        for i, name in enumerate(files[3:])
+        for i, name in enumerate(written)
     )
     tiling = FlashTiling.from_plan(plan)
     return f"""
@@ -137,9 +141,11 @@ int main(int argc, char** argv) {{
 """
 
 
-def emulate_flash(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, np.ndarray]:
+def emulate_flash(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                  bias: np.ndarray | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """The plan's output ``o`` (and ``lse`` where its problem writes one; float64, NaN where never
-    written) for contiguous BHSD q, k, v; o and the log-sum-exp laid out as the problem says."""
+    written) for contiguous BHSD q, k, v and the bias tensor its problem reads (stored whole, in its dtype);
+    o and the log-sum-exp laid out as the problem says."""
     if not supported(plan):
         raise ValueError(f"{plan.name}: the emulator runs cp.async-ring plans with ldmatrix x4 and no key splits")
     p = plan.problem
@@ -148,9 +154,14 @@ def emulate_flash(plan, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str
     o_shape = p.layout("o").shape
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         paths = []
-        for label, values in (("q", q), ("k", k), ("v", v)):
+        operands = [("q", q, p.dtype), ("k", k, p.dtype), ("v", v, p.dtype)]
+        if p.bias is not None:
+            if bias is None:
+                raise ValueError(f"{plan.name} reads the bias tensor {p.bias.tensor}: pass it")
+            operands.append(("bias", bias, p.bias.dtype))
+        for label, values, dtype in operands:
             path = Path(tmp) / f"{label}.bin"
-            to_bits(values, p.dtype).tofile(path)
+            to_bits(values, dtype).tofile(path)
             paths.append(str(path))
         poisoned = {"o": np.full(2 * int(np.prod(o_shape)), 0xFF, dtype=np.uint8)}  # NaN
         if p.lse is not None:

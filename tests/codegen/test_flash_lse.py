@@ -18,7 +18,7 @@ from cherenkov.rewrites.plan_fp8 import Fp8FlashSchedule
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
 
 from .emulator import rounded
-from .flash_emulator import assert_emulated_output_and_lse, knob_family_plans
+from .flash_emulator import assert_emulated_output_and_lse, knob_family_plans, supported
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to emulate kernels with")
 
@@ -75,18 +75,37 @@ def test_computed_operands_are_stored_once_for_the_output_and_the_log_sum_exp() 
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-6)  # the log-sum-exp rounds to fp32
 
 
-def test_short_query_and_eight_bit_schedules_write_no_log_sum_exp() -> None:
-    """Decode-shaped problems keep their short-query schedules for a plain forward; with the
-    log-sum-exp wanted only the prefill schedules remain (and still some plan)."""
+def test_short_query_schedules_write_the_log_sum_exp_without_key_splits() -> None:
+    """Decode-shaped problems (4 queries, a GQA group of 4) with the log-sum-exp wanted keep their short-query
+    schedules, packed groups among them, but not those whose key splits or key-splitting warps merge partial
+    states (it was prefill schedules only: GPT-OSS's sinks decoded on 64-row tiles holding one row)."""
     plain = ck.derive(forward_graph(4, 8, 2, 4, 512, 64, causal=False, lse=False)).plans("sm_90")
     d = ck.derive(forward_graph(4, 8, 2, 4, 512, 64, causal=False))
     plans = d.plans("sm_90")
-    assert any(p.schedule.short_query for p in plain if not isinstance(p.schedule, Fp8FlashSchedule))
-    assert plans and not any(p.schedule.short_query for p in plans)
+    assert {(p.schedule.pack_group, p.schedule.short_query) for p in plans} >= {(True, True), (False, True)}
+    assert not any(p.schedule.kv_splits > 1 or p.schedule.warp_keys for p in plans)
     from cherenkov.rewrites.plan import flash_schedule_problems
 
-    short = next(p.schedule for p in plain if p.schedule.short_query)
-    assert any("log-sum-exp" in r for r in flash_schedule_problems(short, plans[0].problem, plans[0].target))
+    split = next(p.schedule for p in plain if not isinstance(p.schedule, Fp8FlashSchedule) and p.schedule.kv_splits > 1)
+    assert any("log-sum-exp" in r for r in flash_schedule_problems(split, plans[0].problem, plans[0].target))
+
+
+@needs_gxx
+@pytest.mark.parametrize("seq_q", [1, 4])
+def test_emulated_short_query_kernels_write_the_log_sum_exp(seq_q: int) -> None:
+    """Packed and unpacked short-query ``mma.sync`` plans (a decoded token, or 4 drafts, after 300 keys; GQA 8/2):
+    o within bf16 rounding, the log-sum-exp within 1e-5, each packed row's at its own query and head."""
+    g = forward_graph(2, 8, 2, seq_q, 300, 64, causal=False)
+    rng = np.random.default_rng(0)
+    inputs = {n: rounded(rng.standard_normal(x.shape), "bf16") for n, x in g.inputs.items()}
+    expected = ck.evaluate(g, inputs)
+    picked: dict[bool, object] = {}
+    for plan in ck.derive(g).plans("sm_80"):
+        if plan.schedule.short_query and supported(plan):
+            picked.setdefault(plan.schedule.pack_group, plan)
+    assert set(picked) == {False, True}
+    for plan in picked.values():
+        assert_emulated_output_and_lse(plan, inputs, expected)
 
 
 def test_sources_without_a_log_sum_exp_do_not_change() -> None:
@@ -144,14 +163,17 @@ def test_emulated_kernels_write_the_output_and_the_log_sum_exp(sizes, causal, dt
 
 # ------------------------------------------------------------------------------ GPU
 
-GPU_CASES = [((2, 8, 2, 200, 333, 128), True), ((1, 4, 4, 256, 512, 64), False), ((2, 4, 4, 130, 70, 96), True)]
+GPU_CASES = [((2, 8, 2, 200, 333, 128), True), ((1, 4, 4, 256, 512, 64), False), ((2, 4, 4, 130, 70, 96), True),
+             ((2, 32, 8, 1, 4100, 128), False), ((2, 32, 8, 4, 2000, 64), False)]  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("sizes", "causal"), GPU_CASES, ids=["d128_gqa_causal_ragged", "d64", "d96_causal"])
+@pytest.mark.parametrize(("sizes", "causal"), GPU_CASES,
+                         ids=["d128_gqa_causal_ragged", "d64", "d96_causal", "decode_gqa", "drafts_gqa"])
 def test_gpu_flash_kernels_write_the_log_sum_exp(sizes, causal, cuda_device, kernel_cache) -> None:
-    """Every Hopper schedule and a sample of ``mma.sync`` ones (sm_90a): o against float32 SDPA,
-    the log-sum-exp within ``LSE_TOLERANCE`` of float32's, both into NaN-poisoned outputs."""
+    """Every Hopper schedule, a sample of ``mma.sync`` ones and one short-query plan of each kind (packed or not,
+    each ring; decoding, drafts) on sm_90a: o against float32 SDPA, the log-sum-exp within ``LSE_TOLERANCE`` of
+    float32's, both into NaN-poisoned outputs."""
     import torch
 
     from cherenkov.codegen.launch import operand_view
@@ -160,6 +182,12 @@ def test_gpu_flash_kernels_write_the_log_sum_exp(sizes, causal, cuda_device, ker
     plans = ck.derive(forward_graph(*sizes, causal=causal)).plans("sm_90a")
     chosen = [p for p in plans if isinstance(p.schedule, HopperFlashSchedule)] + [
         p for p in plans if not isinstance(p.schedule, HopperFlashSchedule)][::40]  # fmt: skip
+    short: dict[tuple, object] = {}
+    for plan in plans:
+        s = plan.schedule
+        if getattr(s, "short_query", False):
+            short.setdefault((s.pack_group, s.tma_kv, s.mbarrier_ring, s.warps), plan)
+    chosen += [p for p in short.values() if p not in chosen]
     problem = chosen[0].problem
     generator = torch.Generator(device=cuda_device).manual_seed(0)
     stored = {n: torch.randn(s, generator=generator, device=cuda_device).to(torch.bfloat16)

@@ -1,6 +1,7 @@
 """Flash attention with a bias tensor (an additive mask), as models hand it to SDPA: shared
 by the heads or per head, bf16/fp16/fp32, GQA, ragged lengths and decoding (a packed group,
-key splits), and under a causal mask (ALiBi's one row a head, broadcast over the queries). On the CPU: the strides and the reader reach the source, and representative
+key splits), and under a causal mask (ALiBi's one row a head, broadcast over the queries) or a window
+aligned to the last key (ALiBi after a KV cache). On the CPU: the strides and the reader reach the source, and representative
 plans of every ring compile without spills for sm_80, sm_90, sm_90a and sm_120. On the GPU:
 every such plan against SDPA with the same mask (float32), and rows the mask hides entirely
 (with -inf: 0, PyTorch's safe softmax; with bf16's lowest value, as transformers adds: the
@@ -38,6 +39,10 @@ PROBLEMS = {
     # ALiBi under a causal mask: one fp32 row of biases a head (slope times key position), every query's
     "causal_alibi_ragged": AttentionProblem(2, 4, 4, 200, 200, 64, causal=True,
                                             bias=AttentionBias("mask", "fp32", (2, 4, 200), 4 * 200, 200, 0, 1)),
+    # ALiBi after a KV cache (Bloom's, MPT's): 16 queries after 284 cached keys under the kernel's window aligned to
+    # the last key, the slopes' row a head read beside it; a GQA group of 4 (packed rows, key splits)
+    "alibi_after_cache_gqa": AttentionProblem(2, 8, 2, 16, 300, 64, window=316, window_ahead=284,
+                                              bias=AttentionBias("mask", "fp32", (8, 300), 0, 300, 0, 1)),
 }
 
 FEATURES = ("pack_group", "warp_keys", "tma_kv", "pingpong", "overlap", "q_prescaled", "mbarrier_ring", "kv_split")
@@ -111,12 +116,14 @@ def _run(kernel, problem: AttentionProblem, tensors: dict, torch):
     out = torch.full(problem.layout("o").shape, math.nan, device="cuda", dtype=tensors["q"].dtype)
     kernel(tensors["q"], tensors["k"], tensors["v"], out, tensors["mask"])
     torch.cuda.synchronize()
-    mask = mask_view(problem, tensors["mask"]).float()
-    if problem.causal:  # query i sees keys j <= i
-        mask = mask.masked_fill(torch.ones(mask.shape[-2:], device="cuda", dtype=torch.bool).triu(1), -math.inf)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cherenkov.search.measure import sdpa_masking
+
     group = problem.group_size
     q, k, v = (tensors[role].float() for role in "qkv")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    # the causal edge (query i sees keys j <= i) or the window hides scores beside the bias
+    mask, _ = sdpa_masking(problem, mask_view(problem, tensors["mask"]).float(), q, k, fold_causal=True)
 
     with sdpa_kernel(SDPBackend.MATH):  # its safe softmax: a row without a live score is 0
         reference = torch.nn.functional.scaled_dot_product_attention(

@@ -19,6 +19,7 @@ import pytest
 
 import cherenkov as ck
 from cherenkov.codegen import compile_plans, cuda_source, load_kernel
+from cherenkov.graph.nn import repeat_kv_heads
 from cherenkov.graph.tensor import where
 from cherenkov.rewrites.plan import AttentionProblem
 from cherenkov.rewrites.plan_sm90a import HopperFlashSchedule
@@ -68,6 +69,29 @@ def keys_ahead_filled(seq_q: int, seq_kv: int) -> ck.Graph:
     return g
 
 
+BF16_LOWEST = -3.3895313892515355e38
+"""``torch.finfo(torch.bfloat16).min``: the fill of transformers' eager masks."""
+
+
+def alibi_after_cached_keys(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, dim: int,
+                            spelling: str) -> ck.Graph:  # fmt: skip
+    """ALiBi attention of a chunk of queries after cached keys: the scores plus a stored bias a head and key
+    (slope times position, fp32), under a causal mask aligned to the last key of bf16's lowest value, added after
+    the bias (``"added"``, Bloom's) or filling the biased scores (``"filled"``, MPT's masked_fill)."""
+    g = ck.Graph(f"alibi_{spelling}")
+    q = g.input("q", (batch, heads, seq_q, dim), "bf16")
+    k, v = (repeat_kv_heads(g.input(n, (batch, kv_heads, seq_kv, dim), "bf16"), heads // kv_heads) for n in "kv")
+    alibi = g.input("alibi", (1, heads, 1, seq_kv), "fp32")
+    scores = ((q @ k.transpose(-2, -1)).cast("fp32") * dim**-0.5) + alibi
+    query, key = ck.arange(seq_q, graph=g).unsqueeze(-1) + float(seq_kv - seq_q), ck.arange(seq_kv, graph=g)
+    if spelling == "added":
+        scores = scores + where(query < key, g.constant(BF16_LOWEST, "fp32"), g.constant(0.0, "fp32"))
+    else:
+        scores = where(query < key, BF16_LOWEST, scores)
+    g.output((ck.nn.softmax(scores, axis=-1).cast("bf16") @ v), "o")
+    return g
+
+
 def _inputs(g: ck.Graph) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {n: rounded(rng.standard_normal(x.shape), "bf16") for n, x in g.inputs.items()}
@@ -114,6 +138,34 @@ def test_a_causal_mask_aligned_to_the_last_key_is_a_window_over_every_key() -> N
             assert plans and {(p.causal, p.window, p.window_ahead, p.bias) for p in problems} == expected, target
         if g.name == "keys_ahead":
             assert "keys-ahead-additive" in d.trace
+
+
+@needs_gxx
+@pytest.mark.parametrize("spelling", ["added", "filled"])
+def test_alibi_after_cached_keys_is_a_window_beside_its_stored_bias(spelling: str) -> None:
+    """Bloom's and MPT's attention with a KV cache: a stored ALiBi bias under a causal mask aligned to the last key
+    (16 queries after 185 cached keys). The mask is the kernel's own window (as many keys as queries and keys, 185
+    ahead) and the kernel reads the stored bias beside it (rule ``keys-ahead-beside-bias``, bias form
+    ``-beside-ahead``; they derived no flash kernel before); packed and unpacked short-query ``mma.sync`` plans and
+    a prefill one run emulated within bf16 rounding of the graph's float64 output."""
+    g = alibi_after_cached_keys(1, 8, 2, 16, 201, 64, spelling)
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["flash_attention"]
+    plans = d.plans("sm_80")
+    assert {(p.problem.window, p.problem.window_ahead, p.problem.bias.tensor) for p in plans} == {(217, 185, "alibi")}
+    assert d.plans("sm_90a") and "keys-ahead-beside-bias" in d.trace
+    inputs = _inputs(g)
+    inputs["alibi"] = -0.5 * np.arange(201.0) * (2.0 ** -np.arange(1.0, 9.0))[None, :, None, None]
+    expected = ck.evaluate(g, inputs)["o"]
+    picked: dict[tuple, object] = {}
+    for plan in plans:
+        if supported(plan):
+            picked.setdefault((plan.schedule.short_query, plan.schedule.pack_group), plan)
+    assert set(picked) >= {(True, True), (True, False), (False, False)}, list(picked)
+    for plan in picked.values():
+        got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"], inputs["alibi"])["o"]
+        error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        assert error <= 1e-2, (plan.schedule.key(), error)
 
 
 SHORT_CHUNKS = [(4, 300), (16, 201), (64, 8192)]

@@ -150,20 +150,20 @@ def test_flash_attention_is_found_in_every_spelling(spelling: str) -> None:
     assert plans and all(p.problem.causal == causal and p.problem.group_size == H // kv_heads for p in plans)
 
 
-def sink_graph(causal: bool, kv_heads: int = H, offset: int = 0, key_offset: int = 0) -> ck.Graph:
+def sink_graph(causal: bool, kv_heads: int = H, offset: int = 0, key_offset: int = 0, seq_q: int = SQ) -> ck.Graph:
     """GPT-OSS's attention sinks as transformers spells them: a learned logit a head concatenated to
-    the (masked) scores, the row shifted by its max, softmaxed, and the sink's column dropped."""
+    the (masked) scores of ``seq_q`` queries, the row shifted by its max, softmaxed, and the sink's column dropped."""
     g = ck.Graph("sinks")
-    q = g.input("q", (B, H, SQ, D), "bf16")
+    q = g.input("q", (B, H, seq_q, D), "bf16")
     k, v = g.input("k", (B, kv_heads, SKV, D), "bf16"), g.input("v", (B, kv_heads, SKV, D), "bf16")
     sinks = g.input("sinks", (H,), "bf16")
     k, v = ck.nn.repeat_kv_heads(k, H // kv_heads), ck.nn.repeat_kv_heads(v, H // kv_heads)
     s = (q @ k.transpose(-2, -1)) * SCALE
     if causal:  # transformers' additive causal mask, bf16's lowest for the masked scores
-        q_idx = ck.arange(SQ).unsqueeze(-1) + offset  # + 0: rule add-zero
+        q_idx = ck.arange(seq_q).unsqueeze(-1) + offset  # + 0: rule add-zero
         k_idx = ck.arange(SKV) + key_offset if key_offset else ck.arange(SKV)
         s = s + ck.where(q_idx < k_idx, -3.3895313892515355e38, 0.0)
-    column = sinks.reshape(1, H, 1, 1).expand(B, H, SQ, 1)
+    column = sinks.reshape(1, H, 1, 1).expand(B, H, seq_q, 1)
     c = ck.cat([s, column], axis=-1)
     p = ck.nn.softmax(c - c.max(axis=-1, keepdim=True), axis=-1)
     g.output(p[..., :SKV] @ v, "o")
@@ -187,6 +187,17 @@ def test_attention_sinks_are_flash_attention_times_a_sigmoid_of_its_log_sum_exp(
     for target in ("sm_80", "sm_90a", "sm_120"):
         problems = {p.problem for p in d.plans(target)}
         assert problems and all(p.lse is not None and p.causal == causal and p.bias is None for p in problems)
+
+
+def test_sinks_of_one_decoded_token_are_flash_attention() -> None:
+    """GPT-OSS decoding: one query row, so q and the rows' log-sum-exp have no query axis. The flash kernel writes
+    that statistic at row stride 0 (its layout was refused, and the attention ran unfused)."""
+    g = sink_graph(False, H // 2, seq_q=1)
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels] == ["flash_attention", "elementwise"]
+    assert_derived_program_matches(g, d)
+    problems = {p.problem for p in d.plans("sm_90a")}
+    assert problems and all(p.seq_q == 1 and p.lse is not None and p.lse.layout.seq == 0 for p in problems)
 
 
 def test_a_softmax_row_read_without_its_appended_column_is_stored_whole() -> None:

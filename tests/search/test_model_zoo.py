@@ -208,9 +208,11 @@ WINDOWED = {"mistral_window": [(16, 0, True)], "gemma2_window": [(16, 0, True)],
 
 CACHED = {"llama": [(80, 48, True)], "gemma2_softcap": [(80, 48, True)], "mistral_window": [(1, 15, True)],
           "gemma2_window": [(1, 15, True)], "gemma3_sliding_and_full": [(1, 15, True), (80, 48, True)],
-          "gpt_bigcode_mqa": [(80, 48, True)], "xglm_clamped_mask": [(80, 48, True)]}  # fmt: skip
+          "gpt_bigcode_mqa": [(80, 48, True)], "xglm_clamped_mask": [(80, 48, True)],
+          "bloom_alibi": [(80, 48, False)], "mpt_alibi": [(80, 48, False)]}  # fmt: skip
 """Family: its attention layers' (window, keys ahead, no bias tensor) for 16 new tokens after 48 cached ones (a
-sliding window of 16 keeps 15 of them: the chunk's query ``i`` sees keys ``i ≤ j ≤ i + 15``)."""
+sliding window of 16 keeps 15 of them: the chunk's query ``i`` sees keys ``i ≤ j ≤ i + 15``; ALiBi's slopes are a
+bias tensor beside the window)."""
 
 
 @pytest.mark.parametrize("family", list(CACHED))
@@ -223,8 +225,40 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     ``j < i``), a window about the query, one key behind and 15 ahead. Each was an unfused softmax before (Gemma 2's
     sliding one too: its capped scores had no form for the band), and the sliding ones then a stored bias. Gemma 3
     has both kinds of layer; GPT-BigCode's multi-query row is the axis the band reads; XGLM clamps its masked scores
-    (rules ``*-finite-keys-ahead-clamped``). Where the last query sees the
+    (rules ``*-finite-keys-ahead-clamped``); Bloom and MPT add ALiBi's slopes, which the kernel reads stored beside
+    the window (rule ``keys-ahead-beside-bias``; no flash kernel before). Where the last query sees the
     last key the short-query schedules (the group's rows packed in a tile) plan it too."""
+    derivations = _derived_after_cached_keys(family, 48)
+    assert sum(k.kind == "flash_attention" for d in derivations for k in d.kernels_for("sm_90a")) == len(CACHED[family])
+    problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
+    assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == CACHED[family]
+    assert {(p.seq_q, p.causal) for p in problems} == {(16, False)}  # a sliding cache holds the window's keys only
+    if all(p.short_query_band and p.group_size > 1 for p in problems):  # packed GQA rows take that band
+        assert any(p.schedule.pack_group for d in derivations for p in d.plans("sm_90a"))
+
+
+DECODED = {"mpt_alibi": 1, "xglm_clamped_mask": 1, "gpt_oss_sinks": 2}
+"""Family: its flash kernels decoding one token after its KV cache."""
+
+
+@pytest.mark.parametrize("family", list(DECODED))
+def test_a_token_decoded_after_cached_keys_is_flash_attention(family: str) -> None:
+    """One new token after 63 cached ones: the causal mask aligned to the last key hides nothing. MPT's folds to
+    ``where(false, m, s)`` (rule ``where-false``), XGLM's clamp of its scores at bf16's lowest stays without a mask
+    (rule ``softmax-clamped-floor``), and GPT-OSS's sinks read the rows' log-sum-exp of a q without a query axis
+    (its layout was refused); each decoded on an unfused softmax before. Like eager, flash kernels, packed GQA rows
+    among their plans."""
+    derivations = _derived_after_cached_keys(family, 63)
+    assert sum(k.kind == "flash_attention" for d in derivations for k in d.kernels_for("sm_90a")) == DECODED[family]
+    plans = [p for d in derivations for p in d.plans("sm_90a")]
+    assert {(p.problem.seq_q, p.problem.window) for p in plans} == {(1, 0)}
+    if all(p.problem.group_size > 1 for p in plans):
+        assert any(getattr(p.schedule, "short_query", False) and p.schedule.pack_group for p in plans)
+
+
+def _derived_after_cached_keys(family: str, cached: int) -> list:
+    """The derivations of a family's regions for the tokens after its first ``cached`` (of 64) in its KV cache, the
+    logits checked against eager's."""
     import copy
 
     build = _decoder("LlamaForCausalLM", "LlamaConfig") if family == "llama" else FAMILIES[family][0]
@@ -233,20 +267,14 @@ def test_a_chunk_after_cached_keys_is_flash_attention(family: str) -> None:
     model = model.to(torch.bfloat16).eval()
     ids = inputs["input_ids"]
     with torch.no_grad():
-        cache = model(input_ids=ids[:, :48], use_cache=True).past_key_values
-        expected = model(input_ids=ids[:, 48:], past_key_values=copy.deepcopy(cache), use_cache=True).logits.float()
+        cache = model(input_ids=ids[:, :cached], use_cache=True).past_key_values
+        expected = model(input_ids=ids[:, cached:], past_key_values=copy.deepcopy(cache), use_cache=True).logits
         with recorded_splits() as splits:
             compiled = torch.compile(model, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"))
-            got = compiled(input_ids=ids[:, 48:], past_key_values=cache, use_cache=True).logits.float()
-    assert float((got - expected).norm() / expected.norm()) < 2e-2
-    derivations = [ck.derive(prepared.graph) for split in splits for region in split.compiled
-                   for prepared in region.prepared.values()]  # fmt: skip
-    assert sum(k.kind == "flash_attention" for d in derivations for k in d.kernels_for("sm_90a")) == len(CACHED[family])
-    problems = {p.problem for d in derivations for p in d.plans("sm_90a")}
-    assert sorted((p.window, p.window_ahead, p.bias is None) for p in problems) == CACHED[family]
-    assert {(p.seq_q, p.causal) for p in problems} == {(16, False)}  # a sliding cache holds the window's keys only
-    if all(p.short_query_band and p.group_size > 1 for p in problems):  # packed GQA rows take that band
-        assert any(p.schedule.pack_group for d in derivations for p in d.plans("sm_90a"))
+            got = compiled(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True).logits
+    assert float((got.float() - expected.float()).norm() / expected.float().norm()) < 2e-2
+    return [ck.derive(prepared.graph) for split in splits for region in split.compiled
+            for prepared in region.prepared.values()]  # fmt: skip
 
 
 TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_encoder": (1, 1), "gemma_d256": (1, 1),

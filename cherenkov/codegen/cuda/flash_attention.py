@@ -793,7 +793,7 @@ def _unit_phases(bias: bool) -> str:
 
 def _store_output(pack_group: bool, lse: bool = False) -> str:
     """``store_output`` (and ``output_row_offset``); a packed group's rows interleave its heads;
-    ``lse``: the rows' log-sum-exps are written too (prefill schedules only, never packed)."""
+    ``lse``: the rows' log-sum-exps are written too (``lse_row_offset``: where, as in o)."""
     text = block(
         """
         // Where row `row` of the block's query tile (from row q0 of its row space) lies in o, in
@@ -805,7 +805,7 @@ def _store_output(pack_group: bool, lse: bool = False) -> str:
             }
             return size_t(row) * O_ROW_STRIDE;
         }
-
+@LSE_OFFSET@
         // Normalise O by the row sums, stage the warp's rows (as elem_t) in its own rows of the
         // Q tile, then copy them out with 16-byte stores; rows past Q_ROWS are not written.
         __device__ __forceinline__ void store_output(const RowState& state, u32 q_tile, elem_t* o_block,@LSE_PARAM@
@@ -842,8 +842,23 @@ def _store_output(pack_group: bool, lse: bool = False) -> str:
         """
     ).replace("@ROW_OFFSET@", "output_row_offset(q0, row)" if pack_group else "size_t(row) * O_ROW_STRIDE")
     text = text.replace("@LSE_PARAM@", " float* lse_block," if lse else "")
+    text = text.replace("@LSE_OFFSET@\n", "\n" + _LSE_ROW_OFFSET + "\n" if lse else "")
     return re.sub(r"^( *)@LSE_STORE@\n", (lambda m: indent(_LSE_STORE, len(m[1]) // 4) + "\n") if lse else "", text,
                   flags=re.MULTILINE)
+
+
+_LSE_ROW_OFFSET = block(
+    """
+    // Where row `row` of the block's query tile lies in the log-sum-exp output, from the block's lse_block (as in o).
+    __device__ __forceinline__ size_t lse_row_offset(int q0, int row) {
+        if constexpr (PACK) {
+            const int packed = q0 + row;
+            return size_t(packed % GROUP) * LSE_HEAD_STRIDE + size_t(packed / GROUP) * LSE_ROW_STRIDE;
+        }
+        return size_t(row) * LSE_ROW_STRIDE;
+    }
+    """
+)
 
 
 _LSE_STORE = block(
@@ -855,7 +870,7 @@ _LSE_STORE = block(
             for (int h = 0; h < 2; ++h) {
                 const int row = warp_row0 + 16 * m + (lane >> 2) + 8 * h;
                 if (!Q_TAIL || q0 + row < Q_ROWS)
-                    lse_block[size_t(row) * LSE_ROW_STRIDE] = row_log_sum_exp(state.row_max[m][h], inv_sum[m][h]);
+                    lse_block[lse_row_offset(q0, row)] = row_log_sum_exp(state.row_max[m][h], inv_sum[m][h]);
             }
         }
     }
@@ -924,7 +939,8 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
 
         store_output(state, smem + Q_SMEM, o_block,@LSE_ARG@ q0, warp_row0, lane);
         """
-    ).replace("@LSE_ARG@", _LSE_BLOCK if plan.problem.lse is not None else "")
+    ).replace("@LSE_ARG@", "" if plan.problem.lse is None else
+              _SHORT_QUERY_LSE_BLOCK if plan.schedule.short_query else _LSE_BLOCK)
     if plan.schedule.warp_keys:
         epilogue = _warp_keys_epilogue(plan.schedule.kv_splits > 1)
     elif plan.schedule.kv_splits > 1:
@@ -941,6 +957,9 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
 
 _LSE_BLOCK = " lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head * LSE_HEAD_STRIDE + size_t(q0) * LSE_ROW_STRIDE,"
 """The block's first row of the log-sum-exp output (prefill schedules: the row space is one head)."""
+_SHORT_QUERY_LSE_BLOCK = (" lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head0 * LSE_HEAD_STRIDE"
+                          " + (PACK ? size_t(0) : size_t(q0) * LSE_ROW_STRIDE),")
+"""The same of a short-query block: from its row space's first query head, packed rows at their own offsets."""
 
 
 _LONG_QUERY_INDEX = block(
