@@ -677,9 +677,6 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
     if schedule.block_q % schedule.warps or schedule.rows_per_warp not in (16, 32):
         reasons.append(f"block_q {schedule.block_q} over {schedule.warps} warps is not 16 or 32 rows a warp")
     reasons += _short_query_problems(schedule, problem)
-    if problem.lse is not None and (schedule.kv_splits > 1 or schedule.warp_keys):
-        reasons.append("the rows' log-sum-exp output beside key splits or key-splitting warps (valid: one key split, "
-                       "the rows' own warps; packed groups write it)")
     if (not schedule.swizzle or schedule.ldmatrix_x == 2) and (
         schedule.stages != 2 or not schedule.kv_split or not schedule.plain
     ):

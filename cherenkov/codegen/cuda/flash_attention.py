@@ -132,7 +132,7 @@ def flash_attention_source(plan: KernelPlan) -> str:
                 _pack_probabilities(), _accumulate_values(schedule.row_sums_mma), *step_parts),
         section("epilogue", _store_output(schedule.pack_group, lse),
                 *([_partial_states()] if schedule.kv_splits > 1 or schedule.warp_keys else []),
-                *([_split_partials()] if schedule.kv_splits > 1 else []),
+                *([_split_partials(lse)] if schedule.kv_splits > 1 else []),
                 *([_WARP_MERGE] if schedule.warp_keys else [])),
         section("kernel", _kernel(plan, tiling)),
     ]
@@ -933,33 +933,45 @@ def _kernel(plan: KernelPlan, tiling: FlashTiling) -> str:
         main_loop = _overlap_loop()
     else:
         main_loop = _plain_loop()
+    lse = plan.problem.lse is not None
+    lse_arg = " lse_block," if lse else ""
     epilogue = block(
-        """
+        f"""
         cp_async_wait<0>();  // only empty groups remain
 
-        store_output(state, smem + Q_SMEM, o_block,@LSE_ARG@ q0, warp_row0, lane);
+        store_output(state, smem + Q_SMEM, o_block,{lse_arg} q0, warp_row0, lane);
         """
-    ).replace("@LSE_ARG@", "" if plan.problem.lse is None else
-              _SHORT_QUERY_LSE_BLOCK if plan.schedule.short_query else _LSE_BLOCK)
+    )
     if plan.schedule.warp_keys:
-        epilogue = _warp_keys_epilogue(plan.schedule.kv_splits > 1)
+        epilogue = _warp_keys_epilogue(plan.schedule.kv_splits > 1, lse)
     elif plan.schedule.kv_splits > 1:
         epilogue = _SPLIT_TILE_POINTERS + "\n" + block(
-            """
+            f"""
             store_partial(state, split_o, split_lse, warp_row0, lane);
-            if (last_split_arrived(counter)) {
-                combine_splits(tile_o, tile_lse, o_block, q0);
-            }
+            if (last_split_arrived(counter)) {{
+                combine_splits(tile_o, tile_lse, o_block,{lse_arg} q0);
+            }}
             """
         )
+    if lse:
+        epilogue = (_SHORT_QUERY_LSE_BLOCK if plan.schedule.short_query else _LSE_BLOCK) + "\n" + epilogue
     return head + indent(prologue + "\n\n" + main_loop + "\n" + epilogue) + "\n}"
 
 
-_LSE_BLOCK = " lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head * LSE_HEAD_STRIDE + size_t(q0) * LSE_ROW_STRIDE,"
-"""The block's first row of the log-sum-exp output (prefill schedules: the row space is one head)."""
-_SHORT_QUERY_LSE_BLOCK = (" lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head0 * LSE_HEAD_STRIDE"
-                          " + (PACK ? size_t(0) : size_t(q0) * LSE_ROW_STRIDE),")
-"""The same of a short-query block: from its row space's first query head, packed rows at their own offsets."""
+_LSE_BLOCK = block(
+    """
+    // The block's first row of the log-sum-exp output (the row space is one head).
+    float* const lse_block = lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head * LSE_HEAD_STRIDE
+                             + size_t(q0) * LSE_ROW_STRIDE;
+    """
+)
+_SHORT_QUERY_LSE_BLOCK = block(
+    """
+    // The block's log-sum-exp rows: from its row space's first query head (packed rows at their own offsets).
+    float* const lse_block = lse + LSE_OFFSET + batch * LSE_BATCH_STRIDE + head0 * LSE_HEAD_STRIDE
+                             + (PACK ? size_t(0) : size_t(q0) * LSE_ROW_STRIDE);
+    """
+)
 
 
 _LONG_QUERY_INDEX = block(
@@ -1138,8 +1150,10 @@ def _partial_states() -> str:
     )
 
 
-def _split_partials() -> str:
-    return block(
+def _split_partials(lse: bool) -> str:
+    """The key splits' workspace, arrival counter and ``combine_splits`` (``lse``: it writes the merged rows'
+    log-sum-exp too)."""
+    text = block(
         """
         // Key splits. Workspace (fp32): the partial states of every split of every query tile,
         // O [SPLIT_TILES][KV_SPLITS][BLOCK_Q][VALUE_DIM] and log2-sum-exps
@@ -1167,7 +1181,7 @@ def _split_partials() -> str:
         }
 
         // The tile's splits merged into o, a thread per 8 columns of a row.
-        __device__ __forceinline__ void combine_splits(const float* tile_o, const float* tile_lse, elem_t* o_block,
+        __device__ __forceinline__ void combine_splits(const float* tile_o, const float* tile_lse, elem_t* o_block,@LSE_PARAM@
                                                        int q0) {
             __threadfence();
             for (int c = int(threadIdx.x); c < BLOCK_Q * V_CHUNKS; c += THREADS) {
@@ -1175,13 +1189,26 @@ def _split_partials() -> str:
                 const int chunk = c % V_CHUNKS;
                 if (!Q_TAIL || q0 + row < Q_ROWS) {
                     float out[8];
-                    merge_partials<KV_SPLITS, true>(tile_o, tile_lse, row, chunk, out);
-                    store_columns(o_block, q0, row, chunk, out);
+                    @MERGE@
+                    store_columns(o_block, q0, row, chunk, out);@LSE_STORE@
                 }
             }
         }
         """
     )
+    return _with_merged_lse(text, "KV_SPLITS, true", "tile_o, tile_lse", lse)
+
+
+def _with_merged_lse(text: str, merge_arguments: str, states: str, lse: bool) -> str:
+    """``text`` with its ``merge_partials`` call (``@MERGE@``, of ``merge_arguments`` over ``states``) and, for
+    ``lse``, the merged rows' log-sum-exp (natural log) stored from a row's first chunk (``@LSE_STORE@``) into the
+    ``lse_block`` parameter (``@LSE_PARAM@``)."""
+    call = f"merge_partials<{merge_arguments}>({states}, row, chunk, out);"
+    store = ("\nif (chunk == 0) {\n    lse_block[lse_row_offset(q0, row)] = merged * LN2;  // log2 to natural log\n}")
+    indent_of = re.search(r"^( *)@MERGE@", text, flags=re.MULTILINE)[1]
+    text = text.replace("@MERGE@", f"const float merged = {call}" if lse else call)
+    text = text.replace("@LSE_STORE@", store.replace("\n", "\n" + indent_of) if lse else "")
+    return text.replace("@LSE_PARAM@", " float* lse_block," if lse else "")
 
 
 _SPLIT_TILE_POINTERS = block(
@@ -1200,10 +1227,11 @@ _SPLIT_TILE_POINTERS = block(
 )
 
 
-def _warp_keys_epilogue(split: bool) -> str:
+def _warp_keys_epilogue(split: bool, lse: bool) -> str:
     """The end of a block whose warps split the keys: each warp's state to shared memory (the
     ring's stages, free once every warp is past its last tile), then a thread per 8 columns of
-    a row merges them — into o, or into the split's partial state."""
+    a row merges them — into o (``lse``: and the rows' log-sum-exp into ``lse_block``), or into the split's
+    partial state."""
     head = _SPLIT_TILE_POINTERS if split else "cp_async_wait<0>();  // only empty groups remain\n"
     if split:
         result = block(
@@ -1217,12 +1245,12 @@ def _warp_keys_epilogue(split: bool) -> str:
             """
         )
     else:
-        result = block(
+        result = _with_merged_lse(block(
             """
-            merge_partials<WARPS, false>(merge, merge + MERGE_O_FLOATS, row, chunk, out);
-            store_columns(o_block, q0, row, chunk, out);
+            @MERGE@
+            store_columns(o_block, q0, row, chunk, out);@LSE_STORE@
             """
-        )
+        ), "WARPS, false", "merge, merge + MERGE_O_FLOATS", lse).replace("@LSE_PARAM@", "")
     merged = block(
         """
         // The warps' states meet in shared memory; each thread merges 8 columns of a row.
@@ -1242,10 +1270,10 @@ def _warp_keys_epilogue(split: bool) -> str:
         """
     ).replace("@RESULT@", ("\n" + " " * 8).join(result.splitlines()))
     tail = block(
-        """
-        if (last_split_arrived(counter)) {
-            combine_splits(tile_o, tile_lse, o_block, q0);
-        }
+        f"""
+        if (last_split_arrived(counter)) {{
+            combine_splits(tile_o, tile_lse, o_block,{' lse_block,' if lse else ''} q0);
+        }}
         """
     ) if split else ""
     return head + "\n" + merged + ("\n" + tail if tail else "")
