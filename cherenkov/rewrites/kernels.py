@@ -34,7 +34,7 @@ from cherenkov.rewrites import terms as t
 from cherenkov.rewrites.access import StridedRead, strided_read
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS
 from cherenkov.rewrites.lower import Lowered
-from cherenkov.rewrites.masks import sliding_window, stored_bias, window_band, with_stored_bias
+from cherenkov.rewrites.masks import sliding_window, stored_bias, window_parts, with_stored_bias
 from cherenkov.graph.shape import SCALE_DTYPES
 from cherenkov.rewrites.plan import (
     BIAS_DTYPES,
@@ -1193,7 +1193,7 @@ def attention_problem(
     if causal is not None and (query_axis is None or causal != t.ax(query_axis)):
         raise KernelError("flash attention: the causal mask does not compare the query axis with the key axis")
     roles = {"batch": batch, "head": head, "row": query_axis, "key": key}
-    bias_term, (window, ahead), band = stored_bias(mask), sliding_window(mask) or (0, 0), window_band(mask)
+    (band, bias_term), (window, ahead) = window_parts(mask), sliding_window(mask) or (0, 0)
     if band is not None:  # the kernel bounds its key range itself (reading any other bias stored)
         row = t.ax(query_axis) if query_axis is not None else None
         keys = {s for s in t.subterms(band) if s[0] == "Iota" and s[1][0] == "Ax" and s[1] != row}

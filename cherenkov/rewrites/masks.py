@@ -85,26 +85,21 @@ def _band_beside_bias(bias: Term) -> tuple[Term, Term | None]:
     """A bias that adds a stored one to the band of a causal mask aligned to the last key, ``b₁ + where(i + o <
     j, m, 0)`` (either order; ALiBi beside a KV cache's mask), or that fills it, ``where(i + o < j, m, b₁)`` (the same
     under the window the band is, rule ``additive-mask``'s spelling): ``(band, b₁)``; any other bias: ``(bias, None)``."""
-    if bias[0] == "Where" and bias[3] != ("Num", 0.0) and _is_keys_ahead(bias[1]):
-        return ("Where", bias[1], bias[2], ("Num", 0.0)), bias[3]
+    if bias[0] == "Where" and bias[3] != ("Num", 0.0):
+        band = ("Where", bias[1], bias[2], ("Num", 0.0))
+        if _band_window(band) is not None:
+            return band, bias[3]
     if bias[0] == "Add":
         for band, rest in ((bias[2], bias[1]), (bias[1], bias[2])):
-            if band[0] == "Where" and band[3] == ("Num", 0.0) and _is_keys_ahead(band[1]):
+            if band[0] == "Where" and band[3] == ("Num", 0.0) and _band_window(band) is not None:
                 return band, rest
     return bias, None
 
 
-def _is_keys_ahead(condition: Term) -> bool:
-    """Whether ``condition`` is ``i + o < j`` of two axes (:data:`KEYS_AHEAD`)."""
-    match condition:
-        case ("Lt", ("Add", ("Iota", ("Ax", _)), ("Num", _)), ("Iota", ("Ax", _))):
-            return True
-    return False
-
-
-def _window_parts(mask: Term) -> tuple[Term | None, Term | None]:
-    """A mask's bias as ``(window, stored)``: the term the kernel's :func:`sliding_window` bounds its key range by
-    (None: no window) and the bias it reads (None: none)."""
+def window_parts(mask: Term) -> tuple[Term | None, Term | None]:
+    """A mask's bias (after any soft cap) as ``(window, stored)``: the term its :func:`sliding_window` is, which the
+    kernel bounds its key range by (None: no window), and the bias the kernel reads (None: none) — the window's
+    stored neighbour ``b₁`` where a band is added to one, else the mask's whole bias where it is no window."""
     bias = mask_bias(mask)
     if bias is None or sliding_window(mask) is None:
         return None, bias
@@ -113,24 +108,16 @@ def _window_parts(mask: Term) -> tuple[Term | None, Term | None]:
     return _band_beside_bias(bias)
 
 
-def window_band(mask: Term) -> Term | None:
-    """The term of a mask's bias that is its :func:`sliding_window` (the kernel bounds its key range by it), or None
-    where the mask is no window."""
-    return _window_parts(mask)[0]
-
-
 def stored_bias(mask: Term) -> Term | None:
-    """The bias a flash kernel reads of a mask (after any soft cap): none where the mask is a
-    :func:`sliding_window` alone, the stored one ``b₁`` where a window's band is added to it, else the mask's whole
-    bias (None without one)."""
-    return _window_parts(mask)[1]
+    """The bias a flash kernel reads of a mask (:func:`window_parts`)."""
+    return window_parts(mask)[1]
 
 
 def with_stored_bias(mask: Term, stored: Term) -> Term:
     """``mask`` with the bias a kernel reads (:func:`stored_bias`) replaced by ``stored``, any window's band kept."""
-    band = window_band(mask)
     if mask[0] == "CausalBiasMask":
         return ("CausalBiasMask", mask[1], stored)
+    band = window_parts(mask)[0]
     return ("BiasMask", stored if band is None else ("Add", stored, band))
 
 

@@ -1250,7 +1250,7 @@ def _warp_keys_epilogue(split: bool, lse: bool) -> str:
             @MERGE@
             store_columns(o_block, q0, row, chunk, out);@LSE_STORE@
             """
-        ), "WARPS, false", "merge, merge + MERGE_O_FLOATS", lse).replace("@LSE_PARAM@", "")
+        ), "WARPS, false", "merge, merge + MERGE_O_FLOATS", lse)
     merged = block(
         """
         // The warps' states meet in shared memory; each thread merges 8 columns of a row.
