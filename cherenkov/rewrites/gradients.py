@@ -8,7 +8,8 @@ times ``e``), through ``exp2(x·log2 e)`` (times ``ln 2·log2 e``), and through 
 1. the constants of the exponential's chain rule cancel, ``g·exp2(z)·ln 2·log2 e = g·exp2(z)``;
 2. the quotient's VJP is the softmax's: ``(g·r − (Σ_j g·e)·r²)·e = P∘(g − Σ_j P∘g)``,
    ``P = e·r``;
-3. the shift by the row maximum carries no gradient: ``Σ_j P∘(g − Σ_j P∘g) = 0``;
+3. the shift by the row maximum carries no gradient: ``Σ_j P∘(g − Σ_j P∘g) = 0`` (spelled as ``ck.grad``
+   writes max's VJP, through its argmax mask, or as torch scatters it to the argmax);
 4. ``rowsum(P∘dP) = rowsum(dO∘O)``: with ``dP = Σ_e dO·v``, the sums over keys and over the
    value dim swap and ``Σ_j P·v`` is the attention output ``O`` itself;
 5. ``P = e^{s − LSE(s)}``: the probabilities recomputed from the row's log-sum-exp (a causal
@@ -226,6 +227,18 @@ RULES = (
         example=Example(("Add", ("Mul", gradient_of_shifted, ("Num", math.log(2.0))),
                          ("Mul", ("Mul", ("Neg", ("Sum", "j:7", 7, ("Mul", gradient_of_shifted, ("Num", math.log(2.0))))),
                                   w), u))),
+    ),  # fmt: skip
+    Rule(
+        "softmax-shift-gradient-scatter",
+        "x + where(a, 0, where(b, 0, Σ_j −x)) = x for x = P∘(g − Σ_j P∘g): the row maximum's gradient, torch's "
+        "scatter of −Σ_j x to the argmax (the position neither below nor above it), is 0",
+        lhs="(Add x (Where a (Num 0.0) (Where b (Num 0.0) (Sum j n (Neg x)))))",
+        rhs="x",
+        where=("(= x (Mul (SoftmaxRow j n s) (Add g (Neg (Sum j n (Mul (SoftmaxRow j n s) g))))))",),
+        example=Example(("Add", gradient_of_shifted,
+                         ("Where", ("Lt", ("Iota", ax("j:7")), u), ("Num", 0.0),
+                          ("Where", ("Lt", u, ("Iota", ax("j:7"))), ("Num", 0.0),
+                           ("Sum", "j:7", 7, ("Neg", gradient_of_shifted)))))),
     ),  # fmt: skip
     Rule(
         "softmax-row-unshifted",

@@ -419,11 +419,23 @@ def _unbaked_reads(node: Any, baked: set[str]) -> list[Any]:
 
 def _computed_mask(node: Any) -> bool:
     """Whether ``node`` is an op's bool result (a comparison's mask: the VJP of ``maximum`` selects
-    its gradient by two), not a graph input or a constant."""
+    its gradient by two) or the index of a row's max (``max.dim``'s, what its gradient scatters by:
+    GPT-OSS's sinks), not a graph input or a constant."""
     import torch
 
     value = node.meta.get("val")
-    return node.op == "call_function" and isinstance(value, torch.Tensor) and value.dtype == torch.bool
+    if node.op != "call_function" or not isinstance(value, torch.Tensor):
+        return False
+    return value.dtype == torch.bool or _max_index(node)
+
+
+def _max_index(node: Any) -> bool:
+    """Whether ``node`` takes the index output of ``max.dim`` or ``min.dim``."""
+    if node.target is not operator.getitem or node.args[1] != 1:
+        return False
+    producer = node.args[0]
+    schema = getattr(getattr(producer, "target", None), "_schema", None)
+    return schema is not None and schema.name in ("aten::max", "aten::min") and schema.overload_name == "dim"
 
 
 def _masks_crossing(partitions: Sequence[Any], baked: set[str]) -> set[Any]:

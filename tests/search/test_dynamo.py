@@ -237,6 +237,33 @@ def test_a_bool_mask_a_region_computes_and_reads_stays_inside_it(returned: bool)
     assert ({"aten.gt.Scalar", "aten.where.self"} <= left) == returned, left
 
 
+def test_a_row_max_index_stays_inside_the_backward_region_with_its_scatter_which_vanishes():
+    """A softmax shifted by its row's ``max(dim)`` (GPT-OSS's, after appending its sinks): the max's
+    gradient scatters ``−Σ_j`` of the softmax's gradient to the argmax. The index, an integer tensor,
+    stays inside the backward's region beside the scatter instead of splitting it, and the
+    scatter derives away (the row sum of a softmax's gradient is 0), so no kernel computes the argmax."""
+    from cherenkov.search.dynamo import compile_regions
+
+    def shifted(x, w):
+        y = x @ w
+        return torch.softmax(y - y.max(dim=-1, keepdim=True).values, -1) @ w
+
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 32), torch.randn(32, 32, requires_grad=True)
+    expected = torch.autograd.grad((shifted(x, w) ** 2).sum(), w)[0]
+    with recorded_splits() as splits:
+        compiled = torch.compile(shifted, backend=lambda gm, inputs: compile_regions(gm, inputs, fallback="eager"))
+        got = torch.autograd.grad((compiled(x, w) ** 2).sum(), w)[0]
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    backward = splits[-1]
+    left = [str(n.target) for n in backward.module.graph.nodes if n.op == "call_function"]
+    assert not [op for op in left if "scatter" in op or "max" in op], left
+    (region,) = backward.compiled
+    (prepared,) = region.prepared.values()
+    kernels = ck.derive(prepared.graph).kernels_for("sm_90a")
+    assert not any("Iota" in str(kernel.term) for kernel in kernels), "an argmax is computed"
+
+
 def test_a_gpt2_model_is_one_region_behind_its_embeddings_and_matches_eager():
     model = real_modules.gpt2_lm(small=True)
     ids = torch.randint(0, 128, (2, 16))

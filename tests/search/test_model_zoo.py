@@ -295,7 +295,8 @@ scores has a gradient, torch's VJP of ``maximum`` selecting by two comparisons' 
 whose probability is 0; GPT-Neo's mask buffers are pinned in the forward and in the backward, which AOTAutograd hands
 them as saved inputs, and its window's VJP, a where below the window, moves only entries of probability 0; GPT-OSS's
 sinks: the backward recomputes the appended column and the row's max with its index, what max's gradient scatters
-by, so the forward keeps its flash kernels; the backward through the sink is not a flash backward yet)."""
+by, so the forward keeps its flash kernels; that scatter derives away, the row sum of a softmax's gradient being 0,
+and the index stays in the backward's region; the backward through the sink is not a flash backward yet)."""
 
 
 def _training_step_against_eager(family: str) -> tuple[float, list[Any]]:
