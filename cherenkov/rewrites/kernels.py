@@ -24,6 +24,7 @@ a GEMM's epilogue finds it among its own accumulators.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 
@@ -103,6 +104,27 @@ def _row_widened(term: Term) -> tuple[str, str, Term] | None:
             row = t.rename_free_axis(sub, axis, wide)
             return axis, wide, t.replace(t.rename_free_axis(term, axis, wide), row, (row[0], wide, *row[2:]))
     return None
+
+
+def _pad_guard(term: Term, sub: Term) -> tuple[str, int, int] | None:
+    """The ``PadAxis`` guard ``(axis, start, size)`` (a plain axis) that every read of ``sub`` in ``term``
+    lies under, or None: where no one guard is common to them all."""
+    common: set[tuple[str, int, int]] | None = None
+    seen: set[tuple[Term, tuple]] = set()
+    stack: list[tuple[Term, tuple]] = [(term, ())]
+    while stack:
+        node, guards = stack.pop()
+        if (node, guards) in seen:
+            continue
+        seen.add((node, guards))
+        if node == sub:
+            common = set(guards) if common is None else common & set(guards)
+            continue
+        if node[0] == "PadAxis" and node[1][0] == "Ax":
+            stack.append((node[5], (*guards, (node[1][1], node[2], node[3]))))
+            continue
+        stack.extend((child, guards) for child in t.children(node))
+    return min(common) if common else None
 
 
 def _uncast(term: Term) -> Term:
@@ -324,9 +346,11 @@ class _Partition:
         self.taken.add(f"t{n}")
         return f"t{n}"
 
-    def materialise(self, term: Term, axes: tuple[str, ...] | None = None, dtype: str = "") -> Term:
+    def materialise(self, term: Term, axes: tuple[str, ...] | None = None, dtype: str = "",
+                    origin: Term | None = None) -> Term:  # fmt: skip
         """Compute ``term`` in its own kernel (its buffer in ``dtype``, empty: the buffer dtype);
-        return the access that reads its buffer.
+        return the access that reads its buffer. ``origin``: the extracted core ``term`` renames
+        (the kernel's :attr:`FusedKernel.source`, what the schedules of its form are keyed by).
 
         Axes of extent 1 (``PAD_AXIS``) pad the buffer's rank; reads index them with 0. A term
         materialised before under other names of its axes (a flash kernel and its log-sum-exp
@@ -341,10 +365,30 @@ class _Partition:
         key = _up_to_axis_names(term, axes)
         if key not in self.buffers:
             self.buffers[key] = self.fresh_buffer()
-            self.emit(term, self.buffers[key], tuple(f"u{i}:1" if a == PAD_AXIS else a for i, a in enumerate(axes)), dtype)
+            self.emit(term, self.buffers[key], tuple(f"u{i}:1" if a == PAD_AXIS else a for i, a in enumerate(axes)), dtype,
+                      origin)  # fmt: skip
         return t.access(self.buffers[key], (t.ix_lit(0) if a == PAD_AXIS else t.ax(a) for a in axes))
 
-    def emit(self, term: Term, output: str, axes: tuple[str, ...], dtype: str = "") -> None:
+    def materialise_guarded(self, core: Term, term: Term, dtype: str = "") -> Term:
+        """:meth:`materialise` of a core of ``term``; where ``term`` reads it only under a pad's guard
+        that narrows one of its axes (a concatenation's piece: ``pad(x, (0, 32))`` along 64), it is
+        stored over the guarded range alone, the axis renamed to one of that extent (and shifted by
+        the guard's start), and read back at the guarded axis: its operands are then read over the
+        range they hold, not past it."""
+        guard = _pad_guard(term, core)
+        if guard is None or guard[0] not in t.free_axes(core) or guard[2] >= t.extent(guard[0]):
+            return self.materialise(core, dtype=dtype)
+        axis, start, size = guard
+        narrow = next(name for k in itertools.count() if (name := f"{axis.split(':')[0]}p{k}:{size}")
+                      not in t.axis_names(term))  # fmt: skip
+        axes = tuple(narrow if a == axis else a for a in _axis_order(t.free_axes(core), self.output_axes))
+        shifted = t.rename_free_axis(core, axis, narrow)
+        if start:
+            shifted = t.substitute_axes(shifted, {narrow: t.ix_add(t.ax(narrow), start)})
+        access = self.materialise(shifted, axes, dtype, origin=core)
+        return t.substitute_axes(access, {narrow: t.ix_add(t.ax(axis), -start)})
+
+    def emit(self, term: Term, output: str, axes: tuple[str, ...], dtype: str = "", origin: Term | None = None) -> None:
         """Add the kernel(s) computing ``term`` into ``output``: the most valuable core
         stays in this kernel, every other core is materialised by an earlier one. A backward
         form does not stay under elementwise work (a backward kernel writes gradients only): the
@@ -355,13 +399,13 @@ class _Partition:
         # the flash kernels write their output as it is: elementwise work after one (an attention
         # sink's factor, which reads the kernel's own log-sum-exp) is a kernel of its own
         stacked |= bool(cores) and _core_head(cores[0]) in FLASH_FORWARD and _uncast(term) != cores[0]
-        source = None if stacked or not cores else cores[0]
-        primary = source
+        primary = None if stacked or not cores else cores[0]
+        source = origin if origin is not None and primary is not None else primary
         extras = list(cores) if stacked else cores[1:]
         while extras:
             extra = extras.pop(0)
             # a flash kernel writes its rows' log-sum-exp in fp32 (an attention sink's factor reads it)
-            access = self.materialise(extra, dtype="fp32" if extra[0] == "AttentionLse" else "")
+            access = self.materialise_guarded(extra, term, dtype="fp32" if extra[0] == "AttentionLse" else "")
             # a core nested in a later one (a contraction inside a sum) is read from its buffer there too
             term = t.replace(term, extra, access)
             primary = t.replace(primary, extra, access) if primary is not None else None
@@ -377,7 +421,9 @@ class _Partition:
         self.kernels.append(FusedKernel(kind, term, output, axes, _reads(term), source, dtype=dtype))
 
     def prepare(self, core: Term) -> Term:
-        """The core with each operand it cannot fuse replaced by a buffer access."""
+        """The core with each operand it cannot fuse replaced by a buffer access (its bound axes
+        named by the counts they bind: :func:`~cherenkov.rewrites.terms.binders_named_by_count`)."""
+        core = t.binders_named_by_count(core)
         head = core[0]
         if head == "Scheduled":
             return self.prepare(core[1])
@@ -397,7 +443,7 @@ class _Partition:
                 result[position] = self.materialise(operand)
                 continue
             for inner in nested:
-                operand = t.replace(operand, inner, self.materialise(inner))
+                operand = t.replace(operand, inner, self.materialise_guarded(inner, operand))
             result[position] = operand
         return tuple(result)
 

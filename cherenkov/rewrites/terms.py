@@ -199,6 +199,42 @@ def rename_free_axis(term: Term, old: str, new: str) -> Term:
     return (term[0], *parts)
 
 
+def axis_names(term: Term) -> frozenset[str]:
+    """Every axis name ``term`` mentions, free or bound."""
+    names = set()
+    for sub in subterms(term):
+        if sub[0] == "Ax":
+            names.add(sub[1])
+        constructor = CONSTRUCTORS.get(sub[0])
+        for position, _ in constructor.binds if constructor else ():
+            names.add(sub[1 + position])
+    return frozenset(names)
+
+
+def binders_named_by_count(term: Term) -> Term:
+    """``term`` with each axis its head binds renamed, where the name's extent is not the count of
+    entries it binds, to a fresh name of that extent. Alpha-renaming changes no value; it keeps an
+    operand read under the binder, when stored over its free axes, as wide as the bound range (a
+    concatenation's output axis, 64 wide, can name a head dim of 32 that a flash form binds: its q
+    copied 64 wide would read past q's rows)."""
+    constructor = CONSTRUCTORS.get(term[0])
+    if constructor is None or not constructor.binds:
+        return term
+    parts, used = list(term[1:]), set(axis_names(term))
+    for position, scope in constructor.binds:
+        name, count = parts[position], parts[position + 1]
+        if extent(name) == count:
+            continue
+        bases = {a.split(":")[0] for a in used}
+        fresh = next(f"r{k}:{count}" for k in range(len(used) + 1) if f"r{k}" not in bases)
+        used.add(fresh)
+        parts[position] = fresh
+        for operand in scope:
+            if isinstance(parts[operand], tuple):
+                parts[operand] = rename_free_axis(parts[operand], name, fresh)
+    return (term[0], *parts)
+
+
 # ----------------------------------------------------------------------- egglog text
 
 

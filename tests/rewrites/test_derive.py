@@ -237,6 +237,27 @@ def test_elementwise_work_after_flash_attention_is_a_kernel_of_its_own() -> None
     assert_derived_program_matches(g, d)
 
 
+def test_attentions_concatenated_along_the_value_dim_read_their_operands_in_place() -> None:
+    """One softmax read by two products whose outputs are concatenated along the value dim (DiffLlama's
+    eager attention once Dynamo shares its two softmaxes): two flash kernels reading q, k and each v in
+    place. The concatenation's axis, 2·D wide, can name a flash form's head dim (it binds D entries)
+    and its value dim (read under the pad's guard, D entries): neither operand is copied 2·D wide,
+    which would read past each row of q, k and v."""
+    g = ck.Graph("concatenated")
+    q, k = g.input("q", (B, H, SQ, D), "bf16"), g.input("k", (B, H, SKV, D), "bf16")
+    v1, v2 = g.input("v1", (B, H, SKV, D), "bf16"), g.input("v2", (B, H, SKV, D), "bf16")
+    p = ck.nn.softmax((q @ k.transpose(-2, -1)) * SCALE, axis=-1)
+    g.output(ck.cat([p @ v1, p @ v2], axis=-1), "o")
+    d = ck.derive(g)
+    kernels = d.kernels_for("sm_90a")
+    assert [k.kind for k in kernels] == ["flash_attention", "flash_attention", "elementwise"]
+    shapes, _ = d.tensor_types(kernels)
+    for flash in kernels[:2]:
+        assert set(flash.reads) <= {"q", "k", "v1", "v2"} and shapes[flash.output] == (B, H, SQ, D)
+    assert {p.problem.v for p in d.plans("sm_90a")} == {"v1", "v2"}
+    assert_derived_program_matches(g, d)
+
+
 def mask_graph(mask_heads: int, kv_heads: int = H, seq_q: int = SQ) -> ck.Graph:
     """Attention with a bias ``(B, mask_heads, Sq, Skv)`` as SDPA's capture spells an additive
     mask: ``softmax(s + mask)`` in PyTorch's safe softmax ``where(max s > −∞, ·, 0)``."""
