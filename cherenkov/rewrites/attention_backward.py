@@ -226,6 +226,9 @@ def attention_backward_problem(kernel: FusedKernel, shapes: Mapping[str, tuple[i
     values = next((f.v for _, f, _ in forms if f.v is not None), lead.k)  # dv alone reads no v
     flash = ("FlashAttention", lead.key, lead.n_keys, lead.dim, lead.n_dim, lead.q, lead.k, values, lead.scale, lead.mask)
     attention = attention_problem(flash, shapes, dtypes)
+    if attention.shares_kv_head:
+        raise KernelError("flash attention backward: k or v is one head shared by the K/V heads (its gradient sums "
+                          "them all; valid: k and v per K/V head)")
     q_read, k_read = _flash_read(lead.q, "q", shapes), _flash_read(lead.k, "k", shapes)
     batch, head, query = query_axis_roles(q_read, k_read, lead.dim, lead.key, t.soft_capped(lead.mask)[1])
     if query is None:

@@ -46,7 +46,7 @@ from cherenkov.rewrites.attention_backward import (
     saved_attentions,
     saved_statistics,
 )
-from cherenkov.rewrites.kernels import FusedKernel, KernelError, attention_problem, joined_statistics, lse_output
+from cherenkov.rewrites.kernels import FLASH_FORWARD, FusedKernel, KernelError, attention_problem, joined_statistics, lse_output
 from cherenkov.rewrites.kernels import partition as partition_kernels
 from cherenkov.rewrites.language import EXPR_CONSTRUCTORS, prelude
 from cherenkov.rewrites.lower import Lowered, fresh_name, lower
@@ -300,7 +300,7 @@ class Derivation:
                 if computed is None:
                     continue
                 trial = _read_from_outputs(computed, self.lowered.outputs)
-                if _cost(trial) <= _cost(chosen) and _holds_gradient_forms(trial):
+                if _cost(trial) <= _cost(chosen) and _holds_fused_forms(trial, self.graph.is_gradient):
                     chosen, in_place, every = trial, (*in_place, *group), computed
             terms = {name: term for name, (term, _) in chosen.items()}
             return terms, in_place, {name: term for name, (term, _) in every.items()}
@@ -670,10 +670,12 @@ class Derivation:
         return tuple(sorted(set(plans), key=lambda p: p.name))
 
 
-def _holds_gradient_forms(extracted: Mapping[str, tuple[Term, int]]) -> bool:
-    """Whether any extracted term holds a flash-attention backward form (what computing the
-    intermediates in place is for)."""
-    return any(s[0] in GRADIENT_FORMS for term, _ in extracted.values() for s in t.subterms(term))
+def _holds_fused_forms(extracted: Mapping[str, tuple[Term, int]], gradient: bool) -> bool:
+    """Whether any extracted term holds a flash-attention backward form (``gradient``), or else a
+    flash-attention form: what computing the intermediates in place is for (in a forward graph, a
+    softmax that two products read)."""
+    forms = GRADIENT_FORMS if gradient else FLASH_FORWARD
+    return any(s[0] in forms for term, _ in extracted.values() for s in t.subterms(term))
 
 
 def _cost(extracted: Mapping[str, tuple[Term, int]]) -> int:

@@ -1204,7 +1204,9 @@ def attention_problem(
         raise KernelError(f"flash attention: k {t.show(k)} and v {t.show(v)} must both vary along the key axis {key}")
     shared = q_axes - {dim}
     k_heads, v_heads = _head_atom(k_read, shared), _head_atom(v_read, shared)
-    if k_heads != v_heads:
+    # v may read one head for every K/V head k reads (DiffLlama's two halves of v, each one head
+    # repeated): its head stride is then 0
+    if not v_heads.items() <= k_heads.items():
         raise KernelError(f"flash attention: k and v use different heads ({t.show(k)} / {t.show(v)})")
     others = [a for a in k_read.strides if a != t.ax(key) and a != t.ax(dim) and a not in k_heads.values()]
     if others:

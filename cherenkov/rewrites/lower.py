@@ -386,7 +386,9 @@ def lower(graph: Graph) -> Lowered:
     if unstored is not None:
         raise AssertionError(f"node {unstored} of {graph.name!r} is read under several indexings but not stored")
     inputs = graph.inputs
-    recomputed = recomputed_intermediates(graph, split, roots, axes) if graph.is_gradient else ()
+    recomputed = recomputed_intermediates(graph, split, roots, axes)
+    if not graph.is_gradient:
+        recomputed = tuple(g for g in recomputed if _shared_probabilities(g, roots))
     return Lowered(
         roots=roots,
         root_axes=axes,
@@ -553,6 +555,18 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
     chosen = [name for name in order if name in recomputed | grouped]
     tensors = {name: {s[1] for s in parts if s[0] == "Tensor"} for name, parts in subterms.items()}
     return _linked_groups(chosen, tensors, set(order))
+
+
+def _shared_probabilities(group: tuple[str, ...], roots: dict[str, Term]) -> bool:
+    """Whether two roots outside ``group`` (a forward graph's softmax) read one of its members: one
+    softmax read by two products under different indexings (DiffLlama's two attentions sharing q,
+    k and the mask, their outputs concatenated), stored unless computed where each reads it."""
+    for name in group:
+        readers = [r for r, term in roots.items() if r not in group
+                   and any(s[0] == "Tensor" and s[1] == name for s in t.subterms(term))]  # fmt: skip
+        if len(readers) >= 2:
+            return True
+    return False
 
 
 def _linked_groups(names: list[str], tensors: dict[str, set[str]],

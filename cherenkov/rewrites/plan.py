@@ -331,6 +331,12 @@ class AttentionProblem:
             shapes[self.lse.tensor] = self.lse.layout.shape
         return shapes
 
+    @property
+    def shares_kv_head(self) -> bool:
+        """Whether k or v is one head read for every K/V head (a head stride of 0 over several: DiffLlama's
+        halves of v)."""
+        return self.kv_heads > 1 and any(self.layout(role).head == 0 for role in ("k", "v"))
+
     def layout_problems(self) -> list[str]:
         """Why the layouts cannot be read with 16-byte copies; empty when they can."""
         return list(self._layout_problems)
@@ -708,6 +714,8 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
                             or tile_row_elements(problem.head_dim) != problem.head_dim):
         reasons.append(f"TMA copies need one head dim of 64, 128 or 256 for q, k and v (got {problem.head_dim}"
                        f" and {problem.v_dim})")
+    if schedule.tma_kv and problem.shares_kv_head:
+        reasons.append("TMA copies of k or v shared by the K/V heads (a head stride of 0: no tensor map moves by 0)")
     if schedule.row_sums_mma and not schedule.tma_kv:
         reasons.append("row sums on the tensor cores need the TMA ring")
     if schedule.q_prescaled and not (schedule.row_sums_mma and not schedule.late_copy):

@@ -348,6 +348,9 @@ def hopper_schedule_problems(
     reasons = p.layout_problems() + p.softcap_problems()
     if target.family != "wgmma":
         reasons.append(f"{target.name} has no wgmma (the sm_90a family needs sm_90a)")
+    if p.shares_kv_head:
+        reasons.append("k or v shared by the K/V heads (a head stride of 0): a tensor map does not move by 0 "
+                       "(the mma.sync family plans it)")
     if p.dtype not in (*ATTENTION_DTYPES, *HOPPER_EIGHT_BIT_DTYPES):
         reasons.append(f"dtype {p.dtype} (valid: {', '.join((*ATTENTION_DTYPES, *HOPPER_EIGHT_BIT_DTYPES))})")
     if p.dtype in HOPPER_EIGHT_BIT_DTYPES:

@@ -22,7 +22,9 @@ def strided(kind: str, b: int, h: int, hkv: int, sq: int, skv: int, d: int, **kw
     * ``fused``: q, k and v slices of one ``(B, S, (H + 2·Hkv)·D)`` fused QKV tensor (Sq = Skv),
       o ``(B, S, H·D)``;
     * ``gqa_v``: q and o BHSD, k BHSD of the K/V heads, v a ``(B, S, Hkv·D)`` projection read
-      by every query head of its group.
+      by every query head of its group;
+    * ``shared_v``: q, k and o BHSD, v the second head of a ``(B, 2, S, D)`` tensor read for every
+      K/V head (head stride 0: DiffLlama's halves of v).
     """
     if kind == "bshd":
         layouts = (bshd(b, h, sq, d), bshd(b, hkv, skv, d), bshd(b, hkv, skv, d), bshd(b, h, sq, d))
@@ -37,6 +39,10 @@ def strided(kind: str, b: int, h: int, hkv: int, sq: int, skv: int, d: int, **kw
         layouts = (OperandLayout.contiguous((b, h, sq, d)), OperandLayout.contiguous((b, hkv, skv, d)),
                    bshd(b, hkv, skv, d), OperandLayout.contiguous((b, h, sq, d)))  # fmt: skip
         names = {"q": "q", "k": "k", "v": "v"}
+    elif kind == "shared_v":
+        layouts = (OperandLayout.contiguous((b, h, sq, d)), OperandLayout.contiguous((b, hkv, skv, d)),
+                   OperandLayout((b, 2, skv, d), 2 * skv * d, 0, d, skv * d), OperandLayout.contiguous((b, h, sq, d)))  # fmt: skip
+        names = {"q": "q", "k": "k", "v": "v"}
     else:
         raise ValueError(kind)
     return AttentionProblem(b, h, hkv, sq, skv, d, layouts=layouts, **names, **kw)
@@ -48,4 +54,5 @@ PROBLEMS = {
     "fused_qkv_causal": strided("fused", 2, 4, 4, 257, 257, 64, causal=True),
     "fused_qkv_gqa": strided("fused", 1, 8, 2, 384, 384, 128),
     "gqa_v_only": strided("gqa_v", 2, 8, 4, 130, 500, 64),
+    "gqa_shared_v": strided("shared_v", 2, 8, 2, 130, 257, 64, causal=True),
 }

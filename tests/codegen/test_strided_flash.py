@@ -63,6 +63,22 @@ def test_misaligned_layouts_are_refused() -> None:
         assert any("multiples of 8" in reason for reason in fits(schedule, shifted, TARGETS[target]))
 
 
+def test_a_value_shared_by_the_kv_heads_is_read_at_head_stride_0_by_the_mma_sync_family(compiler, kernel_cache) -> None:
+    """v one head for every K/V head (DiffLlama's): the ``mma.sync`` family reads it at head stride 0 (its
+    cp.async loads) and compiles for sm_80, sm_90 and sm_120; TMA copies (the Hopper family, the TMA ring)
+    refuse it, no tensor map moving by 0."""
+    problem = PROBLEMS["gqa_shared_v"]
+    assert problem.shares_kv_head and not PROBLEMS["gqa_v_only"].shares_kv_head
+    assert "constexpr size_t V_HEAD_STRIDE = 0;" in cuda_source(KernelPlan("flash_attention", problem, PLAIN,
+                                                                            TARGETS["sm_90"]))
+    for schedule, target in ((TMA_RING, "sm_90"), (HOPPER, "sm_90a")):
+        fits = hopper_schedule_problems if isinstance(schedule, HopperFlashSchedule) else flash_schedule_problems
+        assert any("shared by the K/V heads" in reason for reason in fits(schedule, problem, TARGETS[target]))
+    chosen = [KernelPlan("flash_attention", problem, PLAIN, TARGETS[target]) for target in ("sm_80", "sm_90", "sm_120")]
+    for plan, result in zip(chosen, compile_plans(chosen, compiler=compiler, cache_dir=kernel_cache)):
+        assert not isinstance(result, CompileError), f"{plan.name}: {result}"
+
+
 SPILL_SLACK = 16  # bytes: ptxas places the 64-bit operand bases a little differently
 
 

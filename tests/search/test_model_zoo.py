@@ -3,7 +3,8 @@ transformers configs of the LMs, encoders and vision towers users bring (Qwen2, 
 and without its sliding window, Gemma at head dim 256, Gemma 3's sliding and full layers, Phi-3,
 Cohere's interleaved rotary embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent
 attention (its query and key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi,
-XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers (ImageGPT's too), GPT-OSS's attention sinks, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
+XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers (ImageGPT's too), GPT-OSS's attention sinks,
+DiffLlama's two attentions sharing their softmax, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
@@ -165,6 +166,11 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     "gpt_oss_sinks": (_decoder("GptOssForCausalLM", "GptOssConfig", num_hidden_layers=2, head_dim=32,
                                num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
                                layer_types=["sliding_attention", "full_attention"], attention_dropout=0.0), 2),
+    # DiffLlama: two attentions sharing q, k and the mask, each v one K/V head repeated for all heads (so v reads one
+    # head where k reads h // G), their outputs concatenated along the value dim; eagerly one softmax that two
+    # products read: a flash kernel for each
+    "diffllama_sdpa": (_decoder("DiffLlamaModel", "DiffLlamaConfig", attn_implementation="sdpa"), 2),
+    "diffllama_eager": (_decoder("DiffLlamaModel", "DiffLlamaConfig", attn_implementation="eager"), 2),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "mbart_shifted_ids": (_mbart, 3),
@@ -283,7 +289,8 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "modernbert_local_and_global": (2, 2), "cohere_interleaved_rotary": (1, 1), "xglm_clamped_mask": (1, 1),
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
            "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3),
-           "gpt_neo_buffer_masks": (2, 2), "imagegpt_buffer_mask": (1, 1), "gpt_oss_sinks": (2, 0)}  # fmt: skip
+           "gpt_neo_buffer_masks": (2, 2), "imagegpt_buffer_mask": (1, 1), "gpt_oss_sinks": (2, 0),
+           "diffllama_sdpa": (2, 0)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
@@ -296,7 +303,8 @@ whose probability is 0; GPT-Neo's mask buffers are pinned in the forward and in 
 them as saved inputs, and its window's VJP, a where below the window, moves only entries of probability 0; GPT-OSS's
 sinks: the backward recomputes the appended column and the row's max with its index, what max's gradient scatters
 by, so the forward keeps its flash kernels; that scatter derives away, the row sum of a softmax's gradient being 0,
-and the index stays in the backward's region; the backward through the sink is not a flash backward yet)."""
+and the index stays in the backward's region; the backward through the sink is not a flash backward yet; DiffLlama's
+v, one head for every K/V head, has a gradient summing them all, which no flash backward writes yet)."""
 
 
 def _training_step_against_eager(family: str) -> tuple[float, list[Any]]:
