@@ -15,8 +15,8 @@ off; BERT's padded SDPA backward stays torch's; Swin's writes dv alone, its dq a
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
 that assemble its query and key;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
-and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window, GPT-OSS and Apertus run
-like eager at width 1024."""
+and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window, GPT-OSS, DiffLlama and Apertus
+run like eager at width 1024."""
 
 from __future__ import annotations
 
@@ -530,6 +530,10 @@ WIDE = {
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
         intermediate_size=1024, num_local_experts=2, num_experts_per_tok=2, vocab_size=1024, sliding_window=128,
         layer_types=["sliding_attention", "full_attention"])),
+    # DiffLlama's two attentions sharing their softmax, each v one K/V head read for every head (head stride 0)
+    "diffllama": lambda: transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(
+        num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=2048, vocab_size=1024)),
     # xIELU's softplus and expm1 in the MLP
     "apertus": lambda: transformers.ApertusForCausalLM(transformers.ApertusConfig(
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
@@ -541,9 +545,10 @@ WIDE = {
 @pytest.mark.parametrize("family", list(WIDE))
 def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: str, tmp_path) -> None:
     """XGLM (its clamped causal mask), Mistral with a window of 128 keys, Gemma 2 (its soft cap, and the window of
-    its sliding layer), GPT-Neo (its masks from its own buffers), GPT-OSS (its attention sinks) and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
+    its sliding layer), GPT-Neo (its masks from its own buffers), GPT-OSS (its attention sinks), DiffLlama (two attentions a layer, v read at head stride 0) and Apertus (its xIELU
+    activation) at width 1024, B 2, T 512, through
     ``torch.compile(backend="cherenkov")`` on the GPU: eager's logits within bf16 tolerance, and a flash kernel
-    launched for each of the two attention layers, the windows the kernels' own (no bias tensor)."""
+    launched for each attention of the two layers, the windows the kernels' own (no bias tensor)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     import functools
@@ -562,8 +567,9 @@ def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: 
     assert error < 2e-2, f"{family}: {error:.3g} from eager"
     results = searched_results(splits)
     kinds = [k.kind for result in results for k in result.launched]
-    assert kinds.count("flash_attention") == 2, kinds
+    flash = 4 if family == "diffllama" else 2  # DiffLlama: two attentions a layer
+    assert kinds.count("flash_attention") == flash, kinds
     problems = [result.kernels[k.output].plan.problem for result in results for k in result.launched
                 if k.kind == "flash_attention"]  # fmt: skip
-    windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128], "gpt_neo": [0, 128], "gpt_oss": [0, 128]}.get(family, [0, 0])
+    windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128], "gpt_neo": [0, 128], "gpt_oss": [0, 128]}.get(family, [0] * flash)
     assert sorted(p.window for p in problems) == windows and all(p.bias is None for p in problems), problems
