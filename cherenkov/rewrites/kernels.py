@@ -106,9 +106,18 @@ def _row_widened(term: Term) -> tuple[str, str, Term] | None:
     return None
 
 
+def _narrowing_guard(term: Term, core: Term) -> tuple[str, int, int] | None:
+    """:func:`_pad_guard` of ``core`` in ``term`` where it narrows an axis ``core`` varies along, else None."""
+    guard = _pad_guard(term, core)
+    if guard is None or guard[0] not in t.free_axes(core) or guard[2] >= t.extent(guard[0]):
+        return None
+    return guard
+
+
 def _pad_guard(term: Term, sub: Term) -> tuple[str, int, int] | None:
-    """The ``PadAxis`` guard ``(axis, start, size)`` (a plain axis) that every read of ``sub`` in ``term``
-    lies under, or None: where no one guard is common to them all."""
+    """The guard ``(axis, start, size)`` (a plain axis) that every read of ``sub`` in ``term`` lies under,
+    or None: where no one guard is common to them all. A ``PadAxis`` guards its operand; ``where(a < n, x,
+    y)`` guards ``x`` by ``(a, 0, n)`` (an appended column's where)."""
     common: set[tuple[str, int, int]] | None = None
     seen: set[tuple[Term, tuple]] = set()
     stack: list[tuple[Term, tuple]] = [(term, ())]
@@ -123,8 +132,20 @@ def _pad_guard(term: Term, sub: Term) -> tuple[str, int, int] | None:
         if node[0] == "PadAxis" and node[1][0] == "Ax":
             stack.append((node[5], (*guards, (node[1][1], node[2], node[3]))))
             continue
+        edge = _iota_edge(node[1]) if node[0] == "Where" else None
+        if edge is not None:
+            stack += [(node[1], guards), (node[2], (*guards, (edge[0], 0, edge[1]))), (node[3], guards)]
+            continue
         stack.extend((child, guards) for child in t.children(node))
     return min(common) if common else None
+
+
+def _iota_edge(condition: Term) -> tuple[str, int] | None:
+    """``(a, n)`` for the condition ``a < n`` (an axis below a whole number), else None."""
+    if condition[0] != "Lt" or condition[1][0] != "Iota" or condition[1][1][0] != "Ax" or condition[2][0] != "Num":
+        return None
+    edge = condition[2][1]
+    return (condition[1][1][1], int(edge)) if float(edge).is_integer() and edge >= 0 else None
 
 
 def _uncast(term: Term) -> Term:
@@ -375,8 +396,8 @@ class _Partition:
         stored over the guarded range alone, the axis renamed to one of that extent (and shifted by
         the guard's start), and read back at the guarded axis: its operands are then read over the
         range they hold, not past it."""
-        guard = _pad_guard(term, core)
-        if guard is None or guard[0] not in t.free_axes(core) or guard[2] >= t.extent(guard[0]):
+        guard = _narrowing_guard(term, core)
+        if guard is None:
             return self.materialise(core, dtype=dtype)
         axis, start, size = guard
         narrow = next(name for k in itertools.count() if (name := f"{axis.split(':')[0]}p{k}:{size}")
@@ -399,6 +420,9 @@ class _Partition:
         # the flash kernels write their output as it is: elementwise work after one (an attention
         # sink's factor, which reads the kernel's own log-sum-exp) is a kernel of its own
         stacked |= bool(cores) and _core_head(cores[0]) in FLASH_FORWARD and _uncast(term) != cores[0]
+        # a core read only below a guard's edge (a concatenation's piece, a row's appended column) is stored over
+        # the guarded range: computed here over the whole axis, it would read its operands past their ends
+        stacked |= bool(cores) and cores[0] != term and _narrowing_guard(term, cores[0]) is not None
         primary = None if stacked or not cores else cores[0]
         source = origin if origin is not None and primary is not None else primary
         extras = list(cores) if stacked else cores[1:]

@@ -558,14 +558,23 @@ def recomputed_intermediates(graph: Graph, split: dict[int, str], roots: dict[st
 
 
 def _shared_probabilities(group: tuple[str, ...], roots: dict[str, Term]) -> bool:
-    """Whether two roots outside ``group`` (a forward graph's softmax) read one of its members: one
-    softmax read by two products under different indexings (DiffLlama's two attentions sharing q,
-    k and the mask, their outputs concatenated), stored unless computed where each reads it."""
+    """Whether two roots outside ``group`` (a forward graph's softmax) each sum a member over its
+    row (its last axis): one softmax read by two products with values under different indexings
+    (DiffLlama's two attentions sharing q, k and the mask, their outputs concatenated), stored
+    unless computed where each reads it."""
     for name in group:
-        readers = [r for r, term in roots.items() if r not in group
-                   and any(s[0] == "Tensor" and s[1] == name for s in t.subterms(term))]  # fmt: skip
-        if len(readers) >= 2:
+        if sum(_sums_rows_of(name, term) for reader, term in roots.items() if reader not in group) >= 2:
             return True
+    return False
+
+
+def _sums_rows_of(name: str, term: Term) -> bool:
+    """Whether ``term`` sums the tensor ``name`` over its last axis (a product of probabilities with values)."""
+    for s in t.subterms(term):
+        if s[0] in ("Sum", "Contract"):
+            row = t.ax(s[1])
+            if any(r[0] == "Tensor" and r[1] == name and t.ix_items(r[2])[-1] == row for r in t.subterms(s)):
+                return True
     return False
 
 

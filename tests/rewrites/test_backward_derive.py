@@ -11,7 +11,8 @@ import cherenkov as ck
 from cherenkov.rewrites.plan import SMEM_RESERVED_PER_BLOCK, TARGETS
 from cherenkov.rewrites.plan_backward import backward_smem_bytes
 
-from tests.rewrites.test_derive import SPELLINGS, assert_derived_program_matches, attention_graph, random_inputs
+from cherenkov.rewrites import terms as t
+from tests.rewrites.test_derive import SPELLINGS, assert_derived_program_matches, attention_graph, random_inputs, sink_graph
 
 # The spellings of the issue's acceptance and the rules each one's backward needs beyond the
 # common chain (quotient VJP, shift gradient, D = rowsum(dO∘O), P from the LSE, the three forms).
@@ -188,3 +189,19 @@ def test_a_bert_layer_under_a_padding_mask_derives_one_flash_backward_reading_th
     plans = ck.derive(ck.grad(bf16, wrt=tuple(n for n in bf16.inputs if n != "attention_mask"))).plans("sm_90a")
     backward = [p for p in plans if p.kind == "flash_attention_backward"]
     assert backward and all(p.problem.attention.bias is not None and not p.schedule.wgmma for p in backward)
+
+
+def test_a_product_read_below_a_guards_edge_is_computed_once_over_the_keys_there_are() -> None:
+    """The gradient of GPT-OSS's sinks reads the scores under ``where(j < n, ·, sink)`` and ``dO·vᵀ`` under
+    ``pad(·, (0, 1))`` along the n + 1 columns: each product is stored over the n keys there are and read
+    under its guard, so no kernel reads k or v past its rows, and q·kᵀ is computed once."""
+    gg = ck.grad(sink_graph(False), wrt=("q", "k", "v", "sinks"))
+    d = ck.derive(gg)
+    kernels = d.kernels_for("sm_90a")
+    for kernel in kernels:
+        for read in (s for s in t.subterms(kernel.term) if s[0] == "Tensor" and s[1] in gg.inputs):
+            extents = [t.extent(ix[1]) if ix[0] == "Ax" else 1 for ix in t.ix_items(read[2])]
+            assert all(e <= n for e, n in zip(extents, gg.inputs[read[1]].shape)), (kernel.output, t.show(read))
+    scores = [k for k in kernels if k.core is not None and k.core[0] == "Contract" and {"q", "k"} == set(k.reads)]
+    assert len(scores) == 1, [k.describe()[:200] for k in scores]
+    assert_derived_program_matches(gg, d)
