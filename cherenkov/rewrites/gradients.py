@@ -250,6 +250,8 @@ RULES = (
     ),  # fmt: skip
     finite_causal_mask_rule("softmax-row-finite-causal-mask", "softmax_j({})", "SoftmaxRow", s),
     finite_causal_mask_rule("softmax-row-finite-causal-where", "softmax_j({})", "SoftmaxRow", s, spelling="fill"),
+    finite_causal_mask_rule("softmax-row-finite-causal-fill-bias", "softmax_j({})", "SoftmaxRow", s,
+                            spelling="additive-fill"),
     finite_causal_mask_rule("softmax-row-finite-causal-window", "softmax_j({})", "SoftmaxRow", s,
                             spelling="additive-window"),
     finite_causal_mask_rule("softmax-row-finite-causal-fill-window", "softmax_j({})", "SoftmaxRow", s,

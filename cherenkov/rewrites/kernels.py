@@ -496,7 +496,7 @@ class _Partition:
         cap, mask = t.soft_capped(core[9])
         bias = stored_bias(mask)  # a window: the kernel's own key range
         rounded = self.half_dtype((q, k) if statistics else (q, k, v), all_fp32=statistics)
-        if bias is not None and not self.readable_in_place(bias):
+        if bias is not None and not self.readable_along_axes(bias):
             axes = t.free_axes(bias)
             layouts[9] = (order(frozenset(axes - {key})) + ((key,) if key in axes else ()), bias)
         result = list(core)
@@ -507,7 +507,8 @@ class _Partition:
                 result[position] = self.rounded_copy(operand, rounded, layout[-1])
                 continue
             # an 8-bit q or k times its MX scales is read in place too (the block-scaled mma)
-            if self.readable_in_place(operand) or (position < 7 and self.block_scaled_in_place(operand)):
+            readable = self.readable_along_axes(operand) if position == 9 else self.readable_in_place(operand)
+            if readable or (position < 7 and self.block_scaled_in_place(operand)):
                 continue
             if position == 9:  # a computed bias, or one read through a computed index: stored over its axes, key last
                 buffer = self.materialise(operand, layout, dtype=bias_buffer_dtype(operand))
@@ -543,7 +544,7 @@ class _Partition:
             elif operand[0] in t.MASK_HEADS or operand[0] == "SoftcapMask":
                 cap, mask = t.soft_capped(operand)
                 bias = stored_bias(mask)
-                if bias is not None and not self.readable_in_place(bias):
+                if bias is not None and not self.readable_along_axes(bias):
                     buffer = self.materialise(bias, dtype=bias_buffer_dtype(bias))
                     result[position] = t.with_soft_cap(cap, with_stored_bias(mask, buffer))
             elif not self.readable_in_place(operand):
@@ -599,6 +600,14 @@ class _Partition:
             return False
         shape = self.stored_shapes().get(operand[1])
         return shape is not None and strided_read(operand, shape) is not None
+
+    def readable_along_axes(self, operand: Term) -> bool:
+        """Whether ``operand`` is an affine view of a stored tensor varying along whole axes only (a bias
+        stored per K/V head and read at ``h // G`` is not: the kernels step a bias by the query head)."""
+        if not self.readable_in_place(operand):
+            return False
+        read = strided_read(operand, self.stored_shapes()[operand[1]])
+        return all(atom[0] == "Ax" for atom in read.strides)
 
     def stored_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors kernels may read so far: inputs, roots and buffers."""

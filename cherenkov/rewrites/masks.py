@@ -163,6 +163,12 @@ FINITE_CAUSAL_SPELLINGS = {
         "s + where(i < j, m, 0)", "(Add s (Where {causal} (Num m) (Num 0.0)))",
         lambda scores: ("Add", scores, FINITE_CAUSAL),
         "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104"),
+    # a causal mask filled into a bias added to the scores (Doge's dynamic mask: where(i < j, m, b))
+    "additive-fill": FiniteCausalSpelling(
+        "s + where(i < j, m, b)", "(Add s (Where {causal} (Num m) b1))",
+        lambda scores: ("Add", scores, ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2], tensor("bias", "i:3", "j:7"))),
+        "e^(m + s_j − max) underflows to 0 wherever the scores and the bias span less than |m| − 104",
+        kept=("s + b", "(Add s b1)")),
     # a causal masked_fill of the scores (MPT's)
     "fill": FiniteCausalSpelling(
         "where(i < j, m, s)", "(Where {causal} (Num m) s)",

@@ -295,6 +295,42 @@ def test_flash_attention_with_a_bias_tensor_reads_it_in_place(mask_heads: int, k
     assert any(isinstance(p.schedule, HopperFlashSchedule) for p in d.plans("sm_90a"))
 
 
+@pytest.mark.parametrize("offset", [0, 4])
+def test_a_causal_mask_filled_into_a_bias_is_the_causal_edge_beside_the_bias(offset: int) -> None:
+    """``s + where(i + o < j, m, b)`` (Doge's dynamic mask, bf16's lowest filled in causally): the edge is the
+    kernel's (causal, or its window aligned to the last key), the bias ``b`` read in place."""
+    g = ck.Graph("fill_bias")
+    q = g.input("q", (B, H, SQ, D), "bf16")
+    k, v = g.input("k", (B, H, SKV, D), "bf16"), g.input("v", (B, H, SKV, D), "bf16")
+    bias = g.input("bias", (B, H, 1, SKV), "bf16")
+    ahead = ck.where(ck.arange(SQ).unsqueeze(-1) + offset < ck.arange(SKV), -3.3895313892515355e38, bias)
+    g.output(ck.nn.softmax((q @ k.transpose(-2, -1)) * SCALE + ahead, axis=-1) @ v, "o")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels_for("sm_90a")] == ["flash_attention"]
+    assert any(rule.startswith("softmax-finite-") and rule.endswith("-fill-bias") for rule in d.trace), d.trace
+    problem = d.plans("sm_90a")[0].problem
+    assert problem.bias.tensor == "bias" and (problem.causal or problem.window_ahead == offset), problem
+    assert_derived_program_matches(g, d)
+
+
+def test_a_bias_stored_per_kv_head_is_copied_per_query_head_for_flash_attention() -> None:
+    """A bias the query heads read at their K/V head ``h // G`` (Doge's dynamic mask, repeated like K and V): the
+    kernels step a bias by the query head, so an elementwise kernel stores it per query head and the flash kernel
+    reads that copy in place."""
+    g = ck.Graph("kv_head_bias")
+    q = g.input("q", (B, H, SQ, D), "bf16")
+    k, v = g.input("k", (B, H // 2, SKV, D), "bf16"), g.input("v", (B, H // 2, SKV, D), "bf16")
+    mask = g.input("mask", (B, H // 2, SQ, SKV), "bf16")
+    k, v, mask = (ck.nn.repeat_kv_heads(x, 2) for x in (k, v, mask))
+    g.output(ck.nn.softmax((q @ k.transpose(-2, -1)) * SCALE + mask, axis=-1) @ v, "o")
+    d = ck.derive(g)
+    copy, flash = d.kernels_for("sm_90a")
+    assert (copy.kind, flash.kind, copy.reads) == ("elementwise", "flash_attention", ("mask",))
+    bias = d.plans("sm_90")[0].problem.bias
+    assert (bias.tensor, bias.shape, bias.head) == (copy.output, (B, H, SQ, SKV), SQ * SKV)
+    assert_derived_program_matches(g, d)
+
+
 def alibi_graph(causal: bool) -> ck.Graph:
     """ALiBi attention as MPT and Bloom spell it with 4-D tensors: each head's slope times each key's
     position added to the scores (computed, not a stored tensor), then (``causal``) the causal mask

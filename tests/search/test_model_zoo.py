@@ -4,7 +4,7 @@ and without its sliding window, Gemma at head dim 256, Gemma 3's sliding and ful
 Cohere's interleaved rotary embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent
 attention (its query and key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi,
 XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers (ImageGPT's too), GPT-OSS's attention sinks,
-DiffLlama's two attentions sharing their softmax, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
+DiffLlama's two attentions sharing their softmax, Doge's dynamic mask, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
@@ -171,6 +171,9 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     # products read: a flash kernel for each
     "diffllama_sdpa": (_decoder("DiffLlamaModel", "DiffLlamaConfig", attn_implementation="sdpa"), 2),
     "diffllama_eager": (_decoder("DiffLlamaModel", "DiffLlamaConfig", attn_implementation="eager"), 2),
+    # Doge's dynamic mask: a bias per K/V head and key (from v) under its causal fill, read by the query heads at
+    # h // G: stored per query head for the flash kernel
+    "doge_dynamic_mask": (_decoder("DogeModel", "DogeConfig"), 1),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "mbart_shifted_ids": (_mbart, 3),
