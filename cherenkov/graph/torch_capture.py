@@ -1795,7 +1795,7 @@ def is_band(tensor: Any, uniform: bool = False) -> bool:
 class _ScalarConstant:
     """A one-element tensor the program holds as a constant (a lifted ``torch.tensor(x)``: GPT-Neo's mask
     value, ``finfo(float32).min``; or a baked buffer): a constant of the graph, not an input, so that the
-    rules see its value (a mask's minimum must be at most −2¹⁵ for the flash forms)."""
+    rules see its value (a mask's minimum must be at most −2¹³ for the flash forms)."""
 
     value: bool | int | float
     dtype: str

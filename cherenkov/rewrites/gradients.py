@@ -271,11 +271,11 @@ RULES = (
     ),  # fmt: skip
     Rule(
         "window-masked-softmax-gradient",
-        "where(j < i + w, 0, softmax_j(where(c, −∞, s + where(j < i + w, m₂, 0)))·y) = softmax_j(…)·y for m₂ ≤ −2¹⁵: "
+        "where(j < i + w, 0, softmax_j(where(c, −∞, s + where(j < i + w, m₂, 0)))·y) = softmax_j(…)·y for m₂ ≤ −2¹³: "
         "a score below a sliding window has probability 0 (GPT-Neo's window filling the scores, its VJP a where)",
         lhs=f"(Where {WINDOW_LOWER} (Num 0.0) (Mul (SoftmaxRow j n (Where c (Num -inf) {_windowed})) y))",
         rhs=f"(Mul (SoftmaxRow j n (Where c (Num -inf) {_windowed})) y)",
-        where=("(<= m2 -32768.0)",),
+        where=("(<= m2 -8192.0)",),
         example=Example(("Where", WINDOW_EDGE, ("Num", 0.0),
                          ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))),
                                                            ("Num", -math.inf),
@@ -285,12 +285,12 @@ RULES = (
     Rule(
         "clamp-gradient-masked-softmax",
         "where(x < m₂, 0, where(m₂ < x, g, g·½)) = g for x = s + where(i < j, m, 0), g = softmax_j(where(i < j, "
-        "−∞, s))·y and a floor m₂ ≤ −2¹⁵ below every score s: the VJP of the clamp max(x, m₂) (½ at a tie, as "
+        "−∞, s))·y and a floor m₂ ≤ −2¹³ below every score s: the VJP of the clamp max(x, m₂) (½ at a tie, as "
         "torch's) moves only masked entries, whose probability is 0",
         lhs="(Where (Lt x (Num m2)) (Num 0.0) (Where (Lt (Num m2) x) g (Mul g (Num 0.5))))",
         rhs="g",
         where=(f"(= x (Add s (Where {CAUSAL_CONDITION} (Num m) (Num 0.0))))",
-               f"(= g (Mul (SoftmaxRow j n (Where {CAUSAL_CONDITION} (Num -inf) s)) y))", "(<= m2 -32768.0)"),
+               f"(= g (Mul (SoftmaxRow j n (Where {CAUSAL_CONDITION} (Num -inf) s)) y))", "(<= m2 -8192.0)"),
         example=Example(("Where", ("Lt", _clamped, ("Num", BF16_LOWEST)), ("Num", 0.0),
                          ("Where", ("Lt", ("Num", BF16_LOWEST), _clamped), _causal_gradient,
                           ("Mul", _causal_gradient, ("Num", 0.5))))),

@@ -54,7 +54,7 @@ def sliding_window(mask: Term) -> tuple[int, int] | None:
     ahead ``o``: ``-band2``), or that upper edge alone, ``where(i + o < j, m, 0)`` (a causal mask aligned to
     the last of more keys: ``-ahead``, a window of as many keys as there are queries and keys, so that no
     key is cut behind), that edge added to a stored bias (``-beside-ahead``: the window, the kernel reading the
-    stored bias, :func:`stored_bias`); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹⁵`` (the masked scores'
+    stored bias, :func:`stored_bias`); ``w ≤ 0`` and ``o ≥ 0`` whole, ``m, m₂ ≤ −2¹³`` (the masked scores'
     exponentials underflow as the causal ones do), a lower edge over at least two queries and no more
     queries than keys (every row sees its own key). None for any other mask. A kernel applies such a
     window itself, skipping the key tiles outside it, where any other bias is a tensor it reads."""
@@ -72,11 +72,11 @@ def _band_window(bias: Term) -> tuple[int, int] | None:
         case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", key))), ("Num", m), ("Num", 0.0)):
             # keys at most o ahead and none cut behind: a window over every key (i − W < 0 ≤ j for each row i)
             rows = extent(query[1]) if query[0] == "Ax" else 0
-            if rows and float(o).is_integer() and o >= 0 and m <= -32768.0:
+            if rows and float(o).is_integer() and o >= 0 and m <= -8192.0:
                 return rows + extent(key), int(o)
         case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", _))), ("Num", m), lower):
             window = _lower_edge(lower, query)
-            if window is not None and float(o).is_integer() and o >= 0 and m <= -32768.0:
+            if window is not None and float(o).is_integer() and o >= 0 and m <= -8192.0:
                 return window, int(o)
     return None
 
@@ -123,7 +123,7 @@ def with_stored_bias(mask: Term, stored: Term) -> Term:
 
 def _lower_edge(bias: Term, query: Term) -> int | None:
     """``W`` of a window's lower edge ``where(j < i + w, m, 0)`` over the query axis ``query`` (``w ≤ 0``
-    whole, ``m ≤ −2¹⁵``; 2 to as many queries as keys), else None."""
+    whole, ``m ≤ −2¹³``; 2 to as many queries as keys), else None."""
     match bias:
         case ("Where", ("Lt", ("Iota", ("Ax", key)), ("Add", ("Iota", q), ("Num", w))), ("Num", m), ("Num", 0.0)):
             pass
@@ -132,7 +132,7 @@ def _lower_edge(bias: Term, query: Term) -> int | None:
         case _:
             return None
     rows = extent(q[1]) if q == query and q[0] == "Ax" else 0
-    if 1 < rows <= extent(key) and float(w).is_integer() and w <= 0 and m <= -32768.0:
+    if 1 < rows <= extent(key) and float(w).is_integer() and w <= 0 and m <= -8192.0:
         return 1 - int(w)
     return None
 
@@ -181,7 +181,7 @@ FINITE_CAUSAL_SPELLINGS = {
         lambda scores: ("Add", scores, ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2],
                                         ("Where", WINDOW_EDGE, ("Num", -65536.0), ("Num", 0.0)))),
         "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
-        ("(<= m2 -32768.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
+        ("(<= m2 -8192.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
     # a sliding window's bool mask filling the scores (GPT-Neo's local layers: where(band, s, m)), one edge at a time
     "fill-window": FiniteCausalSpelling(
         "where(i < j, m, where(j < i + w, m₂, s))",
@@ -189,14 +189,14 @@ FINITE_CAUSAL_SPELLINGS = {
         lambda scores: ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2], ("Where", WINDOW_EDGE, ("Num", -65536.0), scores)),
         "e^(m − max) underflows to 0 wherever the scores lie above m + 104, and e^(m₂ − max) and e^(m₂ + s_j − max) "
         "wherever they span less than |m₂| − 104",
-        ("(<= m2 -32768.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
+        ("(<= m2 -8192.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
     # XGLM's: the masked scores clamped from below at a floor m₂, computed in fp32 and rounded back
     "clamped": FiniteCausalSpelling(
         "round(max(s + where(i < j, m, 0), m₂))", "(Cast dt (Maximum (Add s (Where {causal} (Num m) (Num 0.0))) (Num m2)))",
         lambda scores: ("Cast", "bf16", ("Maximum", ("Add", scores, FINITE_CAUSAL), ("Num", BF16_LOWEST))),
-        "the floor m₂ ≤ −2¹⁵ moves only scores whose exponentials underflow to 0 either way, and the rounding is "
+        "the floor m₂ ≤ −2¹³ moves only scores whose exponentials underflow to 0 either way, and the rounding is "
         "that of 16-bit scores (exact where a 16-bit product made them)",
-        ("(<= m2 -32768.0)", '(!= dt "int32")', '(!= dt "bool")'), HALF_ROUNDING),
+        ("(<= m2 -8192.0)", '(!= dt "int32")', '(!= dt "bool")'), HALF_ROUNDING),
 }
 
 
@@ -204,7 +204,7 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
                             example_after: tuple[Term, ...] = (), spelling: str = "additive",
                             keys_ahead: bool = False) -> Rule:  # fmt: skip
     """``head_j(mask(s), …) = head_j(where(i < j, −∞, s), …)`` for a finite causal ``mask`` of
-    minimum ``m ≤ −2¹⁵`` spelled as one of :data:`FINITE_CAUSAL_SPELLINGS`, where ``head``
+    minimum ``m ≤ −2¹³`` spelled as one of :data:`FINITE_CAUSAL_SPELLINGS`, where ``head``
     (spelled ``spelled``, ``{}`` its scores) folds the row's exponentials: the masked ones
     underflow to 0. ``after``: the arguments after the scores (``example_after`` in the
     example, whose unmasked scores are ``scores``). ``keys_ahead``: the mask aligned to the last
@@ -217,11 +217,11 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
     return Rule(
         name,
         f"{spelled.format(form.text.replace('i < j', text))} = "
-        f"{spelled.format(f'where({text}, −∞, {form.kept[0]})')} for m ≤ −2¹⁵: each row keeps j = 0, and "
+        f"{spelled.format(f'where({text}, −∞, {form.kept[0]})')} for m ≤ −2¹³: each row keeps j = 0, and "
         f"{form.underflow}",
         lhs=f"({head} j n {form.pattern.format(causal=causal)}{after})",
         rhs=f"({head} j n (Where {causal} (Num -inf) {form.kept[1]}){after})",
-        where=("(<= m -32768.0)", *(("(>= o 0.0)",) if keys_ahead else ()), *form.facts),
+        where=("(<= m -8192.0)", *(("(>= o 0.0)",) if keys_ahead else ()), *form.facts),
         example=Example((head, "j:7", 7, example, *example_after)),
         tolerance=form.tolerance,
     )
@@ -326,6 +326,13 @@ RULES = (
         lhs="(Mul (Where c a (Num 0.0)) b)",
         rhs="(Where c (Mul a b) (Num 0.0))",
         example=Example(("Mul", ("Where", condition, s, ("Num", 0.0)), t)),
+    ),
+    Rule(
+        "product-with-band",
+        "x·where(c, 0, 1) = where(c, 0, x) for a finite x: scores times a 0/1 band (GPT-1's w·b)",
+        lhs="(Mul x (Where c (Num 0.0) (Num 1.0)))",
+        rhs="(Where c (Num 0.0) x)",
+        example=Example(("Mul", s, ("Where", condition, ("Num", 0.0), ("Num", 1.0)))),
     ),
     Rule(
         "sum-where-invariant",

@@ -77,17 +77,17 @@ keys_ahead = ("Where", ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 4.0)), ("Iota
 
 BIAS_FORMS = (
     BiasForm("", "(Tensor b bix)", (), "a stored tensor b", bias),
-    BiasForm("-band", "b", (f"(= b (Where {WINDOW_LOWER} (Num m) (Num 0.0)))", "(<= m -32768.0)"),
-             "b = where(j < i + w, m, 0) for m ≤ −2¹⁵, a sliding window's lower edge", window_lower),
+    BiasForm("-band", "b", (f"(= b (Where {WINDOW_LOWER} (Num m) (Num 0.0)))", "(<= m -8192.0)"),
+             "b = where(j < i + w, m, 0) for m ≤ −2¹³, a sliding window's lower edge", window_lower),
     BiasForm("-band2", "b", (f"(= b (Where (Lt (Add (Iota iq) (Num o)) (Iota (Ax j))) (Num m) (Where {WINDOW_LOWER} "
-                             "(Num m2) (Num 0.0))))", "(<= m -32768.0)", "(<= m2 -32768.0)"),
-             "b = where(i + o < j, m, where(j < i + w, m₂, 0)) for m, m₂ ≤ −2¹⁵, a window about the query", window_both),
-    BiasForm("-ahead", "b", (f"(= b (Where {KEYS_AHEAD} (Num m) (Num 0.0)))", "(<= m -32768.0)"),
-             "b = where(i + o < j, m, 0) for m ≤ −2¹⁵, a causal mask aligned to the last of more keys",
+                             "(Num m2) (Num 0.0))))", "(<= m -8192.0)", "(<= m2 -8192.0)"),
+             "b = where(i + o < j, m, where(j < i + w, m₂, 0)) for m, m₂ ≤ −2¹³, a window about the query", window_both),
+    BiasForm("-ahead", "b", (f"(= b (Where {KEYS_AHEAD} (Num m) (Num 0.0)))", "(<= m -8192.0)"),
+             "b = where(i + o < j, m, 0) for m ≤ −2¹³, a causal mask aligned to the last of more keys",
              keys_ahead),
-    BiasForm("-beside-ahead", "b", (f"(= b (Add b1 (Where {KEYS_AHEAD} (Num m) (Num 0.0))))", "(<= m -32768.0)",
+    BiasForm("-beside-ahead", "b", (f"(= b (Add b1 (Where {KEYS_AHEAD} (Num m) (Num 0.0))))", "(<= m -8192.0)",
                                     "(= axes-b1 (axes b1))", "(set-not-contains axes-b1 d)"),
-             "b = b₁ + where(i + o < j, m, 0) for m ≤ −2¹⁵ and b₁ computed without d (ALiBi beside a KV cache's "
+             "b = b₁ + where(i + o < j, m, 0) for m ≤ −2¹³ and b₁ computed without d (ALiBi beside a KV cache's "
              "causal mask)", ("Add", alibi, keys_ahead), under_causal=False),
     BiasForm("-product", "b", ("(= b (Mul b1 b2))", *WITHOUT_HEAD_DIM),
              "b = b₁·b₂ computed without d (ALiBi's slope times key position)", alibi),
@@ -194,18 +194,18 @@ def _flash_rules() -> tuple[Rule, ...]:
 
 def _clamped_floor_rules() -> tuple[Rule, ...]:
     """``head_j(round(max(c·Σ_d q·k, m₂))) = head_j(c·Σ_d q·k)`` for the softmax-contraction and the log-sum-exp,
-    ``m₂ ≤ −2¹⁵``: attention's unmasked scores lie above any such floor (XGLM clamps its scores at bf16's lowest and
+    ``m₂ ≤ −2¹³``: attention's unmasked scores lie above any such floor (XGLM clamps its scores at bf16's lowest and
     rounds them; with one query after its cache the mask it clamps is gone)."""
     clamped = "(Cast dt (Maximum (Mul (Contract d nd q k) (Num c)) (Num m2)))"
     example = ("Cast", "bf16", ("Maximum", scores, ("Num", -3.3895313892515355e38)))
     return tuple(
         Rule(
             name,
-            f"{text.format('round(max(c·Σ_d q·k, m₂))')} = {text.format('c·Σ_d q·k')} for m₂ ≤ −2¹⁵: the floor "
+            f"{text.format('round(max(c·Σ_d q·k, m₂))')} = {text.format('c·Σ_d q·k')} for m₂ ≤ −2¹³: the floor "
             "moves no score of a product, and the rounding is that of 16-bit scores",
             lhs=f"({head} j n {clamped}{after})",
             rhs=f"({head} j n (Mul (Contract d nd q k) (Num c)){after})",
-            where=("(<= m2 -32768.0)", '(!= dt "int32")', '(!= dt "bool")'),
+            where=("(<= m2 -8192.0)", '(!= dt "int32")', '(!= dt "bool")'),
             example=Example((head, "j:7", 7, example, *example_after)),
             tolerance=HALF_ROUNDING,
         )

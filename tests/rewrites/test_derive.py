@@ -313,6 +313,23 @@ def test_a_causal_mask_filled_into_a_bias_is_the_causal_edge_beside_the_bias(off
     assert_derived_program_matches(g, d)
 
 
+def test_scores_times_a_band_plus_a_fill_where_it_is_0_are_causal_flash_attention() -> None:
+    """GPT-1's mask, ``w·b − 10⁴·(1 − b)`` for its causal buffer's 0/1 band ``b``, as the capture hands it (the
+    buffer folded: ``w·where(i < j, 0, 1) + where(i < j, −10⁴, 0)``): rule ``product-with-band`` and the where
+    rules make it ``where(i < j, −10⁴, w)``, a causal fill below the mask floor −2¹³."""
+    g = ck.Graph("band_product")
+    q = g.input("q", (B, H, SQ, D), "bf16")
+    k, v = g.input("k", (B, H, SKV, D), "bf16"), g.input("v", (B, H, SKV, D), "bf16")
+    above = ck.arange(SQ).unsqueeze(-1) < ck.arange(SKV)
+    w = (q @ k.transpose(-2, -1)) * SCALE
+    g.output(ck.nn.softmax(w * ck.where(above, 0.0, 1.0) + ck.where(above, -1e4, 0.0), axis=-1) @ v, "o")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels_for("sm_90a")] == ["flash_attention"]
+    assert "product-with-band" in d.trace, d.trace
+    assert all(p.problem.causal and p.problem.bias is None for p in d.plans("sm_90a"))
+    assert_derived_program_matches(g, d)
+
+
 def test_a_bias_stored_per_kv_head_is_copied_per_query_head_for_flash_attention() -> None:
     """A bias the query heads read at their K/V head ``h // G`` (Doge's dynamic mask, repeated like K and V): the
     kernels step a bias by the query head, so an elementwise kernel stores it per query head and the flash kernel

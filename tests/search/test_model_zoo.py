@@ -4,7 +4,7 @@ and without its sliding window, Gemma at head dim 256, Gemma 3's sliding and ful
 Cohere's interleaved rotary embedding (and GPT-J's), Falcon, Mixtral's experts, DeepSeek-V3's latent
 attention (its query and key heads assembled in place, head dims 48 and 32), Bloom's and MPT's ALiBi,
 XGLM's clamped causal mask, GPT-Neo's causal and windowed masks from its own buffers (ImageGPT's too), GPT-OSS's attention sinks,
-DiffLlama's two attentions sharing their softmax, Doge's dynamic mask, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
+DiffLlama's two attentions sharing their softmax, Doge's dynamic mask, GPT-1's mask as a product with its band, BERT with a padding mask, BART, MBart building its decoder's ids, ModernBERT's local and global layers,
 CLIP's vision tower, Swin's windows, T5's encoder with its relative position bias, Whisper's encoder).
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
@@ -174,6 +174,10 @@ FAMILIES: dict[str, tuple[Callable[[], tuple[Any, dict[str, Any]]], int]] = {
     # Doge's dynamic mask: a bias per K/V head and key (from v) under its causal fill, read by the query heads at
     # h // G: stored per query head for the flash kernel
     "doge_dynamic_mask": (_decoder("DogeModel", "DogeConfig"), 1),
+    # GPT-1: its scores times its causal buffer's 0/1 band plus −10⁴ where the band is 0 (w·b − 10⁴·(1 − b))
+    "openai_gpt_band_product": (lambda: (transformers.OpenAIGPTModel(transformers.OpenAIGPTConfig(
+        n_layer=1, n_embd=128, n_head=4, vocab_size=256, n_positions=128, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0)), _token_ids()), 1),
     "bert_padded": (_bert_padded, 1),
     "bart": (_bart, 3),  # encoder, causal decoder and cross attention
     "mbart_shifted_ids": (_mbart, 3),
@@ -293,7 +297,7 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
            "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3),
            "gpt_neo_buffer_masks": (2, 2), "imagegpt_buffer_mask": (1, 1), "gpt_oss_sinks": (2, 0),
-           "diffllama_sdpa": (2, 0)}  # fmt: skip
+           "diffllama_sdpa": (2, 0), "openai_gpt_band_product": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
