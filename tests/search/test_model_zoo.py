@@ -15,8 +15,8 @@ off; BERT's padded SDPA backward stays torch's; Swin's writes dv alone, its dq a
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
 that assemble its query and key;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
-and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window, GPT-OSS, DiffLlama, Doge and
-Apertus run like eager at width 1024."""
+and four decode greedily with eager's tokens. On a GPU, XGLM, Mistral with a window, GPT-OSS, DiffLlama and Apertus
+run like eager at width 1024."""
 
 from __future__ import annotations
 
@@ -541,10 +541,6 @@ WIDE = {
     "diffllama": lambda: transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
         intermediate_size=2048, vocab_size=1024)),
-    # Doge's dynamic mask: a bias per K/V head and key, copied per query head for the flash kernel
-    "doge": lambda: transformers.DogeForCausalLM(transformers.DogeConfig(
-        num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
-        intermediate_size=2048, vocab_size=1024)),
     # xIELU's softplus and expm1 in the MLP
     "apertus": lambda: transformers.ApertusForCausalLM(transformers.ApertusConfig(
         num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
@@ -556,8 +552,8 @@ WIDE = {
 @pytest.mark.parametrize("family", list(WIDE))
 def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: str, tmp_path) -> None:
     """XGLM (its clamped causal mask), Mistral with a window of 128 keys, Gemma 2 (its soft cap, and the window of
-    its sliding layer), GPT-Neo (its masks from its own buffers), GPT-OSS (its attention sinks), DiffLlama (two attentions a layer, v read at head stride 0), Doge (its dynamic mask)
-    and Apertus (its xIELU activation) at width 1024, B 2, T 512, through
+    its sliding layer), GPT-Neo (its masks from its own buffers), GPT-OSS (its attention sinks), DiffLlama (two attentions a layer, v read at head stride 0) and Apertus (its xIELU
+    activation) at width 1024, B 2, T 512, through
     ``torch.compile(backend="cherenkov")`` on the GPU: eager's logits within bf16 tolerance, and a flash kernel
     launched for each attention of the two layers, the windows the kernels' own (no bias tensor)."""
     if not torch.cuda.is_available():
@@ -583,5 +579,4 @@ def test_gpu_a_family_at_width_1024_runs_through_the_backend_like_eager(family: 
     problems = [result.kernels[k.output].plan.problem for result in results for k in result.launched
                 if k.kind == "flash_attention"]  # fmt: skip
     windows = {"mistral_window": [128, 128], "gemma2_window": [0, 128], "gpt_neo": [0, 128], "gpt_oss": [0, 128]}.get(family, [0] * flash)
-    biased = family == "doge"  # its dynamic mask the one bias tensor
-    assert sorted(p.window for p in problems) == windows and all((p.bias is not None) == biased for p in problems), problems
+    assert sorted(p.window for p in problems) == windows and all(p.bias is None for p in problems), problems
