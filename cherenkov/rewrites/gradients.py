@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import math
 
-from cherenkov.rewrites.masks import BF16_LOWEST, WINDOW_EDGE, WINDOW_LOWER, finite_causal_mask_rule
+from cherenkov.rewrites.masks import (BF16_LOWEST, UNDER_FLOOR_M2, WINDOW_EDGE, WINDOW_LOWER,
+                                     finite_causal_mask_rule)
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.algebra import HALF_LN2
 from cherenkov.rewrites.casts import HALF_ROUNDING
@@ -275,7 +276,7 @@ RULES = (
         "a score below a sliding window has probability 0 (GPT-Neo's window filling the scores, its VJP a where)",
         lhs=f"(Where {WINDOW_LOWER} (Num 0.0) (Mul (SoftmaxRow j n (Where c (Num -inf) {_windowed})) y))",
         rhs=f"(Mul (SoftmaxRow j n (Where c (Num -inf) {_windowed})) y)",
-        where=("(<= m2 -8192.0)",),
+        where=(UNDER_FLOOR_M2,),
         example=Example(("Where", WINDOW_EDGE, ("Num", 0.0),
                          ("Mul", ("SoftmaxRow", "j:7", 7, ("Where", ("Lt", ("Iota", ax("i:3")), ("Iota", ax("j:7"))),
                                                            ("Num", -math.inf),
@@ -290,7 +291,7 @@ RULES = (
         lhs="(Where (Lt x (Num m2)) (Num 0.0) (Where (Lt (Num m2) x) g (Mul g (Num 0.5))))",
         rhs="g",
         where=(f"(= x (Add s (Where {CAUSAL_CONDITION} (Num m) (Num 0.0))))",
-               f"(= g (Mul (SoftmaxRow j n (Where {CAUSAL_CONDITION} (Num -inf) s)) y))", "(<= m2 -8192.0)"),
+               f"(= g (Mul (SoftmaxRow j n (Where {CAUSAL_CONDITION} (Num -inf) s)) y))", UNDER_FLOOR_M2),
         example=Example(("Where", ("Lt", _clamped, ("Num", BF16_LOWEST)), ("Num", 0.0),
                          ("Where", ("Lt", ("Num", BF16_LOWEST), _clamped), _causal_gradient,
                           ("Mul", _causal_gradient, ("Num", 0.5))))),

@@ -391,9 +391,9 @@ class _Partition:
         return t.access(self.buffers[key], (t.ix_lit(0) if a == PAD_AXIS else t.ax(a) for a in axes))
 
     def materialise_guarded(self, core: Term, term: Term, dtype: str = "") -> Term:
-        """:meth:`materialise` of a core of ``term``; where ``term`` reads it only under a pad's guard
-        that narrows one of its axes (a concatenation's piece: ``pad(x, (0, 32))`` along 64), it is
-        stored over the guarded range alone, the axis renamed to one of that extent (and shifted by
+        """:meth:`materialise` of a core of ``term``; where ``term`` reads it only under a guard that
+        narrows one of its axes (:func:`_pad_guard`: a concatenation's piece, ``pad(x, (0, 32))`` along
+        64; an appended column's ``where(j < n, x, y)``), it is stored over the guarded range alone, the axis renamed to one of that extent (and shifted by
         the guard's start), and read back at the guarded axis: its operands are then read over the
         range they hold, not past it."""
         guard = _narrowing_guard(term, core)

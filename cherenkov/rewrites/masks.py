@@ -72,11 +72,11 @@ def _band_window(bias: Term) -> tuple[int, int] | None:
         case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", key))), ("Num", m), ("Num", 0.0)):
             # keys at most o ahead and none cut behind: a window over every key (i − W < 0 ≤ j for each row i)
             rows = extent(query[1]) if query[0] == "Ax" else 0
-            if rows and float(o).is_integer() and o >= 0 and m <= -8192.0:
+            if rows and float(o).is_integer() and o >= 0 and m <= MASK_FLOOR:
                 return rows + extent(key), int(o)
         case ("Where", ("Lt", ("Add", ("Iota", query), ("Num", o)), ("Iota", ("Ax", _))), ("Num", m), lower):
             window = _lower_edge(lower, query)
-            if window is not None and float(o).is_integer() and o >= 0 and m <= -8192.0:
+            if window is not None and float(o).is_integer() and o >= 0 and m <= MASK_FLOOR:
                 return window, int(o)
     return None
 
@@ -132,7 +132,7 @@ def _lower_edge(bias: Term, query: Term) -> int | None:
         case _:
             return None
     rows = extent(q[1]) if q == query and q[0] == "Ax" else 0
-    if 1 < rows <= extent(key) and float(w).is_integer() and w <= 0 and m <= -8192.0:
+    if 1 < rows <= extent(key) and float(w).is_integer() and w <= 0 and m <= MASK_FLOOR:
         return 1 - int(w)
     return None
 
@@ -153,6 +153,13 @@ class FiniteCausalSpelling:
     tolerance: float = 1e-9
     kept: tuple[str, str] = ("s", "s")  # as text, as the pattern under the causal where
 
+
+MASK_FLOOR = -8192.0
+"""The largest finite value a mask may fill or add and still mask (−2¹³): ``e^{m − max}`` underflows to 0
+while the scores lie above ``m + 104``, 8088 of room (GPT-1 fills −10⁴, transformers bf16's lowest)."""
+UNDER_FLOOR_M = f"(<= m {MASK_FLOOR})"
+UNDER_FLOOR_M2 = f"(<= m2 {MASK_FLOOR})"
+"""The facts a rule's mask value ``m`` (``m2``) states: at most :data:`MASK_FLOOR`."""
 
 BF16_LOWEST = -3.3895313892515355e38
 """``torch.finfo(torch.bfloat16).min``: the floor XGLM's attention clamps its masked scores to."""
@@ -181,7 +188,7 @@ FINITE_CAUSAL_SPELLINGS = {
         lambda scores: ("Add", scores, ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2],
                                         ("Where", WINDOW_EDGE, ("Num", -65536.0), ("Num", 0.0)))),
         "e^(m + s_j − max) underflows to 0 wherever the scores span less than |m| − 104",
-        ("(<= m2 -8192.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
+        (UNDER_FLOOR_M2,), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
     # a sliding window's bool mask filling the scores (GPT-Neo's local layers: where(band, s, m)), one edge at a time
     "fill-window": FiniteCausalSpelling(
         "where(i < j, m, where(j < i + w, m₂, s))",
@@ -189,14 +196,14 @@ FINITE_CAUSAL_SPELLINGS = {
         lambda scores: ("Where", FINITE_CAUSAL[1], FINITE_CAUSAL[2], ("Where", WINDOW_EDGE, ("Num", -65536.0), scores)),
         "e^(m − max) underflows to 0 wherever the scores lie above m + 104, and e^(m₂ − max) and e^(m₂ + s_j − max) "
         "wherever they span less than |m₂| − 104",
-        ("(<= m2 -8192.0)",), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
+        (UNDER_FLOOR_M2,), kept=("s + where(j < i + w, m₂, 0)", f"(Add s (Where {WINDOW_LOWER} (Num m2) (Num 0.0)))")),
     # XGLM's: the masked scores clamped from below at a floor m₂, computed in fp32 and rounded back
     "clamped": FiniteCausalSpelling(
         "round(max(s + where(i < j, m, 0), m₂))", "(Cast dt (Maximum (Add s (Where {causal} (Num m) (Num 0.0))) (Num m2)))",
         lambda scores: ("Cast", "bf16", ("Maximum", ("Add", scores, FINITE_CAUSAL), ("Num", BF16_LOWEST))),
         "the floor m₂ ≤ −2¹³ moves only scores whose exponentials underflow to 0 either way, and the rounding is "
         "that of 16-bit scores (exact where a 16-bit product made them)",
-        ("(<= m2 -8192.0)", '(!= dt "int32")', '(!= dt "bool")'), HALF_ROUNDING),
+        (UNDER_FLOOR_M2, '(!= dt "int32")', '(!= dt "bool")'), HALF_ROUNDING),
 }
 
 
@@ -221,7 +228,7 @@ def finite_causal_mask_rule(name: str, spelled: str, head: str, scores: Term, af
         f"{form.underflow}",
         lhs=f"({head} j n {form.pattern.format(causal=causal)}{after})",
         rhs=f"({head} j n (Where {causal} (Num -inf) {form.kept[1]}){after})",
-        where=("(<= m -8192.0)", *(("(>= o 0.0)",) if keys_ahead else ()), *form.facts),
+        where=(UNDER_FLOOR_M, *(("(>= o 0.0)",) if keys_ahead else ()), *form.facts),
         example=Example((head, "j:7", 7, example, *example_after)),
         tolerance=form.tolerance,
     )

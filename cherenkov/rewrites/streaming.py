@@ -24,7 +24,8 @@ import math
 from dataclasses import dataclass
 
 from cherenkov.rewrites.casts import HALF_ROUNDING
-from cherenkov.rewrites.masks import KEYS_AHEAD, WINDOW_EDGE, WINDOW_LOWER, finite_causal_mask_rule
+from cherenkov.rewrites.masks import (KEYS_AHEAD, UNDER_FLOOR_M, UNDER_FLOOR_M2, WINDOW_EDGE, WINDOW_LOWER,
+                                     finite_causal_mask_rule)
 from cherenkov.rewrites.rule import Example, Rule, Ruleset
 from cherenkov.rewrites.terms import Term, ax, tensor
 
@@ -77,15 +78,15 @@ keys_ahead = ("Where", ("Lt", ("Add", ("Iota", ax("i:3")), ("Num", 4.0)), ("Iota
 
 BIAS_FORMS = (
     BiasForm("", "(Tensor b bix)", (), "a stored tensor b", bias),
-    BiasForm("-band", "b", (f"(= b (Where {WINDOW_LOWER} (Num m) (Num 0.0)))", "(<= m -8192.0)"),
+    BiasForm("-band", "b", (f"(= b (Where {WINDOW_LOWER} (Num m) (Num 0.0)))", UNDER_FLOOR_M),
              "b = where(j < i + w, m, 0) for m ≤ −2¹³, a sliding window's lower edge", window_lower),
     BiasForm("-band2", "b", (f"(= b (Where (Lt (Add (Iota iq) (Num o)) (Iota (Ax j))) (Num m) (Where {WINDOW_LOWER} "
-                             "(Num m2) (Num 0.0))))", "(<= m -8192.0)", "(<= m2 -8192.0)"),
+                             "(Num m2) (Num 0.0))))", UNDER_FLOOR_M, UNDER_FLOOR_M2),
              "b = where(i + o < j, m, where(j < i + w, m₂, 0)) for m, m₂ ≤ −2¹³, a window about the query", window_both),
-    BiasForm("-ahead", "b", (f"(= b (Where {KEYS_AHEAD} (Num m) (Num 0.0)))", "(<= m -8192.0)"),
+    BiasForm("-ahead", "b", (f"(= b (Where {KEYS_AHEAD} (Num m) (Num 0.0)))", UNDER_FLOOR_M),
              "b = where(i + o < j, m, 0) for m ≤ −2¹³, a causal mask aligned to the last of more keys",
              keys_ahead),
-    BiasForm("-beside-ahead", "b", (f"(= b (Add b1 (Where {KEYS_AHEAD} (Num m) (Num 0.0))))", "(<= m -8192.0)",
+    BiasForm("-beside-ahead", "b", (f"(= b (Add b1 (Where {KEYS_AHEAD} (Num m) (Num 0.0))))", UNDER_FLOOR_M,
                                     "(= axes-b1 (axes b1))", "(set-not-contains axes-b1 d)"),
              "b = b₁ + where(i + o < j, m, 0) for m ≤ −2¹³ and b₁ computed without d (ALiBi beside a KV cache's "
              "causal mask)", ("Add", alibi, keys_ahead), under_causal=False),
@@ -205,7 +206,7 @@ def _clamped_floor_rules() -> tuple[Rule, ...]:
             "moves no score of a product, and the rounding is that of 16-bit scores",
             lhs=f"({head} j n {clamped}{after})",
             rhs=f"({head} j n (Mul (Contract d nd q k) (Num c)){after})",
-            where=("(<= m2 -8192.0)", '(!= dt "int32")', '(!= dt "bool")'),
+            where=(UNDER_FLOOR_M2, '(!= dt "int32")', '(!= dt "bool")'),
             example=Example((head, "j:7", 7, example, *example_after)),
             tolerance=HALF_ROUNDING,
         )
