@@ -9,10 +9,9 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Thirty-one of them also train
+included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Thirty of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
-off; BERT's padded SDPA backward stays torch's, GPT-OSS's through its sinks and DiffLlama's through its shared v
-run unfused; Swin's writes dv alone, its dq and dk read the score
+off; BERT's padded SDPA backward stays torch's, GPT-OSS's through its sinks runs unfused; Swin's writes dv alone, its dq and dk read the score
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
 that assemble its query and key;
 ModernBERT also through cuDNN's SDPA kernels, as a GPU's trace records them, given CPU implementations),
@@ -298,7 +297,7 @@ TRAINED = {"qwen2": (1, 1), "phi3": (1, 1), "clip_vision": (1, 1), "whisper_enco
            "qwen3": (1, 1), "falcon_mqa": (1, 1), "mixtral_moe": (1, 1), "gptj": (1, 1), "gpt_bigcode_mqa": (1, 1),
            "t5_encoder": (1, 1), "swin_windows": (2, 2), "deepseek_v3_mla": (1, 1), "mbart_shifted_ids": (3, 3),
            "gpt_neo_buffer_masks": (2, 2), "imagegpt_buffer_mask": (1, 1), "gpt_oss_sinks": (2, 0),
-           "diffllama_sdpa": (2, 0), "openai_gpt_band_product": (1, 1)}  # fmt: skip
+           "openai_gpt_band_product": (1, 1)}  # fmt: skip
 """Family: the flash-attention forward and backward kernels its training regions derive (head dim 256's backward
 holds dk, dv and dq in two head-dim parts; Gemma 2's soft cap: the backward recomputes the cap's tanh, whose detached
 output tanh_backward reads, and derives the flash backward through the cap's chain rule; BERT's SDPA backward under its padding mask stays
@@ -311,8 +310,7 @@ whose probability is 0; GPT-Neo's mask buffers are pinned in the forward and in 
 them as saved inputs, and its window's VJP, a where below the window, moves only entries of probability 0; GPT-OSS's
 sinks: the backward recomputes the appended column and the row's max with its index, what max's gradient scatters
 by, so the forward keeps its flash kernels; that scatter derives away, the row sum of a softmax's gradient being 0,
-and the index stays in the backward's region; the backward through the sink is not a flash backward yet; DiffLlama's
-v, one head for every K/V head, has a gradient summing them all, which no flash backward writes yet)."""
+and the index stays in the backward's region; the backward through the sink is not a flash backward yet)."""
 
 
 def _training_step_against_eager(family: str) -> tuple[float, list[Any]]:
