@@ -1329,6 +1329,27 @@ def _any(c: _Capture, a: dict[str, Any]) -> Any:
     return getattr(x, method)(axis=_axes(a.get("dim"), x.ndim), keepdim=bool(a.get("keepdim"))) > 0
 
 
+@_op("linalg_vector_norm")
+def _vector_norm(c: _Capture, a: dict[str, Any]) -> Any:
+    """``‖x‖_p`` over ``dim``: ``(Σ|x|^p)^{1/p}``; 2 as ``√Σx²`` (F.normalize's), ±∞ as the max or min of ``|x|``."""
+    x = _cast_to(c, c.t(a["self"]), a.get("dtype"))
+    order = a.get("ord", 2)
+    if x.dtype not in sh.FLOAT_DTYPES:
+        raise GraphError(f"linalg_vector_norm: a {x.dtype} tensor of shape {x.shape}; norms take floating-point "
+                         f"tensors ({', '.join(sorted(sh.FLOAT_DTYPES))})")  # fmt: skip
+    if isinstance(order, bool) or not isinstance(order, (int, float)) or not (order > 0 or order == -math.inf):
+        raise GraphError(f"linalg_vector_norm: ord={order!r} on shape {x.shape}; lowered orders are positive numbers "
+                         "and ±inf (ord 0 counts non-zeros and negative orders are not norms)")  # fmt: skip
+    axes, keepdim = _axes(a.get("dim"), x.ndim), bool(a.get("keepdim"))
+    if order == 2:
+        return (x * x).sum(axis=axes, keepdim=keepdim).sqrt()
+    if math.isinf(order):
+        return getattr(x.abs(), "max" if order > 0 else "min")(axis=axes, keepdim=keepdim)
+    if order == 1:
+        return x.abs().sum(axis=axes, keepdim=keepdim)
+    return (x.abs() ** float(order)).sum(axis=axes, keepdim=keepdim) ** (1.0 / order)
+
+
 @_op("var", "std")
 def _var(c: _Capture, a: dict[str, Any]) -> Any:
     x = c.t(a["self"])
@@ -1373,6 +1394,12 @@ def _reshape(x: Tensor, a: dict[str, Any]) -> Tensor:
 
 _op("view", "reshape", "_unsafe_view")(_view_like(_reshape))
 _op("expand")(_view_like(lambda x, a: x.expand(*a["size"])))
+
+
+@_op("expand_as")
+def _expand_as(c: _Capture, a: dict[str, Any]) -> Any:
+    """``x.expand_as(other)``: ``x`` expanded to the shape the trace recorded for the result (``other``'s)."""
+    return c.t(a["self"]).expand(*(int(d) for d in c.node.meta["val"].shape))
 _op("unsqueeze")(_view_like(lambda x, a: x.unsqueeze(a["dim"])))
 
 
@@ -1636,6 +1663,34 @@ def _cat(c: _Capture, a: dict[str, Any]) -> Any:
     dtype = _value_dtype(c.node.meta["val"].dtype, c.where_())
     pieces = [c.t(t).cast(dtype) for t in a["tensors"]]
     return cat(pieces, axis=a["dim"]) if len(pieces) > 1 else pieces[0]
+
+
+@_op("roll")
+def _roll(c: _Capture, a: dict[str, Any]) -> Any:
+    """``torch.roll``: along each dim, the last ``shift`` entries moved to the front (the two slices concatenated);
+    with no dims, the flattened tensor rolled and its shape restored."""
+    x = c.t(a["self"])
+    shifts, dims = list(a["shifts"]), list(a.get("dims") or ())
+    if not dims:
+        if len(shifts) != 1:
+            raise GraphError(f"roll: {len(shifts)} shifts {tuple(shifts)} without dims on shape {x.shape}; "
+                             "valid: one shift, or one dim per shift")  # fmt: skip
+        return _rolled(x.reshape(-1), shifts, [0]).reshape(*x.shape)
+    if len(shifts) != len(dims):
+        raise GraphError(f"roll: shifts {tuple(shifts)} and dims {tuple(dims)} on shape {x.shape}; valid: one dim a shift")
+    return _rolled(x, shifts, [d % x.ndim for d in dims])
+
+
+def _rolled(x: Tensor, shifts: Sequence[int], dims: Sequence[int]) -> Tensor:
+    for shift, dim in zip(shifts, dims):
+        n = x.shape[dim]
+        cut = n - int(shift) % n if n else 0
+        if 0 < cut < n:
+            starts, stops = [0] * x.ndim, list(x.shape)
+            head = x.slice(starts[:dim] + [cut] + starts[dim + 1:], stops)
+            tail = x.slice(starts, stops[:dim] + [cut] + stops[dim + 1:])
+            x = cat([head, tail], axis=dim)
+    return x
 
 
 @_op("stack")

@@ -14,6 +14,9 @@ a_i = tensor("a", "i:3")
 b_ik = tensor("b", "i:3", "k:5")
 c_k = tensor("c", "k:5")
 w_kj = tensor("w", "k:5", "j:2")
+_FACTOR_OF_OPERAND = ("(= axes-x (axes x))", "(set-not-contains axes-x k)", "(> (set-length axes-x) 0)")
+"""A factor that moves into a contraction's operand: a tensor (not a constant: the contraction's scale) constant
+along the summed axis."""
 
 RULES = (
     Rule(
@@ -51,6 +54,22 @@ RULES = (
             "(set-contains axes-b k)",
         ),
         example=Example(("Sum", "k:5", 5, ("Mul", b_ik, w_kj))),
+    ),
+    Rule(
+        "contract-factor-into-left",
+        "x·Σ_k a·b = Σ_k (x·a)·b when x varies only along axes of a other than k (a row's factor: a normalised q)",
+        lhs="(Mul x (Contract k n a b))",
+        rhs="(Contract k n (Mul x a) b)",
+        where=(*_FACTOR_OF_OPERAND, "(= axes-a (axes a))", "(= axes-a (set-union axes-a axes-x))"),
+        example=Example(("Mul", a_i, ("Contract", "k:5", 5, b_ik, w_kj))),
+    ),
+    Rule(
+        "contract-factor-into-right",
+        "x·Σ_k a·b = Σ_k a·(x·b) when x varies only along axes of b other than k (a column's factor: a normalised k)",
+        lhs="(Mul x (Contract k n a b))",
+        rhs="(Contract k n a (Mul x b))",
+        where=(*_FACTOR_OF_OPERAND, "(= axes-b (axes b))", "(= axes-b (set-union axes-b axes-x))"),
+        example=Example(("Mul", tensor("y", "j:2"), ("Contract", "k:5", 5, b_ik, w_kj))),
     ),
     Rule(
         "contract-unit-scale",

@@ -658,6 +658,11 @@ CASES: dict[str, Case] = {
             x.std(-1),
             (x > 0).sum(-1),
             x.sum(-1, dtype=torch.float32),
+            F.normalize(x, dim=-1),  # linalg_vector_norm's 2-norm, clamped below
+            torch.linalg.vector_norm(x, 1, dim=0, keepdim=True),
+            torch.linalg.vector_norm(x, float("inf"), dim=-1),
+            torch.linalg.vector_norm(x, -float("inf")),
+            torch.linalg.vector_norm(x, 3.0, dim=(0, 1)),
         ),
         (x46,),
     ),
@@ -697,6 +702,10 @@ CASES: dict[str, Case] = {
             A.alias(x),
             x.flatten(),
             x[None].flatten(1),
+            x.roll(2, 1),
+            x.roll((-1, 3), (0, -1)),
+            x.roll(5),
+            x.roll(6, 1),  # a whole turn
             x.unflatten(-1, (2, 3)),
             B6.t(),
         ),
@@ -1027,6 +1036,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         (lambda x: torch.div(x, 2, rounding_mode="trunc"), (torch.ones(2),), ("rounding_mode",)),
         (lambda x: torch.diff(x, n=2), (torch.ones(4),), ("diff with n=2", "valid: n=1")),
         (lambda x: torch.cos(x) if x.sum() > 0 else x, (torch.ones(2),), ("torch.export",)),
+        (lambda x: torch.linalg.vector_norm(x, 0), (torch.ones(2, 3),), ("linalg_vector_norm", "ord=0", "(2, 3)")),
     ],
     ids=[
         "fp64_input",
@@ -1040,6 +1050,7 @@ def test_unsupported_op_names_the_op_its_line_and_what_is_supported() -> None:
         "trunc_div",
         "second_diff",
         "data_dependent",
+        "zero_norm",
     ],
 )
 def test_capture_errors_say_what_is_wrong(fn: Callable, examples: tuple, words: tuple[str, ...]) -> None:

@@ -348,6 +348,28 @@ def test_a_bias_stored_per_kv_head_is_copied_per_query_head_for_flash_attention(
     assert_derived_program_matches(g, d)
 
 
+def test_cosine_attention_is_flash_attention_over_normalised_operands() -> None:
+    """Swin V2's cosine attention: q and k divided by their norms (``F.normalize``), the scores times a learned
+    scale a head (exp of a clamped logit) plus a bias. The factors the product leaves outside its sum (the key's
+    norm, the head's scale) move into k's operand, so flash attention reads a normalised q and a normalised, scaled
+    k (each stored by the kernel that computes its norm) with the bias."""
+    g = ck.Graph("cosine")
+    q, k, v = (g.input(n, (B, H, SQ if n == "q" else SKV, D), "bf16") for n in "qkv")
+    logit, table = g.input("logit_scale", (H, 1, 1), "bf16"), g.input("table", (H, SQ, SKV), "bf16")
+
+    def normalised(x: ck.Tensor) -> ck.Tensor:
+        return x / (x * x).sum(axis=-1, keepdim=True).sqrt().maximum(1e-12)
+
+    scale = logit.minimum(math.log(100.0)).exp()
+    s = (normalised(q) @ normalised(k).transpose(-2, -1)) * scale + ck.nn.sigmoid(table) * 16.0
+    g.output(ck.nn.softmax(s, axis=-1) @ v, "o")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels_for("sm_90a")] == ["contraction", "contraction", "elementwise", "flash_attention"]
+    assert d.found("flash_attention") and "contract-factor-into-right" in d.trace
+    assert d.plans("sm_90a") and d.plans("sm_80")
+    assert_derived_program_matches(g, d)
+
+
 def alibi_graph(causal: bool) -> ck.Graph:
     """ALiBi attention as MPT and Bloom spell it with 4-D tensors: each head's slope times each key's
     position added to the scores (computed, not a stored tensor), then (``causal``) the causal mask

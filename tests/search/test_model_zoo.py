@@ -488,8 +488,8 @@ TIMM = {
     # name: (timm model and its overrides, flash-attention kernels its regions derive)
     "eva02_rope": (("eva02_tiny_patch14_224", dict(img_size=56, depth=2)), 2),
     "swin_windows": (("swin_tiny_patch4_window7_224", dict(img_size=56, depths=(1, 1, 1, 1))), 4),
-    # cosine attention (normalised q and k, a learned logit scale) has no flash form yet; its MLP's relu_ writes a view
-    "swinv2_cosine": (("swinv2_tiny_window8_256", dict(img_size=64, depths=(1, 1, 1, 1))), 0),
+    # cosine attention: q and k normalised (F.normalize), the scores times a learned scale a head, plus a bias
+    "swinv2_cosine": (("swinv2_tiny_window8_256", dict(img_size=64, depths=(1, 1, 1, 1))), 4),
 }
 
 
