@@ -9,7 +9,7 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin and Swin V2 classifiers run like eager too. Thirty of them also train
+included. timm's EVA-02, Swin, Swin V2 (cosine attention), BEiT and MaxViT classifiers run like eager too, on flash kernels. Thirty of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
 off; BERT's padded SDPA backward stays torch's, GPT-OSS's through its sinks runs unfused; Swin's writes dv alone, its dq and dk read the score
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
@@ -490,12 +490,17 @@ TIMM = {
     "swin_windows": (("swin_tiny_patch4_window7_224", dict(img_size=56, depths=(1, 1, 1, 1))), 4),
     # cosine attention: q and k normalised (F.normalize), the scores times a learned scale a head, plus a bias
     "swinv2_cosine": (("swinv2_tiny_window8_256", dict(img_size=64, depths=(1, 1, 1, 1))), 4),
+    # BEiT's relative-position bias a head, handed to SDPA as its attn_mask
+    "beit_relative_bias": (("beit_base_patch16_224", dict(img_size=64, depth=2)), 2),
+    # MaxViT's block (local window) and grid (dilated) attentions, each with its relative-position bias
+    "maxvit_block_grid": (("maxvit_nano_rw_256", dict(img_size=128, depths=(1, 1, 1, 1))), 8),
 }
 
 
 @pytest.mark.parametrize("family", list(TIMM))
 def test_a_timm_model_runs_through_the_backend_like_eager(family: str) -> None:
-    """timm's EVA-02 (2-D rotary embedding), Swin and Swin V2 classifiers, bf16, like eager."""
+    """timm's EVA-02 (2-D rotary embedding), Swin, Swin V2, BEiT and MaxViT classifiers, bf16, like eager, each
+    attention a flash kernel."""
     timm = pytest.importorskip("timm")
     (name, overrides), flash_kernels = TIMM[family]
     torch.manual_seed(0)
