@@ -9,7 +9,8 @@ CLIP's vision tower, Swin's windows, T5's encoder with its relative position bia
 Each runs like eager in bf16, and each of its attention layers derives one flash-attention kernel on
 sm_90a, Gemma 2's soft-capped scores (``c·tanh(s/c)``; on its sliding layers under a window too), Bloom's ALiBi (a computed bias, under the
 causal mask) and a sliding window (the causal mask, and the window the kernel's own key range)
-included. timm's EVA-02, Swin, Swin V2 (cosine attention), BEiT and MaxViT classifiers run like eager too, on flash kernels. Thirty of them also train
+included. timm's EVA-02, Swin, Swin V2 (cosine attention), BEiT and MaxViT classifiers run like eager too, on
+flash kernels. Thirty of them also train
 a step like eager, a flash backward an attention layer (those with dropout or stochastic depth with it
 off; BERT's padded SDPA backward stays torch's, GPT-OSS's through its sinks runs unfused; Swin's writes dv alone, its dq and dk read the score
 gradient its relative-position bias's gradient stores; DeepSeek-V3's backward through the slice writes
