@@ -1394,13 +1394,13 @@ def _reshape(x: Tensor, a: dict[str, Any]) -> Tensor:
 
 _op("view", "reshape", "_unsafe_view")(_view_like(_reshape))
 _op("expand")(_view_like(lambda x, a: x.expand(*a["size"])))
+_op("unsqueeze")(_view_like(lambda x, a: x.unsqueeze(a["dim"])))
 
 
 @_op("expand_as")
 def _expand_as(c: _Capture, a: dict[str, Any]) -> Any:
     """``x.expand_as(other)``: ``x`` expanded to the shape the trace recorded for the result (``other``'s)."""
     return c.t(a["self"]).expand(*(int(d) for d in c.node.meta["val"].shape))
-_op("unsqueeze")(_view_like(lambda x, a: x.unsqueeze(a["dim"])))
 
 
 def _squeeze(x: Tensor, a: dict[str, Any]) -> Tensor:
@@ -1677,11 +1677,13 @@ def _roll(c: _Capture, a: dict[str, Any]) -> Any:
                              "valid: one shift, or one dim per shift")  # fmt: skip
         return _rolled(x.reshape(-1), shifts, [0]).reshape(*x.shape)
     if len(shifts) != len(dims):
-        raise GraphError(f"roll: shifts {tuple(shifts)} and dims {tuple(dims)} on shape {x.shape}; valid: one dim a shift")
+        raise GraphError(f"roll: shifts {tuple(shifts)} and dims {tuple(dims)} on shape {x.shape}; "
+                         "valid: one dim a shift")  # fmt: skip
     return _rolled(x, shifts, [d % x.ndim for d in dims])
 
 
 def _rolled(x: Tensor, shifts: Sequence[int], dims: Sequence[int]) -> Tensor:
+    """``x`` rolled by each shift along its dim: the slice from ``n − shift mod n`` concatenated before the rest."""
     for shift, dim in zip(shifts, dims):
         n = x.shape[dim]
         cut = n - int(shift) % n if n else 0

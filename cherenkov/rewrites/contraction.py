@@ -2,7 +2,9 @@
 
 ``x @ y`` arrives as ``Σ_k x[i,k]·y[k,j]``. Factors that do not depend on the summed
 axis move out of the sum (a scale on ``q``, a softmax normaliser), the remaining
-product of two ``k``-dependent factors is a contraction.
+product of two ``k``-dependent factors is a contraction. A tensor factor of a contraction
+moves into the operand that varies along its axes (the norms of Swin V2's cosine attention),
+so the scores keep attention's form ``c·Σ_d q·k``.
 """
 
 from __future__ import annotations
