@@ -507,7 +507,8 @@ class _Partition:
                 result[position] = self.rounded_copy(operand, rounded, layout[-1])
                 continue
             # an 8-bit q or k times its MX scales is read in place too (the block-scaled mma)
-            readable = self.readable_along_axes(operand) if position == 9 else self.readable_in_place(operand)
+            readable = self.readable_along_axes(operand) if position == 9 else (
+                self.readable_in_place(operand) and self.steps_batch_as_one(operand, leading))
             if readable or (position < 7 and self.block_scaled_in_place(operand)):
                 continue
             if position == 9:  # a computed bias, or one read through a computed index: stored over its axes, key last
@@ -600,6 +601,16 @@ class _Partition:
             return False
         shape = self.stored_shapes().get(operand[1])
         return shape is not None and strided_read(operand, shape) is not None
+
+    def steps_batch_as_one(self, operand: Term, leading: tuple[str, ...]) -> bool:
+        """Whether a read of a stored tensor steps an attention's batch-like axes past two (``leading``,
+        outermost first, the head last) as one batch axis, as the kernels read them
+        (:func:`attention_problem`): each one's stride the next one's times its extent, the head aside.
+        Hiera's k, read with its mask units inside the key axis, does not, and is stored in order."""
+        if len(leading) <= 2:
+            return True
+        strides = strided_read(operand, self.stored_shapes()[operand[1]]).strides
+        return all(_read_as_one(strides, outer, inner) for outer, inner in zip(leading[:-2], leading[1:-1]))
 
     def readable_along_axes(self, operand: Term) -> bool:
         """Whether ``operand`` is an affine view of a stored tensor varying along whole axes only (a bias
@@ -1115,6 +1126,29 @@ def _head_atom(read: StridedRead, shared: set[str]) -> dict[str, Term]:
     return atoms
 
 
+def _batch_axes_read_as_one(k_heads: Mapping[str, Term], grouped: Sequence[str],
+                            reads: Sequence[StridedRead]) -> tuple[str, str] | None:  # fmt: skip
+    """Two of q's batch-like axes (k reads them plainly; not a group's head) that every read steps as one
+    axis: the outer's stride the inner's times the inner's extent (timm's ``(B, windows)`` of Twins or
+    Hiera, a contiguous pair). The outermost such pair by q's strides, or None."""
+    q_read = reads[0]
+    names = sorted((a for a, atom in k_heads.items() if atom[0] == "Ax" and a not in grouped),
+                   key=lambda a: -q_read.strides.get(t.ax(a), 0))  # fmt: skip
+    return next(((outer, inner) for outer, inner in zip(names, names[1:])
+                 if all(_read_as_one(read.strides, outer, inner) for read in reads)), None)  # fmt: skip
+
+
+def _read_as_one(strides: Mapping[Term, int], outer: str, inner: str) -> bool:
+    """Whether ``outer·n + inner`` (``n`` the inner's extent) is one axis of these strides."""
+    return strides.get(t.ax(outer), 0) == t.extent(inner) * strides.get(t.ax(inner), 0)
+
+
+def _merged_strides(strides: Mapping[Term, int], outer: str, inner: str, name: str) -> dict[Term, int]:
+    """``strides`` with ``outer`` and ``inner`` (read as one: :func:`_read_as_one`) as the axis ``name``."""
+    kept = {atom: stride for atom, stride in strides.items() if atom not in (t.ax(outer), t.ax(inner))}
+    return {**kept, t.ax(name): strides[t.ax(inner)]} if t.ax(inner) in strides else kept
+
+
 MX_BLOCK = 32
 """Elements of the head dim one MX scale covers."""
 
@@ -1251,6 +1285,15 @@ def attention_problem(
     value_dim = t.extent(value_axis)
     query = sorted(q_axes - {dim} - set(k_heads))
     grouped = [name for name, atom in k_heads.items() if atom[0] == "IxDiv"]
+    merged: list[tuple[str, str, str]] = []  # (outer, inner, their merged name): batch axes read as one
+    while len(k_heads) > 2 and (pair := _batch_axes_read_as_one(k_heads, grouped, (q_read, k_read, v_read))):
+        outer, inner = pair
+        name = f"{outer.rsplit(':', 1)[0]}_{inner.rsplit(':', 1)[0]}:{t.extent(outer) * t.extent(inner)}"
+        q_read, k_read, v_read = (replace(read, strides=_merged_strides(read.strides, outer, inner, name))
+                                  for read in (q_read, k_read, v_read))  # fmt: skip
+        k_heads = {**{a: atom for a, atom in k_heads.items() if a not in pair}, name: t.ax(name)}
+        v_heads = {a: atom for a, atom in k_heads.items() if atom in v_read.strides}
+        merged.append((outer, inner, name))
     shared_head = None  # MQA: a query axis of q that k and v do not vary along, its heads sharing one K/V head
     if len(query) == 2 and not grouped and len(k_heads) <= 1:
         row, shared_head = shared_kv_head(query, q_read, mask)
@@ -1281,6 +1324,9 @@ def attention_problem(
         if row is None or keys != {("Iota", t.ax(key))}:
             raise KernelError(f"flash attention: the window {t.show(band)} does not bound the key axis {key} "
                               f"by the query axis {query_axis}")
+    if merged and (bias_term is not None or factors or q_scales is not None or k_scales is not None):
+        raise KernelError(f"flash attention: {len(merged) + 2} batch/head axes with a bias, scale factors or block "
+                          "scales (valid: two, or more without them, read as one)")  # fmt: skip
     bias = _attention_bias(bias_term, roles, shapes, dtypes) if bias_term is not None else None
     operand_dtypes = {dtypes[name] for name in (q[1], k[1], v[1])}
     if len(operand_dtypes) != 1:
@@ -1312,6 +1358,10 @@ def attention_problem(
         out_strides = strided_read(t.access("o", (t.ax(a) for a in output_axes)), out_shape).strides
     else:
         out_shape, out_strides = buffer.shape, {t.ax(a): stride for a, stride in zip(output_axes, buffer.strides)}
+    for outer, inner, name in merged:
+        if not _read_as_one(out_strides, outer, inner):
+            raise KernelError(f"flash attention: the output does not step batch axes {outer} and {inner} as one")
+        out_strides = _merged_strides(out_strides, outer, inner, name)
     if out_strides.get(t.ax(value_axis)) != 1:
         raise KernelError(f"flash attention: the output's innermost axis must be the value axis {value_axis}")
     head_atom = k_heads.get(head) if head else None

@@ -45,22 +45,27 @@ def ix_add(ix: Term, offset: int) -> Term:
 
 
 def ix_div(ix: Term, divisor: int) -> Term:
-    """``ix // divisor``; ``(a·c + b) // c`` is ``a`` since ``0 <= b < c``."""
+    """``ix // divisor``; ``(a·c + b) // c`` is ``a`` since ``0 <= b < c``, and ``(a·c + b) // (m·c)`` is
+    ``a // m`` (a reshape's merged axes split again further out: timm's ``(B·W·H) // (W·H)``)."""
     if divisor == 1:
         return ix
     if ix[0] == "IxLin" and ix[2] == divisor:
         return ix[1]
+    if ix[0] == "IxLin" and divisor % ix[2] == 0:
+        return ix_div(ix[1], divisor // ix[2])
     if ix[0] == "IxLit":
         return ix_lit(ix[1] // divisor)
     return ("IxDiv", ix, divisor)
 
 
 def ix_mod(ix: Term, modulus: int) -> Term:
-    """``ix % modulus``; ``(a·c + b) % c`` is ``b``."""
+    """``ix % modulus``; ``(a·c + b) % c`` is ``b``, and ``(a·c + b) % (m·c)`` is ``(a % m)·c + b``."""
     if modulus == 1:
         return ix_lit(0)
     if ix[0] == "IxLin" and ix[2] == modulus:
         return ix[3]
+    if ix[0] == "IxLin" and modulus % ix[2] == 0:
+        return ix_lin(ix_mod(ix[1], modulus // ix[2]), ix[2], ix[3])
     if ix[0] == "IxLit":
         return ix_lit(ix[1] % modulus)
     return ("IxMod", ix, modulus)

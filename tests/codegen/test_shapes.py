@@ -161,6 +161,25 @@ def test_emulated_multi_query_kernels_read_one_kv_head_for_every_query_head(caus
         assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
 
 
+@needs_gxx
+def test_emulated_kernels_read_attention_over_windows_as_one_batch_axis() -> None:
+    """Attention over ``(B, windows, heads, N, d)`` (timm's Twins), q, k and v unbound from one projection: the
+    ``mma.sync`` kernel reads batch and windows as one batch axis at the window's stride, within bf16 rounding
+    of float64, ragged N."""
+    batch, windows, n, heads, dim = 2, 3, 37, 2, 32
+    g = ck.Graph("windows")
+    x = g.input("x", (batch, windows, n, 3 * heads * dim), "bf16")
+    q, k, v = (x.reshape((batch, windows, n, 3, heads, dim)).permute((3, 0, 1, 4, 2, 5))[i] for i in range(3))
+    g.output(ck.nn.softmax((q @ k.transpose(-2, -1)) * dim**-0.5, axis=-1) @ v, "o")
+    inputs = {"x": rounded(np.random.default_rng(2).standard_normal(x.shape), "bf16")}
+    expected = ck.evaluate(g, inputs)["o"]
+    plan = next(p for p in ck.derive(g).plans("sm_80") if supported(p))
+    assert plan.problem.batch == batch * windows and plan.problem.layout("q").batch == n * 3 * heads * dim
+    got = emulate_flash(plan, inputs["x"], inputs["x"], inputs["x"])["o"]
+    error = np.linalg.norm(got.reshape(expected.shape) - expected) / np.linalg.norm(expected)
+    assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
+
+
 @pytest.mark.parametrize(("device", "label"), [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
                                                ("NVIDIA GeForce RTX 5090", "5090"), ("cpu", "gpu")])  # fmt: skip
 def test_results_files_are_named_by_the_card(device: str, label: str) -> None:

@@ -97,3 +97,23 @@ def test_plain_reads_and_partial_splits_keep_their_layout() -> None:
     assert consumer_order(t.access("o", tuple(t.ax(a) for a in axes)), axes) is None, "already plain"
     half = t.access("o", (t.ax(B), t.ix_div(t.ax("r:32"), 8), t.ax(S), t.ax(D)))
     assert consumer_order(half, axes) is None, "an outer part without its inner part"
+
+
+@pytest.mark.parametrize("stride", [2, 4, 8])
+def test_merged_axes_split_further_out_are_the_outer_axes(stride: int) -> None:
+    """``(a·c + b) // (m·c) = a // m`` and ``(a·c + b) % (m·c) = (a % m)·c + b`` for ``0 ≤ b < c``: the index
+    a reshape merges (``B·W·H``) split again by a larger step (timm's ``(B·W·H) // (W·H)``) reads the outer
+    axes, as NumPy's integer division says at every point."""
+    a, b = "a:12", f"b:{stride}"
+    merged = t.ix_lin(t.ax(a), stride, t.ax(b))
+    for m in (1, 2, 3, 6):
+        divided, remainder = t.ix_div(merged, m * stride), t.ix_mod(merged, m * stride)
+        assert divided == t.ix_div(t.ax(a), m)
+        assert remainder == t.ix_lin(t.ix_mod(t.ax(a), m), stride, t.ax(b))
+        axes = (a, b)
+        shape = (12 * stride,)
+        for index, expected in ((divided, lambda x, y: (x * stride + y) // (m * stride)),
+                                (remainder, lambda x, y: (x * stride + y) % (m * stride))):  # fmt: skip
+            got = _elements(t.access("x", (index,)), shape, axes)
+            want = np.fromfunction(expected, (12, stride), dtype=int).astype(np.float64)
+            assert np.array_equal(got, want)

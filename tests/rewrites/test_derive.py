@@ -370,6 +370,49 @@ def test_cosine_attention_is_flash_attention_over_normalised_operands() -> None:
     assert_derived_program_matches(g, d)
 
 
+def test_attention_over_windows_reads_its_two_batch_axes_as_one() -> None:
+    """timm's Twins, NesT and Hiera attend over ``(B, windows, heads, N, d)``, q, k and v unbound from one
+    projection: the batch and window axes, which every tensor steps as one (the batch's stride the window's
+    times the windows), are the problem's batch; an operand that does not step them as one is stored in the
+    kernels' order first."""
+    windows, n, heads, dim = 3, 16, 2, 32
+    g = ck.Graph("windows")
+    x = g.input("x", (B, windows, n, 3 * heads * dim), "bf16")
+    q, k, v = (x.reshape((B, windows, n, 3, heads, dim)).permute((3, 0, 1, 4, 2, 5))[i] for i in range(3))
+    g.output(ck.nn.softmax((q @ k.transpose(-2, -1)) * dim**-0.5, axis=-1) @ v, "o")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels_for("sm_90a")] == ["flash_attention"]
+    for target in ("sm_90a", "sm_80"):
+        problem = d.plans(target)[0].problem
+        assert (problem.batch, problem.heads, problem.seq_q) == (B * windows, heads, n)
+        q_layout = problem.layout("q")
+        assert (q_layout.batch, q_layout.head, q_layout.seq) == (n * 3 * heads * dim, dim, 3 * heads * dim)
+    assert_derived_program_matches(g, d)
+
+    # Hiera's mask units: each token's unit u inside its position n (token n·U + u), so no tensor steps (b, u) as
+    # one; q, k and v are stored in the kernels' order first
+    g = ck.Graph("mask_units")
+    x = g.input("x", (B, n * windows, 3 * heads * dim), "bf16")
+    q, k, v = (x.reshape((B, n, windows, 3, heads, dim)).permute((3, 0, 2, 4, 1, 5))[i] for i in range(3))
+    g.output(ck.nn.softmax((q @ k.transpose(-2, -1)) * dim**-0.5, axis=-1) @ v, "o")
+    d = ck.derive(g)
+    kinds = [k.kind for k in d.kernels_for("sm_90a")]
+    assert kinds.count("flash_attention") == 1 and kinds.count("elementwise") == 3, kinds
+    assert d.plans("sm_90a")[0].problem.batch == B * windows
+    assert_derived_program_matches(g, d)
+
+    # the windows outermost in storage, the batch read inside them: the output's (b, w) order is not the input's,
+    # so the input is copied in that order and read as one batch axis with the output
+    g = ck.Graph("windows_outer")
+    x = g.input("x", (windows, B, heads, n, dim), "bf16")
+    q = x.permute((1, 0, 2, 3, 4))
+    g.output(ck.nn.softmax((q @ q.transpose(-2, -1)) * dim**-0.5, axis=-1) @ q, "o")
+    d = ck.derive(g)
+    assert [k.kind for k in d.kernels_for("sm_90a")] == ["elementwise", "flash_attention"]
+    assert d.plans("sm_90a")[0].problem.batch == B * windows
+    assert_derived_program_matches(g, d)
+
+
 def alibi_graph(causal: bool) -> ck.Graph:
     """ALiBi attention as MPT and Bloom spell it with 4-D tensors: each head's slope times each key's
     position added to the scores (computed, not a stored tensor), then (``causal``) the causal mask

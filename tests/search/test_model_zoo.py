@@ -495,13 +495,17 @@ TIMM = {
     "beit_relative_bias": (("beit_base_patch16_224", dict(img_size=64, depth=2)), 2),
     # MaxViT's block (local window) and grid (dilated) attentions, each with its relative-position bias
     "maxvit_block_grid": (("maxvit_nano_rw_256", dict(img_size=128, depths=(1, 1, 1, 1))), 8),
+    # Hiera's mask-unit attention over (B, units, heads, N, d): batch and units read as one batch axis (k and v,
+    # read with each token's unit inside its position, stored in that order first); torch's default init, as timm
+    # zeroes the head
+    "hiera_mask_units": (("hiera_tiny_224", dict(img_size=64, stages=(1, 1, 1, 1), weight_init="skip")), 4),
 }
 
 
 @pytest.mark.parametrize("family", list(TIMM))
 def test_a_timm_model_runs_through_the_backend_like_eager(family: str) -> None:
-    """timm's EVA-02 (2-D rotary embedding), Swin, Swin V2, BEiT and MaxViT classifiers, bf16, like eager, each
-    attention a flash kernel."""
+    """timm's EVA-02 (2-D rotary embedding), Swin, Swin V2, BEiT, MaxViT and Hiera classifiers, bf16, like eager,
+    each attention a flash kernel."""
     timm = pytest.importorskip("timm")
     (name, overrides), flash_kernels = TIMM[family]
     torch.manual_seed(0)
