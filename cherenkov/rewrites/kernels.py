@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -106,7 +106,11 @@ def _row_widened(term: Term) -> tuple[str, str, Term] | None:
     return None
 
 
-def _narrowing_guard(term: Term, core: Term) -> tuple[str, int, int] | None:
+Guard = tuple[str, int, int]
+"""A guard over a term: ``(axis, start, size)``, the axis's range where the guarded value is used."""
+
+
+def _narrowing_guard(term: Term, core: Term) -> Guard | None:
     """:func:`_pad_guard` of ``core`` in ``term`` where it narrows an axis ``core`` varies along, else None."""
     guard = _pad_guard(term, core)
     if guard is None or guard[0] not in t.free_axes(core) or guard[2] >= t.extent(guard[0]):
@@ -114,29 +118,36 @@ def _narrowing_guard(term: Term, core: Term) -> tuple[str, int, int] | None:
     return guard
 
 
-def _pad_guard(term: Term, sub: Term) -> tuple[str, int, int] | None:
-    """The guard ``(axis, start, size)`` (a plain axis) that every read of ``sub`` in ``term`` lies under,
-    or None: where no one guard is common to them all. A ``PadAxis`` guards its operand; ``where(a < n, x,
-    y)`` guards ``x`` by ``(a, 0, n)`` (an appended column's where)."""
-    common: set[tuple[str, int, int]] | None = None
-    seen: set[tuple[Term, tuple]] = set()
-    stack: list[tuple[Term, tuple]] = [(term, ())]
+def _guards_above(term: Term, targets: Set[Term], edges: bool = True) -> Iterator[tuple[Term, tuple[Guard, ...]]]:
+    """Each place a node of ``targets`` is read in ``term``, with the guards ``(axis, start, size)`` (a plain
+    axis) it lies under: a ``PadAxis`` guards its operand; with ``edges``, ``where(a < n, x, y)`` guards ``x`` by
+    ``(a, 0, n)`` (an appended column's where). A node reached twice under the same guards is given once."""
+    seen: set[tuple[Term, tuple[Guard, ...]]] = set()
+    stack: list[tuple[Term, tuple[Guard, ...]]] = [(term, ())]
     while stack:
         node, guards = stack.pop()
         if (node, guards) in seen:
             continue
         seen.add((node, guards))
-        if node == sub:
-            common = set(guards) if common is None else common & set(guards)
+        if node in targets:
+            yield node, guards
             continue
         if node[0] == "PadAxis" and node[1][0] == "Ax":
             stack.append((node[5], (*guards, (node[1][1], node[2], node[3]))))
             continue
-        edge = _iota_edge(node[1]) if node[0] == "Where" else None
+        edge = _iota_edge(node[1]) if edges and node[0] == "Where" else None
         if edge is not None:
             stack += [(node[1], guards), (node[2], (*guards, (edge[0], 0, edge[1]))), (node[3], guards)]
             continue
         stack.extend((child, guards) for child in t.children(node))
+
+
+def _pad_guard(term: Term, sub: Term) -> Guard | None:
+    """The guard that every read of ``sub`` in ``term`` lies under (:func:`_guards_above`), or None: where no
+    one guard is common to them all."""
+    common: set[Guard] | None = None
+    for _, guards in _guards_above(term, {sub}):
+        common = set(guards) if common is None else common & set(guards)
     return min(common) if common else None
 
 
@@ -595,12 +606,16 @@ class _Partition:
         return (operand[0] == "Mul" and all(self.readable_in_place(leaf) for leaf in operand[1:])
                 and any(leaf[1] in dtypes and dtypes[leaf[1]] in SCALE_DTYPES for leaf in operand[1:]))  # fmt: skip
 
+    def stored_read(self, operand: Term) -> StridedRead | None:
+        """``operand`` as a strided read of a stored tensor (input or buffer), or None."""
+        if operand[0] != "Tensor":
+            return None
+        shape = self.stored_shapes().get(operand[1])
+        return None if shape is None else strided_read(operand, shape)
+
     def readable_in_place(self, operand: Term) -> bool:
         """Whether ``operand`` is an affine view of a stored tensor (input or buffer)."""
-        if operand[0] != "Tensor":
-            return False
-        shape = self.stored_shapes().get(operand[1])
-        return shape is not None and strided_read(operand, shape) is not None
+        return self.stored_read(operand) is not None
 
     def steps_batch_as_one(self, operand: Term, leading: tuple[str, ...]) -> bool:
         """Whether a read of a stored tensor steps an attention's batch-like axes past two (``leading``,
@@ -609,16 +624,14 @@ class _Partition:
         Hiera's k, read with its mask units inside the key axis, does not, and is stored in order."""
         if len(leading) <= 2:
             return True
-        strides = strided_read(operand, self.stored_shapes()[operand[1]]).strides
+        strides = self.stored_read(operand).strides
         return all(_read_as_one(strides, outer, inner) for outer, inner in zip(leading[:-2], leading[1:-1]))
 
     def readable_along_axes(self, operand: Term) -> bool:
         """Whether ``operand`` is an affine view of a stored tensor varying along whole axes only (a bias
         stored per K/V head and read at ``h // G`` is not: the kernels step a bias by the query head)."""
-        if not self.readable_in_place(operand):
-            return False
-        read = strided_read(operand, self.stored_shapes()[operand[1]])
-        return all(atom[0] == "Ax" for atom in read.strides)
+        read = self.stored_read(operand)
+        return read is not None and all(atom[0] == "Ax" for atom in read.strides)
 
     def stored_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors kernels may read so far: inputs, roots and buffers."""
@@ -1050,26 +1063,15 @@ def _step(access: Term) -> tuple[Term, tuple[str, int] | None] | None:
 def _guarded(term: Term, steps: Mapping[Term, tuple[Term, tuple[str, int]]]) -> bool:
     """Whether every stepped read in ``term`` lies under a ``PadAxis`` on its axis that
     keeps ``axis + step`` inside ``[0, extent)``: only there is the neighbour's value used."""
-
-    seen: set[tuple[Term, frozenset]] = set()
-
-    def visit(node: Term, guards: dict[str, tuple[int, int]]) -> bool:
-        key = (node, frozenset(guards.items()))
-        if key in seen:
-            return True
-        seen.add(key)
-        if node in steps:
-            axis, delta = steps[node][1]
-            lo, hi = guards.get(axis, (0, t.extent(axis)))
-            return lo + delta >= 0 and hi + delta <= t.extent(axis)
-        if node[0] == "PadAxis" and node[1][0] == "Ax":
-            axis, lo, size = node[1][1], node[2], node[3]
-            outer = guards.get(axis, (0, t.extent(axis)))
-            inner = {**guards, axis: (max(lo, outer[0]), min(lo + size, outer[1]))}
-            return visit(node[5], inner) and all(visit(a, guards) for a in (node[1], node[4]) if isinstance(a, tuple))
-        return all(visit(child, guards) for child in t.children(node))
-
-    return visit(term, {})
+    for node, guards in _guards_above(term, set(steps), edges=False):
+        axis, delta = steps[node][1]
+        lo, hi = 0, t.extent(axis)
+        for guarded, start, size in guards:
+            if guarded == axis:
+                lo, hi = max(lo, start), min(hi, start + size)
+        if lo + delta < 0 or hi + delta > t.extent(axis):
+            return False
+    return True
 
 
 def absorptions(kernels: list[FusedKernel], outputs: frozenset[str]) -> dict[str, tuple[str, FusedKernel]]:
