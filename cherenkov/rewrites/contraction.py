@@ -20,6 +20,23 @@ _FACTOR_OF_OPERAND = ("(= axes-x (axes x))", "(set-not-contains axes-x k)", "(> 
 """A factor that moves into a contraction's operand: a tensor (not a constant: the contraction's scale) constant
 along the summed axis."""
 
+
+def _factor_into(side: str, factor: tuple, what: str) -> Rule:
+    """``x·Σ_k a·b = Σ_k …(x·operand)…`` for the contraction's operand on ``side`` (left: ``a``, right: ``b``)."""
+    operand = "a" if side == "left" else "b"
+    scaled = "(Mul x a) b" if operand == "a" else "a (Mul x b)"
+    spelled = "(x·a)·b" if operand == "a" else "a·(x·b)"
+    return Rule(
+        f"contract-factor-into-{side}",
+        f"x·Σ_k a·b = Σ_k {spelled} when x varies only along axes of {operand} other than k ({what})",
+        lhs="(Mul x (Contract k n a b))",
+        rhs=f"(Contract k n {scaled})",
+        where=(*_FACTOR_OF_OPERAND, f"(= axes-{operand} (axes {operand}))",
+               f"(= axes-{operand} (set-union axes-{operand} axes-x))"),
+        example=Example(("Mul", factor, ("Contract", "k:5", 5, b_ik, w_kj))),
+    )
+
+
 RULES = (
     Rule(
         "sum-factor-out",
@@ -57,22 +74,8 @@ RULES = (
         ),
         example=Example(("Sum", "k:5", 5, ("Mul", b_ik, w_kj))),
     ),
-    Rule(
-        "contract-factor-into-left",
-        "x·Σ_k a·b = Σ_k (x·a)·b when x varies only along axes of a other than k (a row's factor: a normalised q)",
-        lhs="(Mul x (Contract k n a b))",
-        rhs="(Contract k n (Mul x a) b)",
-        where=(*_FACTOR_OF_OPERAND, "(= axes-a (axes a))", "(= axes-a (set-union axes-a axes-x))"),
-        example=Example(("Mul", a_i, ("Contract", "k:5", 5, b_ik, w_kj))),
-    ),
-    Rule(
-        "contract-factor-into-right",
-        "x·Σ_k a·b = Σ_k a·(x·b) when x varies only along axes of b other than k (a column's factor: a normalised k)",
-        lhs="(Mul x (Contract k n a b))",
-        rhs="(Contract k n a (Mul x b))",
-        where=(*_FACTOR_OF_OPERAND, "(= axes-b (axes b))", "(= axes-b (set-union axes-b axes-x))"),
-        example=Example(("Mul", tensor("y", "j:2"), ("Contract", "k:5", 5, b_ik, w_kj))),
-    ),
+    _factor_into("left", a_i, "a row's factor: a normalised q"),
+    _factor_into("right", tensor("y", "j:2"), "a column's factor: a normalised k"),
     Rule(
         "contract-unit-scale",
         "Contract_k(a, b) = Contract_k(a, b)·1",
