@@ -1,7 +1,7 @@
 """cherenkov's searched flash attention against PyTorch SDPA's backends, in one process.
 
 For each shape (``SHAPES``: issue 6's, issue 22's decode, short-query, head-dim, ``D_V ≠
-D`` and fp16 rows, two causal sliding windows, which SDPA takes as a band mask and
+D`` and fp16 rows, Stable Diffusion 1.5's self-attention at head dims 40 and 160, two causal sliding windows, which SDPA takes as a band mask and
 FlashAttention-4 as its ``window_size``, and a causal chunk after cached keys, a band for SDPA and FlashAttention-4's
 own causal mask; the default runs issue 6's), this builds the textbook attention graph of
 ``examples/attention.py`` (loaded by path), runs ``ck.optimize`` on it (a fresh search
@@ -21,7 +21,7 @@ mma.sync and 989 TFLOP/s wgmma peaks, and each contender's ``tbps``: q, k, v and
 moved a second). ``--target auto`` searches both kernel families on a Hopper GPU (sm_90a),
 ``--target sm_90`` the mma.sync family only.
 
-    python3 benchmarks/attention.py [--shapes seed,...|issue22|windows] [--out DIR] [--budget S] [--target T]
+    python3 benchmarks/attention.py [--shapes seed,...|issue22|head_dims|windows] [--out DIR] [--budget S] [--target T]
                                     [--suffix S]
 
 FLOPs are ``4·B·H·Sq·Skv·D``, halved for causal (the convention of FlashAttention's and
@@ -128,11 +128,16 @@ SHAPES = {
     "chunk_1k_after_7k_causal": Shape(4, 32, 8, 1024, 8192, 128, True, last_key=True),
     "speculative_sq4_causal": Shape(16, 32, 8, 4, 8192, 128, True, last_key=True),
     "chunked_prefill_sq64_causal": Shape(8, 32, 8, 64, 8192, 128, True, last_key=True),
+    # head dims off the usual (no issue): Stable Diffusion 1.5's U-Net self-attention over a 64x64 latent
+    # (8 heads of 40) and over 16x16 (8 of 160), two images (classifier-free guidance)
+    "sd15_latent64_d40": Shape(2, 8, 8, 4096, 4096, 40),
+    "sd15_latent16_d160": Shape(2, 8, 8, 256, 256, 160),
 }
 ISSUE_6 = ("seed", "b4h16s4k", "b4h16s4k_causal", "seed_d64", "b16h16s1k", "b1h32s16k_causal")
 WINDOWS = ("mistral_7b_window4k_16k", "b2h32s8k_window1k", "chunk_1k_after_7k_causal", "speculative_sq4_causal",
            "chunked_prefill_sq64_causal")  # fmt: skip
-ISSUE_22 = tuple(name for name in SHAPES if name not in ISSUE_6 + WINDOWS)
+HEAD_DIMS = ("sd15_latent64_d40", "sd15_latent16_d160")
+ISSUE_22 = tuple(name for name in SHAPES if name not in ISSUE_6 + WINDOWS + HEAD_DIMS)
 
 
 def load_example():
@@ -411,7 +416,7 @@ def run_fp8_shape(name: str, torch, flush, args, db) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(ISSUE_6),
-                        help=f"comma-separated, of: {', '.join(SHAPES)}; issue22 and windows stand for their rows")
+                        help=f"comma-separated, of: {', '.join(SHAPES)}; issue22, head_dims and windows stand for their rows")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--budget", type=float, default=35.0,
                         help="seconds per search (compile + measure); causal shapes get twice it")
@@ -429,7 +434,7 @@ def main() -> None:
                         help="fp8: each shape in e4m3 (per-tensor scales) against cherenkov's bf16 kernel, cuDNN "
                              "and FlashAttention-4 in bf16, with its error against float32 attention")
     args = parser.parse_args()
-    groups = {"issue22": ISSUE_22, "windows": WINDOWS}
+    groups = {"issue22": ISSUE_22, "windows": WINDOWS, "head_dims": HEAD_DIMS}
     names = [n for s in args.shapes.split(",") if s for n in groups.get(s, (s,))]
     unknown = [s for s in names if s not in SHAPES]
     if unknown:

@@ -24,6 +24,7 @@ from cherenkov.rewrites.plan import (
     flash_register_estimate,
     flash_schedule_problems,
     key_tiles_per_split,
+    padded_head_dim,
     query_tiles,
     tile_row_elements,
 )
@@ -99,12 +100,22 @@ class FlashLayout:
 
     @property
     def chunks_per_row(self) -> int:
-        """16-byte chunks of a Q or K row (``head_dim`` elements)."""
-        return self.head_dim * self.element_bytes // CHUNK_BYTES
+        """16-byte chunks of a Q or K tile row (:func:`padded_head_dim` columns)."""
+        return padded_head_dim(self.head_dim) * self.element_bytes // CHUNK_BYTES
 
     @property
     def value_chunks(self) -> int:
-        """16-byte chunks of a V or O row (``value_dim`` elements)."""
+        """16-byte chunks of a V or O tile row (:func:`padded_head_dim` columns)."""
+        return padded_head_dim(self.value_dim or self.head_dim) * self.element_bytes // CHUNK_BYTES
+
+    @property
+    def data_chunks(self) -> int:
+        """The chunks of a Q or K row that a copy reads (``head_dim`` elements); the rest are zero-filled."""
+        return self.head_dim * self.element_bytes // CHUNK_BYTES
+
+    @property
+    def value_data_chunks(self) -> int:
+        """The chunks of a V row that a copy reads and of an O row that a store writes (``value_dim`` elements)."""
         return (self.value_dim or self.head_dim) * self.element_bytes // CHUNK_BYTES
 
     @property
@@ -213,8 +224,8 @@ class FlashTiling:
             m_tiles=m_tiles,
             kv_ntiles=s.keys_per_warp // 8,
             kv_steps=s.keys_per_warp // 16,
-            d_ntiles=p.v_dim // 8,
-            d_steps=p.head_dim // 16,
+            d_ntiles=padded_head_dim(p.v_dim) // 8,
+            d_steps=padded_head_dim(p.head_dim) // 16,
             q_tiles=query_tiles(s, p),
             kv_tiles=math.ceil(p.seq_kv / s.block_kv),
             q_in_registers=keeps_q_in_registers(s, p.head_dim, p.value_dim),
@@ -223,7 +234,7 @@ class FlashTiling:
             kv_splits=s.kv_splits,
             tiles_per_split=key_tiles_per_split(s, p),
             block_q=s.block_q,
-            value_dim=p.v_dim,
+            value_dim=padded_head_dim(p.v_dim),
         )
 
     @property
@@ -246,7 +257,7 @@ class FlashTiling:
 
 def keeps_q_in_registers(schedule: FlashSchedule, head_dim: int, value_dim: int = 0) -> bool:
     """Whether a warp's Q fragments (4 registers per m16×k16 tile) fit beside O and S."""
-    q_registers = (schedule.rows_per_warp // 16) * (head_dim // 16) * 4
+    q_registers = (schedule.rows_per_warp // 16) * (padded_head_dim(head_dim) // 16) * 4
     return flash_register_estimate(schedule, head_dim, value_dim) + q_registers <= Q_REGISTER_BUDGET
 
 

@@ -23,9 +23,16 @@ if TYPE_CHECKING:
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 ATTENTION_DTYPES = ("bf16", "fp16")
-ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
-"""Head dims (of q·k and of v) the ``mma.sync`` flash family plans; the Hopper family plans
-multiples of 16 up to 256 (:mod:`cherenkov.rewrites.plan_sm90a`)."""
+ATTENTION_HEAD_DIMS = tuple(range(8, 257, 8))
+"""Head dims (of q·k and of v) the ``mma.sync`` flash family plans: multiples of 8 (16-byte rows) up to 256,
+each held as :func:`padded_head_dim` columns (a whole k16 step of ``Q Kᵀ``, whole pairs of n8 tiles of
+``P V``); the Hopper family plans the same at 16 bits (:mod:`cherenkov.rewrites.plan_sm90a`)."""
+
+
+def padded_head_dim(dim: int) -> int:
+    """The columns an ``mma.sync`` flash tile holds for a head dim: ``dim`` rounded up to a multiple of 16, the
+    columns past it zeros (Stable Diffusion's 40 is held as 48: ``Q Kᵀ``'s third k16 step reads zeros)."""
+    return -(-dim // 16) * 16
 MAX_REGISTERS_PER_THREAD = 255
 
 
@@ -616,7 +623,7 @@ def flash_register_estimate(schedule: FlashSchedule, head_dim: int, value_dim: i
     are reloaded from shared memory unless they fit (``keeps_q_in_registers``).
     """
     m_tiles = schedule.rows_per_warp // 16
-    o_acc = m_tiles * ((value_dim or head_dim) // 8) * 4
+    o_acc = m_tiles * (padded_head_dim(value_dim or head_dim) // 8) * 4
     s_acc = m_tiles * (schedule.keys_per_warp // 8) * 4
     # The pingpong keeps P (packed, half of S) across the barrier into the next matmul phase,
     # next to O and the S being accumulated (ptxas: q256/kv64 spills 356 B, q256/kv32 none).
@@ -679,7 +686,8 @@ def flash_schedule_problems(schedule: FlashSchedule, problem: AttentionProblem, 
     if problem.dtype not in ATTENTION_DTYPES:
         reasons.append(f"dtype {problem.dtype} (valid: {', '.join(ATTENTION_DTYPES)})")
     if problem.head_dim not in ATTENTION_HEAD_DIMS or problem.v_dim not in ATTENTION_HEAD_DIMS:
-        reasons.append(f"head dims {problem.head_dim} (q, k) and {problem.v_dim} (v) (valid: {ATTENTION_HEAD_DIMS})")
+        reasons.append(f"head dims {problem.head_dim} (q, k) and {problem.v_dim} (v) (valid: multiples of 8 up to "
+                       f"{ATTENTION_HEAD_DIMS[-1]})")
     if schedule.block_q % schedule.warps or schedule.rows_per_warp not in (16, 32):
         reasons.append(f"block_q {schedule.block_q} over {schedule.warps} warps is not 16 or 32 rows a warp")
     reasons += _short_query_problems(schedule, problem)
@@ -767,7 +775,7 @@ def _short_query_problems(schedule: FlashSchedule, problem: AttentionProblem) ->
     if schedule.warp_keys and (schedule.block_q != 16 or schedule.warps not in (2, 4) or schedule.keys_per_warp < 16):
         reasons.append("warps split a key tile's keys in 16-row blocks of 2 or 4 warps, at least 16 keys a warp")
     if schedule.warp_keys:
-        merge = schedule.warps * schedule.block_q * ((problem.value_dim or problem.head_dim) + 1) * 4
+        merge = schedule.warps * schedule.block_q * (padded_head_dim(problem.v_dim) + 1) * 4
         stages = schedule.stages * 2 * schedule.block_kv * tile_row_elements(problem.head_dim, problem.value_dim) \
             * ELEMENT_BYTES.get(problem.dtype, 2)
         if merge > stages:

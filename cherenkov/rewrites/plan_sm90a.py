@@ -45,6 +45,11 @@ MAX_HEAD_DIM = 256
 """The widest head dim (of q·k or of v) of the sm_90a family: O is one wgmma of N = the v
 tile's width, at most 256."""
 
+HEAD_DIM_STEP = {2: 8, 1: 16}
+"""Head dims of the sm_90a family are multiples of this, by element bytes: 8 at 16 bits (a row of 16 bytes,
+the tensor maps' stride alignment; ``Q Kᵀ`` reads the box's zero columns up to its next 32-byte k step and
+O's columns from them are dropped), 16 at 8 bits."""
+
 SM90A = TARGETS["sm_90a"]
 """The Hopper target with its architecture-specific features (wgmma, setmaxnreg)."""
 
@@ -364,10 +369,11 @@ def hopper_schedule_problems(
         reasons.append("score and output factors come with 8-bit operands only")
     if s.row_sums_mma and p.dtype not in HOPPER_EIGHT_BIT_DTYPES:
         reasons.append("row sums on the tensor cores: 8-bit operands only (the ones rows follow the transposed V tile)")
-    dims_valid = all(d % 16 == 0 and 16 <= d <= MAX_HEAD_DIM for d in (p.head_dim, p.v_dim))
+    step = HEAD_DIM_STEP.get(ELEMENT_BYTES.get(p.dtype, 2), 8)
+    dims_valid = all(d % step == 0 and step <= d <= MAX_HEAD_DIM for d in (p.head_dim, p.v_dim))
     if not dims_valid:
-        reasons.append(f"head dims {p.head_dim} (q, k) and {p.v_dim} (v) (valid: multiples of 16 up to "
-                       f"{MAX_HEAD_DIM}; the mma.sync family plans the others)")
+        reasons.append(f"head dims {p.head_dim} (q, k) and {p.v_dim} (v) (valid: multiples of {step} up to "
+                       f"{MAX_HEAD_DIM} at {8 * ELEMENT_BYTES.get(p.dtype, 2)} bits)")
     if s.consumer_warpgroups not in (1, 2, 3):
         reasons.append(f"{s.consumer_warpgroups} consumer warpgroups (valid: 1, 2, 3)")
     if s.pingpong and s.consumer_warpgroups != 2:

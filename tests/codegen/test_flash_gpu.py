@@ -173,6 +173,21 @@ SHAPE_CASES = [
     (problem(2, 16, 4, 4, 3001, 96), "q16 kv64 w2 s2 joint swz x4 lazy mbar sk4 pack wk"),
     (problem(2, 8, 8, 1, 999, 64), "q16 kv64 w4 s2 split swz x4 wk"),
     (problem(1, 8, 2, 1, 4000, 192, value_dim=128), "q16 kv64 w4 s2 joint swz x4 lazy mbar sk4 pack wk"),
+    # head dims off the benchmark's: multiples of 16 (LeViT's 16, Stable Diffusion's 160) in rows padded to
+    # a power of two, and of 8 (Stable Diffusion's 40) padded to 16 with zero-filled columns, through the
+    # long-query ring, the mbarrier ring, key splits, packed groups and warps on keys
+    (problem(2, 4, 4, 300, 700, 16), "q128 kv64 w4 s2 split swz x4"),
+    (problem(2, 4, 2, 300, 700, 48, causal=True), "q128 kv64 w4 s2 joint swz x4 lazy mbar"),
+    (problem(1, 4, 4, 257, 513, 112), "q64 kv64 w4 s2 split swz x4"),
+    (problem(1, 4, 2, 300, 700, 160), "q64 kv64 w4 s2 split swz x4"),
+    (problem(1, 4, 4, 300, 700, 224, causal=True), "q64 kv32 w4 s2 split swz x4"),
+    (problem(2, 4, 4, 300, 700, 40), "q128 kv64 w4 s2 split swz x4"),
+    (problem(2, 4, 2, 333, 333, 40, causal=True), "q128 kv32 w8 s3 joint swz x4 lazy mbar"),
+    (problem(1, 4, 4, 300, 700, 8, dtype="fp16"), "q128 kv64 w4 s2 split swz x4"),
+    (problem(1, 4, 4, 300, 700, 200, value_dim=40), "q64 kv32 w4 s2 split swz x4"),
+    (problem(2, 8, 2, 1, 3000, 40), "q16 kv64 w1 s2 split swz x4 sk8 pack"),
+    (problem(2, 8, 8, 1, 999, 72), "q16 kv64 w4 s2 split swz x4 wk"),
+    (problem(2, 16, 4, 4, 3001, 24, value_dim=40), "q16 kv64 w2 s2 joint swz x4 lazy mbar sk4 pack wk"),
 ]
 SHAPE_PLANS = [KernelPlan("flash_attention", p, schedule(key), TARGETS["sm_90"]) for p, key in SHAPE_CASES]
 
@@ -194,7 +209,8 @@ def test_cases_cover_every_knob_value():
 def test_shape_cases_are_valid_and_cover_the_short_query_knobs():
     for plan in SHAPE_PLANS:
         assert not flash_schedule_problems(plan.schedule, plan.problem, plan.target), case_id(plan)
-    assert {p.problem.head_dim for p in SHAPE_PLANS} == set(ATTENTION_HEAD_DIMS)
+    dims = {p.problem.head_dim for p in SHAPE_PLANS}
+    assert set(ATTENTION_HEAD_DIMS) >= dims >= {32, 64, 80, 96, 128, 192, 256} and {d % 16 for d in dims} == {0, 8}
     rows = {(p.schedule.block_q, p.schedule.warps, p.schedule.warp_keys) for p in SHAPE_PLANS}
     assert rows >= set(SHORT_QUERY_KNOBS["rows"])
     for knob, values in SHORT_QUERY_KNOBS.items():

@@ -43,7 +43,7 @@ def benchmark():
     return module
 
 
-ROWS = ("seed", *benchmark().ISSUE_22, *benchmark().WINDOWS)
+ROWS = ("seed", *benchmark().ISSUE_22, *benchmark().WINDOWS, *benchmark().HEAD_DIMS)
 
 
 @functools.cache
@@ -115,6 +115,7 @@ KINDS = [
     (AttentionProblem(2, 16, 4, 4, 3001, 96), lambda s: s.pack_group),
     (AttentionProblem(1, 4, 2, 257, 513, 80), lambda s: True),
     (AttentionProblem(2, 4, 4, 300, 700, 32, causal=True), lambda s: True),
+    (AttentionProblem(2, 8, 2, 1, 3000, 40), lambda s: s.pack_group and s.kv_splits > 1),  # zero-filled to 48
     (AttentionProblem(4, 8, 2, 1, 2048, 64, dtype="fp16"), lambda s: s.kv_splits > 1),
     # four causal drafts after 4093 cached keys (a KV cache's chunk: query i sees keys j <= i + 4093)
     (AttentionProblem(2, 32, 8, 4, 4097, 128, window=4101, window_ahead=4093),
@@ -177,6 +178,31 @@ def test_emulated_kernels_read_attention_over_windows_as_one_batch_axis() -> Non
     assert plan.problem.batch == batch * windows and plan.problem.layout("q").batch == n * 3 * heads * dim
     got = emulate_flash(plan, inputs["x"], inputs["x"], inputs["x"])["o"]
     error = np.linalg.norm(got.reshape(expected.shape) - expected) / np.linalg.norm(expected)
+    assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
+
+
+@needs_gxx
+@pytest.mark.parametrize(("dim", "value_dim"), [(48, 48), (160, 112), (40, 40), (24, 72)])
+def test_emulated_kernels_take_head_dims_off_the_benchmark_rows(dim: int, value_dim: int) -> None:
+    """Head dims none of the benchmark rows has: multiples of 16 (48; Stable Diffusion's 160 beside another value
+    dim), rows padded to a power of two in shared memory, and of 8 (Stable Diffusion's 40; 24 beside 72), read into
+    rows zero-filled to a multiple of 16: the ``mma.sync`` kernels within bf16 rounding of float64, and flash plans
+    of both families on every target."""
+    g = ck.Graph("head_dims")
+    q = g.input("q", (1, 2, 37, dim), "bf16")
+    k = g.input("k", (1, 2, 70, dim), "bf16")
+    v = g.input("v", (1, 2, 70, value_dim), "bf16")
+    g.output(ck.nn.attention(q, k, v, causal=True), "o")
+    rng = np.random.default_rng(3)
+    inputs = {n: rounded(rng.standard_normal(x.shape), "bf16") for n, x in g.inputs.items()}
+    expected = ck.evaluate(g, inputs)["o"]
+    d = ck.derive(g)
+    for target in FLASH_TARGETS:
+        assert [k.kind for k in d.kernels_for(target)] == ["flash_attention"], target
+    assert any(hasattr(p.schedule, "consumer_warpgroups") for p in d.plans("sm_90a"))
+    plan = next(p for p in d.plans("sm_80") if supported(p))
+    got = emulate_flash(plan, inputs["q"], inputs["k"], inputs["v"])["o"]
+    error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
     assert error <= 1e-2, f"{plan.schedule.key()}: o differs by {error:.3g}"
 
 

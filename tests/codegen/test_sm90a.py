@@ -136,7 +136,8 @@ def test_schedule_resources_and_names():
         (HopperFlashSchedule(block_kv=256), SEED, "shared memory"),
         (HopperFlashSchedule(consumer_warpgroups=3, pingpong=False), AttentionProblem(1, 8, 8, 768, 1024, 128),
          "registers"),
-        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 72), "head dims"),
+        (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 76), "multiples of 8"),
+        (DEFAULT, replace(SEED, head_dim=72, dtype="fp8_e4m3", out_dtype="bf16"), "multiples of 16"),
         (DEFAULT, AttentionProblem(1, 8, 8, 4096, 8192, 64, value_dim=128), "staged in the Q tile"),
         (HopperFlashSchedule(64, 2, 2, True), AttentionProblem(1, 8, 8, 4096, 8192, 128), "64-key tiles"),
         (HopperFlashSchedule(balanced=True), AttentionProblem(1, 8, 8, 4096, 4096, 128, causal=True), "balanced"),
@@ -304,6 +305,21 @@ def test_head_dims_short_of_whole_boxes_pad_to_the_next_box():
     assert "wgmma_m64n128k16_rs_bf16_tb" in emit_flash_attention_sm90a(mla, kv128)
 
 
+def test_head_dims_of_eights_read_the_zero_columns_of_their_last_k_step(nvcc, tmp_path):
+    # 16-bit head dims need rows of 16 bytes (the tensor maps' strides); Q K^T's k steps are 16 columns,
+    # so 40 takes three, the last reading columns 40..47 of the box, zeros past the tensor's end
+    for dim in (8, 24, 40, 72, 200):
+        assert not hopper_schedule_problems(DEFAULT if dim < 200 else HopperFlashSchedule(64, 2, 2, True),
+                                            AttentionProblem(1, 8, 8, 1024, 1024, dim)), dim
+    d40 = AttentionProblem(2, 8, 8, 1024, 1024, 40)
+    assert problem_tile_columns(d40) == (64, 64)
+    source = emit_flash_attention_sm90a(d40, DEFAULT)
+    assert "constexpr int QK_STEPS = (HEAD_DIM * ELEM_BYTES + 31) / 32" in source
+    assert "constexpr int HEAD_DIM = 40;" in source and "wgmma_m64n64k16_rs_bf16_tb" in source
+    compiled = compile_plan(hopper_plan(replace(d40, causal=True), TWO_Q), compiler=nvcc, cache_dir=tmp_path)
+    assert compiled.report.spill_bytes == 0
+
+
 def test_head_dim_32_tiles_are_64_byte_swizzled_boxes_of_32_columns():
     # the 64-byte swizzle only where neither head dim is wider than 64 bytes: no zero columns
     assert box_row_bytes(32, 32, "bf16") == box_row_bytes(16, 32, "fp16") == 64
@@ -452,6 +468,16 @@ GPU_CASES = [
                                                                       poly_exp=1)),
     (AttentionProblem(8, 32, 8, 64, 2048, 128), replace(PACKED, lazy_rescale=True, poly_exp=2)),
     (AttentionProblem(2, 8, 8, 777, 1024, 64, dtype="fp16"), replace(TWO_Q, poly_exp=4)),
+    # head dims that are multiples of 8, not 16 (Stable Diffusion's 40): Q K^T's last k step reads the
+    # box's zero columns; 200 (a last box of 8 columns), 8 and 24 (64-byte rows), D_v != D_qk
+    (AttentionProblem(2, 8, 8, 777, 1024, 40), DEFAULT),
+    (AttentionProblem(2, 8, 2, 1000, 1500, 40, causal=True), replace(TWO_Q, balanced=True)),
+    (AttentionProblem(2, 8, 8, 333, 700, 72, dtype="fp16"), PERSISTENT),
+    (AttentionProblem(1, 4, 4, 500, 900, 200), HopperFlashSchedule(64, 2, 2, True)),
+    (AttentionProblem(2, 4, 4, 300, 500, 24), TWO_Q),
+    (AttentionProblem(2, 4, 4, 300, 500, 8, causal=True), DEFAULT),
+    (AttentionProblem(2, 8, 2, 64, 1000, 40), PACKED),
+    (AttentionProblem(1, 8, 8, 500, 700, 40, value_dim=64), PERSISTENT),
 ]
 
 # Scores that rise along the keys (keys scaled by up to RISE), so later key tiles raise the row

@@ -6,7 +6,7 @@ source address clamped to a valid row, so tails need no separate path and never 
 garbage (possibly NaN) into the mma. Copies are grouped with ``commit_group`` and waited
 for with ``wait_group N`` (at most N groups still in flight).
 
-The tile loader needs ``THREADS``, ``CHUNKS_PER_ROW`` and ``smem_offset``.
+The tile loader needs ``THREADS``, ``CHUNKS_PER_ROW``, ``QK_DATA_CHUNKS`` and ``smem_offset``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def emit_cp_async_arrive() -> str:
 
 
 def emit_tile_loader() -> str:
-    """``load_tile<ROWS, GUARD, ROW_STRIDE, CHUNKS>``: the whole block copies a ``ROWS × 8·CHUNKS``
-    tile whose rows lie ``ROW_STRIDE`` elements apart, coalesced."""
+    """``load_tile<ROWS, GUARD, ROW_STRIDE, CHUNKS, DATA>``: the whole block copies a ``ROWS × 8·CHUNKS``
+    tile whose rows lie ``ROW_STRIDE`` elements apart, coalesced, zero-filling each row's chunks from ``DATA``
+    on (a head dim padded to a whole k16 step)."""
     return block(
         """
         // Copy rows [0, ROWS) of a ROWS x (8 CHUNKS) tile (CHUNKS 16-byte chunks a row: Q and K
@@ -66,8 +67,9 @@ def emit_tile_loader() -> str:
         // thread t copies chunks t + i * THREADS of the tile in row-major order. With GUARD, a
         // tile that ends past valid_rows takes a separate path that zero-fills the missing rows
         // (reading nothing; their source is clamped to row 0), so whole tiles pay nothing for
-        // the tail.
-        template <int ROWS, bool GUARD, int ROW_STRIDE, int CHUNKS = CHUNKS_PER_ROW>
+        // the tail. A row's chunks from DATA on are zero-filled too (the columns that pad a head dim to a
+        // multiple of 16, which Q K^T's last k16 step and P V's last n8 pair read).
+        template <int ROWS, bool GUARD, int ROW_STRIDE, int CHUNKS = CHUNKS_PER_ROW, int DATA = QK_DATA_CHUNKS>
         __device__ __forceinline__ void load_tile(u32 smem_tile, const elem_t* gmem_rows, int valid_rows) {
             constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
             if constexpr (THREADS % CHUNKS != 0 || ROWS_PER_PASS == 0 || ROWS % ROWS_PER_PASS != 0) {
@@ -77,7 +79,7 @@ def emit_tile_loader() -> str:
                     const int c = int(threadIdx.x) + i * THREADS;
                     const int row = c / CHUNKS;
                     const int chunk = c % CHUNKS;
-                    const bool in_range = !GUARD || row < valid_rows;
+                    const bool in_range = (!GUARD || row < valid_rows) && (DATA == CHUNKS || chunk < DATA);
                     if (TILE_CHUNKS % THREADS == 0 || c < TILE_CHUNKS) {
                         cp_async_16(smem_tile + smem_offset(row, chunk),
                                     in_range ? gmem_rows + row * ROW_STRIDE + 8 * chunk : gmem_rows, in_range);
@@ -86,12 +88,13 @@ def emit_tile_loader() -> str:
             } else {
                 const int chunk = int(threadIdx.x) % CHUNKS;
                 const int first_row = int(threadIdx.x) / CHUNKS;
-                const elem_t* first_src = gmem_rows + first_row * ROW_STRIDE + 8 * chunk;
+                const bool data = DATA == CHUNKS || chunk < DATA;
+                const elem_t* first_src = data ? gmem_rows + first_row * ROW_STRIDE + 8 * chunk : gmem_rows;
                 if (GUARD && valid_rows < ROWS) {
                     #pragma unroll
                     for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
                         const int row = first_row + i * ROWS_PER_PASS;
-                        const bool in_range = row < valid_rows;
+                        const bool in_range = data && row < valid_rows;
                         const elem_t* src = in_range ? first_src + i * ROWS_PER_PASS * ROW_STRIDE : gmem_rows;
                         cp_async_16(smem_tile + smem_offset(row, chunk), src, in_range);
                     }
@@ -99,8 +102,8 @@ def emit_tile_loader() -> str:
                     #pragma unroll
                     for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
                         const int row = first_row + i * ROWS_PER_PASS;
-                        cp_async_16(smem_tile + smem_offset(row, chunk), first_src + i * ROWS_PER_PASS * ROW_STRIDE,
-                                    true);
+                        cp_async_16(smem_tile + smem_offset(row, chunk),
+                                    data ? first_src + i * ROWS_PER_PASS * ROW_STRIDE : gmem_rows, data);
                     }
                 }
             }

@@ -25,7 +25,10 @@ states meet in shared memory at the end). They take a causal mask or window whos
 sees the last key (a chunk of queries after a KV cache: query ``i`` sees keys ``j ≤ i + AHEAD``,
 and a sliding window over its cache, masked on every tile); a packed row's query for the mask
 is its row over the group. Head dims narrower than a power-of-two row are
-padded in shared memory (``FlashLayout``); v and o may have their own head dim.
+padded in shared memory (``FlashLayout``); v and o may have their own head dim. A head dim that is
+a multiple of 8 but not of 16 (40) is held as the next multiple of 16 (``QK_COLUMNS``,
+``V_COLUMNS``): the copies zero-fill the columns past it (``load_tile``'s ``DATA`` chunks), so
+``Q Kᵀ``'s last k16 step and ``P V``'s last n8 pair read zeros, and O's zero columns are not stored.
 
 Launch: grid ``(ceil(rows / BLOCK_Q) · KV_SPLITS, H or Hkv (packed), B)`` (causal: block x
 takes the query tile counted from the end, longest first), ``THREADS`` threads,
@@ -57,6 +60,7 @@ from cherenkov.rewrites.plan import (
     AttentionProblem,
     FlashSchedule,
     flash_schedule_problems,
+    padded_head_dim,
 )
 
 LOG2E = 1.4426950408889634
@@ -239,6 +243,8 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr int SEQ_KV = {p.seq_kv};
         constexpr int HEAD_DIM = {p.head_dim};  // of q and k
         constexpr int VALUE_DIM = {p.v_dim};  // of v and o
+        constexpr int QK_COLUMNS = {padded_head_dim(p.head_dim)};  // a Q or K tile row: HEAD_DIM, zeros to a multiple of 16
+        constexpr int V_COLUMNS = {padded_head_dim(p.v_dim)};  // a V tile row and O's accumulators: VALUE_DIM, and zeros
         constexpr bool CAUSAL = {bool_literal(p.causal)};
         constexpr int WINDOW = {p.window};  // 0: none; else query i sees keys i - WINDOW < j (<= i + AHEAD)
         constexpr int AHEAD = {p.window_ahead};  // keys after the query a window without the causal mask sees
@@ -275,7 +281,7 @@ def _constants(plan: KernelPlan, tiling: FlashTiling) -> str:
         constexpr bool CUTS_BEHIND = WINDOW > 0 && WINDOW < SEQ_Q;  // the window hides keys behind the later queries
         static_assert(THREADS == 32 * WARPS && (WARP_KEYS ? ROWS_PER_WARP : ROWS_PER_WARP * WARPS) == BLOCK_Q,
                       "warps split the query tile (or, WARP_KEYS, each key tile)");
-        static_assert(HEAD_DIM == 16 * D_STEPS && VALUE_DIM == 8 * D_NTILES && ROW_HEADS * GROUP >= HEADS,
+        static_assert(QK_COLUMNS == 16 * D_STEPS && V_COLUMNS == 8 * D_NTILES && ROW_HEADS * GROUP >= HEADS,
                       "head dims and row spaces");
 
         // The query tile of a long-query block. The grid is (Q_TILES, HEADS, BATCH), issued x fastest;
@@ -369,6 +375,8 @@ def _layout_constants(layout: FlashLayout) -> str:
         constexpr u32 ROW_BYTES = {layout.row_bytes};
         constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks of a Q or K row
         constexpr int V_CHUNKS = {layout.value_chunks};  // 16-byte chunks of a V or O row
+        constexpr int QK_DATA_CHUNKS = {layout.data_chunks};  // of a Q or K row, read (the rest zero-filled)
+        constexpr int V_DATA_CHUNKS = {layout.value_data_chunks};  // of a V row read, of an O row stored
         constexpr u32 Q_SMEM = {layout.q_offset};
         constexpr u32 K_SMEM = {layout.k_offset(0)};  // K tile of stage s at K_SMEM + s * STAGE_BYTES
         constexpr u32 V_SMEM = {layout.v_offset(0)};  // V tile of stage s at V_SMEM + s * STAGE_BYTES
@@ -389,6 +397,8 @@ def _boxed_layout_constants(layout: FlashLayout) -> str:
         constexpr u32 ROW_BYTES = {layout.row_bytes};
         constexpr int CHUNKS_PER_ROW = {layout.chunks_per_row};  // 16-byte chunks of a Q or K row
         constexpr int V_CHUNKS = {layout.value_chunks};  // 16-byte chunks of a V or O row
+        constexpr int QK_DATA_CHUNKS = {layout.data_chunks};  // of a Q or K row, read (the rest zero-filled)
+        constexpr int V_DATA_CHUNKS = {layout.value_data_chunks};  // of a V row read, of an O row stored
         constexpr u32 BOX_ROW_BYTES = {layout.box_row_bytes};
         constexpr int KV_BOXES = {layout.kv_boxes};
         constexpr u32 KV_BOX_BYTES = {layout.kv_box_bytes};
@@ -833,7 +843,7 @@ def _store_output(pack_group: bool, lse: bool = False) -> str:
                 const int c = 32 * i + lane;
                 const int row = warp_row0 + c / V_CHUNKS;
                 const int chunk = c % V_CHUNKS;
-                if (!Q_TAIL || q0 + row < Q_ROWS) {
+                if ((!Q_TAIL || q0 + row < Q_ROWS) && chunk < V_DATA_CHUNKS) {  // O's zero columns stay behind
                     const uint4 value = ld_shared_v4(q_tile + smem_offset(row, chunk));
                     *reinterpret_cast<uint4*>(o_block + @ROW_OFFSET@ + 8 * chunk) = value;
                 }
@@ -1058,7 +1068,7 @@ def _load_query_rows() -> str:
                     const int row = c / CHUNKS_PER_ROW;
                     const int chunk = c % CHUNKS_PER_ROW;
                     const int packed = q0 + row;
-                    const bool in_range = packed < Q_ROWS;
+                    const bool in_range = packed < Q_ROWS && chunk < QK_DATA_CHUNKS;  // zeros past HEAD_DIM
                     const elem_t* src = q_space + size_t(packed % GROUP) * Q_HEAD_STRIDE
                                         + size_t(packed / GROUP) * Q_ROW_STRIDE + 8 * chunk;
                     if (TILE_CHUNKS % THREADS == 0 || c < TILE_CHUNKS) {
@@ -1077,10 +1087,10 @@ def _partial_states() -> str:
     return block(
         """
         // Partial states (key splits, warps that split the keys): a state's rows' O normalised by
-        // their own sums, BLOCK_Q rows of VALUE_DIM fp32, and their log2-sum-exps (row max *
+        // their own sums, BLOCK_Q rows of V_COLUMNS fp32, and their log2-sum-exps (row max *
         // SCALE_LOG2 + log2 of the row sum; -inf for a row that saw no key).
 
-        // This thread's rows of the state, into `o_rows` and `lse_rows` (row r at r * VALUE_DIM, r).
+        // This thread's rows of the state, into `o_rows` and `lse_rows` (row r at r * V_COLUMNS, r).
         __device__ __forceinline__ void store_partial(const RowState& state, float* o_rows, float* lse_rows,
                                                       int warp_row0, int lane) {
             float inv_sum[M_TILES][2];
@@ -1090,7 +1100,7 @@ def _partial_states() -> str:
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = warp_row0 + 16 * m + (lane >> 2) + 8 * h;
-                    float* o_row = o_rows + size_t(row) * VALUE_DIM + 2 * (lane & 3);
+                    float* o_row = o_rows + size_t(row) * V_COLUMNS + 2 * (lane & 3);
                     #pragma unroll
                     for (int d = 0; d < D_NTILES; ++d) {
                         *reinterpret_cast<float2*>(o_row + 8 * d) =
@@ -1105,7 +1115,7 @@ def _partial_states() -> str:
         }
 
         // Columns [8 chunk, 8 chunk + 8) of row `row` merged over COUNT states (state i's rows at
-        // o + i * BLOCK_Q * VALUE_DIM and lse + i * BLOCK_Q): out = sum_i 2^(lse_i - top) o_i /
+        // o + i * BLOCK_Q * V_COLUMNS and lse + i * BLOCK_Q): out = sum_i 2^(lse_i - top) o_i /
         // sum_i 2^(lse_i - top). Returns the merged log2-sum-exp. GLOBAL: the states are in global
         // memory, written by other blocks, so they are read past L1.
         template <int COUNT, bool GLOBAL>
@@ -1125,7 +1135,7 @@ def _partial_states() -> str:
             for (int i = 0; i < COUNT; ++i) {
                 const float state_lse = GLOBAL ? __ldcg(lse + i * BLOCK_Q + row) : lse[i * BLOCK_Q + row];
                 const float weight = state_lse == neg_inf() ? 0.0f : exp2f(state_lse - top);
-                const float4* part = reinterpret_cast<const float4*>(o + (size_t(i) * BLOCK_Q + row) * VALUE_DIM + 8 * chunk);
+                const float4* part = reinterpret_cast<const float4*>(o + (size_t(i) * BLOCK_Q + row) * V_COLUMNS + 8 * chunk);
                 const float4 lo = GLOBAL ? __ldcg(part) : part[0];
                 const float4 hi = GLOBAL ? __ldcg(part + 1) : part[1];
                 total += weight;
@@ -1156,11 +1166,11 @@ def _split_partials(lse: bool) -> str:
     text = block(
         """
         // Key splits. Workspace (fp32): the partial states of every split of every query tile,
-        // O [SPLIT_TILES][KV_SPLITS][BLOCK_Q][VALUE_DIM] and log2-sum-exps
+        // O [SPLIT_TILES][KV_SPLITS][BLOCK_Q][V_COLUMNS] and log2-sum-exps
         // [SPLIT_TILES][KV_SPLITS][BLOCK_Q], then one arrival counter (int) per query tile, zero
         // between launches.
         constexpr int SPLIT_TILES = BATCH * ROW_HEADS * Q_TILES;
-        constexpr size_t PARTIAL_O_FLOATS = size_t(SPLIT_TILES) * KV_SPLITS * BLOCK_Q * VALUE_DIM;
+        constexpr size_t PARTIAL_O_FLOATS = size_t(SPLIT_TILES) * KV_SPLITS * BLOCK_Q * V_COLUMNS;
         constexpr size_t PARTIAL_LSE_FLOATS = size_t(SPLIT_TILES) * KV_SPLITS * BLOCK_Q;
 
         // Whether this block is the last of its query tile's KV_SPLITS blocks to store its partial
@@ -1184,9 +1194,9 @@ def _split_partials(lse: bool) -> str:
         __device__ __forceinline__ void combine_splits(const float* tile_o, const float* tile_lse, elem_t* o_block,@LSE_PARAM@
                                                        int q0) {
             __threadfence();
-            for (int c = int(threadIdx.x); c < BLOCK_Q * V_CHUNKS; c += THREADS) {
-                const int row = c / V_CHUNKS;
-                const int chunk = c % V_CHUNKS;
+            for (int c = int(threadIdx.x); c < BLOCK_Q * V_DATA_CHUNKS; c += THREADS) {
+                const int row = c / V_DATA_CHUNKS;
+                const int chunk = c % V_DATA_CHUNKS;
                 if (!Q_TAIL || q0 + row < Q_ROWS) {
                     float out[8];
                     @MERGE@
@@ -1218,9 +1228,9 @@ _SPLIT_TILE_POINTERS = block(
     // Key splits: the block's partial state goes to its split's slice of the query tile's
     // workspace; the tile's last split to arrive combines them all.
     const int tile_id = (batch * ROW_HEADS + int(blockIdx.y)) * Q_TILES + q_tile;
-    float* tile_o = workspace + size_t(tile_id) * KV_SPLITS * BLOCK_Q * VALUE_DIM;
+    float* tile_o = workspace + size_t(tile_id) * KV_SPLITS * BLOCK_Q * V_COLUMNS;
     float* tile_lse = workspace + PARTIAL_O_FLOATS + size_t(tile_id) * KV_SPLITS * BLOCK_Q;
-    float* split_o = tile_o + size_t(split) * BLOCK_Q * VALUE_DIM;
+    float* split_o = tile_o + size_t(split) * BLOCK_Q * V_COLUMNS;
     float* split_lse = tile_lse + split * BLOCK_Q;
     int* counter = reinterpret_cast<int*>(workspace + PARTIAL_O_FLOATS + PARTIAL_LSE_FLOATS) + tile_id;
     """
@@ -1237,8 +1247,8 @@ def _warp_keys_epilogue(split: bool, lse: bool) -> str:
         result = block(
             """
             const float lse = merge_partials<WARPS, false>(merge, merge + MERGE_O_FLOATS, row, chunk, out);
-            *reinterpret_cast<float4*>(split_o + row * VALUE_DIM + 8 * chunk) = make_float4(out[0], out[1], out[2], out[3]);
-            *reinterpret_cast<float4*>(split_o + row * VALUE_DIM + 8 * chunk + 4) = make_float4(out[4], out[5], out[6], out[7]);
+            *reinterpret_cast<float4*>(split_o + row * V_COLUMNS + 8 * chunk) = make_float4(out[0], out[1], out[2], out[3]);
+            *reinterpret_cast<float4*>(split_o + row * V_COLUMNS + 8 * chunk + 4) = make_float4(out[4], out[5], out[6], out[7]);
             if (chunk == 0) {
                 split_lse[row] = lse;
             }
@@ -1257,11 +1267,11 @@ def _warp_keys_epilogue(split: bool, lse: bool) -> str:
         __syncthreads();
         float* merge = reinterpret_cast<float*>(smem_raw + (smem + K_SMEM - u32(__cvta_generic_to_shared(smem_raw))));
         const int warp = int(threadIdx.x) >> 5;
-        store_partial(state, merge + warp * BLOCK_Q * VALUE_DIM, merge + MERGE_O_FLOATS + warp * BLOCK_Q, 0, lane);
+        store_partial(state, merge + warp * BLOCK_Q * V_COLUMNS, merge + MERGE_O_FLOATS + warp * BLOCK_Q, 0, lane);
         __syncthreads();
-        for (int c = int(threadIdx.x); c < BLOCK_Q * V_CHUNKS; c += THREADS) {
-            const int row = c / V_CHUNKS;
-            const int chunk = c % V_CHUNKS;
+        for (int c = int(threadIdx.x); c < BLOCK_Q * V_DATA_CHUNKS; c += THREADS) {
+            const int row = c / V_DATA_CHUNKS;
+            const int chunk = c % V_DATA_CHUNKS;
             if (!Q_TAIL || q0 + row < Q_ROWS) {
                 float out[8];
                 @RESULT@
@@ -1283,8 +1293,8 @@ _WARP_MERGE = block(
     """
     // Warps that split the keys (WARP_KEYS) folded the same BLOCK_Q rows over their own keys of
     // every tile. Their partial states in shared memory (the ring's stages, from K_SMEM): O
-    // [WARPS][BLOCK_Q][VALUE_DIM] fp32, then the log2-sum-exps [WARPS][BLOCK_Q].
-    constexpr int MERGE_O_FLOATS = WARPS * BLOCK_Q * VALUE_DIM;
+    // [WARPS][BLOCK_Q][V_COLUMNS] fp32, then the log2-sum-exps [WARPS][BLOCK_Q].
+    constexpr int MERGE_O_FLOATS = WARPS * BLOCK_Q * V_COLUMNS;
     """
 )
 

@@ -1,10 +1,11 @@
 """The Hopper (sm_90a) flash-attention kernel family: TMA, wgmma, warp specialisation.
 
 ``o = softmax(scale · q kᵀ [causal mask]) v`` for q, k, v, o at their strides (bf16 or
-fp16, or e4m3 operands; head dims of q·k and of v multiples of 16 up to 256, GQA). A head
-dim that is not a whole number of 64-column TMA boxes (80, 96) reads its last box's columns
-past the end as zeros: ``Q Kᵀ`` skips their k steps, and O's columns from them are dropped
-(the o tensor map clips them, the register stores skip them).
+fp16, or e4m3 operands; head dims of q·k and of v multiples of 8 up to 256 at 16 bits, of 16
+at 8 bits, GQA). A head dim that is not a whole number of 64-column TMA boxes (40, 80, 96) reads
+its last box's columns past the end as zeros: ``Q Kᵀ`` skips their whole k steps (and reads the
+zeros of a step it ends inside: 40 columns take three 16-column steps), and O's columns from
+them are dropped (the o tensor map clips them, the register stores skip them).
 
 A work tile is ``BLOCK_Q = 64 · CONSUMERS`` query rows of one (batch, head); a block walks
 the tiles ``blockIdx.x, blockIdx.x + gridDim.x, …`` (one tile when the grid has a block per
@@ -227,7 +228,7 @@ def _constants(problem: AttentionProblem, schedule: HopperFlashSchedule, row_byt
         // {row_bytes}-byte TMA boxes across the head dims; a last box past a head dim's end reads zeros
         constexpr int QK_BOXES = (HEAD_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;
         constexpr int V_BOXES = (V_DIM + BOX_COLUMNS - 1) / BOX_COLUMNS;
-        constexpr int QK_STEPS = HEAD_DIM * ELEM_BYTES / 32, PV_STEPS = BLOCK_KV * ELEM_BYTES / 32;  // wgmma k steps
+        constexpr int QK_STEPS = (HEAD_DIM * ELEM_BYTES + 31) / 32, PV_STEPS = BLOCK_KV * ELEM_BYTES / 32;  // wgmma k steps
         constexpr int S_REGS = BLOCK_KV / 2;  // fp32 accumulators of S a thread
         constexpr bool ROW_SUMS_MMA = {bool_literal(s.row_sums_mma)};  // P V also sums P, against rows of ones
         constexpr int ONES_ROWS = {ONES_ROWS if s.row_sums_mma else 0};  // rows of ones after each transposed V tile

@@ -51,11 +51,13 @@ def _emit_load_kv_tile() -> str:
     return block(
         """
         // Copy K or V tile `tile` of one head (rows ROW_STRIDE elements apart, CHUNKS 16-byte chunks
-        // a row) into a stage buffer (no commit). kv_tile: the tile of the sequence it is.
-        template <int ROW_STRIDE, int CHUNKS>
+        // a row, DATA of them read, the rest zeros) into a stage buffer (no commit). kv_tile: the tile of
+        // the sequence it is.
+        template <int ROW_STRIDE, int CHUNKS, int DATA>
         __device__ __forceinline__ void load_kv_tile(u32 stage_tile, const elem_t* head, int tile) {
-            load_tile<BLOCK_KV, KV_TAIL, ROW_STRIDE, CHUNKS>(stage_tile, head + size_t(kv_tile(tile)) * BLOCK_KV * ROW_STRIDE,
-                                                             SEQ_KV - kv_tile(tile) * BLOCK_KV);
+            load_tile<BLOCK_KV, KV_TAIL, ROW_STRIDE, CHUNKS, DATA>(stage_tile,
+                                                                   head + size_t(kv_tile(tile)) * BLOCK_KV * ROW_STRIDE,
+                                                                   SEQ_KV - kv_tile(tile) * BLOCK_KV);
         }
         """
     )
@@ -87,7 +89,7 @@ class KvPipeline:
                 // Start copying K tile `tile` into stage `slot` as one cp.async group (empty past n_tiles).
                 __device__ __forceinline__ void issue_k(u32 smem, const elem_t* k_head, int tile, int slot, int n_tiles) {
                     if (tile < n_tiles) {
-                        load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                        load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW, QK_DATA_CHUNKS>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
                     }
                     cp_async_commit();
                 }
@@ -95,7 +97,7 @@ class KvPipeline:
                 // The same for V tile `tile`.
                 __device__ __forceinline__ void issue_v(u32 smem, const elem_t* v_head, int tile, int slot, int n_tiles) {
                     if (tile < n_tiles) {
-                        load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                        load_kv_tile<V_ROW_STRIDE, V_CHUNKS, V_DATA_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                     }
                     cp_async_commit();
                 }
@@ -107,8 +109,8 @@ class KvPipeline:
             __device__ __forceinline__ void issue_kv(u32 smem, const elem_t* k_head, const elem_t* v_head,
                                                      int tile, int slot, int n_tiles) {
                 if (tile < n_tiles) {
-                    load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
-                    load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                    load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW, QK_DATA_CHUNKS>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                    load_kv_tile<V_ROW_STRIDE, V_CHUNKS, V_DATA_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                 }
                 cp_async_commit();
             }
@@ -304,8 +306,8 @@ class MbarrierKvPipeline:
                         if (tile >= STAGES) {
                             mbar_wait(empty_barrier(slot), (tile / STAGES - 1) & 1);
                         }
-                        load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
-                        load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
+                        load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW, QK_DATA_CHUNKS>(smem + K_SMEM + u32(slot) * STAGE_BYTES, k_head, tile);
+                        load_kv_tile<V_ROW_STRIDE, V_CHUNKS, V_DATA_CHUNKS>(smem + V_SMEM + u32(slot) * STAGE_BYTES, v_head, tile);
                         cp_async_arrive(full_barrier(slot));
                     }
                 }
@@ -547,10 +549,10 @@ class UnitPipeline:
                                                        int u, int slot, int n_tiles) {
                 const u32 stage = smem + u32(slot) * STAGE_BYTES;
                 if (u < n_tiles) {
-                    load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW>(stage + K_SMEM, k_head, u);
+                    load_kv_tile<K_ROW_STRIDE, CHUNKS_PER_ROW, QK_DATA_CHUNKS>(stage + K_SMEM, k_head, u);
                 }
                 if (u >= 1 && u <= n_tiles) {
-                    load_kv_tile<V_ROW_STRIDE, V_CHUNKS>(stage + V_SMEM, v_head, u - 1);
+                    load_kv_tile<V_ROW_STRIDE, V_CHUNKS, V_DATA_CHUNKS>(stage + V_SMEM, v_head, u - 1);
                 }
                 cp_async_commit();
             }
