@@ -102,7 +102,6 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
     bands = _folded_constants(aten)
     pinned = unpin_unfolded(aten, pins, buffers)
     baked = bands | _constant_rng_state(aten)
-    restrided = _restrided_outputs(aten.graph)
     partitioner = CapabilityBasedPartitioner(aten, Lowerable(), allows_single_node_partition=False)
     partitions = partitioner.propose_partitions()
     # their ops stay ATen (a getitem's producer with it: the partitioner puts them together), and the regions
@@ -112,7 +111,7 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
         partitions = partitioner.propose_partitions()
     fused = partitioner.fuse_partitions(partitions)
     region_inputs = _region_inputs(fused)
-    compiled, region_values = [], set()
+    compiled, traced_strides = [], {}
     for node in list(fused.graph.nodes):
         if not _is_region(node):
             continue
@@ -133,9 +132,13 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
                         sum(n.op == "call_function" for n in region.graph.nodes), type(error).__name__, error)  # fmt: skip
             continue
         node.args = tuple(node.args[i] for i in kept)
-        region_values.update(_call_op(fused, node, function.op, returns_tuple=_returns_tuple(region)).values())
+        strides = _restrided_outputs(region.graph)
+        values = _call_op(fused, node, function.op, returns_tuple=_returns_tuple(region))
+        traced_strides.update((value, strides[index]) for index, value in values.items())
         compiled.append(function)
-    _keep_output_strides(fused, restrided, region_values)
+    calls = {n for n in fused.graph.nodes if n.op == "call_function" and n.target in {f.op for f in compiled}}
+    for value, stride in traced_strides.items():
+        _keep_traced_strides(fused, value, stride, calls)
     fused.graph.eliminate_dead_code()
     fused.delete_all_unused_submodules()
     fused.recompile()
@@ -319,22 +322,40 @@ def _restrided_outputs(graph: Any) -> list[tuple[int, ...] | None]:
     return strides
 
 
-def _keep_output_strides(fused: Any, strides: list[tuple[int, ...] | None], region_values: set[Any]) -> None:
-    """The graph's outputs that a region computes copied to the strides the trace gave them where
-    those are dense but not contiguous (:func:`_restrided_outputs`): a region returns contiguous
-    tensors, but the graph compiled apart from this one that reads them (AOTAutograd's backward
-    reads the forward's saved activations) was traced with the original strides, and inductor
-    checks its inputs' strides."""
+STRIDE_SENSITIVE_ATEN_OPS = frozenset({"_grouped_mm", "grouped_mm", "_scaled_grouped_mm", "as_strided"})
+"""ATen ops whose result (or whether they run) depends on their operands' strides, not only their values: the CUDA
+grouped GEMMs check a group's alignment for a row-major operand only (GPT-OSS's MoE backward asserted on a
+transposed activation made row-major), ``as_strided`` reads storage."""
+
+
+def _reads_strides(node: Any) -> bool:
+    """Whether ``node`` may act on its operands' strides: the graph's output (AOTAutograd compiles the backward apart
+    on the traced strides, and inductor checks them), an op of :data:`STRIDE_SENSITIVE_ATEN_OPS`, or an op from
+    outside ATen and prims (a library's custom op, opaque)."""
+    if node.op == "output":
+        return True
+    name = getattr(node.target, "name", None)
+    if node.op != "call_function" or not callable(name):
+        return False
+    namespace, _, op = name().partition("::")
+    return namespace not in ("aten", "prims") or op.split(".")[0] in STRIDE_SENSITIVE_ATEN_OPS
+
+
+def _keep_traced_strides(fused: Any, value: Any, stride: tuple[int, ...] | None, calls: set[Any]) -> None:
+    """A region's output ``value`` copied to the strides the trace gave it (``stride``, where those are dense but
+    not contiguous: :func:`_restrided_outputs`) for the readers that act on strides (:func:`_reads_strides`). A
+    region returns contiguous tensors; ATen's other ops compute the same values at any strides, and the regions'
+    calls (``calls``) read any strides, so they keep the contiguous tensor (a decode step's cache writes gain no
+    copy)."""
     import torch
 
-    (output,) = [n for n in fused.graph.nodes if n.op == "output"]
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    for value, stride in zip(values, strides):
-        if value not in region_values or stride is None:
-            continue
-        with fused.graph.inserting_after(value):
-            copy = fused.graph.call_function(torch.ops.prims.copy_strided.default, (value, list(stride)))
-        output.replace_input_with(value, copy)
+    readers = [user for user in value.users if user not in calls and _reads_strides(user)]
+    if stride is None or not readers:
+        return
+    with fused.graph.inserting_after(value):
+        copy = fused.graph.call_function(torch.ops.prims.copy_strided.default, (value, list(stride)))
+    for reader in readers:
+        reader.replace_input_with(value, copy)
 
 
 def _aten_graph(gm: Any, example_inputs: Sequence[Any]) -> Any:

@@ -954,6 +954,35 @@ def test_a_region_output_leaves_the_graph_at_the_strides_the_trace_gave_it():
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@torch.library.custom_op("cherenkov_tests::strides_of", mutates_args=())
+def _strides_of(x: torch.Tensor) -> torch.Tensor:
+    """An op no region lowers, whose result is its input's strides (as floats)."""
+    return torch.tensor(x.stride(), dtype=torch.float32)
+
+
+@_strides_of.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.dim(),), dtype=torch.float32)
+
+
+def test_an_aten_op_after_a_region_reads_its_output_at_the_strides_the_trace_gave_it():
+    """An op left to ATen that reads a region's transposed output sees the strides eager gives it (a region
+    returns contiguous tensors): the CUDA grouped GEMM of GPT-OSS's MoE backward checks its groups' alignment
+    only for a row-major operand, and a transposed activation made row-major failed with a device-side assert."""
+    from cherenkov.search.dynamo import compile_regions
+
+    def strides_after(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.cherenkov_tests.strides_of(torch.relu(x @ w).t())
+
+    x, w = torch.randn(8, 16), torch.randn(16, 32)
+    with recorded_splits() as splits:
+        compiled = torch.compile(strides_after, backend=lambda gm, xs: compile_regions(gm, xs, fallback="eager"),
+                                 dynamic=False)  # fmt: skip
+        got = compiled(x, w)
+    assert [len(split.compiled) for split in splits] == [1], "relu(x @ w) is a region"
+    assert got.tolist() == list(strides_after(x, w).tolist()) == [1.0, 32.0]
+
+
 def _cudnn_training_graphs(dropout_p: float = 0.0) -> tuple[Any, Any]:
     """The forward and backward ATen graphs AOTAutograd records for cuDNN's SDPA kernel under a mask
     (ModernBERT's on a GPU), built by hand with CPU values in their nodes' metadata: the forward returns
