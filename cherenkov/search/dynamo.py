@@ -136,7 +136,8 @@ def split_supported(gm: Any, example_inputs: Sequence[Any], cuda_graphs: bool = 
         values = _call_op(fused, node, function.op, returns_tuple=_returns_tuple(region))
         traced_strides.update((value, strides[index]) for index, value in values.items())
         compiled.append(function)
-    calls = {n for n in fused.graph.nodes if n.op == "call_function" and n.target in {f.op for f in compiled}}
+    ops = {function.op for function in compiled}
+    calls = {n for n in fused.graph.nodes if n.op == "call_function" and n.target in ops}
     for value, stride in traced_strides.items():
         _keep_traced_strides(fused, value, stride, calls)
     fused.graph.eliminate_dead_code()
